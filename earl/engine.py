@@ -1,0 +1,250 @@
+"""The engine interface agents talk to, and a simulated engine for tests and stress runs.
+
+An engine turns prompt token ids into generated token ids with their sampling log-probs and the
+policy version that produced each token. It knows nothing about chat templates, messages or tools:
+that is `earl.agents.rollout`. The real implementation is the vLLM rollout actor
+(`earl.runtime.rollout`); `SimEngine` here replaces the model with a scripted responder and a
+prefill/decode time model so thousands of agent sessions can run in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+__all__ = [
+    "ContextLengthError",
+    "Engine",
+    "Generation",
+    "Responder",
+    "SamplingParams",
+    "SimConfig",
+    "SimEngine",
+    "SimStatistics",
+]
+
+
+@dataclass(kw_only=True, slots=True)
+class SamplingParams:
+    """How to sample one assistant turn.
+
+    Args:
+        max_tokens: cap on generated tokens for this call (the per-turn cap).
+        temperature: softmax temperature; 0 means greedy.
+        top_p: nucleus sampling mass.
+        top_k: keep the k most likely tokens; -1 keeps all.
+        stop_token_ids: generation stops after emitting any of these (the token is kept).
+        seed: per-request seed; None lets the engine pick.
+    """
+
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(kw_only=True, slots=True)
+class Generation:
+    """One engine call's output.
+
+    Attributes:
+        token_ids: generated tokens, including the stop token when one was hit.
+        logprobs: sampling log-prob of each generated token.
+        versions: policy version that produced each generated token.
+        finish_reason: "stop" (stop token), "length" (max_tokens) or "abort".
+        prompt_tokens: length of the prompt the engine saw.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    prompt_tokens: int
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What an agent's rollout needs from a generator."""
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, *,
+                       session_id: str | None = None) -> Generation: ...
+
+    @property
+    def policy_version(self) -> int: ...
+
+
+class ContextLengthError(ValueError):
+    """The prompt plus `max_tokens` exceeds the engine's context length."""
+
+
+# A responder plays the model in SimEngine: (prompt_ids, rng) -> token ids it "wants" to emit.
+Responder = Callable[[list[int], random.Random], list[int]]
+
+
+@dataclass(kw_only=True, slots=True)
+class SimConfig:
+    """Time model and limits of the simulated engine.
+
+    A call takes `overhead_s + prefill_s_per_token * uncached_prompt + decode_s_per_token * n_out`
+    (scaled by `time_scale`). With `prefix_cache`, prompt tokens already seen for the same
+    `session_id` are free, as with a real engine's prefix cache.
+    """
+
+    prefill_s_per_token: float = 2e-5
+    decode_s_per_token: float = 1e-3
+    overhead_s: float = 1e-3
+    time_scale: float = 1.0
+    max_model_len: int = 32768
+    vocab_size: int = 256
+    prefix_cache: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_s_per_token", "decode_s_per_token", "overhead_s", "time_scale"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"SimConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.vocab_size < 2:
+            raise ValueError(f"SimConfig.vocab_size must be >= 2, got {self.vocab_size}")
+
+
+@dataclass(frozen=True, slots=True)
+class SimStatistics:
+    """Counters of a SimEngine: calls, tokens, simulated busy time and idle (bubble) time."""
+
+    calls: int
+    prompt_tokens: int
+    generated_tokens: int
+    simulated_s: float
+    busy_s: float
+    idle_s: float
+    in_flight: int
+
+    @property
+    def idle_fraction(self) -> float:
+        total = self.busy_s + self.idle_s
+        return self.idle_s / total if total > 0 else 0.0
+
+
+class SimEngine:
+    """A deterministic stand-in for a model server.
+
+    Tokens come from `responder(prompt_ids, rng)` (default: random tokens); the rng is seeded from
+    (config.seed, session_id, prompt length) or `params.seed`, so a session replays identically
+    however calls interleave. Log-probs are those of a uniform distribution over the vocabulary.
+
+    Example:
+        >>> engine = SimEngine(SimConfig(time_scale=0.0))
+        >>> gen = asyncio.run(engine.generate([1, 2, 3], SamplingParams(max_tokens=4)))
+        >>> len(gen.token_ids) <= 4
+        True
+    """
+
+    def __init__(self, config: SimConfig | None = None, responder: Responder | None = None) -> None:
+        self.config = config or SimConfig()
+        self._responder = responder
+        self._version = 0
+        self._cached: dict[str, int] = {}
+        self._calls = self._prompt_tokens = self._gen_tokens = 0
+        self._simulated = 0.0
+        self._in_flight = 0
+        self._busy = self._idle = 0.0
+        self._last = time.perf_counter()
+        self._logprob = -math.log(self.config.vocab_size)
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def set_policy_version(self, version: int) -> None:
+        """Pretend new weights arrived: later tokens carry `version`."""
+        self._version = version
+
+    def forget_session(self, session_id: str) -> None:
+        """Drop the prefix-cache entry of a finished session."""
+        self._cached.pop(session_id, None)
+
+    def _tick(self, delta: int) -> None:
+        now = time.perf_counter()
+        if self._in_flight:
+            self._busy += now - self._last
+        else:
+            self._idle += now - self._last
+        self._last = now
+        self._in_flight += delta
+
+    def statistics(self) -> SimStatistics:
+        self._tick(0)
+        return SimStatistics(calls=self._calls, prompt_tokens=self._prompt_tokens,
+                             generated_tokens=self._gen_tokens, simulated_s=self._simulated,
+                             busy_s=self._busy, idle_s=self._idle, in_flight=self._in_flight)
+
+    def _rng(self, n_prompt: int, params: SamplingParams, session_id: str | None) -> random.Random:
+        if params.seed is not None:
+            return random.Random(params.seed)
+        key = f"{self.config.seed}/{session_id}/{n_prompt}".encode()
+        return random.Random(zlib.crc32(key))
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, *,
+                       session_id: str | None = None) -> Generation:
+        cfg = self.config
+        n_prompt = len(prompt_ids)
+        if n_prompt + params.max_tokens > cfg.max_model_len:
+            raise ContextLengthError(
+                f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len={cfg.max_model_len}; lower max_tokens or cap the trajectory")
+        rng = self._rng(n_prompt, params, session_id)
+        if self._responder is not None:
+            wanted = self._responder(prompt_ids, rng)
+        else:
+            stop = params.stop_token_ids
+            wanted = [rng.randrange(cfg.vocab_size) for _ in range(rng.randint(1, params.max_tokens))]
+            if stop:
+                wanted.append(stop[0])
+        out, finish = wanted, "length"
+        stops = params.stop_token_ids
+        for i, tok in enumerate(wanted):
+            if i >= params.max_tokens:
+                out = wanted[:i]
+                break
+            if tok in stops:
+                out, finish = wanted[: i + 1], "stop"
+                break
+        else:
+            out = wanted[: params.max_tokens]
+            if len(out) < params.max_tokens and self._responder is not None:
+                finish = "stop"  # the responder chose to end without a stop token
+        cached = self._cached.get(session_id, 0) if (cfg.prefix_cache and session_id) else 0
+        uncached = max(0, n_prompt - cached)
+        delay = (cfg.overhead_s + cfg.prefill_s_per_token * uncached
+                 + cfg.decode_s_per_token * len(out)) * cfg.time_scale
+        version = self._version
+        self._tick(+1)
+        try:
+            await asyncio.sleep(delay)
+        finally:
+            self._tick(-1)
+        if session_id is not None and cfg.prefix_cache:
+            self._cached[session_id] = n_prompt + len(out)
+        self._calls += 1
+        self._prompt_tokens += n_prompt
+        self._gen_tokens += len(out)
+        self._simulated += delay
+        n = len(out)
+        return Generation(token_ids=list(out), logprobs=[self._logprob] * n, versions=[version] * n,
+                          finish_reason=finish, prompt_tokens=n_prompt)
