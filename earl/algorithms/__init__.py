@@ -1,0 +1,32 @@
+"""RL algorithms as pure tensor functions: advantages, PPO losses, KL, entropy, off-policy fixes.
+
+Nothing here touches a model, a process or a file; the trainer and the pipeline compose these.
+"""
+
+from earl.algorithms.advantages import (
+    broadcast_to_tokens as broadcast_to_tokens,
+    discounted_returns as discounted_returns,
+    grpo_advantages as grpo_advantages,
+    per_turn_advantages as per_turn_advantages,
+    turn_token_values as turn_token_values,
+)
+from earl.algorithms.aggregation import (
+    AGG_MODES as AGG_MODES,
+    aggregate as aggregate,
+    aggregation_denominator as aggregation_denominator,
+)
+from earl.algorithms.entropy import entropy_from_logits as entropy_from_logits
+from earl.algorithms.kl import kl_estimate as kl_estimate, kl_penalty_rewards as kl_penalty_rewards
+from earl.algorithms.losses import ppo_clip_loss as ppo_clip_loss, vanilla_pg_loss as vanilla_pg_loss
+from earl.algorithms.objective import LossConfig as LossConfig, policy_objective as policy_objective
+from earl.algorithms.offpolicy import (
+    decoupled_ppo_loss as decoupled_ppo_loss,
+    truncated_is_weights as truncated_is_weights,
+)
+
+__all__ = [
+    "AGG_MODES", "LossConfig", "aggregate", "aggregation_denominator", "broadcast_to_tokens",
+    "decoupled_ppo_loss", "discounted_returns", "entropy_from_logits", "grpo_advantages",
+    "kl_estimate", "kl_penalty_rewards", "per_turn_advantages", "policy_objective",
+    "ppo_clip_loss", "truncated_is_weights", "turn_token_values", "vanilla_pg_loss",
+]

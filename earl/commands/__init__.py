@@ -1,0 +1,1 @@
+"""Subcommands of the `earl` CLI, one module each."""
