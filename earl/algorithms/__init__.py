@@ -5,22 +5,39 @@ Nothing here touches a model, a process or a file; the trainer and the pipeline 
 
 from earl.algorithms.advantages import (
     broadcast_to_tokens as broadcast_to_tokens,
+)
+from earl.algorithms.advantages import (
     discounted_returns as discounted_returns,
+)
+from earl.algorithms.advantages import (
     grpo_advantages as grpo_advantages,
+)
+from earl.algorithms.advantages import (
     per_turn_advantages as per_turn_advantages,
+)
+from earl.algorithms.advantages import (
     turn_token_values as turn_token_values,
 )
 from earl.algorithms.aggregation import (
     AGG_MODES as AGG_MODES,
+)
+from earl.algorithms.aggregation import (
     aggregate as aggregate,
+)
+from earl.algorithms.aggregation import (
     aggregation_denominator as aggregation_denominator,
 )
 from earl.algorithms.entropy import entropy_from_logits as entropy_from_logits
-from earl.algorithms.kl import kl_estimate as kl_estimate, kl_penalty_rewards as kl_penalty_rewards
-from earl.algorithms.losses import ppo_clip_loss as ppo_clip_loss, vanilla_pg_loss as vanilla_pg_loss
-from earl.algorithms.objective import LossConfig as LossConfig, policy_objective as policy_objective
+from earl.algorithms.kl import kl_estimate as kl_estimate
+from earl.algorithms.kl import kl_penalty_rewards as kl_penalty_rewards
+from earl.algorithms.losses import ppo_clip_loss as ppo_clip_loss
+from earl.algorithms.losses import vanilla_pg_loss as vanilla_pg_loss
+from earl.algorithms.objective import LossConfig as LossConfig
+from earl.algorithms.objective import policy_objective as policy_objective
 from earl.algorithms.offpolicy import (
     decoupled_ppo_loss as decoupled_ppo_loss,
+)
+from earl.algorithms.offpolicy import (
     truncated_is_weights as truncated_is_weights,
 )
 

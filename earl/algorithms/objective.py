@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
 from torch import Tensor
 
 from earl.algorithms.aggregation import AGG_MODES, AggMode, aggregate
