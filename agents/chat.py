@@ -1,0 +1,151 @@
+"""Token-exact multi-turn encoding with a Hugging Face tokenizer's chat template.
+
+The first prompt is rendered by `apply_chat_template`. After that, earlier tokens are never
+re-tokenized: each new batch of messages (tool results, observations) is encoded as the *delta*
+the template adds after an assistant turn, so the prompt of turn k+1 is exactly the tokens of
+turn k (sampled tokens included) plus the new tokens. The delta is found by rendering a dummy
+conversation with and without the new messages; its frame (the text around each message's
+content) is cached per message-role pattern after checking it against a real render, so the
+template runs only on the first turns. This module does not talk to engines or tools.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+__all__ = ["ChatCodec", "Message"]
+
+Message = dict[str, object]
+_BASE: list[Message] = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
+_CHECKS = 2  # real renders compared against the cached frame before trusting it
+
+
+class _Tokenizer(Protocol):  # the part of PreTrainedTokenizerFast we use
+    eos_token: str
+    eos_token_id: int
+
+    def apply_chat_template(self, conversation: list[Message], **kw: object) -> object: ...
+    def convert_tokens_to_ids(self, token: str) -> int: ...
+
+
+class ChatCodec:
+    """Encodes chat messages to token ids incrementally and decodes generations.
+
+    Args:
+        tokenizer: a `PreTrainedTokenizerFast` with a chat template.
+        end_token: the token that closes an assistant turn (default: the tokenizer's eos).
+
+    Example:
+        >>> codec = ChatCodec(tokenizer)
+        >>> ids = codec.encode_prompt([{"role": "user", "content": "hi"}])
+        >>> ids += generated + codec.encode_continuation([{"role": "user", "content": "more"}])
+    """
+
+    def __init__(self, tokenizer: _Tokenizer, end_token: str | None = None) -> None:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("tokenizer has no chat_template; load one with a ChatML template "
+                             "(e.g. earl.models.tiny.default_model_dir())")
+        self.tokenizer = tokenizer
+        self.end_token = end_token or tokenizer.eos_token
+        self.end_id = int(tokenizer.convert_tokens_to_ids(self.end_token))
+        self._fast = getattr(tokenizer, "_tokenizer", None)  # the Rust tokenizer, skips wrappers
+        stops = {self.end_id}
+        if tokenizer.eos_token_id is not None:
+            stops.add(int(tokenizer.eos_token_id))
+        self.stop_ids = sorted(stops)
+        self._frames: dict[tuple[object, ...], list[str] | None] = {}
+        self._checked: dict[tuple[object, ...], int] = {}
+
+    # -- text <-> ids -------------------------------------------------------------------------
+    def encode_text(self, text: str) -> list[int]:
+        if self._fast is not None:
+            return self._fast.encode(text, add_special_tokens=False).ids
+        return list(self.tokenizer.encode(text, add_special_tokens=False))  # type: ignore[attr-defined]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self._fast is not None:
+            return self._fast.decode(list(ids), skip_special_tokens=False)
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))  # type: ignore[attr-defined]
+
+    def render(self, messages: list[Message], tools: list[dict[str, object]] | None = None,
+               add_generation_prompt: bool = True) -> str:
+        return str(self.tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
+            tokenize=False))
+
+    # -- prompts ------------------------------------------------------------------------------
+    def encode_prompt(self, messages: list[Message],
+                      tools: list[dict[str, object]] | None = None) -> list[int]:
+        """Token ids of the first prompt, ending with the assistant generation header."""
+        if not messages:
+            raise ValueError("messages is empty; give at least one user message")
+        return self.encode_text(self.render(messages, tools))
+
+    def continuation_text(self, new_messages: list[Message]) -> str:
+        """Text the template puts after an assistant turn's end token, for `new_messages`."""
+        key = _frame_key(new_messages)
+        frame = self._frames.get(key) if key is not None else None
+        if frame is not None:
+            parts = [frame[0]]
+            for m, tail in zip(new_messages, frame[1:], strict=True):
+                parts.append(str(m.get("content") or ""))
+                parts.append(tail)
+            text = "".join(parts)
+            n = self._checked.get(key, 0)  # type: ignore[arg-type]
+            if n >= _CHECKS:
+                return text
+            exact = self._delta(new_messages)
+            if exact == text:
+                self._checked[key] = n + 1  # type: ignore[index]
+            else:
+                self._frames[key] = None  # type: ignore[index]  # template transforms content
+            return exact
+        exact = self._delta(new_messages)
+        if key is not None and key not in self._frames:
+            self._frames[key] = self._make_frame(new_messages)
+        return exact
+
+    def encode_continuation(self, new_messages: list[Message]) -> list[int]:
+        """Token ids to append after a closed assistant turn: the messages + generation header."""
+        return self.encode_text(self.continuation_text(new_messages))
+
+    def _delta(self, new_messages: list[Message]) -> str:
+        before = self.render(_BASE, add_generation_prompt=False)
+        cut = before.rfind(self.end_token)
+        if cut < 0:
+            raise ValueError(f"the chat template does not close assistant turns with "
+                             f"{self.end_token!r}; pass ChatCodec(end_token=...)")
+        prefix = before[: cut + len(self.end_token)]
+        full = self.render(_BASE + list(new_messages))
+        if not full.startswith(prefix):
+            raise ValueError("the chat template renders earlier turns differently once new "
+                             "messages follow; token-exact multi-turn needs an append-only template")
+        return full[len(prefix):]
+
+    def _make_frame(self, new_messages: list[Message]) -> list[str] | None:
+        marks = [f"\x1eEARL{i}\x1e" for i in range(len(new_messages))]
+        dummy = [dict(m, content=mark) for m, mark in zip(new_messages, marks, strict=True)]
+        text = self._delta(dummy)
+        frame: list[str] = []
+        for mark in marks:
+            head, sep, text = text.partition(mark)
+            if not sep:
+                return None
+            frame.append(head)
+        frame.append(text)
+        return frame
+
+
+def _frame_key(messages: list[Message]) -> tuple[object, ...] | None:
+    key: list[object] = []
+    for m in messages:
+        if not isinstance(m.get("content", ""), str):
+            return None
+        extra = tuple(sorted((k, v) for k, v in m.items() if k != "content"))
+        try:
+            hash(extra)
+        except TypeError:
+            return None
+        key.append(extra)
+    return tuple(key)
