@@ -1,0 +1,187 @@
+"""torch.distributed point-to-point transport: gloo for CPU tensors, NCCL for CUDA tensors.
+
+Each receiver hosts a TCPStore; one sender joins it to form a private 2-rank process group (no
+global `init_process_group`, so it coexists with a trainer's own groups). A frame is a fixed-size
+int64 meta tensor (header length, buffer sizes) followed by the header and each buffer.
+
+For ``nccl`` the payload travels as CUDA tensors: the receiver's `Frame.buffers` is empty and
+`Frame.tensors` (see `TorchFrame`) holds one uint8 CUDA tensor per buffer.
+
+Not here: collectives inside a TP group (the dispatcher's replication uses the trainer's group).
+One sender per receiver: open one receiver per producer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import threading
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from earl.runtime.transport.base import Buffer, Frame, TransportError, as_bytes_view
+
+_META = 1024  # int64 slots: [header_len, n, sizes...]
+_TIMEOUT = datetime.timedelta(seconds=120)
+
+
+@dataclass(slots=True)
+class TorchFrame(Frame):
+    tensors: list[torch.Tensor] = field(default_factory=list)
+
+
+def _group(store: dist.Store, rank: int, backend: str) -> dist.ProcessGroup:
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, 2, _TIMEOUT)
+    opts = dist.ProcessGroupNCCL.Options()
+    return dist.ProcessGroupNCCL(store, rank, 2, opts)
+
+
+class TorchDistSender:
+    def __init__(self, address: str, *, backend: str = "gloo") -> None:
+        scheme = f"{backend}://"
+        if not address.startswith(scheme):
+            raise ValueError(f"address {address!r} is not a {scheme} address")
+        host, port = address[len(scheme) :].rsplit(":", 1)
+        self._backend = backend
+        self._store = dist.TCPStore(host, int(port), is_master=False, timeout=_TIMEOUT)
+        if self._store.add("senders", 1) != 1:
+            raise ValueError(f"{address} already has a sender; {backend} channels are 1:1")
+        self._pg = _group(self._store, 1, backend)
+        self._meta = torch.zeros(_META, dtype=torch.int64)
+
+    def send(self, header: bytes, buffers: Sequence[Buffer | torch.Tensor]) -> None:
+        tensors = [_as_u8_tensor(b) for b in buffers]
+        if len(tensors) > _META - 2:
+            raise ValueError(f"{self._backend} frames carry at most {_META - 2} buffers")
+        self._meta.zero_()
+        self._meta[0], self._meta[1] = len(header), len(tensors)
+        for i, t in enumerate(tensors):
+            self._meta[2 + i] = t.numel()
+        msgs = [self._meta]
+        if header:
+            msgs.append(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+        msgs += [t for t in tensors if t.numel()]
+        try:
+            for m in msgs:
+                if self._backend == "nccl":
+                    m = m.cuda()
+                self._pg.send([m], 0, 0).wait()  # the receiver is rank 0
+        except RuntimeError as e:
+            raise TransportError(f"{self._backend} send failed: {e}") from e
+
+    def close(self) -> None:
+        self._pg = None  # type: ignore[assignment]
+
+
+def _as_u8_tensor(b: Buffer | torch.Tensor) -> torch.Tensor:
+    if isinstance(b, torch.Tensor):
+        return b.contiguous().view(torch.uint8).reshape(-1)
+    v = as_bytes_view(b)
+    if v.nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(v, dtype=torch.uint8)
+
+
+class TorchDistReceiver:
+    def __init__(self, *, backend: str = "gloo") -> None:
+        self._backend = backend
+        self._host = socket.gethostname()
+        self._store = dist.TCPStore(
+            self._host, 0, is_master=True, wait_for_workers=False, timeout=_TIMEOUT
+        )
+        self._pg: dist.ProcessGroup | None = None
+        self._meta = torch.zeros(_META, dtype=torch.int64)
+        self._meta_work: dist.Work | None = None
+        self._pool: dict[int, list[np.ndarray]] = defaultdict(list)
+        self._lock = threading.Lock()
+
+    @property
+    def address(self) -> str:
+        return f"{self._backend}://{self._host}:{self._store.port}"
+
+    def recv(self, timeout: float | None = None) -> Frame:
+        wait = _TIMEOUT if timeout is None else datetime.timedelta(seconds=timeout)
+        if self._pg is None:
+            try:
+                self._store.wait(["senders"], wait)
+            except RuntimeError as e:  # torch raises DistStoreError (a RuntimeError)
+                raise TimeoutError(f"no sender within {timeout} s") from e
+            self._pg = _group(self._store, 0, self._backend)
+        meta = self._meta.cuda() if self._backend == "nccl" else self._meta
+        if self._meta_work is None:
+            self._meta_work = self._pg.recv([meta], 1, 0)
+        try:
+            self._meta_work.wait(wait)
+        except RuntimeError as e:
+            if "imeout" in str(e) or "imed out" in str(e):
+                raise TimeoutError(f"no frame within {timeout} s") from e
+            raise TransportError(f"{self._backend} receive failed: {e}") from e
+        self._meta_work = None
+        m = meta.cpu().tolist()
+        hlen, sizes = m[0], m[2 : 2 + m[1]]
+        header = torch.empty(hlen, dtype=torch.uint8)
+        try:
+            if hlen:
+                self._recv(header)
+            if self._backend == "nccl":
+                tensors = [torch.empty(s, dtype=torch.uint8, device="cuda") for s in sizes]
+                for t in tensors:
+                    if t.numel():
+                        self._recv(t)
+                return TorchFrame(header=header.numpy().tobytes(), buffers=[], tensors=tensors)
+            total = sum(sizes)
+            buf = self._take(total)
+            views, off = [], 0
+            for s in sizes:
+                if s:
+                    self._recv(torch.from_numpy(buf[off : off + s]))
+                views.append(memoryview(buf[off : off + s]))
+                off += s
+        except RuntimeError as e:
+            raise TransportError(f"{self._backend} receive failed: {e}") from e
+
+        def release() -> None:
+            with self._lock:
+                self._pool[total].append(buf)
+
+        return Frame(header=header.numpy().tobytes(), buffers=views, _on_release=release)
+
+    def _recv(self, t: torch.Tensor) -> None:
+        assert self._pg is not None
+        self._pg.recv([t], 1, 0).wait()
+
+    def _take(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            free = self._pool.get(nbytes)
+            if free:
+                return free.pop()
+        return np.empty(nbytes, np.uint8)
+
+    def close(self) -> None:
+        self._pg = None
+        self._pool.clear()
+
+
+class GlooTransport:
+    name = "gloo"
+
+    def listen(self) -> TorchDistReceiver:
+        return TorchDistReceiver(backend="gloo")
+
+    def connect(self, address: str) -> TorchDistSender:
+        return TorchDistSender(address, backend="gloo")
+
+
+class NcclTransport:
+    name = "nccl"
+
+    def listen(self) -> TorchDistReceiver:
+        return TorchDistReceiver(backend="nccl")
+
+    def connect(self, address: str) -> TorchDistSender:
+        return TorchDistSender(address, backend="nccl")
