@@ -1,13 +1,15 @@
-"""A tiny Qwen2 model with a char-level ChatML tokenizer, built offline from a seed.
+"""A tiny Qwen2 model with a byte/char-level ChatML tokenizer, built offline from a seed.
 
 This module writes a normal Hugging Face folder (config.json, model.safetensors,
 generation_config.json, tokenizer.json, tokenizer_config.json) that both transformers and
 vLLM load. It is the default model for tests and quick runs: random weights, so it learns
 only what RL teaches it. It is not a pretrained model (see `earl.models.smollm2`).
 
-Vocabulary: the special tokens below (ids 0-6), then printable ASCII and newline (one token
-per character), then reserved special tokens that pad the vocabulary to `vocab_size`. Any
-other character is normalized to "?" (tab to a space).
+Vocabulary: the special tokens below (ids 0-6), then the 256 bytes (so every ASCII character,
+newline included, is one token and nothing is ever unknown), then reserved special tokens that
+pad the vocabulary to `vocab_size`. The chat template is ChatML; `tools` are rendered
+Qwen/Hermes-style and assistant tool calls as `<tool_call>{"name": .., "arguments": ..}</tool_call>`,
+tool results as `<tool_response>..</tool_response>` inside a user turn.
 
 Example:
     >>> from earl.models.tiny import default_model_dir
@@ -23,6 +25,11 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+    from transformers import TokenizersBackend
 
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -35,48 +42,70 @@ SPECIAL_TOKENS = (
 )
 # Tool-call markers must survive `decode(skip_special_tokens=True)` so parsers can see them.
 _NOT_SPECIAL = {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"}
-CHARS = tuple(chr(c) for c in range(32, 127)) + ("\n",)
 PAD_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_end|>"
-_BUILD_VERSION = 1  # bump when the folder layout or template changes: invalidates caches
+# Same pre-tokenizer as transformers' Qwen2Tokenizer, which AutoTokenizer (and so vLLM) forces
+# for model_type "qwen2" whatever tokenizer.json says: both loaders then agree on every id.
+_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+_BUILD_VERSION = 2  # bump when the folder layout or template changes: invalidates caches
 
+
+def _byte_symbols() -> list[str]:
+    """GPT-2's byte -> printable unicode map, in byte order (space -> "Ġ", newline -> "Ċ")."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return [out[b] for b in range(256)]
+
+
+BYTES = tuple(_byte_symbols())
+
+# transformers renders with trim_blocks: a newline right after a `%}` is eaten, hence {{ NL }}.
 CHAT_TEMPLATE = (
-    "{%- if tools %}"
+    "{% set NL = '\\n' %}"
+    "{% if tools %}"
     "<|im_start|>system\n"
-    "{%- if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}{{ NL }}{{ NL }}{% endif %}"
     "# Tools\n\nYou may call one or more functions. Function signatures are within "
     "<tools></tools> XML tags:\n<tools>"
-    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools>\n\n"
+    "{% for tool in tools %}{{ NL }}{{ tool | tojson }}{% endfor %}{{ NL }}</tools>\n\n"
     "For each function call, return a json object with function name and arguments within "
     "<tool_call></tool_call> tags:\n<tool_call>{\"name\": <function-name>, \"arguments\": "
     "<args-json-object>}</tool_call><|im_end|>\n"
-    "{%- elif messages and messages[0].role == 'system' %}"
-    "<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'system' and loop.first %}"
-    "{%- elif message.role == 'assistant' %}"
+    "{% elif messages and messages[0].role == 'system' %}"
+    "<|im_start|>system\n{{ messages[0].content }}<|im_end|>{{ NL }}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'system' and loop.first %}"
+    "{% elif message.role == 'assistant' %}"
     "<|im_start|>assistant\n"
-    "{%- if message.content %}{{ message.content }}{% endif %}"
-    "{%- if message.tool_calls %}"
-    "{%- for tool_call in message.tool_calls %}"
-    "{%- if (loop.first and message.content) or not loop.first %}\n{% endif %}"
-    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{% if message.content %}{{ message.content }}{% endif %}"
+    "{% if message.tool_calls %}"
+    "{% for tool_call in message.tool_calls %}"
+    "{% if (loop.first and message.content) or not loop.first %}{{ NL }}{% endif %}"
+    "{% if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}"
     "<tool_call>{\"name\": \"{{ tool_call.name }}\", \"arguments\": "
-    "{%- if tool_call.arguments is string %} {{ tool_call.arguments }}"
-    "{%- else %} {{ tool_call.arguments | tojson }}{%- endif %}}</tool_call>"
-    "{%- endfor %}"
-    "{%- endif %}"
-    "<|im_end|>\n"
-    "{%- elif message.role == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user"
-    "{%- endif %}"
-    "\n<tool_response>{{ message.content }}</tool_response>"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{%- endif %}"
-    "{%- else %}"
-    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+    "{% if tool_call.arguments is string %}{{ tool_call.arguments }}"
+    "{% else %}{{ tool_call.arguments | tojson }}{% endif %}}</tool_call>"
+    "{% endfor %}"
+    "{% endif %}"
+    "<|im_end|>{{ NL }}"
+    "{% elif message.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ NL }}<tool_response>{{ message.content }}</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>{{ NL }}{% endif %}"
+    "{% else %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>{{ NL }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 
@@ -90,13 +119,13 @@ class TinyConfig:
     heads: int = 4
     kv_heads: int = 2
     intermediate: int = 384
-    vocab_size: int = 128
+    vocab_size: int = 320
     max_positions: int = 4096
     init_std: float = 0.02
     tie_embeddings: bool = True
 
     def validate(self) -> None:
-        n_min = len(SPECIAL_TOKENS) + len(CHARS)
+        n_min = len(SPECIAL_TOKENS) + len(BYTES)
         if self.vocab_size < n_min:
             raise ValueError(f"vocab_size={self.vocab_size} < {n_min}: raise vocab_size")
         if self.hidden % self.heads:
@@ -108,57 +137,75 @@ class TinyConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
-def vocabulary(vocab_size: int = 128) -> list[str]:
-    """Token strings in id order: specials, characters, then reserved padding tokens."""
-    base = list(SPECIAL_TOKENS) + list(CHARS)
+def vocabulary(vocab_size: int = 320) -> list[str]:
+    """Token strings in id order: specials, the 256 byte symbols, reserved padding tokens."""
+    base = list(SPECIAL_TOKENS) + list(BYTES)
     return base + [f"<|reserved_{i}|>" for i in range(vocab_size - len(base))]
 
 
-def build_tokenizer(vocab_size: int = 128, model_max_length: int = 4096):  # noqa: ANN201
-    """Return the char-level `PreTrainedTokenizerFast` (built in memory, no files read)."""
+def _added_tokens(vocab_size: int) -> list[tuple[int, str, bool]]:
+    """(id, content, special) for every non-byte token."""
+    return [(i, t, t not in _NOT_SPECIAL)
+            for i, t in enumerate(vocabulary(vocab_size)) if i >= len(SPECIAL_TOKENS) + 256 or i < len(SPECIAL_TOKENS)]
+
+
+def _raw_tokenizer(vocab_size: int) -> Tokenizer:
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import pre_tokenizers as pre
 
     vocab = vocabulary(vocab_size)
-    # BPE without merges = one token per character; specials are matched before the model.
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(vocab)}, merges=[]))
-    tok.normalizer = normalizers.Sequence(
-        [normalizers.Replace("\t", " "), normalizers.Replace(Regex("[^\\x20-\\x7e\\n]"), "?")]
-    )
-    tok.decoder = decoders.Fuse()
-    specials = [t for t in vocab if t not in CHARS]
-    tok.add_special_tokens(
-        [AddedToken(t, special=t not in _NOT_SPECIAL, normalized=False) for t in specials]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
+    # BPE without merges over byte symbols = one token per byte (per ASCII character).
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(vocab)}, merges=[],
+                               unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre.Sequence([
+        pre.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=sp, normalized=False)
+                            for _, t, sp in _added_tokens(vocab_size)])
+    return tok
+
+
+def _tokenizer_config(vocab_size: int, model_max_length: int) -> dict[str, object]:
+    return {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "added_tokens_decoder": {
+            str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                     "single_word": False, "special": sp}
+            for i, t, sp in _added_tokens(vocab_size)
+        },
+        "bos_token": None,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "unk_token": None,
+        "add_prefix_space": False,
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def build_tokenizer(vocab_size: int = 320, model_max_length: int = 4096) -> TokenizersBackend:
+    """Return the tokenizer in memory, as `AutoTokenizer.from_pretrained` would load it."""
+    from transformers import TokenizersBackend
+
+    cfg = _tokenizer_config(vocab_size, model_max_length)
+    return TokenizersBackend(
+        tokenizer_object=_raw_tokenizer(vocab_size),
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         model_max_length=model_max_length,
         chat_template=CHAT_TEMPLATE,
         clean_up_tokenization_spaces=False,
+        **{k: v for k, v in cfg.items() if k == "add_prefix_space"},
     )
 
 
 def _write_tokenizer(out: Path, cfg: TinyConfig) -> None:
-    tok = build_tokenizer(cfg.vocab_size, cfg.max_positions)
-    tok._tokenizer.save(str(out / "tokenizer.json"))
-    added = {
-        str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                 "single_word": False, "special": t not in _NOT_SPECIAL}
-        for i, t in enumerate(vocabulary(cfg.vocab_size)) if t not in CHARS
-    }
-    tcfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "added_tokens_decoder": added,
-        "bos_token": None,
-        "eos_token": EOS_TOKEN,
-        "pad_token": PAD_TOKEN,
-        "unk_token": None,
-        "model_max_length": cfg.max_positions,
-        "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
-    }
+    _raw_tokenizer(cfg.vocab_size).save(str(out / "tokenizer.json"))
+    tcfg = _tokenizer_config(cfg.vocab_size, cfg.max_positions)
     (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2))
 
 
@@ -200,7 +247,7 @@ def build_tiny_model(
     heads: int = 4,
     kv_heads: int = 2,
     intermediate: int = 384,
-    vocab_size: int = 128,
+    vocab_size: int = 320,
     max_positions: int = 4096,
     init_std: float = 0.02,
     tie_embeddings: bool = True,
@@ -227,7 +274,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("EARL_CACHE_DIR", Path.home() / ".cache" / "earl"))
 
 
-def default_model_dir(**kwargs: int | float | bool) -> Path:
+def default_model_dir(**kwargs: float) -> Path:
     """A cached build of `build_tiny_model(**kwargs)` under `cache_root()/models/<hash>`.
 
     Safe to call from concurrent processes: each builds into a temp dir and renames it.
