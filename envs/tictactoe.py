@@ -1,0 +1,138 @@
+"""Tic-Tac-Toe against a scripted opponent (random or minimax), one digit per move.
+
+The model plays X. Each observation re-renders the board with empty squares shown by their
+digit (1-9, row by row), so the context grows by one short board per move. An unparseable or
+illegal move ends the game as a loss. Prompts are compact because the tiny model is char-level.
+This module has no tokens, engines or async code; `earl.agents.tictactoe` plays it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from functools import cache
+
+from earl.envs.base import StepResult, first_digit
+
+__all__ = ["TicTacToe", "TicTacToeConfig", "minimax_move", "winner"]
+
+LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6))
+INTRO = "TicTacToe. You are X. Reply with the digit of an empty square.\n"
+
+
+@dataclass(kw_only=True, slots=True)
+class TicTacToeConfig:
+    """Rules and rewards.
+
+    Args:
+        opponent: "random" or "minimax" (never loses).
+        agent_first: X moves first; otherwise the opponent opens.
+        win, draw, loss: final-move rewards.
+        illegal: reward of an unparseable/illegal move (the game is lost).
+        legal_move: reward for every legal non-final move (format shaping; 0 disables).
+    """
+
+    opponent: str = "random"
+    agent_first: bool = True
+    win: float = 1.0
+    draw: float = 0.5
+    loss: float = 0.0
+    illegal: float = -1.0
+    legal_move: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.opponent not in ("random", "minimax"):
+            raise ValueError(f"TicTacToeConfig.opponent must be 'random' or 'minimax', "
+                             f"got {self.opponent!r}")
+
+
+def winner(board: str) -> str | None:
+    """'X' or 'O' if a line is complete, else None. `board` is 9 chars of 'X', 'O' or ' '."""
+    for a, b, c in LINES:
+        if board[a] != " " and board[a] == board[b] == board[c]:
+            return board[a]
+    return None
+
+
+@cache
+def _score(board: str, player: str) -> int:
+    """Minimax value for `player` to move: +1 win, 0 draw, -1 loss."""
+    other = "O" if player == "X" else "X"
+    if winner(board) == other:
+        return -1
+    if " " not in board:
+        return 0
+    return max(-_score(board[:i] + player + board[i + 1:], other)
+               for i, ch in enumerate(board) if ch == " ")
+
+
+def minimax_move(board: str, player: str, rng: random.Random) -> int:
+    """A best square (0-8) for `player`; ties broken by `rng`."""
+    other = "O" if player == "X" else "X"
+    moves = [i for i, ch in enumerate(board) if ch == " "]
+    values = {i: -_score(board[:i] + player + board[i + 1:], other) for i in moves}
+    best = max(values.values())
+    return rng.choice([i for i in moves if values[i] == best])
+
+
+class TicTacToe:
+    """One game. `reset(seed)` returns the first observation; `step(text)` plays a move."""
+
+    def __init__(self, config: TicTacToeConfig | None = None) -> None:
+        self.config = config or TicTacToeConfig()
+        self.board = " " * 9
+        self.rng = random.Random(0)
+        self.moves = 0
+        self.done = True
+
+    def render(self) -> str:
+        cells = [ch if ch != " " else str(i + 1) for i, ch in enumerate(self.board)]
+        return "\n".join("".join(cells[r:r + 3]) for r in (0, 3, 6))
+
+    def _opponent(self) -> int:
+        if self.config.opponent == "minimax":
+            return minimax_move(self.board, "O", self.rng)
+        return self.rng.choice([i for i, ch in enumerate(self.board) if ch == " "])
+
+    def _put(self, i: int, mark: str) -> None:
+        self.board = self.board[:i] + mark + self.board[i + 1:]
+
+    def reset(self, seed: int = 0) -> str:
+        self.rng = random.Random(seed)
+        self.board, self.moves, self.done = " " * 9, 0, False
+        if not self.config.agent_first:
+            i = self._opponent()
+            self._put(i, "O")
+            return f"{INTRO}O took {i + 1}\n{self.render()}"
+        return INTRO + self.render()
+
+    def legal_moves(self) -> list[int]:
+        return [i + 1 for i, ch in enumerate(self.board) if ch == " "]
+
+    def _end(self, reward: float, outcome: str, illegal: int) -> StepResult:
+        self.done = True
+        return StepResult(observation="", reward=reward, done=True,
+                          info={"outcome": outcome, "illegal": illegal, "moves": self.moves})
+
+    def step(self, action: str) -> StepResult:
+        """Play the model's move (text); the opponent answers unless the game ended."""
+        if self.done:
+            raise ValueError("the game is over; call reset(seed) to start a new one")
+        cfg = self.config
+        square = first_digit(action, 1, 9)
+        if square is None or self.board[square - 1] != " ":
+            return self._end(cfg.illegal, "loss", 1)
+        self.moves += 1
+        self._put(square - 1, "X")
+        if winner(self.board) == "X":
+            return self._end(cfg.win, "win", 0)
+        if " " not in self.board:
+            return self._end(cfg.draw, "draw", 0)
+        i = self._opponent()
+        self._put(i, "O")
+        if winner(self.board) == "O":
+            return self._end(cfg.loss, "loss", 0)
+        if " " not in self.board:
+            return self._end(cfg.draw, "draw", 0)
+        return StepResult(observation=f"O took {i + 1}\n{self.render()}", reward=cfg.legal_move,
+                          done=False)

@@ -1,0 +1,139 @@
+"""Hostile programs in the `python` sandbox: each is contained and reported as an error."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+from earl.runtime.sandbox import SandboxLimits, isolation_available, run_python
+
+LIMITS = SandboxLimits(wall_s=3.0, cpu_s=1, memory_mb=200, max_procs=8, output_chars=2000)
+needs_isolation = pytest.mark.skipif(not isolation_available(),
+                                     reason="namespaces/chroot/uid isolation needs root on Linux")
+
+
+def _sandbox_processes() -> list[int]:
+    """Running (not zombie) processes owned by sandbox uids (>= 1,000,000)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.stat(f"/proc/{entry}").st_uid < 1_000_000:
+                    continue
+                with open(f"/proc/{entry}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if state not in ("Z", "X"):
+                pids.append(int(entry))
+    return pids
+
+
+def _wait_no_sandbox_processes(timeout: float = 3.0) -> list[int]:
+    deadline = time.monotonic() + timeout  # SIGKILL delivery is asynchronous
+    while (left := _sandbox_processes()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def test_normal_code_runs() -> None:
+    r = run_python("import math\nprint(math.factorial(10))", LIMITS)
+    assert r.ok and r.output == "3628800\n" and r.error is None
+
+
+def test_exception_is_reported() -> None:
+    r = run_python("raise ValueError('bad')", LIMITS)
+    assert not r.ok and "ValueError: bad" in r.output and r.error == "exit status 1"
+
+
+def test_infinite_loop_hits_cpu_limit() -> None:
+    r = run_python("while True:\n    pass", LIMITS)
+    assert not r.ok and ("CPU limit" in r.error or "timeout" in r.error)
+    assert r.elapsed_s < LIMITS.wall_s + 1
+
+
+def test_sleeping_forever_hits_wall_timeout() -> None:
+    r = run_python("import time\ntime.sleep(100)", SandboxLimits(wall_s=0.5))
+    assert not r.ok and r.error.startswith("timeout")
+
+
+def test_memory_hog_is_stopped() -> None:
+    r = run_python("chunks = []\nwhile True:\n    chunks.append(bytearray(10**7))", LIMITS)
+    assert not r.ok and "MemoryError" in r.output
+
+
+def test_huge_output_is_capped() -> None:
+    r = run_python("while True:\n    print('x' * 1000)", LIMITS)
+    assert not r.ok and r.truncated and len(r.output) <= LIMITS.output_chars
+    assert r.error == "output limit exceeded"
+
+
+def test_unicode_output() -> None:
+    r = run_python("print('héllo → 世界')", LIMITS)
+    assert r.ok and r.output == "héllo → 世界\n"
+
+
+@needs_isolation
+def test_fork_bomb_is_contained_and_cleaned_up() -> None:
+    code = ("import os\nwhile True:\n    try:\n        os.fork()\n"
+            "    except OSError:\n        pass")
+    r = run_python(code, LIMITS)
+    assert not r.ok
+    assert _wait_no_sandbox_processes() == []  # every descendant was killed
+    assert run_python("print('still serving')", LIMITS).output == "still serving\n"
+
+
+@needs_isolation
+def test_no_network_even_to_host_loopback() -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    try:
+        code = (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+                "print('connected')")
+        r = run_python(code, LIMITS)
+    finally:
+        server.close()
+    assert not r.ok and "connected" not in r.output and "Error" in r.output
+
+
+@needs_isolation
+def test_cannot_read_outside_its_dir() -> None:
+    here = os.path.abspath(__file__)
+    code = ("import os\nfor p in ['/etc/passwd', " + repr(here) + ", '/proc/1/environ']:\n"
+            "    try:\n        open(p).read(); print('READ', p)\n"
+            "    except OSError as e:\n        print('denied', p, type(e).__name__)\n"
+            "print(sorted(os.listdir('/')))")
+    r = run_python(code, LIMITS)
+    assert r.ok and "READ" not in r.output and r.output.count("denied") == 3
+    assert "etc" not in r.output.splitlines()[-1]
+
+
+@needs_isolation
+def test_cannot_write_outside_its_dir(tmp_path) -> None:
+    target = tmp_path / "pwned"
+    code = ("import os\nopen('mine.txt', 'w').write('ok')\nprint(open('mine.txt').read())\n"
+            f"for p in [{str(target)!r}, '/usr/pwned', '/pwned']:\n"
+            "    try:\n        open(p, 'w').write('x'); print('WROTE', p)\n"
+            "    except OSError as e:\n        print('denied', type(e).__name__)")
+    r = run_python(code, LIMITS)
+    assert r.ok and r.output.startswith("ok\n") and "WROTE" not in r.output
+    assert not target.exists() and not os.path.exists("/usr/pwned")
+
+
+@needs_isolation
+def test_cannot_kill_its_parent_or_others() -> None:
+    code = ("import os, signal\nfor pid in (os.getppid(), 1):\n    try:\n"
+            "        os.kill(pid, signal.SIGKILL); print('KILLED', pid)\n"
+            "    except OSError as e:\n        print('denied', type(e).__name__)\n"
+            "os.kill(-1, signal.SIGKILL)")
+    r = run_python(code, LIMITS)
+    assert "KILLED" not in r.output and r.output.count("denied") == 2
+    assert r.ok  # kill(-1) reached no one: the run is alone in its uid
+
+
+def test_environment_is_scrubbed(monkeypatch) -> None:
+    monkeypatch.setenv("EARL_SECRET_TOKEN", "hunter2")
+    r = run_python("import os\nprint(sorted(os.environ))", LIMITS)
+    assert r.ok and "EARL_SECRET_TOKEN" not in r.output and "PATH" in r.output
