@@ -1,0 +1,247 @@
+"""Client side of the RPC: one `Connection` per actor address, and a `Pool` of them.
+
+A `Connection` matches replies to requests by id and resolves futures straight from the
+protocol callback (no task per call). When the socket closes, every pending call and open
+stream fails at once with `ActorDied`; later calls on a dead address fail immediately too, until
+the pool learns a new address for that actor (a restart). This module knows nothing about
+endpoints, groups or processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from typing import Any
+
+from earl.runtime.errors import ActorDied, ActorError, BadCall
+from earl.runtime.frames import FrameProtocol, Kind, log
+from earl.runtime.wire import WireError, decode
+
+_STREAM_KINDS = (Kind.ITEM, Kind.END, Kind.ERR, Kind.REJECT)
+
+
+class Connection(FrameProtocol):
+    """One client connection to an actor (or the directory)."""
+
+    def __init__(self, label: str, *, max_bytes: int, secret: bytes | None) -> None:
+        super().__init__(max_bytes=max_bytes, secret=secret)
+        self.label = label
+        self.pending: dict[int, asyncio.Future[Any]] = {}
+        self.streams: dict[int, asyncio.Queue[tuple[int, Any]]] = {}
+        self.dead: ActorDied | None = None
+        self.death_reason: str | None = None
+        self.on_lost: Any = None  # called once with this connection when it dies
+        self._rid = itertools.count(1)
+        self.loop = asyncio.get_running_loop()
+        self.hello: asyncio.Future[None] = self.loop.create_future()
+
+    def request(self, kind: int, body: bytes, bufs: list[Any]) -> asyncio.Future[Any]:
+        """Send a CALL (or ONEWAY) frame; return the future of its reply."""
+        fut = self.loop.create_future()
+        if self.dead is not None:
+            fut.set_exception(self.dead)
+            return fut
+        rid = next(self._rid)
+        self.send(kind, rid, body, bufs)
+        if kind == Kind.ONEWAY:
+            fut.set_result(None)
+        else:
+            self.pending[rid] = fut
+        return fut
+
+    def open_stream(self, body: bytes, bufs: list[Any]) -> tuple[int, asyncio.Queue[Any]]:
+        if self.dead is not None:
+            raise self.dead
+        rid = next(self._rid)
+        q: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self.send(Kind.STREAM, rid, body, bufs)
+        self.streams[rid] = q
+        return rid, q
+
+    def cancel_stream(self, rid: int) -> None:
+        if self.streams.pop(rid, None) is not None and self.dead is None:
+            try:
+                self.send(Kind.CANCEL, rid)
+            except ConnectionError:
+                pass
+
+    def frame_received(self, kind: int, rid: int, body: memoryview, bufs: list[Any]) -> None:
+        if kind == Kind.HELLO:
+            self._on_hello(bytes(body))
+            return
+        fut = self.pending.pop(rid, None)
+        if fut is None:
+            q = self.streams.get(rid)
+            if q is not None and kind in _STREAM_KINDS:
+                q.put_nowait((kind, self._outcome(kind, body, bufs)))
+            return
+        if fut.done():
+            return
+        out = self._outcome(kind, body, bufs)
+        if isinstance(out, BaseException):
+            fut.set_exception(out)
+        else:
+            fut.set_result(out)
+
+    def _outcome(self, kind: int, body: memoryview, bufs: list[Any]) -> Any:
+        try:
+            if kind == Kind.OK or kind == Kind.ITEM:
+                return decode(body, bufs)
+            if kind == Kind.END:
+                return None
+            if kind == Kind.ERR:
+                typ, msg, tb = decode(body)
+                return ActorError(self.label, typ, msg, tb)
+            if kind == Kind.REJECT:
+                return BadCall(self.label, "BadCall", decode(body))
+        except WireError as e:
+            return BadCall(self.label, "WireError", f"cannot decode the reply: {e}")
+        return BadCall(self.label, "BadCall", f"unexpected frame kind {kind}")
+
+    def frame_refused(self, kind: int, rid: int, reason: str) -> None:
+        fut = self.pending.pop(rid, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(BadCall(self.label, "BadCall", f"reply dropped: {reason}"))
+        q = self.streams.get(rid)
+        if q is not None:
+            q.put_nowait((Kind.REJECT, BadCall(self.label, "BadCall", reason)))
+
+    def _on_hello(self, nonce: bytes) -> None:
+        if self.hello.done():
+            return
+        if nonce and self.secret is None:
+            self.hello.set_exception(ValueError(
+                f"actor {self.label} requires a shared secret: set RuntimeConfig.secret"))
+        elif self.secret is not None and not nonce:
+            self.hello.set_exception(ValueError(
+                f"actor {self.label} does not authenticate frames but this process has a secret"))
+        else:
+            if nonce:
+                from earl.runtime.frames import derive_key
+                assert self.secret is not None
+                self.key = derive_key(self.secret, nonce)
+            self.hello.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.mark_dead(self.death_reason or "connection lost"
+                       + (f" ({type(exc).__name__}: {exc})" if exc else ""))
+
+    def mark_dead(self, reason: str) -> None:
+        """Fail every pending call and stream now; later calls fail immediately."""
+        if self.dead is None:
+            self.dead = ActorDied(self.label, reason)
+        err = self.dead
+        pending, self.pending = self.pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        for q in self.streams.values():
+            q.put_nowait((Kind.ERR, err))
+        if not self.hello.done():
+            self.hello.set_exception(err)
+        if self.transport is not None:
+            self.transport.close()
+        if self.on_lost is not None:
+            on_lost, self.on_lost = self.on_lost, None
+            on_lost(self)
+
+
+async def connect(address: str, label: str, *, max_bytes: int, secret: bytes | None,
+                  timeout: float = 10.0) -> Connection:
+    """Open a connection to `unix:/path` or `tcp:host:port` and wait for the HELLO handshake.
+
+    Raises:
+        ActorDied: nothing is listening there (the actor is gone).
+        ValueError: secret mismatch, or a malformed address.
+    """
+    loop = asyncio.get_running_loop()
+
+    def factory() -> Connection:
+        return Connection(label, max_bytes=max_bytes, secret=secret)
+
+    scheme, _, rest = address.partition(":")
+    try:
+        async with asyncio.timeout(timeout):
+            if scheme == "unix":
+                _, conn = await loop.create_unix_connection(factory, rest)
+            elif scheme == "tcp":
+                host, _, port = rest.rpartition(":")
+                _, conn = await loop.create_connection(factory, host.strip("[]"), int(port))
+            else:
+                raise ValueError(f"bad actor address {address!r}: want unix:PATH or tcp:HOST:PORT")
+            await conn.hello
+    except (OSError, TimeoutError) as e:
+        raise ActorDied(label, f"cannot connect to {address}: {type(e).__name__}: {e}") from None
+    return conn
+
+
+class Pool:
+    """Connections by address, opened on demand and shared by every handle in the process."""
+
+    def __init__(self, *, max_bytes: int, secret: bytes | None) -> None:
+        self.max_bytes = max_bytes
+        self.secret = secret
+        self.conns: dict[str, Connection] = {}
+        self.dead: dict[str, ActorDied] = {}
+        self._opening: dict[str, asyncio.Future[Connection]] = {}
+
+    def get_nowait(self, address: str) -> Connection | None:
+        conn = self.conns.get(address)
+        return conn if conn is not None and conn.dead is None else None
+
+    async def get(self, address: str, label: str) -> Connection:
+        """The live connection to `address`, connecting once if needed.
+
+        Raises:
+            ActorDied: the actor at `address` is known dead, or cannot be reached.
+        """
+        conn = self.get_nowait(address)
+        if conn is not None:
+            return conn
+        if address in self.dead:
+            raise self.dead[address]
+        opening = self._opening.get(address)
+        if opening is not None:
+            return await asyncio.shield(opening)
+        fut: asyncio.Future[Connection] = asyncio.get_running_loop().create_future()
+        self._opening[address] = fut
+        try:
+            conn = await connect(address, label, max_bytes=self.max_bytes, secret=self.secret)
+            self.conns[address] = conn
+            self.dead.pop(address, None)
+            conn.on_lost = lambda c: self._lost(address, c)
+            fut.set_result(conn)
+            return conn
+        except BaseException as e:
+            fut.set_exception(e)
+            fut.exception()  # mark retrieved
+            raise
+        finally:
+            del self._opening[address]
+
+    def _lost(self, address: str, conn: Connection) -> None:
+        if self.conns.get(address) is conn:
+            del self.conns[address]
+        assert conn.dead is not None
+        self.dead.setdefault(address, conn.dead)
+
+    def mark_dead(self, address: str, label: str, reason: str) -> None:
+        """The owner learned the actor at `address` died: fail its calls now, remember it."""
+        self.dead[address] = ActorDied(label, reason)
+        conn = self.conns.pop(address, None)
+        if conn is not None:
+            conn.death_reason = reason
+            conn.mark_dead(reason)
+
+    def close(self) -> None:
+        for conn in list(self.conns.values()):
+            conn.on_lost = None
+            conn.death_reason = "runtime shut down"
+            if conn.transport is not None:
+                conn.transport.close()
+        self.conns.clear()
+
+
+logging.getLogger("earl.runtime").addHandler(logging.NullHandler())
+__all__ = ["Connection", "Pool", "connect", "log"]

@@ -1,0 +1,255 @@
+"""Frame format and the framing protocol shared by both ends of an actor connection.
+
+One frame on the byte stream (little endian):
+
+    u32 frame_len | u8 magic 0xE7 | u8 kind | u16 nbufs | u64 request_id | u32 body_len
+    | nbufs x u32 buffer lengths | msgpack body | buffers ... | [32-byte HMAC-SHA256]
+
+`frame_len` counts every byte after itself, so a receiver can skip a frame it refuses (oversized,
+bad MAC) and stay in sync; a bad magic byte means the stream is garbage and the connection is
+closed. With a shared secret, the server opens each connection with a HELLO frame carrying a
+random nonce; both sides then MAC every frame with a key derived from (secret, nonce), a
+direction byte and a per-direction sequence number, so frames cannot be forged, replayed,
+reordered or reflected. Without a secret, HELLO carries an empty nonce and no MAC is sent.
+
+Receiving uses `asyncio.BufferedProtocol`: small frames are parsed in place from one reusable
+buffer; a frame larger than that buffer is read straight into its own bytearray, and its arrays
+alias it (zero-copy). This module knows nothing about endpoints or values (see `wire`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hashlib
+import hmac
+import logging
+import os
+import struct
+from typing import Any
+
+log = logging.getLogger("earl.runtime")
+
+HEADER = struct.Struct("<IBBHQI")
+MAGIC = 0xE7
+MAC_LEN = 32
+_SMALL = 1 << 16
+
+
+class Kind(enum.IntEnum):
+    HELLO = 1
+    CALL = 2
+    ONEWAY = 3
+    STREAM = 4
+    CANCEL = 5
+    OK = 6
+    ERR = 7
+    ITEM = 8
+    END = 9
+    REJECT = 10
+
+
+class FrameTooLarge(ValueError):
+    """A frame exceeds the configured `max_message_bytes`."""
+
+
+def check_size(body: bytes, bufs: list[Any], max_bytes: int) -> None:
+    """Raise FrameTooLarge now if (body, bufs) cannot be sent under `max_bytes`."""
+    size = 20 + 4 * len(bufs) + len(body) + sum(memoryview(b).nbytes for b in bufs) + MAC_LEN
+    if size > max_bytes:
+        raise FrameTooLarge(f"message of {size} bytes exceeds max_message_bytes={max_bytes}; "
+                            "send big tensors over earl.runtime.transport or raise "
+                            "RuntimeConfig.max_message_bytes")
+
+
+def derive_key(secret: bytes, nonce: bytes) -> bytes:
+    return hmac.new(secret, b"earl-rpc-v1" + nonce, hashlib.sha256).digest()
+
+
+class FrameProtocol(asyncio.BufferedProtocol):
+    """Parses and writes frames; subclasses implement `frame_received` / `frame_refused`."""
+
+    send_dir = b"C"  # direction byte mixed into the MAC; servers use b"S"
+
+    def __init__(self, *, max_bytes: int, secret: bytes | None) -> None:
+        self.max_bytes = max_bytes
+        self.secret = secret
+        self.key: bytes | None = None  # set once the HELLO nonce is known
+        self.transport: asyncio.Transport | None = None
+        self._send_seq = 0
+        self._recv_seq = 0
+        self._buf = bytearray(_SMALL)
+        self._view = memoryview(self._buf)
+        self._lo = self._hi = 0
+        self._big: bytearray | None = None
+        self._big_filled = 0
+        self._discard = 0
+        self._paused = False
+        self._drain: asyncio.Future[None] | None = None
+
+    # ---- sending -------------------------------------------------------------------------
+    def send(self, kind: int, rid: int, body: bytes = b"", bufs: list[Any] | tuple = ()) -> None:
+        """Write one frame (coalesced into a single write or writev).
+
+        Raises:
+            FrameTooLarge: the frame exceeds `max_bytes`.
+            ConnectionError: the connection is closed.
+        """
+        t = self.transport
+        if t is None or t.is_closing():
+            raise ConnectionResetError("connection closed")
+        n = len(bufs)
+        mac_len = MAC_LEN if self.key is not None else 0
+        if n:
+            lens = [memoryview(b).nbytes for b in bufs]
+            flen = 16 + 4 * n + len(body) + sum(lens) + mac_len
+            head = HEADER.pack(flen, MAGIC, kind, n, rid, len(body)) + struct.pack(
+                f"<{n}I", *lens)
+        else:
+            flen = 16 + len(body) + mac_len
+            head = HEADER.pack(flen, MAGIC, kind, 0, rid, len(body))
+        if flen + 4 > self.max_bytes:
+            raise FrameTooLarge(f"message of {flen + 4} bytes exceeds max_message_bytes="
+                                f"{self.max_bytes}; send big tensors over earl.runtime.transport"
+                                " or raise RuntimeConfig.max_message_bytes")
+        if n:
+            parts = [head, body, *bufs]
+            if mac_len:
+                parts.append(self._mac(parts))
+            t.writelines(parts)
+        elif mac_len:
+            frame = head + body
+            t.write(frame + self._mac((frame,)))
+        else:
+            t.write(head + body)
+
+    def _mac(self, parts: Any) -> bytes:
+        assert self.key is not None
+        m = hmac.new(self.key, self.send_dir + self._send_seq.to_bytes(8, "little"),
+                     hashlib.sha256)
+        self._send_seq += 1
+        for p in parts:
+            m.update(p)
+        return m.digest()
+
+    def send_hello(self) -> None:
+        """Server side: open the connection with a nonce (empty without a secret)."""
+        nonce = os.urandom(16) if self.secret is not None else b""
+        self.send(Kind.HELLO, 0, nonce)
+        if self.secret is not None:
+            self.key = derive_key(self.secret, nonce)
+
+    async def wait_writable(self) -> None:
+        """Wait while the transport's write buffer is above its high-water mark."""
+        while self._paused:
+            if self._drain is None:
+                self._drain = asyncio.get_running_loop().create_future()
+            await self._drain
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+        self._drain = None
+
+    # ---- receiving -----------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._big is not None:
+            return memoryview(self._big)[self._big_filled:]
+        if self._lo == self._hi:
+            self._lo = self._hi = 0
+        elif self._hi > _SMALL // 2:  # compact: move the partial frame to the front
+            n = self._hi - self._lo
+            self._view[:n] = self._view[self._lo:self._hi]
+            self._lo, self._hi = 0, n
+        return self._view[self._hi:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._big is not None:
+            self._big_filled += nbytes
+            if self._big_filled == len(self._big):
+                big, self._big = self._big, None
+                self._frame(memoryview(big), copy=False)
+            return
+        self._hi += nbytes
+        view, lo, hi = self._view, self._lo, self._hi
+        while True:
+            avail = hi - lo
+            if self._discard:
+                d = min(self._discard, avail)
+                lo += d
+                self._discard -= d
+                if self._discard:
+                    break
+                continue
+            if avail < 20:
+                break
+            flen, magic, kind, _, rid, _ = HEADER.unpack_from(view, lo)
+            if magic != MAGIC:
+                log.warning("dropping connection: bad frame magic %#x (not an earl peer?)", magic)
+                self._lo = self._hi = 0
+                assert self.transport is not None
+                self.transport.close()
+                return
+            total = flen + 4
+            if total > self.max_bytes:
+                log.warning("dropping oversized frame: %d bytes > max_message_bytes=%d",
+                            total, self.max_bytes)
+                self._discard = total
+                self._recv_seq += 1
+                self.frame_refused(kind, rid, f"message of {total} bytes exceeds the actor's "
+                                   f"max_message_bytes={self.max_bytes}")
+                continue
+            if avail < total:
+                if total > _SMALL:  # read the rest of this frame straight into its own buffer
+                    self._big = bytearray(total)
+                    self._big[:avail] = view[lo:hi]
+                    self._big_filled = avail
+                    lo = hi = 0
+                break
+            self._frame(view[lo:lo + total], copy=True)
+            lo += total
+        self._lo, self._hi = lo, hi
+
+    def _frame(self, mv: memoryview, copy: bool) -> None:
+        _, _, kind, n, rid, blen = HEADER.unpack_from(mv, 0)
+        mac_len = MAC_LEN if self.key is not None else 0
+        try:
+            lens = struct.unpack_from(f"<{n}I", mv, 20) if n else ()
+        except struct.error:
+            lens = ()
+        off = 20 + 4 * n
+        if off + blen + sum(lens) + mac_len != len(mv):
+            log.warning("dropping malformed frame: lengths do not add up")
+            self._recv_seq += 1 if mac_len else 0
+            self.frame_refused(kind, rid, "malformed frame: lengths do not add up")
+            return
+        if mac_len:
+            m = hmac.new(self.key, (b"S" if self.send_dir == b"C" else b"C")  # type: ignore[arg-type]
+                         + self._recv_seq.to_bytes(8, "little"), hashlib.sha256)
+            self._recv_seq += 1
+            m.update(mv[:len(mv) - MAC_LEN])
+            if not hmac.compare_digest(m.digest(), mv[len(mv) - MAC_LEN:]):
+                log.warning("dropping frame with a bad MAC (wrong secret or tampered)")
+                self.frame_refused(kind, rid, "frame failed authentication")
+                return
+        body = mv[off:off + blen]
+        off += blen
+        bufs = []
+        for ln in lens:
+            b = mv[off:off + ln]
+            bufs.append(bytearray(b) if copy else b)
+            off += ln
+        self.frame_received(kind, rid, body, bufs)
+
+    def frame_received(self, kind: int, rid: int, body: memoryview, bufs: list[Any]) -> None:
+        raise NotImplementedError
+
+    def frame_refused(self, kind: int, rid: int, reason: str) -> None:
+        """A frame was dropped (too large, malformed, bad MAC); `rid` may let us answer."""

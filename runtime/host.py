@@ -1,0 +1,127 @@
+"""Entry point of an actor process: `python -m earl.runtime.host FD PARENT_PID`.
+
+Reads its `ActorSpec` from the bootstrap socket FD, arms parent-death protection
+(PR_SET_PDEATHSIG=SIGKILL, plus EOF on FD), builds the actor inside a uvloop event loop with its
+own `Runtime` (so the actor can `context().lookup()` and `spawn()`), serves its endpoints, says
+READY, and exits when FD closes or on SIGTERM. If `__init__` or `setup` raises, the traceback
+goes back to the spawner as FAILED. Not imported by anything else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import importlib
+import logging
+import os
+import signal
+import socket
+import sys
+import traceback
+import types
+from typing import Any
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the bootstrap socket's EOF still stops us
+    if parent_pid and os.getppid() != parent_pid:
+        os._exit(3)  # the parent died before prctl took effect
+
+
+def _load_class(module: str, qualname: str, main_file: str | None) -> type:
+    if module == "__main__":
+        if main_file is None:
+            raise ValueError("actor class defined in an interactive __main__ cannot be started:"
+                             " move it into a module")
+        import runpy
+
+        mod = types.ModuleType("__mp_main__")
+        mod.__dict__.update(runpy.run_path(main_file, run_name="__mp_main__"))
+        sys.modules["__mp_main__"] = sys.modules["__main__"] = mod
+        obj: Any = mod
+    else:
+        obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj  # type: ignore[no-any-return]
+
+
+def _send(sock: socket.socket, msg: Any) -> None:
+    from earl.runtime.launch import pack_msg
+
+    sock.setblocking(True)
+    sock.sendall(pack_msg(msg))
+    sock.setblocking(False)
+
+
+async def _serve(spec: Any, sock: socket.socket) -> int:
+    from earl.runtime.actor import Actor
+    from earl.runtime.config import RuntimeConfig
+    from earl.runtime.runtime import Runtime
+    from earl.runtime.server import Server
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    config = RuntimeConfig(host=spec.host, tcp=spec.tcp, secret=spec.secret,
+                           max_message_bytes=spec.max_message_bytes, run_dir=spec.run_dir)
+    label = f"{spec.name}[{spec.rank}]"
+    async with Runtime(config, _directory=spec.directory) as rt:
+        try:
+            cls = _load_class(spec.cls_module, spec.cls_qualname, spec.main_file)
+            if not (isinstance(cls, type) and issubclass(cls, Actor)):
+                raise TypeError(f"{spec.cls_qualname} is not an Actor subclass")
+            actor = cls.__new__(cls)
+            actor.name, actor.rank, actor.world_size = spec.name, spec.rank, spec.world_size
+            actor.__init__(*spec.args, **spec.kwargs)
+            await actor.setup()
+            server = Server(actor, label, spawn=rt.task, max_bytes=spec.max_message_bytes,
+                            secret=spec.secret)
+            address = await server.start(spec.bind)
+        except Exception as e:  # noqa: BLE001
+            _send(sock, ["failed", f"{type(e).__module__}.{type(e).__qualname__}", str(e),
+                         "".join(traceback.format_exception(e))])
+            return 1
+        _send(sock, ["ready", address, os.getpid()])
+        eof = loop.create_future()
+        loop.add_reader(sock.fileno(), lambda: eof.done() or eof.set_result(None))
+        stopped = rt.task(stop.wait())
+        await asyncio.wait([eof, stopped], return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        loop.remove_reader(sock.fileno())
+        server.close()
+        if spec.bind.startswith("unix:"):
+            try:
+                os.unlink(spec.bind[5:])
+            except OSError:
+                pass
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    fd, parent_pid = int(argv[0]), int(argv[1]) if len(argv) > 1 else 0
+    _die_with_parent(parent_pid)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s "
+                        f"[pid {os.getpid()}] %(message)s")
+    sock = socket.socket(fileno=fd)
+    from earl.runtime.launch import recv_msg_blocking
+
+    try:
+        spec = recv_msg_blocking(sock)
+    except EOFError:
+        return 2
+    sys.path[:] = spec.sys_path + [p for p in sys.path if p not in spec.sys_path]
+    import uvloop
+
+    return uvloop.run(_serve(spec, sock))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

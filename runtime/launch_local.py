@@ -1,0 +1,121 @@
+"""The "local" launcher: each actor is a child process of this one, on this host.
+
+Death is seen through a pidfd (Linux) the moment the process exits, so supervisors react within
+milliseconds; the bootstrap socket is the child's parent-death line (plus PR_SET_PDEATHSIG set
+by the host), so children never outlive this process, even when it is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+from earl.runtime.errors import ActorDied, ActorError
+from earl.runtime.launch import ActorSpec, pack_msg, recv_msg
+
+
+def exit_reason(returncode: int | None) -> str:
+    if returncode is None:
+        return "process stopped answering"
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+class LocalProcess:
+    """A child actor process started by `LocalLauncher`."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket, label: str) -> None:
+        self.proc = proc
+        self.sock = sock
+        self.label = label
+        self.pid = proc.pid
+        self.address = ""
+        self._exited: asyncio.Future[str] | None = None
+
+    async def handshake(self, spec: ActorSpec) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.sock_sendall(self.sock, pack_msg(spec))
+        try:
+            reply = await recv_msg(self.sock)
+        except EOFError:
+            reason = exit_reason(await asyncio.to_thread(self.proc.wait))
+            raise ActorDied(self.label, f"process {reason} before it was ready") from None
+        if reply[0] == "ready":
+            self.address = reply[1]
+            return
+        typ, msg, tb = reply[1:]
+        raise ActorError(self.label, typ, f"actor failed to start: {msg}", tb)
+
+    def _watch(self) -> asyncio.Future[str]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[str] = loop.create_future()
+        try:
+            fd = os.pidfd_open(self.pid)
+        except (OSError, AttributeError):  # no pidfd: fall back to the liveness socket
+            fd = -1
+
+        def done(*_: object) -> None:
+            if fd >= 0:
+                loop.remove_reader(fd)
+                os.close(fd)
+            else:
+                loop.remove_reader(self.sock.fileno())
+            if not fut.done():
+                fut.set_result(exit_reason(self.proc.wait()))
+
+        if fd >= 0:
+            loop.add_reader(fd, done)
+        else:
+            loop.add_reader(self.sock.fileno(), done)
+        return fut
+
+    async def wait_exit(self) -> str:
+        if self._exited is None:
+            self._exited = self._watch()
+        return await asyncio.shield(self._exited)
+
+    def stop(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+
+class LocalLauncher:
+    """Starts actor processes as children of this process."""
+
+    async def launch(self, spec: ActorSpec, env: dict[str, str] | None) -> LocalProcess:
+        parent, child = socket.socketpair()
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        try:
+            proc = subprocess.Popen(  # noqa: ASYNC220 (fork+exec, ~ms)
+                [sys.executable, "-m", "earl.runtime.host", str(child.fileno()), str(os.getpid())],
+                pass_fds=(child.fileno(),), env=full_env, stdin=subprocess.DEVNULL)
+        finally:
+            child.close()
+        parent.setblocking(False)
+        handle = LocalProcess(proc, parent, f"{spec.name}[{spec.rank}]")
+        try:
+            await handle.handshake(spec)
+        except BaseException:
+            handle.kill()
+            handle.stop()
+            raise
+        return handle
+
+    async def close(self) -> None:
+        pass

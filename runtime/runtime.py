@@ -1,0 +1,270 @@
+"""`Runtime`: spawns actor groups, finds them by name, and owns every background task.
+
+The driver's `async with Runtime() as rt:` is the root: it holds the address directory and
+serves it on a socket in its run directory. Every actor process runs its own attached `Runtime`
+(pointing at the root's directory), available as `earl.runtime.context()`, so actors can look up
+and spawn other actors. All background work (request handlers, supervisors, deferred connects)
+runs in the runtime's task group; leaving the `async with` stops every group this runtime
+spawned and leaves no processes behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import re
+import shutil
+import sys
+import tempfile
+from collections.abc import Coroutine
+from typing import Any, Self, TypeVar
+
+from earl.runtime.actor import Actor, ActorGroup, _current
+from earl.runtime.config import RestartPolicy, RuntimeConfig
+from earl.runtime.conn import Connection, Pool
+from earl.runtime.directory import DEAD, UP, Directory, GroupRecord
+from earl.runtime.endpoint import endpoints_of
+from earl.runtime.errors import ActorDied
+from earl.runtime.frames import Kind
+from earl.runtime.launch import ActorSpec, Launcher, make_launcher
+from earl.runtime.server import Server
+from earl.runtime.supervisor import GroupSupervisor
+from earl.runtime.wire import encode
+
+A = TypeVar("A", bound=Actor)
+T = TypeVar("T")
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+class Runtime:
+    """Spawns and finds actors. Use as `async with Runtime() as rt:`.
+
+    Args:
+        config: where and how actors run (default `RuntimeConfig()`: local child processes,
+            unix sockets).
+        launcher: shortcut for `config.launcher`.
+    """
+
+    def __init__(self, config: RuntimeConfig | None = None, *, launcher: str | None = None,
+                 _directory: str | None = None) -> None:
+        config = config or RuntimeConfig()
+        if launcher is not None:
+            config.launcher = launcher
+            config.__post_init__()
+        self.config = config
+        self.directory_address = _directory
+        self.directory: Directory | None = None
+        self.pool = Pool(max_bytes=config.max_message_bytes, secret=config.secret_bytes)
+        self.run_dir = ""
+        self._own_run_dir = False
+        self._tg: asyncio.TaskGroup | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._groups: dict[str, GroupSupervisor] = {}
+        self._launcher: Launcher | None = None
+        self._dir_server: Server | None = None
+        self._seq = itertools.count()
+
+    # ---- lifetime ----------------------------------------------------------------------
+    async def __aenter__(self) -> Self:
+        cfg = self.config
+        if cfg.run_dir is None:
+            self.run_dir = tempfile.mkdtemp(prefix="earl-", dir="/tmp" if os.path.isdir("/tmp")
+                                            else None)
+            self._own_run_dir = True
+        else:
+            self.run_dir = cfg.run_dir
+            os.makedirs(self.run_dir, exist_ok=True)
+        self._tg = asyncio.TaskGroup()
+        await self._tg.__aenter__()
+        if self.directory_address is None:
+            self.directory = Directory()
+            self._dir_server = Server(self.directory, "directory", spawn=self.task,
+                                      max_bytes=cfg.max_message_bytes, secret=cfg.secret_bytes)
+            self.directory_address = await self._dir_server.start(self._bind("directory"))
+        _current.append(self)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        try:
+            await self.shutdown()
+        finally:
+            if self in _current:
+                _current.remove(self)
+            assert self._tg is not None
+            if exc[0] is not None and not issubclass(exc[0], asyncio.CancelledError):
+                exc = (None, None, None)  # let the body's own exception propagate unwrapped
+            await self._tg.__aexit__(*exc)
+            if self._own_run_dir:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    async def shutdown(self) -> None:
+        """Stop every group this runtime spawned, close sockets, cancel background tasks."""
+        groups, self._groups = list(self._groups.values()), {}
+        await asyncio.gather(*(g.stop() for g in groups))
+        if self._launcher is not None:
+            await self._launcher.close()
+        if self._dir_server is not None:
+            self._dir_server.close()
+        self.pool.close()
+        for task in list(self._tasks):
+            task.cancel()
+
+    def task(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """Run `coro` in this runtime's task group (cancelled at shutdown)."""
+        assert self._tg is not None, "Runtime used outside `async with`"
+        t = self._tg.create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    # ---- addresses ---------------------------------------------------------------------
+    def _bind(self, name: str, rank: int = 0) -> str:
+        if self.config.use_tcp:
+            return f"tcp:{self.config.host}:0"
+        return self.socket_path(name, rank)
+
+    def socket_path(self, name: str, rank: int) -> str:
+        path = os.path.join(self.run_dir, f"{name[:40]}-{rank}-{os.getpid()}-{next(self._seq)}.s")
+        if len(path) > 100:
+            path = os.path.join(self.run_dir, f"{os.getpid()}-{next(self._seq)}.s")
+        return "unix:" + path
+
+    # ---- directory ---------------------------------------------------------------------
+    async def dir_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call the directory (in-process at the root, over RPC elsewhere)."""
+        if self.directory is not None:
+            return await getattr(self.directory, method)(*args, **kwargs)
+        assert self.directory_address is not None
+        conn = await self.pool.get(self.directory_address, "directory")
+        body, bufs = encode([method, list(args), kwargs])
+        return await conn.request(Kind.CALL, body, bufs)
+
+    async def lookup(self, name: str, *, timeout: float = 0.0) -> ActorGroup[Any]:
+        """The group called `name`, waiting up to `timeout` s for it to appear.
+
+        Raises:
+            KeyError: no such group.
+        """
+        rec: GroupRecord | None = await self.dir_call("lookup", name, timeout)
+        if rec is None:
+            raise KeyError(f"no actor group named {name!r}; known: "
+                           f"{', '.join(await self.dir_call('names')) or '(none)'}")
+        n = len(rec.addresses)
+        return ActorGroup(rec.name, rec.cls_name, dict(rec.endpoints), list(rec.addresses),
+                          list(range(n)), n)
+
+    # ---- spawning ----------------------------------------------------------------------
+    async def spawn(self, name: str, cls: type[A], *args: Any, n: int = 1,
+                    env: dict[str, str] | None = None, restart: RestartPolicy | None = None,
+                    **kwargs: Any) -> ActorGroup[A]:
+        """Start `n` processes, each running `cls(*args, **kwargs)`, as group `name`.
+
+        Returns once every actor has run `__init__` and `setup` and is serving.
+
+        Raises:
+            TypeError: `cls` is not an Actor subclass, or an argument cannot travel.
+            ValueError: bad `name`/`n`, or the name is taken.
+            ActorError: an actor's `__init__` or `setup` raised (remote traceback attached).
+        """
+        if not (isinstance(cls, type) and issubclass(cls, Actor)):
+            raise TypeError(f"spawn needs an Actor subclass, got {cls!r}")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ValueError(f"actor group name must match {_NAME.pattern}, got {name!r}")
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"n (number of actors) must be an int >= 1, got {n!r}")
+        if "<locals>" in cls.__qualname__:
+            raise ValueError(f"actor class {cls.__qualname__} is defined inside a function: "
+                             "define it at module top level so the actor process can import it")
+        old: GroupRecord | None = await self.dir_call("lookup", name)
+        if old is not None and any(s != DEAD for s in old.status):
+            raise ValueError(f"an actor group named {name!r} already exists: stop it or pick "
+                             "another name")
+        encode([list(args), kwargs])  # fail here, not in the child, if an argument cannot travel
+        if self._launcher is None:
+            self._launcher = make_launcher(self.config.launcher, self.config.ray_address)
+        main_file = None
+        if cls.__module__ in ("__main__", "__mp_main__"):
+            main_file = getattr(sys.modules["__main__"], "__file__", None)
+        cfg = self.config
+        specs = [ActorSpec(
+            name=name, rank=r, world_size=n, cls_module=cls.__module__,
+            cls_qualname=cls.__qualname__, main_file=main_file, args=list(args), kwargs=kwargs,
+            bind=self._bind(name, r), directory=self.directory_address or "",
+            run_dir=self.run_dir, host=cfg.host, tcp=cfg.use_tcp, secret=cfg.secret_bytes,
+            max_message_bytes=cfg.max_message_bytes, sys_path=list(sys.path)) for r in range(n)]
+        sup = GroupSupervisor(self, self._launcher, specs, env, restart or RestartPolicy())
+        self._groups[name] = sup
+        try:
+            await sup.start()
+        except BaseException:
+            self._groups.pop(name, None)
+            raise
+        eps = {k: v.is_stream for k, v in endpoints_of(cls).items()}
+        handles = sup.handles
+        rec = GroupRecord(name=name, cls_name=cls.__qualname__, endpoints=eps,
+                          addresses=[h.address for h in handles if h is not None],
+                          pids=[h.pid for h in handles if h is not None],
+                          status=[UP] * n, restarts=[0] * n)
+        await self.dir_call("publish", rec)
+        group: ActorGroup[A] = ActorGroup(name, cls.__qualname__, eps, list(rec.addresses),
+                                          list(range(n)), n)
+        conns = await asyncio.gather(*(self.pool.get(a, group.label(i))
+                                       for i, a in enumerate(group.addresses)))
+        group._conns[:] = conns
+        return group
+
+    async def stop(self, group: ActorGroup[Any] | str) -> None:
+        """Stop a group this runtime spawned and remove it from the directory."""
+        name = group if isinstance(group, str) else group.name
+        sup = self._groups.pop(name, None)
+        if sup is None:
+            raise KeyError(f"this runtime did not spawn a live group named {name!r}")
+        await sup.stop()
+        await self.dir_call("remove", name)
+
+    # ---- request plumbing for handles --------------------------------------------------
+    async def resolve(self, g: ActorGroup[Any], i: int) -> Connection:
+        """A live connection to member `i` of `g`, following restarts via the directory.
+
+        Raises:
+            ActorDied: the actor is dead or restarting.
+        """
+        addr = g.addresses[i]
+        conn = self.pool.get_nowait(addr)
+        if conn is None and addr in self.pool.dead:
+            rec: GroupRecord | None = await self.dir_call("lookup", g.name)
+            rank = g.ranks[i]
+            if rec is None or rank >= len(rec.status):
+                raise ActorDied(g.label(i), f"group {g.name!r} no longer exists")
+            if rec.status[rank] != UP:
+                raise ActorDied(g.label(i), rec.reasons[rank] or rec.status[rank])
+            self.pool.dead.pop(addr, None)  # up again (restarted) or a lost connection: retry
+            g.addresses[i] = addr = rec.addresses[rank]
+        if conn is None:
+            conn = await self.pool.get(addr, g.label(i))
+        g._conns[i] = conn
+        return conn
+
+    def send_later(self, g: ActorGroup[Any], i: int, kind: int, body: bytes,
+                   bufs: list[Any]) -> asyncio.Future[Any]:
+        """Connect to member `i` first (not connected yet, or restarted), then send."""
+        outer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+        async def run() -> None:
+            try:
+                conn = await self.resolve(g, i)
+                result = await conn.request(kind, body, bufs)
+            except asyncio.CancelledError:
+                if not outer.done():
+                    outer.set_exception(ActorDied(g.label(i), "runtime shut down"))
+                raise
+            except Exception as e:  # noqa: BLE001
+                if not outer.done():
+                    outer.set_exception(e)
+                return
+            if not outer.done():
+                outer.set_result(result)
+
+        self.task(run())
+        return outer

@@ -1,0 +1,183 @@
+"""Server side of the RPC: serves one object's `@endpoint` methods on a listening socket.
+
+Each request is decoded and checked synchronously in the protocol callback; a plain `def`
+endpoint runs inline, an `async def` one runs as a task in the server's task group (which the
+caller owns), a generator endpoint streams ITEM frames and honours CANCEL. Bad requests (unknown
+endpoint, wrong arguments, undecodable body, oversized frame) are answered with REJECT and
+logged; the server keeps serving. Used by actor processes and by the root runtime's directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import traceback
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from earl.runtime.endpoint import Endpoint, endpoints_of
+from earl.runtime.frames import FrameProtocol, FrameTooLarge, Kind, log
+from earl.runtime.wire import WireError, decode, encode
+
+_REQUESTS = (Kind.CALL, Kind.ONEWAY, Kind.STREAM)
+
+
+def _error_body(e: BaseException) -> bytes:
+    tb = "".join(traceback.format_exception(e))
+    return encode([f"{type(e).__module__}.{type(e).__qualname__}", str(e), tb])[0]
+
+
+class _ServerConnection(FrameProtocol):
+    send_dir = b"S"
+
+    def __init__(self, server: Server) -> None:
+        super().__init__(max_bytes=server.max_bytes, secret=server.secret)
+        self.server = server
+        self.streams: dict[int, asyncio.Task[None]] = {}
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.server.conns.add(self)
+        self.send_hello()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.conns.discard(self)
+        for task in self.streams.values():
+            task.cancel()
+        self.streams.clear()
+
+    def reply(self, kind: int, rid: int, body: bytes, bufs: Any = ()) -> None:
+        try:
+            self.send(kind, rid, body, bufs)
+        except ConnectionError:
+            pass  # the caller went away mid-call; nothing to tell it
+        except FrameTooLarge as e:
+            self.send(Kind.ERR, rid, _error_body(e))
+
+    def reject(self, rid: int, reason: str) -> None:
+        log.warning("%s: rejected request %d: %s", self.server.label, rid, reason)
+        self.reply(Kind.REJECT, rid, encode(reason)[0])
+
+    def frame_refused(self, kind: int, rid: int, reason: str) -> None:
+        if kind in _REQUESTS and kind != Kind.ONEWAY:
+            self.reject(rid, reason)
+
+    def frame_received(self, kind: int, rid: int, body: memoryview, bufs: list[Any]) -> None:
+        if kind == Kind.CANCEL:
+            task = self.streams.pop(rid, None)
+            if task is not None:
+                task.cancel()
+            return
+        if kind not in _REQUESTS:
+            log.warning("%s: ignoring frame of kind %d", self.server.label, kind)
+            return
+        srv = self.server
+        try:
+            method, args, kwargs = decode(body, bufs)
+            if not (isinstance(method, str) and isinstance(args, list)
+                    and isinstance(kwargs, dict)):
+                raise WireError("request is not [method, args, kwargs]")
+        except (WireError, ValueError, TypeError) as e:
+            return self.reject(rid, f"malformed request: {e}")
+        ep = srv.endpoints.get(method)
+        if ep is None:
+            return self.reject(rid, f"{srv.cls_name} has no endpoint {method!r}; endpoints: "
+                                    f"{', '.join(sorted(srv.endpoints)) or '(none)'}")
+        if ep.is_stream != (kind == Kind.STREAM):
+            want = ".stream()" if ep.is_stream else ".call_one()/.call()/.choose()/.broadcast()"
+            return self.reject(rid, f"{srv.cls_name}.{method} must be called with {want}")
+        try:
+            ep.check(srv.cls_name, args, kwargs)
+            result = ep.fn(srv.target, *args, **kwargs)
+        except TypeError as e:
+            if not ep.is_async and not ep.is_stream and e.__traceback__ is not None \
+                    and e.__traceback__.tb_next is not None:
+                return self._fail(kind, rid, e)  # raised inside a plain-def endpoint's body
+            return self.reject(rid, f"bad arguments for {srv.cls_name}.{ep.signature()}: {e}")
+        except Exception as e:  # noqa: BLE001
+            return self._fail(kind, rid, e)
+        if kind == Kind.STREAM:
+            self.streams[rid] = srv.spawn(self._stream(rid, result))
+        elif ep.is_async:
+            srv.spawn(self._finish(kind, rid, result))
+        elif kind == Kind.CALL:
+            self._ok(rid, result)
+
+    def _fail(self, kind: int, rid: int, e: Exception) -> None:
+        if kind == Kind.ONEWAY:
+            log.error("%s: broadcast call failed", self.server.label, exc_info=e)
+        else:
+            self.reply(Kind.ERR, rid, _error_body(e))
+
+    def _ok(self, rid: int, result: Any) -> None:
+        try:
+            body, bufs = encode(result)
+        except WireError as e:
+            return self.reply(Kind.ERR, rid, _error_body(e))
+        self.reply(Kind.OK, rid, body, bufs)
+
+    async def _finish(self, kind: int, rid: int, coro: Any) -> None:
+        try:
+            result = await coro
+        except Exception as e:  # noqa: BLE001
+            return self._fail(kind, rid, e)
+        if kind == Kind.CALL:
+            self._ok(rid, result)
+
+    async def _stream(self, rid: int, agen: Any) -> None:
+        try:
+            async for item in agen:
+                body, bufs = encode(item)
+                self.reply(Kind.ITEM, rid, body, bufs)
+                if self._paused:
+                    await self.wait_writable()
+            self.reply(Kind.END, rid, b"")
+        except Exception as e:  # noqa: BLE001
+            self.reply(Kind.ERR, rid, _error_body(e))
+        finally:
+            self.streams.pop(rid, None)
+            await agen.aclose()
+
+
+class Server:
+    """Serves `target`'s endpoints; request tasks are started by `spawn` (the caller's task
+    group, so the caller owns their lifetime)."""
+
+    def __init__(self, target: object, label: str, *,
+                 spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]],
+                 max_bytes: int, secret: bytes | None) -> None:
+        self.target = target
+        self.label = label
+        self.cls_name = type(target).__qualname__
+        self.endpoints: dict[str, Endpoint[Any, Any]] = endpoints_of(type(target))
+        self.spawn = spawn
+        self.max_bytes = max_bytes
+        self.secret = secret
+        self.conns: set[_ServerConnection] = set()
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self, bind: str) -> str:
+        """Listen on `unix:/path` or `tcp:host:port` (port 0 = any); return the address."""
+        loop = asyncio.get_running_loop()
+        scheme, _, rest = bind.partition(":")
+        if scheme == "unix":
+            self._server = await loop.create_unix_server(lambda: _ServerConnection(self), rest,
+                                                         backlog=1024)
+            os.chmod(rest, 0o600)  # only this user may connect
+            return bind
+        host, _, port = rest.rpartition(":")
+        host = host.strip("[]")
+        self._server = await loop.create_server(lambda: _ServerConnection(self), host,
+                                                int(port), backlog=1024, reuse_address=True)
+        bound = self._server.sockets[0].getsockname()
+        adv = host if host not in ("0.0.0.0", "::", "") else socket.gethostbyname(
+            socket.gethostname())
+        return f"tcp:{adv}:{bound[1]}"
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.conns):
+            if conn.transport is not None:
+                conn.transport.close()

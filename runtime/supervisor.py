@@ -1,0 +1,114 @@
+"""Supervision of one actor group: start its processes, watch them, restart or declare dead.
+
+A `GroupSupervisor` belongs to the runtime that spawned the group. For each rank a watcher task
+(in the runtime's task group) waits for the process to exit; then, at once, every pending and
+new call to that rank fails with `ActorDied`, the directory records the rank as `restarting` or
+`dead`, and, within the group's `RestartPolicy`, a new process is started (after the backoff)
+and published under the same name and rank. Stopping is graceful first (close the liveness
+line), then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from earl.runtime.config import RestartPolicy
+from earl.runtime.directory import DEAD, RESTARTING, UP
+from earl.runtime.frames import log
+from earl.runtime.launch import ActorSpec, Launcher, ProcessHandle
+
+if TYPE_CHECKING:
+    from earl.runtime.runtime import Runtime
+
+
+class GroupSupervisor:
+    """Owns the processes of one actor group."""
+
+    def __init__(self, rt: Runtime, launcher: Launcher, specs: list[ActorSpec],
+                 env: dict[str, str] | None, policy: RestartPolicy) -> None:
+        self.rt = rt
+        self.launcher = launcher
+        self.specs = specs
+        self.name = specs[0].name
+        self.env = env
+        self.policy = policy
+        self.handles: list[ProcessHandle | None] = [None] * len(specs)
+        self.restarts = [0] * len(specs)
+        self.stopping = False
+        self._watchers: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        """Launch every rank concurrently; on any failure stop the others and raise."""
+        results = await asyncio.gather(*(self._launch(r) for r in range(len(self.specs))),
+                                       return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self.stop()
+            raise errors[0]
+        for rank in range(len(self.specs)):
+            self._watchers.append(self.rt.task(self._watch(rank)))
+
+    async def _launch(self, rank: int) -> ProcessHandle:
+        spec = self.specs[rank]
+        if spec.bind.startswith("unix:"):
+            spec = dataclasses.replace(spec, bind=self.rt.socket_path(self.name, rank))
+        handle = await self.launcher.launch(spec, self.env)
+        self.handles[rank] = handle
+        if self.stopping:
+            handle.stop()
+        return handle
+
+    def label(self, rank: int) -> str:
+        return f"{self.name}[{rank}]"
+
+    async def _watch(self, rank: int) -> None:
+        while True:
+            handle = self.handles[rank]
+            assert handle is not None
+            reason = await handle.wait_exit()
+            if self.stopping:
+                return
+            reason = f"pid {handle.pid} {reason}"
+            self.rt.pool.mark_dead(handle.address, self.label(rank), reason)
+            if self.restarts[rank] >= self.policy.max_restarts:
+                log.warning("actor %s died (%s); no restarts left", self.label(rank), reason)
+                await self.rt.dir_call("update", self.name, rank, DEAD, reason=reason)
+                return
+            delay = self.policy.delay(self.restarts[rank])
+            self.restarts[rank] += 1
+            log.warning("actor %s died (%s); restart %d/%d in %.2fs", self.label(rank), reason,
+                        self.restarts[rank], self.policy.max_restarts, delay)
+            await self.rt.dir_call("update", self.name, rank, RESTARTING,
+                                   reason=f"restarting after: {reason}")
+            await asyncio.sleep(delay)
+            try:
+                handle = await self._launch(rank)
+            except Exception as e:  # failing to come back is a death, not a runtime crash  # noqa: BLE001
+                why = f"restart failed: {e}"
+                log.error("actor %s %s", self.label(rank), why)
+                await self.rt.dir_call("update", self.name, rank, DEAD, reason=why)
+                return
+            await self.rt.dir_call("update", self.name, rank, UP, handle.address, handle.pid)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stop every rank: ask nicely, SIGKILL whatever is still alive after `grace_s`."""
+        self.stopping = True
+        for task in self._watchers:
+            task.cancel()
+        live = [h for h in self.handles if h is not None]
+        for h in live:
+            h.stop()
+
+        async def reap(h: Any) -> None:
+            try:
+                await asyncio.wait_for(h.wait_exit(), grace_s)
+            except TimeoutError:
+                log.warning("actor pid %s did not stop in %.1fs: killing it", h.pid, grace_s)
+                h.kill()
+                await h.wait_exit()
+
+        await asyncio.gather(*(reap(h) for h in live))
+        for h in live:
+            self.rt.pool.mark_dead(h.address, self.name, "stopped") if h.address else None
