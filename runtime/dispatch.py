@@ -1,0 +1,173 @@
+"""Layout-aware dispatch: plan which warehouse slices go to which DP replica, then execute it
+decentralized -- each replica's leader fetches its slice once, straight from the warehouses,
+and replicates it inside its TP/CP/PP group. No process ever holds the whole batch.
+
+`plan_step` is pure (lease + layout + micro-batch rule -> `DispatchPlan`). `gather_replica`
+runs on a replica leader: it asks each warehouse (via a caller-supplied `request` coroutine,
+normally an RPC to the warehouse's actor) to send its slice to the leader's receiver, and
+collects the frames. `replicate` / `receive_replica` move the slice to the other ranks of the
+replica over any transport (shm on one host writes it once per peer, zero-copy on read).
+
+Not here: deciding which samples are ready (dock_index.py), the wire of RPCs (runtime actors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from earl.runtime.dock_index import Lease
+from earl.runtime.dock_warehouse import unpack_batch
+from earl.runtime.layout import Layout, MicroBatchRule, assign_micro_batches
+from earl.runtime.transport.base import Frame, Receiver, Sender, pack_arrays
+
+Batch = dict[str, dict[str, np.ndarray]]  # sample_id -> column -> array
+
+
+@dataclass(frozen=True, slots=True)
+class FetchOp:
+    """Fetch `columns` of `sample_ids` from warehouse `shard`."""
+
+    shard: str
+    sample_ids: tuple[str, ...]
+    columns: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaPlan:
+    dp: int
+    leader: int
+    ranks: tuple[int, ...]
+    sample_ids: tuple[str, ...]
+    micro_batches: tuple[tuple[str, ...], ...]
+    fetches: tuple[FetchOp, ...]
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchPlan:
+    step: int
+    lease_id: int
+    layout: Layout
+    columns: tuple[str, ...]
+    replicas: tuple[ReplicaPlan, ...]
+
+    def for_rank(self, rank: int) -> ReplicaPlan:
+        return self.replicas[self.layout.coord(rank).dp]
+
+    def is_leader(self, rank: int) -> bool:
+        return self.for_rank(rank).leader == rank
+
+
+def plan_step(lease: Lease, layout: Layout, rule: MicroBatchRule, *, step: int = 0) -> DispatchPlan:
+    """Split a lease across DP replicas and micro-batches, and list each replica's fetches.
+
+    Raises:
+        ValueError: the lease does not divide across `layout` under `rule` (see layout.py).
+    """
+    locs = lease.samples
+    lengths = [loc.length for loc in locs]
+    per_dp = assign_micro_batches(lengths, layout, rule)
+    replicas = []
+    for d, mbs in enumerate(per_dp):
+        idx = [i for mb in mbs for i in mb]
+        by_shards: dict[tuple[tuple[str, str], ...], list[str]] = {}
+        for i in idx:
+            placement = tuple((c, locs[i].columns[c]) for c in lease.columns)
+            by_shards.setdefault(placement, []).append(locs[i].sample_id)
+        fetches = []
+        for placement, ids in by_shards.items():
+            for shard in sorted({s for _, s in placement}):
+                cols = tuple(c for c, s in placement if s == shard)
+                fetches.append(FetchOp(shard=shard, sample_ids=tuple(ids), columns=cols))
+        replicas.append(
+            ReplicaPlan(
+                dp=d,
+                leader=layout.leader(d),
+                ranks=tuple(layout.replica(d)),
+                sample_ids=tuple(locs[i].sample_id for i in idx),
+                micro_batches=tuple(tuple(locs[i].sample_id for i in mb) for mb in mbs),
+                fetches=tuple(_merge(fetches)),
+                tokens=sum(lengths[i] for i in idx),
+            )
+        )
+    return DispatchPlan(step=step, lease_id=lease.lease_id, layout=layout,
+                        columns=lease.columns, replicas=tuple(replicas))
+
+
+def _merge(ops: list[FetchOp]) -> list[FetchOp]:
+    """One request per (shard, columns): fewer, larger transfers."""
+    merged: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+    for op in ops:
+        merged.setdefault((op.shard, op.columns), []).extend(op.sample_ids)
+    return [FetchOp(shard=s, sample_ids=tuple(ids), columns=c) for (s, c), ids in merged.items()]
+
+
+async def gather_replica(
+    replica: ReplicaPlan,
+    receiver: Receiver,
+    request: Callable[[FetchOp, str], Awaitable[None]],
+    *,
+    timeout_s: float = 120.0,
+) -> tuple[Batch, list[Frame]]:
+    """On the replica leader: have every warehouse send its slice here, collect the frames.
+
+    Args:
+        request: ``await request(op, address)`` makes warehouse ``op.shard`` send the slice to
+            `address` (an RPC); it raises if the warehouse is dead.
+    Returns:
+        (batch, frames); the batch views the frames' memory -- release the frames when done.
+    Raises:
+        Whatever `request` raises (e.g. ActorDied), or TimeoutError; the caller then releases
+        the lease so the samples go back to the dock.
+    """
+    frames: list[Frame] = []
+    try:
+        await asyncio.gather(*(request(op, receiver.address) for op in replica.fetches))
+        for _ in replica.fetches:
+            frames.append(await asyncio.to_thread(receiver.recv, timeout_s))
+    except BaseException:
+        for f in frames:
+            f.release()
+        raise
+    batch: Batch = {}
+    for f in frames:
+        for sid, cols in unpack_batch(f).items():
+            batch.setdefault(sid, {}).update(cols)
+    missing = set(replica.sample_ids) - batch.keys()
+    if missing:
+        raise RuntimeError(f"warehouses did not send samples {sorted(missing)[:5]}")
+    return batch, frames
+
+
+def replicate(batch: Batch, peers: Sequence[Sender]) -> None:
+    """On the leader: send the replica's batch to every other rank of its TP/CP/PP group."""
+    ids = list(batch)
+    arrays = {f"{i}/{c}": a for i, sid in enumerate(ids) for c, a in batch[sid].items()}
+    header, bufs = pack_arrays(arrays, {"ids": ids})
+    for peer in peers:
+        peer.send(header, bufs)
+
+
+def receive_replica(receiver: Receiver, *, timeout_s: float = 120.0) -> tuple[Batch, Frame]:
+    """On a non-leader rank: the batch its leader replicated (views; release the frame)."""
+    frame = receiver.recv(timeout_s)
+    return unpack_batch(frame), frame
+
+
+def concat_micro_batch(
+    batch: Mapping[str, Mapping[str, np.ndarray]], sample_ids: Sequence[str], column: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """Pack one column of a micro-batch into one sequence plus cumulative lengths (cu_seqlens)."""
+    parts = [np.atleast_1d(batch[sid][column]) for sid in sample_ids]
+    cu = np.zeros(len(parts) + 1, np.int32)
+    np.cumsum([len(p) for p in parts], out=cu[1:])
+    return (np.concatenate(parts) if parts else np.empty(0)), cu
+
+
+__all__ = [
+    "Batch", "DispatchPlan", "FetchOp", "ReplicaPlan", "concat_micro_batch", "gather_replica",
+    "plan_step", "receive_replica", "replicate",
+]

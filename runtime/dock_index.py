@@ -1,0 +1,391 @@
+"""The transfer dock's metadata index: which columns of which samples are ready on which shard.
+
+Pure bookkeeping, no tensors, no I/O, a fake-able clock: the index actor (runtime/dock.py) wraps
+it. A sample is registered by the shard that produced it and may gain columns on other shards
+(a reference actor adds ``ref_logprobs`` on its own shard). Each consuming *stage* takes samples
+under a *lease*; `ack` marks them consumed by that stage, and a sample every stage has acked is
+evicted. Leases that time out or are released go back to the pool; acked samples are never
+handed out again to the same stage. When a shard dies, the samples whose columns it held are
+reported for re-production (`take_lost`) -- whole GRPO groups at a time -- never dropped silently.
+
+Not here: waiting (`put` awaiting capacity, consumers awaiting samples) -- see runtime/dock.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+CONTRACT_COLUMNS = (
+    "input_ids", "loss_mask", "rollout_logprobs", "versions", "ref_logprobs", "rewards",
+    "advantages", "values",
+)
+
+
+class WouldBlock(Exception):
+    """The operation would have to wait (dock full, or not enough ready samples)."""
+
+
+class LeaseError(KeyError):
+    """The lease is unknown: already acked, released, expired, or cancelled by a shard loss."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SampleInfo:
+    """What a producer registers: one sample whose `columns` (name -> nbytes) live on `shard`."""
+
+    sample_id: str
+    group_id: str
+    group_size: int = 1
+    length: int
+    version: int
+    shard: str
+    columns: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    """Where one leased sample's columns are: column -> shard."""
+
+    sample_id: str
+    group_id: str
+    length: int
+    version: int
+    columns: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    lease_id: int
+    stage: str
+    columns: tuple[str, ...]
+    samples: tuple[Location, ...]
+
+    def fetches(self) -> dict[str, tuple[list[str], list[str]]]:
+        """shard -> (sample ids, columns) to fetch from it, in lease order."""
+        out: dict[str, tuple[list[str], list[str]]] = {}
+        for loc in self.samples:
+            for shard in sorted({loc.columns[c] for c in self.columns}):
+                cols = [c for c in self.columns if loc.columns[c] == shard]
+                ids, have = out.setdefault(shard, ([], cols))
+                assert have == cols, "samples of one lease keep their columns on the same shards"
+                ids.append(loc.sample_id)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class AckResult:
+    evict: dict[str, list[str]]  # shard -> sample ids every stage has consumed
+    acked: dict[str, list[str]]  # producer shard -> sample ids this stage consumed (for rebuild)
+
+
+@dataclass(frozen=True, slots=True)
+class LostSample:
+    sample_id: str
+    group_id: str
+    missing: tuple[str, ...]  # columns that were on the dead shard
+
+
+@dataclass(frozen=True, slots=True)
+class DockStatistics:
+    samples: int
+    capacity: int
+    ready: dict[str, int]  # column -> samples with it
+    bytes_per_shard: dict[str, int]
+    leased: int
+    consumed: dict[str, int]  # stage -> samples acked and still resident
+    lost: int  # samples awaiting re-production
+    waiting_producers: int
+    waiting_consumers: int
+
+
+@dataclass(slots=True)
+class _Entry:
+    info: SampleInfo
+    seq: int
+    columns: dict[str, tuple[str, int]]  # column -> (shard, nbytes)
+    acked: set[str] = field(default_factory=set)
+    leased: dict[str, int] = field(default_factory=dict)  # stage -> lease id
+
+
+class DockIndex:
+    """Args:
+        stages: every stage that consumes each sample; eviction waits for all of them.
+        capacity: most resident samples; `register` raises WouldBlock beyond it.
+        columns: the columns producers may write (requests for others are errors).
+        lease_timeout_s: leases older than this return to the pool on `expire()`.
+        clock: monotonic seconds (fake it in tests).
+    """
+
+    def __init__(
+        self,
+        *,
+        stages: Sequence[str],
+        capacity: int,
+        columns: Iterable[str] = CONTRACT_COLUMNS,
+        lease_timeout_s: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not stages:
+            raise ValueError("stages must name at least one consuming stage, e.g. ['train']")
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.stages, self.capacity = tuple(stages), capacity
+        self.known_columns = frozenset(columns)
+        self.lease_timeout_s, self._clock = lease_timeout_s, clock
+        self._samples: dict[str, _Entry] = {}
+        self._groups: dict[str, list[str]] = {}
+        self._leases: dict[int, tuple[Lease, float]] = {}
+        self._lost: list[LostSample] = []
+        self._seq = itertools.count()
+        self._lease_ids = itertools.count(1)
+        self.waiting_producers = 0
+        self.waiting_consumers = 0
+
+    # -- producers --------------------------------------------------------------------------
+
+    def has_room(self) -> bool:
+        return len(self._samples) < self.capacity
+
+    def register(self, info: SampleInfo) -> None:
+        """Record a new sample; raises WouldBlock when the dock is full."""
+        if info.sample_id in self._samples:
+            raise ValueError(f"sample_id {info.sample_id!r} already registered; ids must be unique")
+        self._check_columns(info.columns)
+        if not 1 <= info.group_size <= self.capacity:
+            raise ValueError(
+                f"group_size {info.group_size} must be in [1, capacity={self.capacity}]; "
+                "raise the dock capacity so a whole group fits"
+            )
+        group = self._groups.get(info.group_id, [])
+        if len(group) >= info.group_size:
+            raise ValueError(
+                f"group {info.group_id!r} already has {len(group)} samples but group_size is "
+                f"{info.group_size}; give every sample of a group the same group_size"
+            )
+        if not self.has_room():
+            raise WouldBlock(f"dock full ({self.capacity} samples)")
+        cols = {c: (info.shard, nb) for c, nb in info.columns.items()}
+        self._samples[info.sample_id] = _Entry(info=info, seq=next(self._seq), columns=cols)
+        self._groups.setdefault(info.group_id, []).append(info.sample_id)
+
+    def add_columns(self, sample_id: str, shard: str, columns: Mapping[str, int]) -> None:
+        """A later stage wrote more columns of `sample_id` on `shard`."""
+        e = self._samples.get(sample_id)
+        if e is None:
+            raise ValueError(f"sample {sample_id!r} is not in the dock (evicted or never put)")
+        self._check_columns(columns)
+        for c, nb in columns.items():
+            e.columns[c] = (shard, nb)
+
+    def _check_columns(self, columns: Iterable[str]) -> None:
+        unknown = sorted(set(columns) - self.known_columns)
+        if unknown:
+            raise ValueError(
+                f"column(s) {unknown} are produced by nobody; known columns: "
+                f"{sorted(self.known_columns)} (declare new ones in the dock's columns)"
+            )
+
+    # -- consumers --------------------------------------------------------------------------
+
+    def take(
+        self,
+        stage: str,
+        columns: Sequence[str],
+        n: int,
+        *,
+        whole_groups: bool = True,
+        min_version: int | None = None,
+    ) -> Lease:
+        """Lease `n` samples that have `columns` ready and `stage` has not consumed.
+
+        With `whole_groups`, only complete groups are handed out, oldest first, and `n` must be
+        reachable exactly by whole groups. Raises WouldBlock when not enough are ready yet.
+        """
+        if stage not in self.stages:
+            raise ValueError(f"unknown stage {stage!r}; the dock's stages are {list(self.stages)}")
+        if not columns:
+            raise ValueError("columns must name at least one column to fetch")
+        self._check_columns(columns)
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        self.expire()
+
+        def ready(e: _Entry) -> bool:
+            return (
+                stage not in e.acked
+                and stage not in e.leased
+                and all(c in e.columns for c in columns)
+                and (min_version is None or e.info.version >= min_version)
+            )
+
+        chosen: list[_Entry] = []
+        if whole_groups:
+            groups = []
+            for ids in self._groups.values():
+                es = [self._samples[i] for i in ids]
+                if len(es) == es[0].info.group_size and all(ready(e) for e in es):
+                    groups.append((min(e.seq for e in es), es))
+            for _, es in sorted(groups, key=lambda g: g[0]):
+                if len(chosen) + len(es) <= n:
+                    chosen += sorted(es, key=lambda e: e.seq)
+        else:
+            chosen = sorted((e for e in self._samples.values() if ready(e)), key=lambda e: e.seq)
+            chosen = chosen[:n]
+        if len(chosen) < n:
+            raise WouldBlock(f"{len(chosen)} of {n} samples ready for stage {stage!r}")
+        lease = Lease(
+            lease_id=next(self._lease_ids),
+            stage=stage,
+            columns=tuple(columns),
+            samples=tuple(
+                Location(
+                    sample_id=e.info.sample_id,
+                    group_id=e.info.group_id,
+                    length=e.info.length,
+                    version=e.info.version,
+                    columns={c: e.columns[c][0] for c in columns},
+                )
+                for e in chosen
+            ),
+        )
+        for e in chosen:
+            e.leased[stage] = lease.lease_id
+        self._leases[lease.lease_id] = (lease, self._clock() + self.lease_timeout_s)
+        return lease
+
+    def ack(self, lease_id: int) -> AckResult:
+        """Mark a lease's samples consumed by its stage; evict those every stage consumed."""
+        lease = self._pop_lease(lease_id)
+        evict: dict[str, list[str]] = {}
+        acked: dict[str, list[str]] = {}
+        for loc in lease.samples:
+            e = self._samples[loc.sample_id]
+            e.acked.add(lease.stage)
+            acked.setdefault(e.info.shard, []).append(loc.sample_id)
+            if e.acked.issuperset(self.stages):
+                for shard in self._remove(loc.sample_id):
+                    evict.setdefault(shard, []).append(loc.sample_id)
+        return AckResult(evict=evict, acked=acked)
+
+    def release(self, lease_id: int) -> None:
+        """Return a lease's samples to the pool (the consumer failed or gave up)."""
+        self._pop_lease(lease_id)
+
+    def _pop_lease(self, lease_id: int) -> Lease:
+        item = self._leases.pop(lease_id, None)
+        if item is None:
+            raise LeaseError(f"lease {lease_id} is not active (acked, released or expired)")
+        lease = item[0]
+        for loc in lease.samples:
+            e = self._samples.get(loc.sample_id)
+            if e is not None and e.leased.get(lease.stage) == lease_id:
+                del e.leased[lease.stage]
+        return lease
+
+    def expire(self) -> list[int]:
+        """Release leases past their deadline; returns their ids."""
+        now = self._clock()
+        dead = [lid for lid, (_, deadline) in self._leases.items() if deadline <= now]
+        for lid in dead:
+            self._pop_lease(lid)
+        return dead
+
+    # -- faults and eviction ----------------------------------------------------------------
+
+    def drop_shard(self, shard: str) -> dict[str, list[str]]:
+        """A shard died: its samples' groups go to `take_lost`; returns evictions elsewhere."""
+        hit_groups = {
+            e.info.group_id
+            for e in self._samples.values()
+            if any(s == shard for s, _ in e.columns.values())
+        }
+        evict: dict[str, list[str]] = {}
+        for gid in hit_groups:
+            for sid in list(self._groups.get(gid, [])):
+                e = self._samples[sid]
+                missing = tuple(sorted(c for c, (s, _) in e.columns.items() if s == shard))
+                self._lost.append(LostSample(sid, gid, missing))
+                for s in self._remove(sid):
+                    if s != shard:
+                        evict.setdefault(s, []).append(sid)
+        return evict
+
+    def evict_stale(self, min_version: int) -> dict[str, list[str]]:
+        """Drop samples older than `min_version` (reported as lost for re-production)."""
+        stale_groups = {e.info.group_id for e in self._samples.values()
+                        if e.info.version < min_version}
+        evict: dict[str, list[str]] = {}
+        for gid in stale_groups:
+            for sid in list(self._groups.get(gid, [])):
+                self._lost.append(LostSample(sid, gid, ()))
+                for s in self._remove(sid):
+                    evict.setdefault(s, []).append(sid)
+        return evict
+
+    def take_lost(self) -> list[LostSample]:
+        """Samples that must be produced again (shard died, or stale); clears the list."""
+        out, self._lost = self._lost, []
+        return out
+
+    def _remove(self, sample_id: str) -> set[str]:
+        e = self._samples.pop(sample_id)
+        for lid in set(e.leased.values()):  # leases touching a removed sample are void
+            if lid in self._leases:
+                self._pop_lease(lid)
+        ids = self._groups[e.info.group_id]
+        ids.remove(sample_id)
+        if not ids:
+            del self._groups[e.info.group_id]
+        return {s for s, _ in e.columns.values()}
+
+    # -- introspection and recovery ---------------------------------------------------------
+
+    def location(self, sample_id: str) -> dict[str, str]:
+        return {c: s for c, (s, _) in self._samples[sample_id].columns.items()}
+
+    def statistics(self) -> DockStatistics:
+        ready: dict[str, int] = {}
+        per_shard: dict[str, int] = {}
+        consumed = {s: 0 for s in self.stages}
+        for e in self._samples.values():
+            for c, (s, nb) in e.columns.items():
+                ready[c] = ready.get(c, 0) + 1
+                per_shard[s] = per_shard.get(s, 0) + nb
+            for s in e.acked:
+                consumed[s] += 1
+        return DockStatistics(
+            samples=len(self._samples),
+            capacity=self.capacity,
+            ready=ready,
+            bytes_per_shard=per_shard,
+            leased=sum(len(lease.samples) for lease, _ in self._leases.values()),
+            consumed=consumed,
+            lost=len(self._lost),
+            waiting_producers=self.waiting_producers,
+            waiting_consumers=self.waiting_consumers,
+        )
+
+    def restore(
+        self,
+        infos: Iterable[tuple[SampleInfo, Iterable[str]]],
+        extra: Iterable[tuple[str, str, Mapping[str, int]]] = (),
+    ) -> None:
+        """Rebuild after an index restart from the shards' reports.
+
+        Args:
+            infos: (registration, stages that acked it) from each sample's producer shard.
+            extra: (sample_id, shard, columns) added later on other shards.
+        Leases in flight at the crash are forgotten, so their samples become available again.
+        """
+        for info, acked in infos:  # in production order, so FIFO survives
+            cols = {c: (info.shard, nb) for c, nb in info.columns.items()}
+            self._samples[info.sample_id] = _Entry(
+                info=info, seq=next(self._seq), columns=cols, acked=set(acked)
+            )
+            self._groups.setdefault(info.group_id, []).append(info.sample_id)
+        for sid, shard, columns in extra:
+            if sid in self._samples:
+                self.add_columns(sid, shard, columns)

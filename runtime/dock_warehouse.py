@@ -1,0 +1,155 @@
+"""One warehouse shard of the transfer dock: the column arrays a producer made, kept in place.
+
+Pure storage plus the batch codec; the producer process owns it and serves fetches from it
+(runtime/dock.py sends the packed batch over a transport). It remembers each sample's
+registration and which stages acked it, so a restarted index can be rebuilt from the shards.
+
+Not here: deciding what is ready or consumed (runtime/dock_index.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from earl.runtime.dock_index import SampleInfo
+from earl.runtime.transport.base import Frame, pack_arrays, unpack_arrays
+
+DTYPES = {
+    "input_ids": np.int64,
+    "loss_mask": (np.int8, np.bool_),
+    "rollout_logprobs": np.float32,
+    "versions": np.int32,
+    "ref_logprobs": np.float32,
+    "rewards": np.float32,
+    "advantages": np.float32,
+    "values": np.float32,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class WarehouseStatistics:
+    name: str
+    samples: int
+    nbytes: int
+
+
+class Warehouse:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._data: dict[str, dict[str, np.ndarray]] = {}
+        self._infos: dict[str, SampleInfo] = {}  # samples this shard registered
+        self._acked: dict[str, set[str]] = {}
+        self._nbytes = 0
+
+    def put(
+        self,
+        sample_id: str,
+        columns: Mapping[str, np.ndarray],
+        *,
+        group_id: str | None = None,
+        group_size: int = 1,
+    ) -> SampleInfo | dict[str, int]:
+        """Store columns of one sample.
+
+        With `group_id` this is a new sample (returns its SampleInfo to register); without, it
+        adds columns to a sample registered elsewhere (returns column -> nbytes).
+        """
+        cols = {c: _check(sample_id, c, a) for c, a in columns.items()}
+        if not cols:
+            raise ValueError(f"sample {sample_id!r}: put needs at least one column")
+        lengths = {len(a) for a in cols.values() if a.ndim == 1 and a.size > 1}
+        if len(lengths) > 1:
+            raise ValueError(f"sample {sample_id!r}: per-token columns disagree on length "
+                             f"{sorted(lengths)}; every 1-D column must have the sample's length")
+        store = self._data.setdefault(sample_id, {})
+        for c, a in cols.items():
+            if c in store:
+                self._nbytes -= store[c].nbytes
+            store[c] = a
+            self._nbytes += a.nbytes
+        sizes = {c: a.nbytes for c, a in cols.items()}
+        if group_id is None:
+            return sizes
+        if "versions" in cols and cols["versions"].size:
+            version = int(cols["versions"].min())
+        else:
+            raise ValueError(f"sample {sample_id!r}: a new sample needs a 'versions' column "
+                             "(policy version per token)")
+        length = max((len(a) for a in cols.values() if a.ndim == 1), default=0)
+        info = SampleInfo(sample_id=sample_id, group_id=group_id, group_size=group_size,
+                          length=length, version=version, shard=self.name, columns=sizes)
+        self._infos[sample_id] = info
+        return info
+
+    def get(self, sample_ids: Sequence[str], columns: Sequence[str]) -> dict[str, np.ndarray]:
+        """Arrays named ``"<i>/<column>"`` for the i-th requested sample (no copies)."""
+        out = {}
+        for i, sid in enumerate(sample_ids):
+            store = self._data.get(sid)
+            if store is None:
+                raise KeyError(f"warehouse {self.name} has no sample {sid!r}")
+            for c in columns:
+                if c not in store:
+                    raise KeyError(f"warehouse {self.name} has no column {c!r} of {sid!r}")
+                out[f"{i}/{c}"] = store[c]
+        return out
+
+    def pack(self, sample_ids: Sequence[str], columns: Sequence[str]) -> tuple[bytes, list]:
+        """A transport frame with the requested columns; `unpack_batch` reverses it."""
+        return pack_arrays(self.get(sample_ids, columns), {"ids": list(sample_ids)})
+
+    def mark_acked(self, sample_ids: Iterable[str], stage: str) -> None:
+        for sid in sample_ids:
+            if sid in self._infos:
+                self._acked.setdefault(sid, set()).add(stage)
+
+    def evict(self, sample_ids: Iterable[str]) -> None:
+        for sid in sample_ids:
+            store = self._data.pop(sid, {})
+            self._nbytes -= sum(a.nbytes for a in store.values())
+            self._infos.pop(sid, None)
+            self._acked.pop(sid, None)
+
+    def report(self) -> tuple[list[tuple[SampleInfo, list[str]]], list[tuple[str, str, dict]]]:
+        """For `DockIndex.restore`: (own samples with acked stages, columns added here)."""
+        own = [(info, sorted(self._acked.get(sid, ()))) for sid, info in self._infos.items()]
+        extra = [
+            (sid, self.name, {c: a.nbytes for c, a in store.items()})
+            for sid, store in self._data.items()
+            if sid not in self._infos
+        ]
+        return own, extra
+
+    def statistics(self) -> WarehouseStatistics:
+        return WarehouseStatistics(name=self.name, samples=len(self._data), nbytes=self._nbytes)
+
+
+def _check(sample_id: str, column: str, a: object) -> np.ndarray:
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"sample {sample_id!r} column {column!r} is {type(a).__name__}; "
+                        "pass a numpy array (tensor.numpy() for CPU tensors)")
+    want = DTYPES.get(column)
+    if want is not None:
+        allowed = want if isinstance(want, tuple) else (want,)
+        if a.dtype not in [np.dtype(t) for t in allowed]:
+            names = " or ".join(np.dtype(t).name for t in allowed)
+            raise TypeError(f"sample {sample_id!r} column {column!r} has dtype {a.dtype}; "
+                            f"it must be {names}")
+    if a.ndim > 1:
+        raise ValueError(f"sample {sample_id!r} column {column!r} has shape {a.shape}; "
+                         "dock columns are 1-D per sample (or scalars)")
+    return np.ascontiguousarray(a)
+
+
+def unpack_batch(frame: Frame, *, copy: bool = False) -> dict[str, dict[str, np.ndarray]]:
+    """sample_id -> column -> array, from a frame made by `Warehouse.pack`."""
+    arrays, meta = unpack_arrays(frame, copy=copy)
+    ids = meta["ids"]
+    assert isinstance(ids, list)
+    out: dict[str, dict[str, np.ndarray]] = {sid: {} for sid in ids}
+    for key, arr in arrays.items():
+        i, col = key.split("/", 1)
+        out[ids[int(i)]][col] = arr
+    return out

@@ -1,0 +1,170 @@
+"""Dock bookkeeping: readiness, groups, leases/acks, capacity, shard loss, restart."""
+
+import numpy as np
+import pytest
+from earl.runtime.dock_index import DockIndex, LeaseError, SampleInfo, WouldBlock
+from earl.runtime.dock_warehouse import Warehouse
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def info(sid, gid="g0", size=1, shard="w0", version=0, length=4, cols=("input_ids", "versions")):
+    return SampleInfo(sample_id=sid, group_id=gid, group_size=size, length=length,
+                      version=version, shard=shard, columns={c: 8 * length for c in cols})
+
+
+def make(**kw):
+    kw.setdefault("stages", ["ref", "train"])
+    kw.setdefault("capacity", 16)
+    return DockIndex(**kw)
+
+
+def test_take_waits_for_columns_then_hands_each_sample_once_per_stage():
+    ix = make()
+    for i in range(4):
+        ix.register(info(f"s{i}", gid=f"g{i}"))
+    with pytest.raises(WouldBlock):
+        ix.take("train", ["input_ids", "ref_logprobs"], 2)
+    a = ix.take("ref", ["input_ids"], 2)
+    b = ix.take("ref", ["input_ids"], 2)
+    assert {x.sample_id for x in a.samples} == {"s0", "s1"}  # FIFO
+    assert {x.sample_id for x in b.samples} == {"s2", "s3"}
+    with pytest.raises(WouldBlock):
+        ix.take("ref", ["input_ids"], 1)  # all leased by this stage
+    for i in range(4):
+        ix.add_columns(f"s{i}", "w1", {"ref_logprobs": 16})
+    t = ix.take("train", ["input_ids", "ref_logprobs"], 4)  # other stages are independent
+    assert t.fetches() == {"w0": (["s0", "s1", "s2", "s3"], ["input_ids"]),
+                           "w1": (["s0", "s1", "s2", "s3"], ["ref_logprobs"])}
+    ix.ack(a.lease_id)
+    with pytest.raises(LeaseError):
+        ix.ack(a.lease_id)  # never acked twice
+    res = ix.ack(t.lease_id)
+    assert res.evict == {"w0": ["s0", "s1"], "w1": ["s0", "s1"]}  # both stages done
+    assert ix.statistics().samples == 2
+
+
+def test_whole_groups_only():
+    ix = make()
+    ix.register(info("a0", "A", 2))
+    ix.register(info("b0", "B", 2))
+    ix.register(info("b1", "B", 2))
+    lease = ix.take("train", ["input_ids"], 2)
+    assert [x.sample_id for x in lease.samples] == ["b0", "b1"]  # A incomplete
+    with pytest.raises(WouldBlock):
+        ix.take("train", ["input_ids"], 2)
+    ix.register(info("a1", "A", 2))
+    with pytest.raises(WouldBlock):
+        ix.take("train", ["input_ids"], 3)  # not reachable with whole groups of 2
+    assert len(ix.take("train", ["input_ids"], 2).samples) == 2
+
+
+def test_expired_or_released_lease_returns_samples_and_late_ack_fails():
+    clock = Clock()
+    ix = make(clock=clock, lease_timeout_s=10)
+    ix.register(info("s0", "A"))
+    first = ix.take("train", ["input_ids"], 1)
+    clock.t = 11
+    again = ix.take("train", ["input_ids"], 1)  # the dead consumer's lease expired
+    assert again.samples[0].sample_id == "s0"
+    with pytest.raises(LeaseError):
+        ix.ack(first.lease_id)  # the late consumer cannot ack what someone else holds
+    ix.release(again.lease_id)
+    third = ix.take("train", ["input_ids"], 1)
+    ix.ack(third.lease_id)
+    with pytest.raises(WouldBlock):
+        ix.take("train", ["input_ids"], 1)  # acked: never handed out again
+
+
+def test_capacity_backpressure_and_eviction_frees_room():
+    ix = make(stages=["train"], capacity=2)
+    ix.register(info("s0", "A"))
+    ix.register(info("s1", "B"))
+    with pytest.raises(WouldBlock):
+        ix.register(info("s2", "C"))
+    ix.ack(ix.take("train", ["input_ids"], 1).lease_id)
+    ix.register(info("s2", "C"))
+    with pytest.raises(ValueError, match="group 'C' already has 1 samples but group_size is 1"):
+        ix.register(info("s3", "C"))
+    with pytest.raises(ValueError, match="group_size 3 must be in \\[1, capacity=2\\]"):
+        ix.register(info("s9", "G", 3))
+
+
+def test_unknown_columns_and_stages_are_clear_errors():
+    ix = make()
+    with pytest.raises(ValueError, match="produced by nobody"):
+        ix.take("train", ["input_ids", "logits"], 1)
+    with pytest.raises(ValueError, match="unknown stage 'critic'"):
+        ix.take("critic", ["input_ids"], 1)
+    with pytest.raises(ValueError, match="produced by nobody"):
+        ix.register(info("s0", cols=("pixels",)))
+
+
+def test_dead_shard_requeues_whole_groups_for_reproduction_never_drops():
+    ix = make()
+    ix.register(info("a0", "A", 2, shard="w0"))
+    ix.register(info("a1", "A", 2, shard="w1"))
+    ix.register(info("b0", "B", 1, shard="w1"))
+    ix.register(info("c0", "C", 1, shard="w2"))
+    lease = ix.take("train", ["input_ids"], 2)
+    evict = ix.drop_shard("w0")
+    assert evict == {"w1": ["a1"]}  # the surviving half of group A is dropped with it
+    lost = ix.take_lost()
+    assert {(x.sample_id, x.group_id) for x in lost} == {("a0", "A"), ("a1", "A")}
+    assert next(x for x in lost if x.sample_id == "a0").missing == ("input_ids", "versions")
+    with pytest.raises(LeaseError):
+        ix.ack(lease.lease_id)  # its data is gone
+    rest = ix.take("train", ["input_ids"], 2)
+    assert {x.sample_id for x in rest.samples} == {"b0", "c0"}
+    st = ix.statistics()
+    assert st.samples == 2 and st.lost == 0 and st.leased == 2
+
+
+def test_version_filter_and_stale_eviction():
+    ix = make()
+    ix.register(info("old", "O", version=1))
+    ix.register(info("new", "N", version=5))
+    lease = ix.take("train", ["input_ids"], 1, min_version=3)
+    assert lease.samples[0].sample_id == "new" and lease.samples[0].version == 5
+    assert ix.evict_stale(3) == {"w0": ["old"]}
+    assert [x.sample_id for x in ix.take_lost()] == ["old"]
+
+
+def test_statistics_report_readiness_bytes_and_consumption():
+    ix = make()
+    ix.register(info("s0", "A", shard="w0", length=4))
+    ix.register(info("s1", "B", shard="w1", length=2))
+    ix.add_columns("s0", "w2", {"ref_logprobs": 16})
+    ix.ack(ix.take("ref", ["input_ids"], 1).lease_id)
+    st = ix.statistics()
+    assert st.ready == {"input_ids": 2, "versions": 2, "ref_logprobs": 1}
+    assert st.bytes_per_shard == {"w0": 64, "w1": 32, "w2": 16}
+    assert st.consumed == {"ref": 1, "train": 0}
+
+
+def test_index_restart_rebuilds_from_warehouses():
+    w0, w1 = Warehouse("w0"), Warehouse("w1")
+    ix = make()
+    for i, w in enumerate([w0, w0, w1]):
+        cols = {"input_ids": np.arange(3, dtype=np.int64), "versions": np.zeros(3, np.int32)}
+        ix.register(w.put(f"s{i}", cols, group_id=f"g{i}"))
+    w1.put("s0", {"ref_logprobs": np.zeros(3, np.float32)})
+    ix.add_columns("s0", "w1", {"ref_logprobs": 12})
+    res = ix.ack(ix.take("train", ["input_ids"], 1).lease_id)
+    for shard, ids in res.acked.items():
+        {"w0": w0, "w1": w1}[shard].mark_acked(ids, "train")
+    ix.take("ref", ["input_ids"], 2)  # in flight when the index dies
+    fresh = make()
+    for w in (w0, w1):
+        own, extra = w.report()
+        fresh.restore(own, extra)
+    assert fresh.location("s0") == {"input_ids": "w0", "versions": "w0", "ref_logprobs": "w1"}
+    # the in-flight ref lease is forgotten -> available; train's ack survived
+    assert len(fresh.take("ref", ["input_ids"], 3, whole_groups=False).samples) == 3
+    assert [x.sample_id for x in fresh.take("train", ["input_ids"], 2).samples] == ["s1", "s2"]
