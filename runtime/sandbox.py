@@ -27,6 +27,7 @@ __all__ = ["SandboxLimits", "SandboxResult", "isolation_available", "run_python"
 
 _CLONE_NEWNS, _CLONE_NEWNET = 0x00020000, 0x40000000
 _MS_RDONLY, _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 1, 32, 4096, 16384, 1 << 18
+_PR_SET_PDEATHSIG = 1
 _UID_BASE = 1_000_000  # run uid = base + child pid: unique among live runs, never a real user
 _ENV = {"PATH": "/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/work", "LANG": "C.UTF-8",
         "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1"}
@@ -142,6 +143,8 @@ def _preexec(limits: SandboxLimits, root: str | None, work: str) -> None:
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
+    # Die with the worker that started us (set after setuid, which clears it).
+    _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
     resource.setrlimit(resource.RLIMIT_AS, (limits.memory_mb * mb, limits.memory_mb * mb))
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_mb * mb, limits.file_mb * mb))
