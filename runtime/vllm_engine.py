@@ -1,0 +1,383 @@
+"""vLLM in this process: token-id generation with sampling log-probs, per-token policy versions,
+and in-place weight updates. It implements `earl.engine.Engine`.
+
+One dedicated thread owns vLLM's V1 `LLMEngine` (in-process core, no EngineCore subprocess):
+it applies queued commands (add, abort, weight load) between `step()` calls and hands each
+step's new tokens to the asyncio loop, tagged with the policy version the step ran under.
+Running the model in a thread keeps the event loop free for agent coroutines and RPC (torch
+releases the GIL in its kernels); keeping the core in-process lets weight updates pass tensors
+by reference instead of pickling them to a subprocess.
+
+This module is not the actor (`earl.runtime.rollout`), and knows nothing about chat templates.
+
+Example:
+    >>> async with VLLMEngine(EngineConfig(model=str(default_model_dir()))) as eng:
+    ...     gen = await eng.generate([1, 50, 51], SamplingParams(max_tokens=8))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, TypeVar
+
+from earl.engine import ContextLengthError, Generation, SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["EngineConfig", "RolloutStatistics", "VLLMEngine", "VLLMRollout", "UpdateMode"]
+
+T = TypeVar("T")
+UpdateMode = Literal["drain", "inflight"]
+Weights = Mapping[str, "torch.Tensor"] | Iterable[tuple[str, "torch.Tensor"]]
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineConfig:
+    """What vLLM serves and how big it may get.
+
+    Args:
+        model: path of an HF folder (e.g. `earl.models.tiny.default_model_dir()`).
+        max_model_len: prompt + generated tokens limit; longer calls raise ContextLengthError.
+        dtype: "auto" (the checkpoint's), "float32" or "bfloat16".
+        kv_cache_gb: CPU KV-cache size (VLLM_CPU_KVCACHE_SPACE).
+        max_num_seqs: most sequences decoded together (continuous batching width).
+        threads: torch/OpenMP threads of the engine thread (vLLM freezes it after start).
+        seed: engine seed (per-request seeds come from SamplingParams.seed).
+        logprobs_mode: "processed_logprobs" = log-probs of the distribution actually sampled
+            (after temperature/top-k/top-p); "raw_logprobs" = of the model's plain softmax.
+    """
+
+    model: str
+    max_model_len: int = 2048
+    dtype: str = "auto"
+    kv_cache_gb: float = 1.0
+    max_num_seqs: int = 256
+    threads: int = 1
+    seed: int = 0
+    logprobs_mode: str = "processed_logprobs"
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 2:
+            raise ValueError(f"EngineConfig.max_model_len must be >= 2, got {self.max_model_len}")
+        if self.threads < 1:
+            raise ValueError(f"EngineConfig.threads must be >= 1, got {self.threads}")
+        if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
+            raise ValueError("EngineConfig.logprobs_mode must be 'processed_logprobs' or "
+                             f"'raw_logprobs', got {self.logprobs_mode!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutStatistics:
+    """Counters of one engine (fed to the selector and `earl inspect`)."""
+
+    requests: int
+    in_flight: int
+    prompt_tokens: int
+    generated_tokens: int
+    context_length_errors: int
+    aborted: int
+    steps: int
+    busy_s: float
+    policy_version: int
+    weight_updates: int
+    last_weight_sync_s: float
+    max_model_len: int
+
+
+class _Request:
+    __slots__ = ("future", "logprobs", "prompt_tokens", "token_ids", "versions")
+
+    def __init__(self, future: asyncio.Future[Generation], prompt_tokens: int) -> None:
+        self.future = future
+        self.prompt_tokens = prompt_tokens
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+
+
+class VLLMEngine:
+    """An in-process vLLM engine speaking `earl.engine.Engine` (see module docstring)."""
+
+    def __init__(self, config: EngineConfig, *, policy_version: int = 0) -> None:
+        self.config = config
+        self._version = policy_version
+        self._cmds: queue.SimpleQueue[tuple[Callable[[object], object], concurrent.futures.Future]
+                                      | None] = queue.SimpleQueue()
+        self._reqs: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._admit = asyncio.Event()
+        self._admit.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._tied = False
+        self._n = dict(requests=0, prompt_tokens=0, generated_tokens=0, ctx_errors=0, aborted=0,
+                       steps=0, updates=0)
+        self._busy_s = 0.0
+        self._last_sync_s = 0.0
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Build the engine in its thread; returns once it can serve (or raises its error)."""
+        if self._thread is not None:
+            raise RuntimeError("VLLMEngine.start() called twice")
+        self._loop = asyncio.get_running_loop()
+        ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name="vllm-engine",
+                                        daemon=True)
+        self._thread.start()
+        await asyncio.wrap_future(ready)
+
+    async def close(self) -> None:
+        """Abort outstanding requests and stop the engine thread."""
+        if self._thread is None:
+            return
+        self._cmds.put(None)
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+        for req in self._reqs.values():
+            if not req.future.done():
+                req.future.set_exception(RuntimeError("VLLMEngine closed"))
+        self._reqs.clear()
+
+    async def __aenter__(self) -> VLLMEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    # ---- generation ------------------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, *,
+                       session_id: str | None = None) -> Generation:
+        """Generate from token ids; see `earl.engine.Engine`.
+
+        Raises:
+            ContextLengthError: len(prompt_ids) + params.max_tokens > max_model_len.
+            ValueError: empty prompt or token ids outside the vocabulary.
+        """
+        if not prompt_ids:
+            raise ValueError("generate: prompt_ids is empty; pass at least one token id")
+        if len(prompt_ids) + params.max_tokens > self.config.max_model_len:
+            self._n["ctx_errors"] += 1
+            raise ContextLengthError(
+                f"prompt of {len(prompt_ids)} tokens + max_tokens={params.max_tokens} exceeds "
+                f"max_model_len={self.config.max_model_len}: shorten the prompt or max_tokens")
+        await self._admit.wait()
+        assert self._loop is not None, "call start() first"
+        rid = f"{session_id or 'r'}-{next(self._ids)}"
+        req = _Request(self._loop.create_future(), len(prompt_ids))
+        self._reqs[rid] = req
+        self._idle.clear()
+        self._n["requests"] += 1
+        self._n["prompt_tokens"] += len(prompt_ids)
+        sp = self._vllm_params(params)
+        ids = list(prompt_ids)
+        self._cmds.put((lambda eng: self._add(eng, rid, ids, sp), concurrent.futures.Future()))
+        try:
+            return await req.future
+        except asyncio.CancelledError:
+            self._cmds.put((lambda eng: eng.abort_request([rid]), concurrent.futures.Future()))
+            self._forget(rid)
+            raise
+
+    def _vllm_params(self, p: SamplingParams) -> object:
+        from vllm import SamplingParams as VSP
+        from vllm.sampling_params import RequestOutputKind
+
+        return VSP(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
+                   top_k=p.top_k if p.top_k > 0 else 0, stop_token_ids=list(p.stop_token_ids),
+                   seed=p.seed, logprobs=0, output_kind=RequestOutputKind.DELTA,
+                   detokenize=False, skip_special_tokens=False)
+
+    def _add(self, eng: object, rid: str, ids: list[int], sp: object) -> None:
+        try:
+            eng.add_request(rid, {"prompt_token_ids": ids}, sp)  # type: ignore[attr-defined]
+        except Exception as exc:  # surfaces at the caller of generate()
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._fail, rid, exc)
+
+    def _fail(self, rid: str, exc: BaseException) -> None:
+        req = self._reqs.get(rid)
+        if req is not None and not req.future.done():
+            req.future.set_exception(exc)
+        self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        self._reqs.pop(rid, None)
+        if not self._reqs:
+            self._idle.set()
+
+    def _deliver(self, outs: list[object], version: int) -> None:
+        for out in outs:
+            rid = out.request_id  # type: ignore[attr-defined]
+            req = self._reqs.get(rid)
+            if req is None:
+                continue
+            c = out.outputs[0]  # type: ignore[attr-defined]
+            new = list(c.token_ids)
+            req.token_ids += new
+            if c.logprobs is not None:
+                req.logprobs += [lp[t].logprob for lp, t in zip(c.logprobs, new, strict=True)]
+            req.versions += [version] * len(new)
+            self._n["generated_tokens"] += len(new)
+            if out.finished:  # type: ignore[attr-defined]
+                reason = c.finish_reason or "abort"
+                if reason == "abort":
+                    self._n["aborted"] += 1
+                if not req.future.done():
+                    req.future.set_result(Generation(
+                        token_ids=req.token_ids, logprobs=req.logprobs, versions=req.versions,
+                        finish_reason=reason, prompt_tokens=req.prompt_tokens))
+                self._forget(rid)
+
+    # ---- weights ---------------------------------------------------------------------------
+    async def update_weights(self, weights: Weights | None = None, *, path: str | None = None,
+                             version: int | None = None, mode: UpdateMode = "inflight") -> float:
+        """Load new weights in place (HF checkpoint names); returns seconds spent loading.
+
+        Args:
+            weights: a state dict or (name, tensor) pairs; or None with `path` (HF folder).
+            version: the new policy version (default: current + 1).
+            mode: "drain" holds new requests and waits for running ones to finish, then loads;
+                "inflight" loads between two decode steps: running requests are preempted and
+                their KV recomputed with the new weights, so every token generated after the
+                switch comes from, and is tagged with, the new version.
+        """
+        if mode not in ("drain", "inflight"):
+            raise ValueError(f"update_weights: mode must be 'drain' or 'inflight', got {mode!r}")
+        if (weights is None) == (path is None):
+            raise ValueError("update_weights: pass exactly one of weights= or path=")
+        items = list(weights.items() if isinstance(weights, Mapping) else weights or [])
+        new_version = self._version + 1 if version is None else version
+        if mode == "drain":
+            self._admit.clear()
+        try:
+            if mode == "drain":
+                await self._idle.wait()
+            secs = await self._call(lambda eng: self._load(eng, items, path, new_version,
+                                                           mode == "inflight"))
+        finally:
+            self._admit.set()
+        self._n["updates"] += 1
+        self._last_sync_s = secs
+        return secs
+
+    def _load(self, eng: object, items: list[tuple[str, torch.Tensor]], path: str | None,
+              version: int, preempt: bool) -> float:
+        t0 = time.perf_counter()
+        tied = self._tied
+
+        def reload(worker: object) -> None:
+            if path is None:
+                worker.reload_weights(weights_iterator=iter(items))  # type: ignore[attr-defined]
+            else:
+                worker.reload_weights(weights_path=path)  # type: ignore[attr-defined]
+            if tied:  # vLLM reloads embed_tokens only; lm_head must point at it again
+                from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+                model = worker.model_runner.get_model()  # type: ignore[attr-defined]
+                model.lm_head.weight = model.model.embed_tokens.weight
+                dispatch_cpu_unquantized_gemm(model.lm_head, remove_weight=False)
+
+        eng.collective_rpc(reload)  # type: ignore[attr-defined]
+        eng.reset_prefix_cache(reset_running_requests=preempt)  # type: ignore[attr-defined]
+        self._version = version  # steps from now on run the new weights
+        return time.perf_counter() - t0
+
+    async def _call(self, fn: Callable[[object], T]) -> T:
+        """Run `fn(llm_engine)` in the engine thread between two steps."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._cmds.put((fn, fut))  # type: ignore[arg-type]
+        return await asyncio.wrap_future(fut)
+
+    def statistics(self) -> RolloutStatistics:
+        n = self._n
+        return RolloutStatistics(
+            requests=n["requests"], in_flight=len(self._reqs), prompt_tokens=n["prompt_tokens"],
+            generated_tokens=n["generated_tokens"], context_length_errors=n["ctx_errors"],
+            aborted=n["aborted"], steps=n["steps"], busy_s=self._busy_s,
+            policy_version=self._version, weight_updates=n["updates"],
+            last_weight_sync_s=self._last_sync_s, max_model_len=self.config.max_model_len)
+
+    # ---- the engine thread -----------------------------------------------------------------
+    def _build(self) -> object:
+        import torch
+
+        cfg = self.config
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.kv_cache_gb))))
+        torch.set_num_threads(cfg.threads)  # before vLLM turns set_num_threads into a no-op
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        args = EngineArgs(model=cfg.model, dtype=cfg.dtype, max_model_len=cfg.max_model_len,  # type: ignore[arg-type]
+                          enforce_eager=True, seed=cfg.seed, max_num_seqs=cfg.max_num_seqs,
+                          logprobs_mode=cfg.logprobs_mode,  # type: ignore[arg-type]
+                          enable_prefix_caching=cfg.enable_prefix_caching,
+                          async_scheduling=False, disable_log_stats=True)
+        eng = LLMEngine.from_engine_args(args, enable_multiprocessing=False)
+        self._tied = bool(getattr(eng.model_config.hf_config, "tie_word_embeddings", False))
+        return eng
+
+    def _run(self, ready: concurrent.futures.Future[None]) -> None:
+        try:
+            eng = self._build()
+        except BaseException as exc:
+            ready.set_exception(exc)
+            return
+        ready.set_result(None)
+        try:
+            self._serve(eng)
+        finally:
+            shutdown = getattr(getattr(eng, "engine_core", None), "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+
+    def _serve(self, eng: object) -> None:
+        loop = self._loop
+        assert loop is not None
+        while True:
+            busy = eng.has_unfinished_requests()  # type: ignore[attr-defined]
+            try:
+                cmd = self._cmds.get(block=not busy)
+                while True:
+                    if cmd is None:
+                        return
+                    fn, fut = cmd
+                    try:
+                        fut.set_result(fn(eng))
+                    except BaseException as exc:
+                        fut.set_exception(exc)
+                    cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                pass
+            if eng.has_unfinished_requests():  # type: ignore[attr-defined]
+                t0 = time.perf_counter()
+                outs = eng.step()  # type: ignore[attr-defined]
+                self._busy_s += time.perf_counter() - t0
+                self._n["steps"] += 1
+                if outs:
+                    loop.call_soon_threadsafe(self._deliver, outs, self._version)
+
+
+VLLMRollout = VLLMEngine  # the name the issue uses for the engine core
