@@ -26,14 +26,14 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, Self, TypeVar
 
 from earl.engine import ContextLengthError, Generation, SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EngineConfig", "RolloutStatistics", "VLLMEngine", "VLLMRollout", "UpdateMode"]
+__all__ = ["EngineConfig", "RolloutStatistics", "UpdateMode", "VLLMEngine", "VLLMRollout"]
 
 T = TypeVar("T")
 UpdateMode = Literal["drain", "inflight"]
@@ -122,8 +122,8 @@ class VLLMEngine:
         self._idle = asyncio.Event()
         self._idle.set()
         self._tied = False
-        self._n = dict(requests=0, prompt_tokens=0, generated_tokens=0, ctx_errors=0, aborted=0,
-                       steps=0, updates=0)
+        self._n = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "ctx_errors": 0,
+                   "aborted": 0, "steps": 0, "updates": 0}
         self._busy_s = 0.0
         self._last_sync_s = 0.0
 
@@ -151,7 +151,7 @@ class VLLMEngine:
                 req.future.set_exception(RuntimeError("VLLMEngine closed"))
         self._reqs.clear()
 
-    async def __aenter__(self) -> VLLMEngine:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
@@ -205,14 +205,14 @@ class VLLMEngine:
         from vllm.sampling_params import RequestOutputKind
 
         return VSP(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
-                   top_k=p.top_k if p.top_k > 0 else 0, stop_token_ids=list(p.stop_token_ids),
+                   top_k=max(0, p.top_k), stop_token_ids=list(p.stop_token_ids),
                    seed=p.seed, logprobs=0, output_kind=RequestOutputKind.DELTA,
                    detokenize=False, skip_special_tokens=False)
 
     def _add(self, eng: object, rid: str, ids: list[int], sp: object) -> None:
         try:
             eng.add_request(rid, {"prompt_token_ids": ids}, sp)  # type: ignore[attr-defined]
-        except Exception as exc:  # surfaces at the caller of generate()
+        except Exception as exc:  # noqa: BLE001 - surfaces at the caller of generate()
             assert self._loop is not None
             self._loop.call_soon_threadsafe(self._fail, rid, exc)
 
@@ -342,7 +342,7 @@ class VLLMEngine:
     def _run(self, ready: concurrent.futures.Future[None]) -> None:
         try:
             eng = self._build()
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - re-raised by start()
             ready.set_exception(exc)
             return
         ready.set_result(None)
@@ -366,7 +366,7 @@ class VLLMEngine:
                     fn, fut = cmd
                     try:
                         fut.set_result(fn(eng))
-                    except BaseException as exc:
+                    except BaseException as exc:  # noqa: BLE001 - re-raised by the awaiter
                         fut.set_exception(exc)
                     cmd = self._cmds.get_nowait()
             except queue.Empty:

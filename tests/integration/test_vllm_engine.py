@@ -27,7 +27,7 @@ def paths() -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def hf(paths: tuple[Path, Path]):  # noqa: ANN201
+def hf(paths: tuple[Path, Path]):
     from transformers import AutoModelForCausalLM
 
     return [AutoModelForCausalLM.from_pretrained(p).eval() for p in paths]
@@ -43,7 +43,7 @@ async def engine(paths: tuple[Path, Path]) -> AsyncIterator[object]:
     await eng.close()
 
 
-def hf_logprobs(model: object, prompt: list[int], out: list[int]):  # noqa: ANN201
+def hf_logprobs(model: object, prompt: list[int], out: list[int]):
     import torch
 
     ids = torch.tensor([prompt + out])
@@ -62,7 +62,7 @@ def assert_greedy(model: object, prompt: list[int], out: list[int]) -> None:
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
 
-async def test_greedy_matches_transformers(engine, hf) -> None:  # noqa: ANN001
+async def test_greedy_matches_transformers(engine, hf) -> None:
     import torch
 
     gens = await asyncio.gather(*(engine.generate(p, GREEDY) for p in PROMPTS))
@@ -74,7 +74,7 @@ async def test_greedy_matches_transformers(engine, hf) -> None:  # noqa: ANN001
         assert ref == g.token_ids
 
 
-async def test_sampled_logprobs_match_transformers(engine, hf) -> None:  # noqa: ANN001
+async def test_sampled_logprobs_match_transformers(engine, hf) -> None:
     params = SamplingParams(max_tokens=40, temperature=1.0, seed=7)
     g = await engine.generate(PROMPTS[1], params)
     assert len(g.logprobs) == len(g.token_ids) == len(g.versions)
@@ -89,7 +89,7 @@ async def test_sampled_logprobs_match_transformers(engine, hf) -> None:  # noqa:
     assert max(abs(a - b) for a, b in zip(ref2, hot.logprobs, strict=True)) < 1e-3
 
 
-async def test_stop_token_is_kept_and_reported(engine) -> None:  # noqa: ANN001
+async def test_stop_token_is_kept_and_reported(engine) -> None:
     g = await engine.generate(PROMPTS[0], GREEDY)
     stop = g.token_ids[5]
     first = g.token_ids.index(stop)
@@ -98,7 +98,7 @@ async def test_stop_token_is_kept_and_reported(engine) -> None:  # noqa: ANN001
     assert s.finish_reason == "stop" and s.token_ids == g.token_ids[: first + 1]
 
 
-async def test_context_length_error_then_still_serving(engine) -> None:  # noqa: ANN001
+async def test_context_length_error_then_still_serving(engine) -> None:
     with pytest.raises(ContextLengthError, match="max_model_len=512"):
         await engine.generate([1] * 500, SamplingParams(max_tokens=13))
     with pytest.raises(ValueError, match="empty"):
@@ -108,7 +108,7 @@ async def test_context_length_error_then_still_serving(engine) -> None:  # noqa:
     assert engine.statistics().context_length_errors >= 1
 
 
-async def test_cancelled_request_is_aborted(engine) -> None:  # noqa: ANN001
+async def test_cancelled_request_is_aborted(engine) -> None:
     n0 = engine.statistics().generated_tokens
     task = asyncio.create_task(engine.generate(PROMPTS[2], SamplingParams(max_tokens=460,
                                                                           temperature=0.0)))
@@ -122,7 +122,7 @@ async def test_cancelled_request_is_aborted(engine) -> None:  # noqa: ANN001
     assert engine.statistics().in_flight == 0
 
 
-async def test_weight_update_drain_changes_generation_deterministically(engine, paths, hf) -> None:  # noqa: ANN001
+async def test_weight_update_drain_changes_generation_deterministically(engine, paths, hf) -> None:
     from safetensors.torch import load_file
 
     before = await engine.generate(PROMPTS[0], GREEDY)
@@ -137,7 +137,7 @@ async def test_weight_update_drain_changes_generation_deterministically(engine, 
     assert back.token_ids == before.token_ids and set(back.versions) == {v0 + 5}
 
 
-async def test_inflight_update_tags_tokens_with_new_version(engine, paths, hf) -> None:  # noqa: ANN001
+async def test_inflight_update_tags_tokens_with_new_version(engine, paths, hf) -> None:
     from safetensors.torch import load_file
 
     new = load_file(paths[1] / "model.safetensors")
