@@ -114,6 +114,7 @@ class LocalLauncher:
         except BaseException:
             handle.kill()
             handle.stop()
+            await asyncio.shield(handle.wait_exit())  # reaped before we report the failure
             raise
         return handle
 
