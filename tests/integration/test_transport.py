@@ -1,0 +1,111 @@
+"""Every transport between two real processes; shm pool reuse and crash cleanup in /dev/shm."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+
+import numpy as np
+import pytest
+from earl.runtime.transport import (
+    available,
+    choose,
+    connect,
+    get_transport,
+    pack_arrays,
+    unpack_arrays,
+)
+from earl.runtime.transport.shm import SHM_DIR, cleanup_leaked_segments
+
+CTX = mp.get_context("spawn")
+
+
+def _payloads(i: int) -> dict[str, np.ndarray]:
+    return {
+        "big": np.arange((1 << 20) // 8, dtype=np.int64) + i,  # 1 MiB
+        "odd": np.arange(13, dtype=np.float32) * i,
+        "empty": np.zeros(0, np.int8),
+    }
+
+
+def _send(address: str, n: int, q, done) -> None:  # runs in the child
+    sender = connect(address)
+    for rnd in range(2):
+        for i in range(n):
+            header, bufs = pack_arrays(_payloads(i), {"i": i})
+            sender.send(header, bufs)
+        stats = sender.statistics() if hasattr(sender, "statistics") else None
+        q.put(None if stats is None else stats.segments)
+        done.get()  # the parent has read and released this round
+    sender.close()
+
+
+@pytest.mark.parametrize("name", ["shm", "zmq", "ucx", "gloo"])
+def test_transport_moves_frames_between_processes(name):
+    if not available(name):
+        pytest.skip(f"{name} not installed")
+    receiver = get_transport(name).listen()
+    assert receiver.address.startswith(f"{name}://")
+    q, done = CTX.Queue(), CTX.Queue()
+    child = CTX.Process(target=_send, args=(receiver.address, 5, q, done))
+    child.start()
+    try:
+        segments = []
+        for _ in range(2):
+            for i in range(5):
+                frame = receiver.recv(timeout=60)
+                arrays, meta = unpack_arrays(frame)
+                assert meta == {"i": i}
+                for key, want in _payloads(i).items():
+                    np.testing.assert_array_equal(arrays[key], want)
+                if name == "shm":  # zero-copy: read-only views into the sender's segment
+                    assert not arrays["big"].flags.writeable
+                frame.release()
+            segments.append(q.get(timeout=60))
+            done.put("next")
+        if name == "shm":  # released segments are reused: the pool does not grow
+            assert 1 <= segments[1] == segments[0] <= 5
+        child.join(60)
+        assert child.exitcode == 0
+    finally:
+        if child.is_alive():
+            child.kill()
+        receiver.close()
+
+
+def _leak(address: str, conn) -> None:  # sends one frame, then dies without cleaning up
+    sender = connect(address)
+    header, bufs = pack_arrays({"x": np.ones(1000)})
+    sender.send(header, bufs)
+    conn.send(os.getpid())  # a pipe write is done when it returns (a Queue's is not)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_shm_segments_leaked_by_a_crash_are_cleaned_on_restart():
+    receiver = get_transport("shm").listen()
+    parent, child_end = CTX.Pipe()
+    child = CTX.Process(target=_leak, args=(receiver.address, child_end))
+    child.start()
+    assert parent.poll(60)
+    pid = parent.recv()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
+    frame = receiver.recv(timeout=10)  # the data outlives its producer until cleanup
+    np.testing.assert_array_equal(unpack_arrays(frame)[0]["x"], np.ones(1000))
+    leaked = [n for n in os.listdir(SHM_DIR) if n.startswith("earl-") and f"-{pid}-" in n]
+    assert len(leaked) == 1
+    get_transport("shm")  # a restarted transport cleans up after dead processes
+    assert not [n for n in os.listdir(SHM_DIR) if f"-{pid}-" in n]
+    assert cleanup_leaked_segments() == []
+    receiver.close()
+
+
+def test_choose_by_locality_and_override():
+    assert choose(same_host=True) == "shm"
+    assert choose(same_host=False) in ("ucx", "zmq")
+    assert choose(same_host=True, prefer="zmq") == "zmq"
+    with pytest.raises(ValueError, match="unknown transport 'tcp'"):
+        choose(same_host=True, prefer="tcp")
+    with pytest.raises(ValueError, match="no known transport scheme"):
+        connect("http://x")
