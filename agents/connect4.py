@@ -1,0 +1,40 @@
+"""Agent loop for Connect Four: one column digit per move (see `earl.agents.tictactoe`)."""
+
+from __future__ import annotations
+
+from earl.agents.chat import ChatCodec
+from earl.agents.rollout import Agent, Rollout
+from earl.agents.tictactoe import play_board_game, sim_responder
+from earl.envs.connect4 import ROWS, ConnectFour, ConnectFourConfig
+
+from earl.engine import Responder
+
+__all__ = ["connect4_agent", "connect4_sim_responder", "make_connect4_agent"]
+
+
+def make_connect4_agent(config: ConnectFourConfig | None = None) -> Agent:
+    """An agent `(rollout, seed) -> reward` that plays one Connect Four game as X."""
+
+    async def connect4_agent(rollout: Rollout, sample: object) -> float:
+        if not isinstance(sample, int):
+            raise TypeError(f"the Connect Four sample is the game seed (int), got "
+                            f"{type(sample).__name__}")
+        return await play_board_game(rollout, ConnectFour(config), sample)
+
+    return connect4_agent
+
+
+connect4_agent = make_connect4_agent()
+
+
+def _open_columns(tail: str) -> list[str]:
+    lines = tail.rsplit("<|im_end|>", 1)[0].split("\n")
+    if len(lines) < ROWS + 1:
+        return []
+    top = lines[-ROWS - 1]
+    return [str(i + 1) for i, ch in enumerate(top) if ch == "."]
+
+
+def connect4_sim_responder(codec: ChatCodec, *, illegal_rate: float = 0.0) -> Responder:
+    """Random open column, read off the last board in the prompt."""
+    return sim_responder(codec, choices=_open_columns, illegal_rate=illegal_rate, tail_tokens=80)

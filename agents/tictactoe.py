@@ -1,0 +1,92 @@
+"""Agent loops for the board games: Tic-Tac-Toe (and Connect Four via `play_board_game`).
+
+The model sees the board, answers with one digit, the opponent replies, the board is shown
+again: one assistant turn per move, so the context grows every move. Each move's reward goes
+to `rollout.turn_rewards` (per-move credit) and the episode's outcome to `rollout.info`
+({"outcome": "win"|"draw"|"loss", "illegal": 0/1, "moves": n}). The sample is the game seed.
+`sim_responder` plays random legal moves for the simulated engine (stress tests).
+
+Example:
+    >>> traj = await run_agent(tictactoe_agent, 7, engine=engine, codec=codec)
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Protocol
+
+from earl.agents.chat import ChatCodec
+from earl.agents.rollout import Agent, Rollout
+from earl.envs.base import StepResult
+from earl.envs.tictactoe import TicTacToe, TicTacToeConfig
+
+from earl.engine import Responder
+
+__all__ = ["make_tictactoe_agent", "play_board_game", "sim_responder", "tictactoe_agent"]
+
+
+class _Game(Protocol):  # what play_board_game needs from an env
+    def reset(self, seed: int = 0) -> str: ...
+    def step(self, action: str) -> StepResult: ...
+
+
+async def play_board_game(rollout: Rollout, env: _Game, seed: int) -> float:
+    """Play one game of `env` (reset with `seed`); return the summed per-move rewards."""
+    messages = [{"role": "user", "content": env.reset(seed)}]
+    total = 0.0
+    while True:
+        turn = await rollout.generate(messages)
+        messages.append(turn.message)
+        if turn.finish_reason == "budget":  # trajectory cap: no move was generated
+            rollout.info.update(outcome="loss", illegal=0, truncated=1)
+            return total
+        step = env.step(turn.text)
+        rollout.turn_rewards.append(step.reward)
+        total += step.reward
+        if step.done:
+            rollout.info.update(step.info)
+            return total
+        messages.append({"role": "user", "content": step.observation})
+
+
+def make_tictactoe_agent(config: TicTacToeConfig | None = None) -> Agent:
+    """An agent `(rollout, seed) -> reward` that plays one Tic-Tac-Toe game as X."""
+
+    async def tictactoe_agent(rollout: Rollout, sample: object) -> float:
+        if not isinstance(sample, int):
+            raise TypeError(f"the Tic-Tac-Toe sample is the game seed (int), got "
+                            f"{type(sample).__name__}")
+        return await play_board_game(rollout, TicTacToe(config), sample)
+
+    return tictactoe_agent
+
+
+tictactoe_agent = make_tictactoe_agent()
+
+
+def sim_responder(codec: ChatCodec, *, choices: Callable[[str], list[str]] | None = None,
+                  illegal_rate: float = 0.0, tail_tokens: int = 48) -> Responder:
+    """A SimEngine responder that answers with a random legal move read off the last board.
+
+    Args:
+        codec: the chat codec (to decode the prompt tail and encode the move).
+        choices: legal moves from the decoded prompt tail; default: Tic-Tac-Toe's free digits.
+        illegal_rate: probability of answering with an occupied/invalid square instead.
+        tail_tokens: how much of the prompt to decode.
+    """
+    pick = choices or _tictactoe_choices
+    encoded = {ch: codec.encode_text(ch) + [codec.end_id] for ch in "0123456789"}
+
+    def respond(prompt_ids: list[int], rng: random.Random) -> list[int]:
+        moves = pick(codec.decode(prompt_ids[-tail_tokens:]))
+        if not moves or rng.random() < illegal_rate:
+            return encoded["0"]
+        return encoded[rng.choice(moves)]
+
+    return respond
+
+
+def _tictactoe_choices(tail: str) -> list[str]:
+    board = tail.rsplit("<|im_end|>", 1)[0].split("\n")[-3:]
+    return [ch for row in board for ch in row if ch in "123456789"]
