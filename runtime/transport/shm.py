@@ -69,6 +69,12 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
+def _segment_size(nbytes: int) -> int:
+    """Round up to a multiple of 1/8 of the size's power of two (<= 25% slack), >= 1 MiB."""
+    step = max(_MIN_SEGMENT, 1 << max(0, (nbytes - 1).bit_length() - 3))
+    return max(_MIN_SEGMENT, -(-nbytes // step) * step)
+
+
 class _Segment:
     def __init__(self, name: str, size: int, shm_dir: str) -> None:
         self.name, self.size, self.path = name, size, os.path.join(shm_dir, name)
@@ -152,7 +158,7 @@ class ShmSender:
                 self._free.remove(seg)
                 self._busy[seg.name] = seg
                 return seg
-            size = max(_MIN_SEGMENT, 1 << (nbytes - 1).bit_length())
+            size = _segment_size(nbytes)
             while self._free and self._pool_bytes + size > self._max_pool_bytes:
                 old = self._free.pop(0)  # evict smaller free segments to make room
                 self._pool_bytes -= old.size
