@@ -11,6 +11,7 @@ template runs only on the first turns. This module does not talk to engines or t
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -18,7 +19,8 @@ __all__ = ["ChatCodec", "Message"]
 
 Message = dict[str, object]
 _BASE: list[Message] = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
-_CHECKS = 2  # real renders compared against the cached frame before trusting it
+_CHECKS = 2
+_MEMO_SIZE = 1 << 16  # cached encodings (FIFO eviction)  # real renders compared against the cached frame before trusting it
 
 
 class _Tokenizer(Protocol):  # the part of PreTrainedTokenizerFast we use
@@ -54,19 +56,41 @@ class ChatCodec:
         if tokenizer.eos_token_id is not None:
             stops.add(int(tokenizer.eos_token_id))
         self.stop_ids = sorted(stops)
+        self._memo: dict[str, tuple[int, ...]] = {}
+        self._rendered: dict[str, str] = {}
+        self._unmemo: dict[tuple[int, ...], str] = {}
         self._frames: dict[tuple[object, ...], list[str] | None] = {}
         self._checked: dict[tuple[object, ...], int] = {}
 
     # -- text <-> ids -------------------------------------------------------------------------
     def encode_text(self, text: str) -> list[int]:
-        if self._fast is not None:
-            return self._fast.encode(text, add_special_tokens=False).ids
-        return list(self.tokenizer.encode(text, add_special_tokens=False))  # type: ignore[attr-defined]
+        """Token ids of `text` (no special tokens added). Memoized: observations such as board
+        renderings and shared system prompts repeat across thousands of sessions."""
+        ids = self._memo.get(text)
+        if ids is None:
+            if self._fast is not None:
+                ids = tuple(self._fast.encode(text, add_special_tokens=False).ids)
+            else:
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))  # type: ignore[attr-defined]
+            if len(self._memo) >= _MEMO_SIZE:
+                self._memo.pop(next(iter(self._memo)))  # drop the oldest entry
+            self._memo[text] = ids
+        return list(ids)
 
     def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`, special tokens included. Short sequences (moves, answers) are memoized."""
+        key = tuple(ids) if len(ids) <= 16 else None
+        if key is not None and (text := self._unmemo.get(key)) is not None:
+            return text
         if self._fast is not None:
-            return self._fast.decode(list(ids), skip_special_tokens=False)
-        return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))  # type: ignore[attr-defined]
+            text = self._fast.decode(list(ids), skip_special_tokens=False)
+        else:
+            text = str(self.tokenizer.decode(list(ids), skip_special_tokens=False))  # type: ignore[attr-defined]
+        if key is not None:
+            if len(self._unmemo) >= _MEMO_SIZE:
+                self._unmemo.pop(next(iter(self._unmemo)))
+            self._unmemo[key] = text
+        return text
 
     def render(self, messages: list[Message], tools: list[dict[str, object]] | None = None,
                add_generation_prompt: bool = True) -> str:
@@ -80,7 +104,17 @@ class ChatCodec:
         """Token ids of the first prompt, ending with the assistant generation header."""
         if not messages:
             raise ValueError("messages is empty; give at least one user message")
-        return self.encode_text(self.render(messages, tools))
+        try:  # sessions often share their first prompt: skip the template when it repeats
+            key = json.dumps([messages, tools], sort_keys=True)
+        except (TypeError, ValueError):
+            return self.encode_text(self.render(messages, tools))
+        text = self._rendered.get(key)
+        if text is None:
+            text = self.render(messages, tools)
+            if len(self._rendered) >= 1024:
+                self._rendered.pop(next(iter(self._rendered)))
+            self._rendered[key] = text
+        return self.encode_text(text)
 
     def continuation_text(self, new_messages: list[Message]) -> str:
         """Text the template puts after an assistant turn's end token, for `new_messages`."""

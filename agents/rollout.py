@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+import operator
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -163,7 +164,7 @@ class Rollout:
             self._append(self.codec.encode_prompt(messages, schemas), generated=False)
         else:
             n = len(self._history)
-            if len(messages) < n or any(a is not b for a, b in zip(messages, self._history)):
+            if len(messages) < n or not all(map(operator.is_, messages, self._history)):
                 raise ValueError("messages must extend the previous call's messages with "
                                  "turn.message appended, then new messages; earlier messages "
                                  "cannot be edited (token-exact multi-turn)")
@@ -193,10 +194,11 @@ class Rollout:
         self.logprobs += gen.logprobs
         self.versions += gen.versions
         self.turn_spans.append((start, len(self.token_ids)))
-        truncated = gen.finish_reason != "stop" or not ids or ids[-1] != self.codec.end_id
+        truncated = gen.finish_reason != "stop"
+        self.truncated |= truncated
         body = ids[:-1] if ids and ids[-1] in params.stop_token_ids else ids
-        if truncated:  # close the turn so the next prompt stays well formed; not trained on
-            self.truncated = True
+        if not ids or ids[-1] != self.codec.end_id:
+            # Close the turn so the next prompt stays well formed; the model is not trained on it.
             self._append([self.codec.end_id], generated=False)
         text = self.codec.decode(body)
         content, calls = parse_tool_calls(text)

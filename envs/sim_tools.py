@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 
-__all__ = ["crash_tool", "echo_tool", "flaky_tool", "sleep_tool"]
+__all__ = ["crash_tool", "echo_tool", "flaky_tool", "simulated", "sleep_tool"]
 
 
 def sleep_tool(seconds: float) -> str:
@@ -55,3 +55,24 @@ def echo_tool(text: str) -> object:
     if text == "object":
         return object()
     return text
+
+
+def simulated(ref: str, arguments: dict, seconds: float, fail: bool) -> object:
+    """Run the tool `ref` after a simulated latency, or fail on purpose (stress tests).
+
+    Args:
+        ref: "module:qualname" of the real tool.
+        arguments: its keyword arguments.
+        seconds: extra latency to add before running it.
+        fail: raise an injected failure instead of running it.
+    """
+    import importlib
+
+    time.sleep(max(0.0, seconds))
+    if fail:
+        raise RuntimeError("injected tool failure")
+    module, _, qual = ref.partition(":")
+    fn: object = importlib.import_module(module)
+    for part in qual.split("."):
+        fn = getattr(fn, part)
+    return fn(**arguments)  # type: ignore[operator]

@@ -236,7 +236,7 @@ class ToolExecutor:
         """Expected run time of `tool` from its history (unknown tools count as short)."""
         if self.config.policy == "fifo":
             return 0.0
-        return self._history.get(tool.ref or tool.name, 0.0)
+        return self._history.get(tool.name, 0.0)
 
     def statistics(self) -> ExecutorStatistics:
         return self._pool.statistics(self._waiting)
@@ -265,7 +265,7 @@ class ToolExecutor:
             self._grow_if_needed()
         if reply is not None:
             run = float(reply.get("run_s", t2 - t1))  # type: ignore[arg-type]
-            key = tool.ref
+            key = tool.name
             old = self._history.get(key)
             self._history[key] = run if old is None else 0.8 * old + 0.2 * run
         return self._pool.result(tool, reply, t1 - t0, t2 - t1)
