@@ -77,6 +77,7 @@ class Lease:
 
 @dataclass(frozen=True, slots=True)
 class AckResult:
+    stage: str
     evict: dict[str, list[str]]  # shard -> sample ids every stage has consumed
     acked: dict[str, list[str]]  # producer shard -> sample ids this stage consumed (for rebuild)
 
@@ -268,7 +269,7 @@ class DockIndex:
             if e.acked.issuperset(self.stages):
                 for shard in self._remove(loc.sample_id):
                     evict.setdefault(shard, []).append(loc.sample_id)
-        return AckResult(evict=evict, acked=acked)
+        return AckResult(stage=lease.stage, evict=evict, acked=acked)
 
     def release(self, lease_id: int) -> None:
         """Return a lease's samples to the pool (the consumer failed or gave up)."""

@@ -1,0 +1,348 @@
+"""The transfer dock on the actor runtime: index actor, warehouse endpoints, and the client.
+
+- `IndexActor` wraps `DockIndex` (metadata only) and adds the waiting: `register` awaits room
+  (backpressure), `take` awaits ready samples, leases expire on their own.
+- `WarehouseHost` is a mixin that makes any producer actor a warehouse shard: the samples it
+  puts stay in its process and are sent straight to consumers over a transport on request.
+  `WarehouseActor` is a stand-alone shard for producers that are not actors.
+- `Dock` is the client every process uses: `put`/`put_nowait` (producers), `take`, `fetch`,
+  `ack`, `release` (consumers), `statistics`.
+
+RPCs carry only metadata; column data goes warehouse -> consumer over runtime/transport.
+A warehouse that dies mid-fetch makes `fetch` raise `DockFetchError` after telling the index,
+which re-queues the lease's surviving samples and reports the lost groups via `take_lost`.
+
+Not here: the bookkeeping rules (dock_index.py) and storage (dock_warehouse.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from earl.runtime import Actor, ActorDied, ActorError, ActorGroup, context, endpoint, wire
+from earl.runtime.dock_index import (
+    CONTRACT_COLUMNS,
+    DockIndex,
+    DockStatistics,
+    Lease,
+    Location,
+    LostSample,
+    SampleInfo,
+    WouldBlock,
+)
+from earl.runtime.dock_warehouse import Warehouse, WarehouseStatistics, unpack_batch
+from earl.runtime.transport import Receiver, Sender, connect, get_transport
+from earl.runtime.transport.base import Frame
+
+for _cls in (SampleInfo, Location, Lease, LostSample, DockStatistics, WarehouseStatistics):
+    wire.message(_cls)
+
+Batch = dict[str, dict[str, np.ndarray]]
+
+
+class DockFetchError(RuntimeError):
+    """A warehouse failed during `fetch`; the lease was released (samples re-queued or lost)."""
+
+
+class _ShardFailed(Exception):
+    def __init__(self, shard: str, cause: BaseException) -> None:
+        super().__init__(shard)
+        self.shard, self.cause = shard, cause
+
+
+@wire.message
+@dataclass(kw_only=True, slots=True)
+class ShardReport:
+    shard: str
+    own: list[tuple[SampleInfo, list[str]]]
+    extra: list[tuple[str, str, dict[str, int]]]
+
+
+class IndexActor(Actor):
+    """The dock's metadata index as an actor (see `DockIndex` for the arguments)."""
+
+    def __init__(self, *, stages: list[str], capacity: int,
+                 columns: list[str] | None = None, lease_timeout_s: float = 600.0) -> None:
+        self.ix = DockIndex(stages=stages, capacity=capacity,
+                            columns=columns or CONTRACT_COLUMNS, lease_timeout_s=lease_timeout_s)
+        self.changed = asyncio.Condition()
+
+    async def _notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    @endpoint
+    async def register(self, info: SampleInfo, wait: bool = True,
+                       timeout_s: float | None = None) -> None:
+        """Record a new sample; with `wait`, await room (backpressure), else raise WouldBlock."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        async with self.changed:
+            while True:
+                try:
+                    self.ix.register(info)
+                    break
+                except WouldBlock:
+                    if not wait:
+                        raise
+                    await self._wait(deadline, "producers")
+            self.changed.notify_all()
+
+    async def _wait(self, deadline: float | None, who: str) -> None:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise TimeoutError("dock wait timed out")
+        attr = f"waiting_{who}"
+        setattr(self.ix, attr, getattr(self.ix, attr) + 1)
+        try:  # wake at least every second so lease expiry is noticed
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), min(left or 1.0, 1.0))
+        finally:
+            setattr(self.ix, attr, getattr(self.ix, attr) - 1)
+
+    @endpoint
+    async def add_columns(self, sample_id: str, shard: str, columns: dict[str, int]) -> None:
+        self.ix.add_columns(sample_id, shard, columns)
+        await self._notify()
+
+    @endpoint
+    async def take(self, stage: str, columns: list[str], n: int, whole_groups: bool = True,
+                   min_version: int | None = None, wait: bool = True,
+                   timeout_s: float | None = None) -> Lease:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        async with self.changed:
+            while True:
+                try:
+                    return self.ix.take(stage, columns, n, whole_groups=whole_groups,
+                                        min_version=min_version)
+                except WouldBlock:
+                    if not wait:
+                        raise
+                    await self._wait(deadline, "consumers")
+
+    @endpoint
+    async def ack(self, lease_id: int) -> None:
+        res = self.ix.ack(lease_id)
+        for shard, ids in res.acked.items():  # before returning: survives an index restart
+            with contextlib.suppress(ActorDied, KeyError):
+                await (await _shard(shard)).dock_mark_acked.call_one(ids, res.stage)
+        for shard, ids in res.evict.items():
+            with contextlib.suppress(ActorDied, KeyError):
+                await (await _shard(shard)).dock_evict.call_one(ids)
+        await self._notify()
+
+    @endpoint
+    async def release(self, lease_id: int, dead_shard: str | None = None) -> None:
+        """Give a lease back; `dead_shard` also reports that shard's data as lost."""
+        with contextlib.suppress(KeyError):
+            self.ix.release(lease_id)
+        if dead_shard is not None:
+            for shard, ids in self.ix.drop_shard(dead_shard).items():
+                with contextlib.suppress(ActorDied, KeyError):
+                    await (await _shard(shard)).dock_evict.call_one(ids)
+        await self._notify()
+
+    @endpoint
+    async def take_lost(self) -> list[LostSample]:
+        return self.ix.take_lost()
+
+    @endpoint
+    async def statistics(self) -> DockStatistics:
+        return self.ix.statistics()
+
+    @endpoint
+    async def restore(self, shards: list[str]) -> int:
+        """Rebuild after a restart from the live shards' reports; returns samples restored."""
+        for shard in shards:
+            rep: ShardReport = await (await _shard(shard)).dock_report.call_one()
+            self.ix.restore(rep.own, rep.extra)
+        await self._notify()
+        return self.ix.statistics().samples
+
+
+async def _shard(shard: str) -> ActorGroup:  # type: ignore[type-arg]
+    group, _, rank = shard.rpartition(":")
+    return (await context().lookup(group))[int(rank or 0)]
+
+
+class WarehouseHost:
+    """Mixin: makes an actor a warehouse shard named ``"<group>:<rank>"``."""
+
+    _warehouse: Warehouse
+    _senders: dict[str, Sender]
+
+    @property
+    def warehouse(self) -> Warehouse:
+        if not hasattr(self, "_warehouse"):
+            self._warehouse = Warehouse(f"{self.name}:{self.rank}")  # type: ignore[attr-defined]
+            self._senders = {}
+        return self._warehouse
+
+    @endpoint
+    async def dock_send(self, sample_ids: list[str], columns: list[str], address: str) -> int:
+        """Send the columns to a consumer's receiver; returns bytes sent."""
+        header, bufs = self.warehouse.pack(sample_ids, columns)
+        sender = self._senders.get(address)
+        if sender is None:
+            sender = self._senders[address] = connect(address)
+        await asyncio.to_thread(sender.send, header, bufs)
+        return sum(b.nbytes for b in bufs)
+
+    @endpoint
+    async def dock_mark_acked(self, sample_ids: list[str], stage: str) -> None:
+        self.warehouse.mark_acked(sample_ids, stage)
+
+    @endpoint
+    async def dock_evict(self, sample_ids: list[str]) -> None:
+        self.warehouse.evict(sample_ids)
+
+    @endpoint
+    async def dock_report(self) -> ShardReport:
+        own, extra = self.warehouse.report()
+        return ShardReport(shard=self.warehouse.name, own=own, extra=extra)
+
+    @endpoint
+    async def dock_statistics(self) -> WarehouseStatistics:
+        return self.warehouse.statistics()
+
+
+class WarehouseActor(WarehouseHost, Actor):
+    """A stand-alone shard; `put` stores columns sent over RPC (for non-actor producers)."""
+
+    def __init__(self, index: str = "dock") -> None:
+        self.index_name = index
+
+    @endpoint
+    async def put(self, sample_id: str, columns: dict[str, np.ndarray], group_id: str,
+                  group_size: int = 1, wait: bool = True) -> None:
+        dock = Dock(await context().lookup(self.index_name), warehouse=self.warehouse)
+        await dock.put(sample_id, columns, group_id=group_id, group_size=group_size, wait=wait)
+
+
+class Dock:
+    """Client of the dock, usable from any process with a runtime.
+
+    Args:
+        index: the IndexActor group.
+        warehouse: this process' shard (producers); None for pure consumers.
+        transport: how fetched columns reach this process (default: same-host shm).
+    """
+
+    def __init__(self, index: ActorGroup, *, warehouse: Warehouse | None = None,  # type: ignore[type-arg]
+                 transport: str = "shm") -> None:
+        self.index, self.warehouse, self._transport = index, warehouse, transport
+        self._receiver: Receiver | None = None
+
+    async def put(self, sample_id: str, columns: Mapping[str, np.ndarray], *, group_id: str,
+                  group_size: int = 1, wait: bool = True, timeout_s: float | None = None) -> None:
+        """Store a new sample in this process' shard and register it; awaits room when full."""
+        if self.warehouse is None:
+            raise ValueError("this Dock has no warehouse: pass warehouse= (producers only)")
+        info = self.warehouse.put(sample_id, columns, group_id=group_id, group_size=group_size)
+        assert isinstance(info, SampleInfo)
+        try:
+            await self.index.register.call_one(info, wait, timeout_s)
+        except ActorError as e:
+            self.warehouse.evict([sample_id])
+            if e.remote_type.endswith("WouldBlock"):
+                raise WouldBlock(str(e)) from None
+            raise
+        except BaseException:
+            self.warehouse.evict([sample_id])
+            raise
+
+    async def put_nowait(self, sample_id: str, columns: Mapping[str, np.ndarray], *,
+                         group_id: str, group_size: int = 1) -> None:
+        """Like `put` but raises WouldBlock at once when the dock is full."""
+        await self.put(sample_id, columns, group_id=group_id, group_size=group_size, wait=False)
+
+    async def add_columns(self, sample_id: str, columns: Mapping[str, np.ndarray]) -> None:
+        """A later stage adds columns (e.g. ref_logprobs) to a sample, in this shard."""
+        if self.warehouse is None:
+            raise ValueError("this Dock has no warehouse: pass warehouse= to add columns")
+        sizes = self.warehouse.put(sample_id, columns)
+        assert isinstance(sizes, dict)
+        await self.index.add_columns.call_one(sample_id, self.warehouse.name, sizes)
+
+    async def take(self, stage: str, columns: Sequence[str], n: int, *, whole_groups: bool = True,
+                   min_version: int | None = None, timeout_s: float | None = None) -> Lease:
+        """Lease `n` samples with `columns` ready that `stage` has not consumed (awaits)."""
+        try:
+            return await self.index.take.call_one(stage, list(columns), n, whole_groups,
+                                                  min_version, True, timeout_s)
+        except ActorError as e:
+            if e.remote_type.endswith("ValueError"):
+                raise ValueError(e.remote_message) from None
+            if e.remote_type.endswith("TimeoutError"):
+                raise TimeoutError(e.remote_message) from None
+            raise
+
+    def receiver(self) -> Receiver:
+        if self._receiver is None:
+            self._receiver = get_transport(self._transport).listen()
+        return self._receiver
+
+    async def fetch(self, lease: Lease, *, timeout_s: float = 120.0) -> tuple[Batch, list[Frame]]:
+        """Fetch a lease's columns straight from the warehouses holding them.
+
+        Returns (batch, frames): arrays view the frames' memory; release frames when done.
+        Raises:
+            DockFetchError: a warehouse died; the lease was released and the index told.
+        """
+        recv = self.receiver()
+        fetches = lease.fetches()
+        frames: list[Frame] = []
+
+        async def request(shard: str, ids: list[str], cols: list[str]) -> None:
+            try:
+                await (await _shard(shard)).dock_send.call_one(ids, cols, recv.address)
+            except (ActorDied, ActorError, KeyError, ConnectionError) as e:
+                raise _ShardFailed(shard, e) from e
+
+        async def receive() -> None:  # short polls so cancellation is prompt
+            deadline = time.monotonic() + timeout_s
+            while len(frames) < len(fetches):
+                try:
+                    frames.append(await asyncio.to_thread(recv.recv, 0.2))
+                except TimeoutError:
+                    if time.monotonic() > deadline:
+                        raise
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for shard, (ids, cols) in fetches.items():
+                    tg.create_task(request(shard, ids, cols))
+                tg.create_task(receive())
+        except* _ShardFailed as eg:
+            for f in frames:
+                f.release()
+            failed = eg.exceptions[0]
+            assert isinstance(failed, _ShardFailed)
+            await self.index.release.call_one(lease.lease_id, failed.shard)
+            raise DockFetchError(f"warehouse {failed.shard} failed during fetch (lease "
+                                 f"{lease.lease_id} released): {failed.cause}") from failed.cause
+        batch: Batch = {}
+        for f in frames:
+            for sid, cols in unpack_batch(f).items():
+                batch.setdefault(sid, {}).update(cols)
+        return batch, frames
+
+    async def ack(self, lease: Lease) -> None:
+        await self.index.ack.call_one(lease.lease_id)
+
+    async def release(self, lease: Lease) -> None:
+        await self.index.release.call_one(lease.lease_id)
+
+    async def take_lost(self) -> list[LostSample]:
+        return await self.index.take_lost.call_one()  # type: ignore[no-any-return]
+
+    async def statistics(self) -> DockStatistics:
+        return await self.index.statistics.call_one()  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        if self._receiver is not None:
+            self._receiver.close()
+            self._receiver = None

@@ -1,0 +1,136 @@
+"""The transfer dock on real actors: fetch straight from producer shards, backpressure,
+a warehouse dying mid-fetch, and an index restart."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import numpy as np
+import pytest
+from earl.runtime import Actor, RestartPolicy, Runtime, context, endpoint
+from earl.runtime.dock import Dock, DockFetchError, IndexActor, WarehouseHost
+
+COLS = ["input_ids", "loss_mask", "versions"]
+
+
+class Producer(WarehouseHost, Actor):
+    def __init__(self, index: str) -> None:
+        self.index = index
+
+    async def _dock(self) -> Dock:
+        return Dock(await context().lookup(self.index), warehouse=self.warehouse)
+
+    @endpoint
+    async def produce(self, groups: int, group_size: int, wait: bool = True) -> list[str]:
+        dock, ids = await self._dock(), []
+        for g in range(groups):
+            for k in range(group_size):
+                sid = f"{self.rank}-{g}-{k}"
+                n = 5 + k
+                await dock.put(sid, {
+                    "input_ids": np.full(n, 100 * self.rank + g, np.int64),
+                    "loss_mask": np.ones(n, np.int8),
+                    "versions": np.full(n, 3, np.int32),
+                }, group_id=f"{self.rank}-{g}", group_size=group_size, wait=wait)
+                ids.append(sid)
+        return ids
+
+    @endpoint
+    async def pid(self) -> int:
+        return os.getpid()
+
+
+@pytest.fixture
+async def rt():
+    async with Runtime() as rt:
+        yield rt
+
+
+async def _setup(rt, index="dock", capacity=64, stages=("train",)):
+    ix = await rt.spawn(index, IndexActor, stages=list(stages), capacity=capacity)
+    prod = await rt.spawn("prod", Producer, index, n=2, restart=RestartPolicy(max_restarts=0))
+    return ix, prod, Dock(ix)
+
+
+@pytest.mark.timeout(90)
+async def test_fetch_straight_from_shards_then_ack_evicts(rt):
+    _ix, prod, dock = await _setup(rt, stages=("ref", "train"))
+    await prod.produce.call(2, 2)
+    lease = await dock.take("train", COLS, 8, timeout_s=10)
+    assert {loc.columns["input_ids"] for loc in lease.samples} == {"prod:0", "prod:1"}
+    batch, frames = await dock.fetch(lease)
+    assert set(batch) == {loc.sample_id for loc in lease.samples}
+    for sid, cols in batch.items():
+        rank, g, k = map(int, sid.split("-"))
+        assert cols["input_ids"].tolist() == [100 * rank + g] * (5 + k)
+        assert cols["versions"].dtype == np.int32
+    for f in frames:
+        f.release()
+    await dock.ack(lease)
+    st = await dock.statistics()
+    assert st.samples == 8 and st.consumed == {"ref": 0, "train": 8}  # "ref" still to come
+    with pytest.raises(ValueError, match="produced by nobody"):
+        await dock.take("ref", ["input_ids", "logits"], 2, timeout_s=1)
+    await dock.ack(await dock.take("ref", ["input_ids"], 8, timeout_s=10))
+    assert (await dock.statistics()).samples == 0
+    shard_stats = await prod.dock_statistics.call()
+    assert [s.nbytes for s in shard_stats] == [0, 0]  # evicted in the producers
+    dock.close()
+
+
+@pytest.mark.timeout(90)
+async def test_backpressure_put_nowait_and_waiting_put(rt):
+    _ix, prod, dock = await _setup(rt, capacity=2)
+    await prod[0].produce.call_one(1, 2)
+    with pytest.raises(Exception, match="WouldBlock"):
+        await prod[1].produce.call_one(1, 1, False)  # put_nowait path
+    waiting = asyncio.ensure_future(prod[1].produce.call_one(1, 2))
+    for _ in range(100):
+        if (await dock.statistics()).waiting_producers:
+            break
+        await asyncio.sleep(0.05)
+    assert (await dock.statistics()).waiting_producers == 1 and not waiting.done()
+    await dock.ack(await dock.take("train", ["input_ids"], 2, timeout_s=5))
+    assert await asyncio.wait_for(waiting, 20) == ["1-0-0", "1-0-1"]
+    dock.close()
+
+
+@pytest.mark.timeout(90)
+async def test_warehouse_dying_mid_fetch_requeues_and_reports_lost(rt):
+    _ix, prod, dock = await _setup(rt)
+    await prod.produce.call(1, 2)
+    lease = await dock.take("train", COLS, 4, timeout_s=10)
+    os.kill(await prod[1].pid.call_one(), signal.SIGKILL)
+    with pytest.raises(DockFetchError, match="prod:1"):
+        await dock.fetch(lease)
+    lost = await dock.take_lost()
+    assert sorted(x.sample_id for x in lost) == ["1-0-0", "1-0-1"]  # for re-production
+    again = await dock.take("train", COLS, 2, timeout_s=5)  # the live shard's group is back
+    assert sorted(x.sample_id for x in again.samples) == ["0-0-0", "0-0-1"]
+    batch, frames = await dock.fetch(again)
+    assert len(batch) == 2
+    for f in frames:
+        f.release()
+    await dock.ack(again)
+    with pytest.raises(TimeoutError):
+        await dock.take("train", COLS, 2, timeout_s=0.5)  # nothing handed out twice
+    dock.close()
+
+
+@pytest.mark.timeout(90)
+async def test_index_restart_rebuilds_from_shards(rt):
+    ix, prod, dock = await _setup(rt)
+    await prod.produce.call(1, 2)
+    await dock.ack(await dock.take("train", COLS, 2, timeout_s=5))
+    await dock.take("train", COLS, 2, timeout_s=5)  # in flight when the index dies
+    await rt.stop(ix)
+    ix2 = await rt.spawn("dock", IndexActor, stages=["train"], capacity=64)
+    assert await ix2.restore.call_one(["prod:0", "prod:1"]) == 2
+    dock2 = Dock(ix2)
+    lease = await dock2.take("train", COLS, 2, timeout_s=5)
+    assert len(lease.samples) == 2
+    with pytest.raises(TimeoutError):
+        await dock2.take("train", COLS, 2, timeout_s=0.5)
+    dock2.close()
