@@ -127,11 +127,15 @@ class _ServerConnection(FrameProtocol):
 
     async def _stream(self, rid: int, agen: Any) -> None:
         try:
+            n = 0
             async for item in agen:
                 body, bufs = encode(item)
                 self.reply(Kind.ITEM, rid, body, bufs)
+                n += 1
                 if self._paused:
                     await self.wait_writable()
+                elif n % 32 == 0:  # a generator that never awaits must not starve the loop
+                    await asyncio.sleep(0)
             self.reply(Kind.END, rid, b"")
         except Exception as e:  # noqa: BLE001
             self.reply(Kind.ERR, rid, _error_body(e))

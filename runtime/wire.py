@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -158,12 +159,27 @@ def encode(obj: Any) -> tuple[bytes, list[Any]]:
     """
     codec = _Codec()
     try:
-        body = codec.pack(obj)
+        if threading.get_ident() == _MAIN[0]:
+            _TOP.bufs = codec.bufs = []
+            body = _PACKER.pack(obj)
+        else:
+            body = codec.pack(obj)
     except (TypeError, ValueError, OverflowError) as e:
+        _reset_packer()
         if isinstance(e, WireError):
             raise
         raise WireError(f"cannot encode value: {e}") from e
     return body, codec.bufs
+
+
+_TOP = _Codec()  # the top-level packer is reused (nested ext records use fresh ones)
+_PACKER = msgpack.Packer(default=_TOP.default, use_bin_type=True, strict_types=True)
+_MAIN = [threading.get_ident()]  # the one thread allowed to use _PACKER
+
+
+def _reset_packer() -> None:  # after an exception mid-pack, start clean
+    global _PACKER
+    _PACKER = msgpack.Packer(default=_TOP.default, use_bin_type=True, strict_types=True)
 
 
 class _Decoder:
@@ -212,6 +228,9 @@ class _Decoder:
         return torch.frombuffer(buf, dtype=torch.uint8).view(td).reshape(shape)
 
 
+_NO_BUFS = _Decoder([])
+
+
 def decode(body: Any, bufs: list[Any] | None = None) -> Any:
     """Decode a msgpack body plus its buffers (arrays alias the buffers, no copy).
 
@@ -219,7 +238,7 @@ def decode(body: Any, bufs: list[Any] | None = None) -> Any:
         WireError: the bytes are not msgpack, or name an unknown type or buffer.
     """
     try:
-        return _Decoder(bufs or []).unpack(body)
+        return (_Decoder(bufs) if bufs else _NO_BUFS).unpack(body)
     except WireError:
         raise
     except Exception as e:  # msgpack raises several unrelated types for malformed input

@@ -152,6 +152,11 @@ def _pair(max_bytes=1 << 20, secret=None):
     return a, b
 
 
+def _sent(proto):
+    proto._flush()  # sends are coalesced until the end of the loop iteration
+    return bytes(proto.transport.out)
+
+
 def _feed(proto, data, chunk):
     view = memoryview(bytes(data))
     while view:
@@ -169,7 +174,7 @@ def test_frames_survive_any_chunking_including_big_frames(chunk):
     a.send(Kind.CALL, 1, b"hello")
     a.send(Kind.CALL, 2, b"x" * 10, [b"abc", big])
     a.send(Kind.OK, 3)
-    _feed(b, a.transport.out, chunk)
+    _feed(b, _sent(a), chunk)
     assert [f[:3] for f in b.frames] == [(Kind.CALL, 1, b"hello"), (Kind.CALL, 2, b"x" * 10),
                                          (Kind.OK, 3, b"")]
     assert b.frames[1][3] == [b"abc", big]
@@ -180,7 +185,7 @@ def test_oversized_frame_is_skipped_and_the_stream_stays_in_sync():
     a.send(Kind.CALL, 1, b"y" * 200_000)
     a.send(Kind.CALL, 2, b"ok")
     b.max_bytes = 100_000
-    _feed(b, a.transport.out, 5000)
+    _feed(b, _sent(a), 5000)
     assert [f[1] for f in b.frames] == [2]
     assert b.refused and b.refused[0][0] == 1 and "max_message_bytes" in b.refused[0][1]
     with pytest.raises(FrameTooLarge, match="max_message_bytes"):
@@ -205,9 +210,9 @@ def test_hmac_frames_verify_and_tampering_or_replay_is_dropped():
     a, b = _pair(secret=b"s" * 16)
     a.key = b.key = key
     a.send(Kind.CALL, 1, b"one")
-    first = bytes(a.transport.out)
+    first = _sent(a)
     a.send(Kind.CALL, 2, b"two")
-    wire_bytes = bytearray(a.transport.out)
+    wire_bytes = bytearray(_sent(a))
     wire_bytes[len(first) + 21] ^= 0x01  # flip a bit of the second frame's body
     _feed(b, wire_bytes, 64)
     assert [f[1] for f in b.frames] == [1]
