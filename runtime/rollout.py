@@ -65,6 +65,12 @@ class RolloutActor(Actor):
         return await self.engine.generate(prompt_ids, params, session_id=session_id)
 
     @endpoint
+    async def generate_batch(self, prompts: list[list[int]],
+                             params: SamplingParams) -> list[Generation]:
+        """A whole batch in one engine-thread call (evaluation, raw-speed reference)."""
+        return await self.engine.generate_batch(prompts, params)
+
+    @endpoint
     async def policy_version(self) -> int:
         return self.engine.policy_version
 

@@ -89,6 +89,15 @@ async def test_sampled_logprobs_match_transformers(engine, hf) -> None:
     assert max(abs(a - b) for a, b in zip(ref2, hot.logprobs, strict=True)) < 1e-3
 
 
+async def test_generate_batch_matches_single_requests(engine) -> None:
+    single = [await engine.generate(p, GREEDY) for p in PROMPTS]
+    batch = await engine.generate_batch(PROMPTS, GREEDY)
+    assert [g.token_ids for g in batch] == [g.token_ids for g in single]
+    for a, b in zip(batch, single, strict=True):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+        assert a.versions == b.versions and a.finish_reason == b.finish_reason
+
+
 async def test_stop_token_is_kept_and_reported(engine) -> None:
     g = await engine.generate(PROMPTS[0], GREEDY)
     stop = g.token_ids[5]
