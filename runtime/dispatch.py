@@ -14,6 +14,7 @@ Not here: deciding which samples are ready (dock_index.py), the wire of RPCs (ru
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -105,6 +106,52 @@ def _merge(ops: list[FetchOp]) -> list[FetchOp]:
     return [FetchOp(shard=s, sample_ids=tuple(ids), columns=c) for (s, c), ids in merged.items()]
 
 
+async def gather(
+    fetches: Sequence[FetchOp],
+    receiver: Receiver,
+    request: Callable[[FetchOp, str], Awaitable[None]],
+    *,
+    timeout_s: float = 120.0,
+) -> tuple[Batch, list[Frame]]:
+    """Have every warehouse in `fetches` send its slice to `receiver`; collect the frames.
+
+    Requests and receives run concurrently (a transport whose send waits for the reader cannot
+    deadlock). Args:
+        request: ``await request(op, address)`` makes warehouse ``op.shard`` send the slice to
+            `address` (an RPC); it raises if the warehouse is dead.
+    Returns:
+        (batch, frames); the batch views the frames' memory -- release the frames when done.
+    Raises:
+        The first error of a `request` (e.g. ActorDied), or TimeoutError; the caller then
+        releases the lease so the samples go back to the dock.
+    """
+    frames: list[Frame] = []
+
+    async def receive() -> None:  # short polls, so cancellation is prompt
+        deadline = time.monotonic() + timeout_s
+        while len(frames) < len(fetches):
+            try:
+                frames.append(await asyncio.to_thread(receiver.recv, 0.2))
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise
+
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for op in fetches:
+                tg.create_task(request(op, receiver.address))
+            tg.create_task(receive())
+    except BaseExceptionGroup as eg:
+        for f in frames:
+            f.release()
+        raise eg.exceptions[0] from eg
+    batch: Batch = {}
+    for f in frames:
+        for sid, cols in unpack_batch(f).items():
+            batch.setdefault(sid, {}).update(cols)
+    return batch, frames
+
+
 async def gather_replica(
     replica: ReplicaPlan,
     receiver: Receiver,
@@ -112,32 +159,12 @@ async def gather_replica(
     *,
     timeout_s: float = 120.0,
 ) -> tuple[Batch, list[Frame]]:
-    """On the replica leader: have every warehouse send its slice here, collect the frames.
-
-    Args:
-        request: ``await request(op, address)`` makes warehouse ``op.shard`` send the slice to
-            `address` (an RPC); it raises if the warehouse is dead.
-    Returns:
-        (batch, frames); the batch views the frames' memory -- release the frames when done.
-    Raises:
-        Whatever `request` raises (e.g. ActorDied), or TimeoutError; the caller then releases
-        the lease so the samples go back to the dock.
-    """
-    frames: list[Frame] = []
-    try:
-        await asyncio.gather(*(request(op, receiver.address) for op in replica.fetches))
-        for _ in replica.fetches:
-            frames.append(await asyncio.to_thread(receiver.recv, timeout_s))
-    except BaseException:
-        for f in frames:
-            f.release()
-        raise
-    batch: Batch = {}
-    for f in frames:
-        for sid, cols in unpack_batch(f).items():
-            batch.setdefault(sid, {}).update(cols)
+    """On a replica leader: `gather` the replica's slice (see `gather` for errors)."""
+    batch, frames = await gather(replica.fetches, receiver, request, timeout_s=timeout_s)
     missing = set(replica.sample_ids) - batch.keys()
     if missing:
+        for f in frames:
+            f.release()
         raise RuntimeError(f"warehouses did not send samples {sorted(missing)[:5]}")
     return batch, frames
 
@@ -168,6 +195,7 @@ def concat_micro_batch(
 
 
 __all__ = [
-    "Batch", "DispatchPlan", "FetchOp", "ReplicaPlan", "concat_micro_batch", "gather_replica",
+    "Batch", "DispatchPlan", "FetchOp", "ReplicaPlan", "concat_micro_batch", "gather",
+    "gather_replica",
     "plan_step", "receive_replica", "replicate",
 ]

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from earl.runtime import Actor, ActorDied, ActorError, ActorGroup, context, endpoint, wire
+from earl.runtime.dispatch import Batch, DispatchPlan, FetchOp, gather
 from earl.runtime.dock_index import (
     CONTRACT_COLUMNS,
     DockIndex,
@@ -35,15 +36,12 @@ from earl.runtime.dock_index import (
     SampleInfo,
     WouldBlock,
 )
-from earl.runtime.dock_warehouse import Warehouse, WarehouseStatistics, unpack_batch
+from earl.runtime.dock_warehouse import Warehouse, WarehouseStatistics
 from earl.runtime.transport import Receiver, Sender, connect, get_transport
 from earl.runtime.transport.base import Frame
 
 for _cls in (SampleInfo, Location, Lease, LostSample, DockStatistics, WarehouseStatistics):
     wire.message(_cls)
-
-Batch = dict[str, dict[str, np.ndarray]]
-
 
 class DockFetchError(RuntimeError):
     """A warehouse failed during `fetch`; the lease was released (samples re-queued or lost)."""
@@ -293,42 +291,33 @@ class Dock:
         Raises:
             DockFetchError: a warehouse died; the lease was released and the index told.
         """
-        recv = self.receiver()
-        fetches = lease.fetches()
-        frames: list[Frame] = []
+        ops = [FetchOp(shard=s, sample_ids=tuple(ids), columns=tuple(cols))
+               for s, (ids, cols) in lease.fetches().items()]
+        return await self._gather(lease.lease_id, ops, timeout_s)
 
-        async def request(shard: str, ids: list[str], cols: list[str]) -> None:
+    async def fetch_replica(self, plan: DispatchPlan, rank: int, *,
+                            timeout_s: float = 120.0) -> tuple[Batch, list[Frame]]:
+        """On a replica leader: fetch this rank's DP slice of a dispatch plan (see `fetch`)."""
+        if not plan.is_leader(rank):
+            raise ValueError(f"rank {rank} is not a replica leader; it receives via "
+                             f"dispatch.receive_replica from rank {plan.for_rank(rank).leader}")
+        return await self._gather(plan.lease_id, plan.for_rank(rank).fetches, timeout_s)
+
+    async def _gather(self, lease_id: int, ops: Sequence[FetchOp],
+                      timeout_s: float) -> tuple[Batch, list[Frame]]:
+        async def request(op: FetchOp, address: str) -> None:
             try:
-                await (await _shard(shard)).dock_send.call_one(ids, cols, recv.address)
+                shard = await _shard(op.shard)
+                await shard.dock_send.call_one(list(op.sample_ids), list(op.columns), address)
             except (ActorDied, ActorError, KeyError, ConnectionError) as e:
-                raise _ShardFailed(shard, e) from e
+                raise _ShardFailed(op.shard, e) from e
 
-        async def receive() -> None:  # short polls so cancellation is prompt
-            deadline = time.monotonic() + timeout_s
-            while len(frames) < len(fetches):
-                try:
-                    frames.append(await asyncio.to_thread(recv.recv, 0.2))
-                except TimeoutError:
-                    if time.monotonic() > deadline:
-                        raise
         try:
-            async with asyncio.TaskGroup() as tg:
-                for shard, (ids, cols) in fetches.items():
-                    tg.create_task(request(shard, ids, cols))
-                tg.create_task(receive())
-        except* _ShardFailed as eg:
-            for f in frames:
-                f.release()
-            failed = eg.exceptions[0]
-            assert isinstance(failed, _ShardFailed)
-            await self.index.release.call_one(lease.lease_id, failed.shard)
+            return await gather(ops, self.receiver(), request, timeout_s=timeout_s)
+        except _ShardFailed as failed:
+            await self.index.release.call_one(lease_id, failed.shard)
             raise DockFetchError(f"warehouse {failed.shard} failed during fetch (lease "
-                                 f"{lease.lease_id} released): {failed.cause}") from failed.cause
-        batch: Batch = {}
-        for f in frames:
-            for sid, cols in unpack_batch(f).items():
-                batch.setdefault(sid, {}).update(cols)
-        return batch, frames
+                                 f"{lease_id} released): {failed.cause}") from failed.cause
 
     async def ack(self, lease: Lease) -> None:
         await self.index.ack.call_one(lease.lease_id)

@@ -10,7 +10,9 @@ import signal
 import numpy as np
 import pytest
 from earl.runtime import Actor, RestartPolicy, Runtime, context, endpoint
+from earl.runtime.dispatch import plan_step
 from earl.runtime.dock import Dock, DockFetchError, IndexActor, WarehouseHost
+from earl.runtime.layout import FixedCount, Layout
 
 COLS = ["input_ids", "loss_mask", "versions"]
 
@@ -134,3 +136,23 @@ async def test_index_restart_rebuilds_from_shards(rt):
     with pytest.raises(TimeoutError):
         await dock2.take("train", COLS, 2, timeout_s=0.5)
     dock2.close()
+
+
+@pytest.mark.timeout(90)
+async def test_dispatch_plan_fetches_each_replica_slice_from_the_shards(rt):
+    _ix, prod, dock = await _setup(rt)
+    await prod.produce.call(2, 2)  # 8 samples on 2 shards
+    lease = await dock.take("train", COLS, 8, timeout_s=10)
+    plan = plan_step(lease, Layout(dp=2, tp=2), FixedCount(micro_batch_size=2))
+    with pytest.raises(ValueError, match="rank 1 is not a replica leader"):
+        await dock.fetch_replica(plan, 1)
+    got = []
+    for rep in plan.replicas:
+        batch, frames = await dock.fetch_replica(plan, rep.leader)
+        assert sorted(batch) == sorted(rep.sample_ids)  # this replica's slice only
+        got += list(batch)
+        for f in frames:
+            f.release()
+    assert sorted(got) == sorted(x.sample_id for x in lease.samples)
+    await dock.ack(lease)
+    dock.close()
