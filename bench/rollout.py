@@ -1,0 +1,157 @@
+"""Rollout benchmark: vLLM raw speed vs the same work through the rollout actor and agent
+coroutines, and trainer -> serving weight-sync time.
+
+    python bench/rollout.py --json [--quick]
+
+Prints one JSON object with, per model ("tiny"; and "smollm2_135m" unless --quick):
+- ``raw_tok_s``: generated tokens/s of vLLM stepping a whole batch inside the rollout actor's
+  engine thread (`generate_batch`: no RPC, no asyncio per request) -- the physical reference.
+- ``agent_loop_tok_s``: tokens/s when `sessions` agent coroutines in this process each run
+  `turns` multi-turn calls through `RolloutClient` -> RPC -> `RolloutActor` (each turn's prompt
+  extends the previous one, as an agent's does).
+- ``ratio``: agent_loop_tok_s / raw_tok_s (target >= 0.9).
+- ``weight_sync_s``: median wall time of `WeightPublisher.push` (shm, drain mode) from a state
+  dict in this process's memory (the trainer's) until the replica serves the new weights;
+  ``weight_sync_first_s`` the first (cold) push; ``weight_memcpy_s`` the time one memcpy of the
+  same bytes takes here (the physical limit); ``weight_load_s`` the engine's reload share.
+Top-level ``raw_tok_s``/``agent_loop_tok_s``/``ratio``/``weight_sync_s`` repeat the tiny model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _memcpy_s(nbytes: int) -> float:
+    import numpy as np
+
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # warm
+    t = time.perf_counter()
+    np.copyto(dst, src)
+    return time.perf_counter() - t
+
+
+async def bench_model(rt: object, name: str, path: str, *, dtype: str, sessions: int, turns: int,
+                      max_tokens: int, prompt_len: int, vocab_hi: int, syncs: int,
+                      cast: str | None) -> dict[str, float | int | str]:
+    import torch
+    from safetensors.torch import load_file
+
+    from earl.engine import SamplingParams
+    from earl.runtime.rollout import RolloutActor, RolloutClient
+    from earl.runtime.vllm_engine import EngineConfig
+    from earl.runtime.weights import WeightPublisher
+
+    cfg = EngineConfig(model=path, dtype=dtype, max_model_len=2048, max_num_seqs=256)
+    t0 = time.perf_counter()
+    g = await rt.spawn(f"rollout-{name}", RolloutActor, asdict(cfg),  # type: ignore[attr-defined]
+                       env={"OMP_NUM_THREADS": "1"})
+    start_s = time.perf_counter() - t0
+    rng = random.Random(0)
+    prompts = [[1] + [rng.randrange(7, vocab_hi) for _ in range(prompt_len)]
+               for _ in range(sessions)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=1.0)
+    await g[0].generate_batch.call_one(prompts[:4], params)  # warm-up
+
+    t = time.perf_counter()
+    raw_tokens = 0
+    for _ in range(turns):
+        gens = await g[0].generate_batch.call_one(prompts, params)
+        raw_tokens += sum(len(x.token_ids) for x in gens)
+    raw_s = time.perf_counter() - t
+
+    client = RolloutClient(g)
+
+    async def session(i: int) -> int:
+        prompt, n = list(prompts[i]), 0
+        for _ in range(turns):
+            gen = await client.generate(prompt, params, session_id=f"{name}-{i}")
+            n += len(gen.token_ids)
+            prompt += gen.token_ids + [2, 1, 17]  # close the turn, open the next one
+        return n
+
+    t = time.perf_counter()
+    agent_tokens = sum(await asyncio.gather(*(session(i) for i in range(sessions))))
+    agent_s = time.perf_counter() - t
+
+    state = load_file(os.path.join(path, "model.safetensors"))
+    pub = WeightPublisher(g, transport="shm", bucket_bytes=64 << 20,
+                          dtype=getattr(torch, cast) if cast else None)
+    results = []
+    for v in range(1, syncs + 1):
+        results.append(await pub.push(state, version=v, mode="drain"))
+    pub.close()
+    check = await g[0].generate.call_one(prompts[0], SamplingParams(max_tokens=2))
+    assert check.versions == [syncs] * len(check.versions)
+    warm = [r.seconds for r in results[1:]] or [results[0].seconds]
+    await rt.stop(g)  # type: ignore[attr-defined]
+    raw_tok_s = raw_tokens / raw_s
+    agent_tok_s = agent_tokens / agent_s
+    return {
+        "model": name, "dtype": dtype, "sessions": sessions, "turns": turns,
+        "max_tokens": max_tokens, "start_s": round(start_s, 2),
+        "raw_tokens": raw_tokens, "agent_tokens": agent_tokens,
+        "raw_tok_s": round(raw_tok_s, 1), "agent_loop_tok_s": round(agent_tok_s, 1),
+        "ratio": round(agent_tok_s / raw_tok_s, 3),
+        "weight_bytes": results[0].nbytes, "weight_buckets": results[0].buckets,
+        "weight_sync_s": round(statistics.median(warm), 4),
+        "weight_sync_first_s": round(results[0].seconds, 4),
+        "weight_load_s": round(statistics.median(r.load_s for r in results), 4),
+        "weight_memcpy_s": round(_memcpy_s(results[0].nbytes), 4),
+    }
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, object]:
+    from earl.models.tiny import default_model_dir
+    from earl.runtime import Runtime
+
+    out: dict[str, object] = {"quick": args.quick, "cores": os.cpu_count()}
+    async with Runtime() as rt:
+        tiny = await bench_model(
+            rt, "tiny", str(default_model_dir()), dtype="float32",
+            sessions=args.sessions, turns=2 if args.quick else 4,
+            max_tokens=64, prompt_len=32, vocab_hi=263, syncs=3 if args.quick else 5, cast=None)
+        out["tiny"] = tiny
+        for k in ("raw_tok_s", "agent_loop_tok_s", "ratio", "weight_sync_s"):
+            out[k] = tiny[k]
+        if not args.quick:
+            from earl.models.smollm2 import smollm2_dir
+
+            out["smollm2_135m"] = await bench_model(
+                rt, "smollm2", str(smollm2_dir()), dtype="bfloat16", sessions=16, turns=2,
+                max_tokens=32, prompt_len=32, vocab_hi=49000, syncs=3, cast="bfloat16")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--quick", action="store_true", help="tiny model only, fewer turns (< 50 s)")
+    ap.add_argument("--sessions", type=int, default=64, help="concurrent agent sessions")
+    args = ap.parse_args(argv)
+    t = time.perf_counter()
+    out = asyncio.run(main_async(args))
+    out["bench_s"] = round(time.perf_counter() - t, 1)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for k, v in out.items():
+            print(f"{k}: {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
