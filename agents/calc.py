@@ -54,13 +54,13 @@ _RESP = re.compile(r"<tool_response>(.*?)</tool_response>", re.DOTALL)
 
 
 def tool_sim_responder(codec: ChatCodec, tool: str = "calculator", *,
-                       tail_tokens: int = 400) -> Responder:
-    """First turn: call `tool` on two numbers of the question; then answer with the result."""
+                       calls: int = 1) -> Responder:
+    """Call `tool` `calls` times on numbers of the question, then answer with the last result."""
 
     def respond(prompt_ids: list[int], rng: random.Random) -> list[int]:
-        tail = codec.decode(prompt_ids[-tail_tokens:])
+        tail = codec.decode(prompt_ids)
         done = _RESP.findall(tail)
-        if done:
+        if len(done) >= calls:
             text = f"The answer is {done[-1].strip()}"
         else:
             question = tail.rsplit("<|im_start|>user\n", 1)[-1]

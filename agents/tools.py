@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeAlias
@@ -94,6 +95,9 @@ class Tool:
         return inspect.iscoroutinefunction(self.fn)
 
 
+_FROM_FUNCTION: weakref.WeakKeyDictionary[Callable[..., object], Tool] = weakref.WeakKeyDictionary()
+
+
 def as_toolbox(tools: list[Tool | Callable[..., object]] | dict[str, Tool] | None) -> dict[str, Tool]:
     """Normalize a list of functions/Tools (or a dict) to {name: Tool}.
 
@@ -106,7 +110,10 @@ def as_toolbox(tools: list[Tool | Callable[..., object]] | dict[str, Tool] | Non
         return dict(tools)
     box: dict[str, Tool] = {}
     for t in tools:
-        tool = t if isinstance(t, Tool) else Tool.from_function(t)
+        if isinstance(t, Tool):
+            tool = t
+        else:  # schema extraction parses docstrings: do it once per function
+            tool = _FROM_FUNCTION.get(t) or _FROM_FUNCTION.setdefault(t, Tool.from_function(t))
         if tool.name in box:
             raise ValueError(f"two tools are named {tool.name!r}; tool names must be unique")
         box[tool.name] = tool

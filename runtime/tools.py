@@ -82,6 +82,7 @@ class _Worker:
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
         self.idle_since = time.monotonic()
+        self.dead = False
 
     @classmethod
     async def start(cls) -> _Worker:
@@ -112,6 +113,7 @@ class _Worker:
         return await self._read()
 
     def kill(self) -> None:
+        self.dead = True
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -424,9 +426,8 @@ class StaticExecutor:
                 reply, alive = await self._pool.call(worker, tool, arguments, self._tg)
         except TimeoutError:
             self._pool.timeouts += 1
-            if sid in self._owned and self._owned[sid] is not None \
-                    and self._owned[sid].proc.returncode is not None:  # type: ignore[union-attr]
-                self._owned[sid] = None
+            if (w := self._owned.get(sid)) is not None and w.dead:
+                self._owned[sid] = None  # killed mid-call: the next action gets a fresh one
             return _timed_out(tool, timeout, t1 - t0, time.monotonic() - t1)
         if not alive:
             self._owned[sid] = None

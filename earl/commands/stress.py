@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--tool-latency-ms", type=float, default=50.0, help="mean injected tool latency")
     a("--tool-failure-rate", type=float, default=0.0)
     a("--tool-timeout-s", type=float, default=10.0)
+    a("--tool-calls", type=int, default=1, help="calc/python: tool calls per session")
     a("--min-workers", type=int, default=0)
     a("--max-workers", type=int, default=8, help="elastic pool upper bound")
     a("--static-workers", type=int, default=None,
@@ -72,8 +73,9 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--sessions must be >= 1, got {args.sessions}")
     if not 0 <= args.tool_failure_rate <= 1:
         raise ValueError(f"--tool-failure-rate must be in [0, 1], got {args.tool_failure_rate}")
-    if args.tool_latency_ms < 0 or args.max_workers < 1 or args.burst_size < 1:
-        raise ValueError("--tool-latency-ms must be >= 0, --max-workers and --burst-size >= 1")
+    if args.tool_latency_ms < 0 or min(args.max_workers, args.burst_size, args.tool_calls) < 1:
+        raise ValueError("--tool-latency-ms must be >= 0; --max-workers, --burst-size and "
+                         "--tool-calls must be >= 1")
 
 
 @dataclass(slots=True)
@@ -159,6 +161,7 @@ class _Totals:
     context: dict[int, list[int]] = field(default_factory=dict)
     series: list[tuple[float, int, int, int]] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
+    examples: dict[str, str] = field(default_factory=dict)
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -180,13 +183,16 @@ def _workload(args: argparse.Namespace, codec: ChatCodec, use_sim: bool):
             from earl.agents.connect4 import connect4_sim_responder
             responder = connect4_sim_responder(codec, illegal_rate=args.illegal_rate)
         return agent, (lambda i: args.seed * 1_000_003 + i), responder if use_sim else None
-    from earl.agents.calc import calc_agent, python_agent, tool_sim_responder
-    from earl.envs.arithmetic import ArithmeticProblems
+    from earl.agents.calc import make_tool_agent, tool_sim_responder
+    from earl.envs.arithmetic import ArithmeticProblems, calculator
+    from earl.envs.python_tool import python
 
     problems = ArithmeticProblems(args.seed)
     tool = "calculator" if args.env == "calc" else "python"
-    agent: Agent = calc_agent if args.env == "calc" else python_agent
-    return agent, problems.problem, tool_sim_responder(codec, tool) if use_sim else None
+    agent: Agent = make_tool_agent([calculator if args.env == "calc" else python],
+                                   max_turns=args.tool_calls + 1)
+    responder = tool_sim_responder(codec, tool, calls=args.tool_calls)
+    return agent, problems.problem, responder if use_sim else None
 
 
 def _arrival(args: argparse.Namespace, i: int, rng: random.Random, prev: float) -> float:
@@ -248,6 +254,7 @@ async def run_stress(args: argparse.Namespace, executor_kind: str, codec: ChatCo
             tot.failed += 1
             kind = (traj.error or "").split(":", 1)[0]
             tot.errors[kind] = tot.errors.get(kind, 0) + 1
+            tot.examples.setdefault(kind, (traj.error or "")[:300])
         else:
             tot.completed += 1
         tot.truncated += traj.truncated
@@ -292,6 +299,7 @@ async def run_stress(args: argparse.Namespace, executor_kind: str, codec: ChatCo
         "sessions_completed": tot.completed, "sessions_failed": tot.failed,
         "sessions_lost": args.sessions - tot.completed - tot.failed,
         "sessions_truncated": tot.truncated, "failure_kinds": tot.errors,
+        "failure_examples": tot.examples,
         "turns": tot.turns, "turns_per_s": tot.turns / wall, "tokens_per_s": tot.generated / wall,
         "wall_s": wall,
         "tool_calls": len(acts), "act_p50_ms": _pct(act_ms, 0.5), "act_p99_ms": _pct(act_ms, 0.99),

@@ -141,3 +141,11 @@ async def test_static_baseline_pins_a_worker_per_session() -> None:
         r = await waiting
         assert r.ok and r.queued_s >= 0.2
         assert ex.statistics().spawned == 2
+
+
+async def test_static_session_recovers_after_a_timeout() -> None:
+    async with StaticExecutor(ExecutorConfig(max_workers=1)) as ex:
+        a = ex.for_session("a")
+        r = await a.run(SLEEP, {"seconds": 30}, timeout_s=0.3)
+        assert r.error == "timeout"
+        assert (await a.run(ECHO, {"text": "again"})).output == "again"
