@@ -48,12 +48,12 @@ async def bench_model(rt: object, name: str, path: str, *, dtype: str, sessions:
                       max_tokens: int, prompt_len: int, vocab_hi: int, syncs: int,
                       cast: str | None) -> dict[str, float | int | str]:
     import torch
-    from safetensors.torch import load_file
-
-    from earl.engine import SamplingParams
     from earl.runtime.rollout import RolloutActor, RolloutClient
     from earl.runtime.vllm_engine import EngineConfig
     from earl.runtime.weights import WeightPublisher
+    from safetensors.torch import load_file
+
+    from earl.engine import SamplingParams
 
     cfg = EngineConfig(model=path, dtype=dtype, max_model_len=2048, max_num_seqs=256)
     t0 = time.perf_counter()
@@ -115,8 +115,9 @@ async def bench_model(rt: object, name: str, path: str, *, dtype: str, sessions:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, object]:
-    from earl.models.tiny import default_model_dir
     from earl.runtime import Runtime
+
+    from earl.models.tiny import default_model_dir
 
     out: dict[str, object] = {"quick": args.quick, "cores": os.cpu_count()}
     async with Runtime() as rt:
