@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,7 +109,7 @@ def _merge(ops: list[FetchOp]) -> list[FetchOp]:
 async def gather(
     fetches: Sequence[FetchOp],
     receiver: Receiver,
-    request: Callable[[FetchOp, str], Awaitable[None]],
+    request: Callable[[FetchOp, str], Coroutine[object, object, None]],
     *,
     timeout_s: float = 120.0,
 ) -> tuple[Batch, list[Frame]]:
@@ -155,7 +155,7 @@ async def gather(
 async def gather_replica(
     replica: ReplicaPlan,
     receiver: Receiver,
-    request: Callable[[FetchOp, str], Awaitable[None]],
+    request: Callable[[FetchOp, str], Coroutine[object, object, None]],
     *,
     timeout_s: float = 120.0,
 ) -> tuple[Batch, list[Frame]]:

@@ -84,7 +84,7 @@ def as_bytes_view(buf: Buffer) -> memoryview:
     if isinstance(buf, np.ndarray):
         if not buf.flags.c_contiguous:
             raise ValueError("transport buffers must be C-contiguous; call np.ascontiguousarray")
-        return memoryview(buf.reshape(-1).view(np.uint8))
+        return buf.reshape(-1).view(np.uint8).data
     return memoryview(buf).cast("B")
 
 

@@ -37,7 +37,7 @@ _MIN_SEGMENT = 1 << 20
 
 def cleanup_leaked_segments(shm_dir: str = SHM_DIR) -> list[str]:
     """Unlink EARL segments whose owning process is gone. Returns the names removed."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(shm_dir)
     except FileNotFoundError:
@@ -121,7 +121,7 @@ class ShmSender:
     ) -> None:
         if not address.startswith("shm://"):
             raise ValueError(f"address {address!r} is not an shm:// address")
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(address[len("shm://") :])
@@ -208,7 +208,7 @@ class ShmReceiver:
     """Binds an IPC control socket and maps senders' segments read-only (cached)."""
 
     def __init__(self, *, shm_dir: str = SHM_DIR, max_mapped: int = 64) -> None:
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._dir = tempfile.mkdtemp(prefix="earl-shm-")

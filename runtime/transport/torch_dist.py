@@ -19,6 +19,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ from earl.runtime.transport.base import Buffer, Frame, TransportError, as_bytes_
 
 _META = 1024  # int64 slots: [header_len, n, sizes...]
 _TIMEOUT = datetime.timedelta(seconds=120)
+_PG = dist.ProcessGroup  # the backends below quack like one (send/recv with tags)
 
 
 @dataclass(slots=True)
@@ -34,11 +36,11 @@ class TorchFrame(Frame):
     tensors: list[torch.Tensor] = field(default_factory=list)
 
 
-def _group(store: dist.Store, rank: int, backend: str) -> dist.ProcessGroup:
+def _group(store: dist.Store, rank: int, backend: str) -> _PG:
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, 2, _TIMEOUT)
+        return cast(_PG, dist.ProcessGroupGloo(store, rank, 2, _TIMEOUT))
     opts = dist.ProcessGroupNCCL.Options()
-    return dist.ProcessGroupNCCL(store, rank, 2, opts)
+    return cast(_PG, dist.ProcessGroupNCCL(store, rank, 2, opts))
 
 
 class TorchDistSender:
@@ -94,7 +96,7 @@ class TorchDistReceiver:
         self._store = dist.TCPStore(
             self._host, 0, is_master=True, wait_for_workers=False, timeout=_TIMEOUT
         )
-        self._pg: dist.ProcessGroup | None = None
+        self._pg: _PG | None = None
         self._meta = torch.zeros(_META, dtype=torch.int64)
         self._meta_work: dist.Work | None = None
         self._pool: dict[int, list[np.ndarray]] = defaultdict(list)
@@ -140,7 +142,7 @@ class TorchDistReceiver:
             for s in sizes:
                 if s:
                     self._recv(torch.from_numpy(buf[off : off + s]))
-                views.append(memoryview(buf[off : off + s]))
+                views.append(buf[off : off + s].data)
                 off += s
         except RuntimeError as e:
             raise TransportError(f"{self._backend} receive failed: {e}") from e

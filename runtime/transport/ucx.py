@@ -129,8 +129,8 @@ class UcxReceiver:
         if not _wait(self._worker, [self._ctrl_req], deadline):
             raise TimeoutError(f"no frame within {timeout} s")  # request stays posted
         self._ctrl_req = None
-        sender_tag, hlen, n = struct.unpack_from("<QQI", self._ctrl)
-        sizes = struct.unpack_from(f"<{n}Q", self._ctrl, 20)
+        sender_tag, hlen, n = struct.unpack_from("<QQI", self._ctrl.data)
+        sizes = struct.unpack_from(f"<{n}Q", self._ctrl.data, 20)
         header = np.empty(hlen, np.uint8)
         total = sum(sizes)
         buf = self._take(total)
@@ -143,7 +143,7 @@ class UcxReceiver:
             _wait(self._worker, reqs, None)
         except Exception as e:
             raise TransportError(f"ucx receive failed: {e}") from e
-        mv = memoryview(buf)
+        mv = buf.data
         bufs, off = [], 0
         for s in sizes:
             bufs.append(mv[off : off + s])

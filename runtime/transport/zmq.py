@@ -21,7 +21,7 @@ class ZmqSender:
     def __init__(self, address: str, *, send_timeout_s: float = 60.0) -> None:
         if not address.startswith("zmq://"):
             raise ValueError(f"address {address!r} is not a zmq:// address")
-        self._sock = zmq.Context.instance().socket(zmq.PUSH)
+        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 5000)
         self._sock.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))
         self._sock.connect(address[len("zmq://") :])
@@ -44,7 +44,7 @@ class ZmqReceiver:
     """Binds IPC (``local=True``) or TCP on all interfaces."""
 
     def __init__(self, *, local: bool = True) -> None:
-        self._sock = zmq.Context.instance().socket(zmq.PULL)
+        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._dir: str | None = None
         if local:
@@ -52,7 +52,7 @@ class ZmqReceiver:
             self._endpoint = f"ipc://{self._dir}/data"
             self._sock.bind(self._endpoint)
         else:
-            port = self._sock.bind_to_random_port("tcp://0.0.0.0")
+            port: int = self._sock.bind_to_random_port("tcp://0.0.0.0")
             self._endpoint = f"tcp://{socket.gethostname()}:{port}"
 
     @property
