@@ -156,6 +156,7 @@ class ActorGroup(Generic[A]):
         self._conns: list[Any] = [None] * len(ranks)
         self._rr = itertools.count()
         self._refs: dict[str, EndpointRef[Any, Any]] = {}
+        self._subs: dict[int, ActorGroup[A]] = {}
 
     def __getattr__(self, attr: str) -> EndpointRef[..., Any]:
         if attr.startswith("__") or attr not in self.__dict__.get("endpoints", ()):
@@ -174,9 +175,15 @@ class ActorGroup(Generic[A]):
         if not -len(self.ranks) <= i < len(self.ranks):
             raise IndexError(f"{self.name} has {len(self.ranks)} actors, no index {i}")
         i %= len(self.ranks)
-        sub = ActorGroup[A](self.name, self.cls_name, self.endpoints, [self.addresses[i]],
-                            [self.ranks[i]], self.world_size)
-        sub._conns[0] = self._conns[i]
+        if len(self.ranks) == 1:
+            return self
+        sub = self._subs.get(i)
+        if sub is None:
+            sub = self._subs[i] = ActorGroup[A](self.name, self.cls_name, self.endpoints,
+                                                [self.addresses[i]], [self.ranks[i]],
+                                                self.world_size)
+        if sub._conns[0] is None:
+            sub._conns[0] = self._conns[i]
         return sub
 
     def __iter__(self) -> Iterator[ActorGroup[A]]:

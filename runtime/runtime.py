@@ -239,7 +239,8 @@ class Runtime:
                 raise ActorDied(g.label(i), f"group {g.name!r} no longer exists")
             if rec.status[rank] != UP:
                 raise ActorDied(g.label(i), rec.reasons[rank] or rec.status[rank])
-            self.pool.dead.pop(addr, None)  # up again (restarted) or a lost connection: retry
+            if rec.addresses[rank] == addr:
+                self.pool.dead.pop(addr, None)  # same process, lost connection: retry once
             g.addresses[i] = addr = rec.addresses[rank]
         if conn is None:
             conn = await self.pool.get(addr, g.label(i))
