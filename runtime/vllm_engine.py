@@ -369,6 +369,9 @@ class VLLMEngine:
 
         cfg = self.config
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # vLLM logs to stdout by default; keep stdout for the program (e.g. bench JSON).
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.kv_cache_gb))))
         torch.set_num_threads(cfg.threads)  # before vLLM turns set_num_threads into a no-op
         from vllm import EngineArgs

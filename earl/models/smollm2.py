@@ -66,6 +66,8 @@ def _convert(src: Path, out: Path) -> None:
     tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
     model.hf_quantizer = None  # weights are dequantized: save a plain fp32 checkpoint
+    if hasattr(model.config, "quantization_config"):  # vLLM rejects quant_method "gguf"
+        del model.config.quantization_config
     model.save_pretrained(out)
     tok.save_pretrained(out)
     # The GGUF's template ignores `tools`; SmolLM2 speaks ChatML, so use EARL's ChatML+tools one.

@@ -27,17 +27,21 @@ REPLICAS = int(os.environ.get("EARL_TEST_REPLICAS", "1"))
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def group() -> AsyncIterator[object]:
+async def rt() -> AsyncIterator[object]:
     from earl.runtime import Runtime
+
+    async with Runtime() as runtime:
+        yield runtime
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def group(rt) -> object:
     from earl.runtime.rollout import RolloutActor
     from earl.runtime.vllm_engine import EngineConfig
 
     cfg = asdict(EngineConfig(model=str(default_model_dir(**MODEL_A)), dtype="float32",
                               max_model_len=256))
-    async with Runtime() as rt:
-        g = await rt.spawn("rollout", RolloutActor, cfg, n=REPLICAS,
-                           env={"OMP_NUM_THREADS": "1"})
-        yield g
+    return await rt.spawn("rollout", RolloutActor, cfg, n=REPLICAS, env={"OMP_NUM_THREADS": "1"})
 
 
 async def test_generate_through_the_client(group) -> None:
@@ -83,3 +87,20 @@ async def test_publisher_switches_every_replica(group, transport: str) -> None:
     c, versions = await greedy_all()
     assert c == a and set(versions) == {8}
     pub.close()
+
+
+async def test_reference_actor_scores_what_the_rollout_sampled(rt, group) -> None:
+    import numpy as np
+    from earl.runtime.reference import ReferenceActor, ReferenceConfig
+
+    ref = await rt.spawn("reference", ReferenceActor,
+                         asdict(ReferenceConfig(model=str(default_model_dir(**MODEL_A)))),
+                         env={"OMP_NUM_THREADS": "1"})
+    gens = [await group[0].generate.call_one([1, 60 + i], SamplingParams(max_tokens=20, seed=i))
+            for i in range(3)]
+    samples = [np.array([1, 60 + i] + g.token_ids) for i, g in enumerate(gens)]
+    scores = await ref[0].logprobs.call_one(samples)
+    for g, lp in zip(gens, scores, strict=True):
+        assert abs(lp[2:] - np.array(g.logprobs)).max() < 1e-3
+    assert await ref[0].tokens_scored.call_one() == sum(len(s) for s in samples)
+    await rt.stop(ref)

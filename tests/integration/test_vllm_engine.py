@@ -98,6 +98,19 @@ async def test_generate_batch_matches_single_requests(engine) -> None:
         assert a.versions == b.versions and a.finish_reason == b.finish_reason
 
 
+async def test_rollout_and_reference_logprobs_agree(engine, paths) -> None:
+    from earl.runtime.reference import ReferenceConfig, ReferenceModel
+
+    ref = ReferenceModel(ReferenceConfig(model=str(paths[0]), token_budget=256))
+    params = SamplingParams(max_tokens=48, temperature=1.0, seed=3)
+    gens = await asyncio.gather(*(engine.generate(p, params) for p in PROMPTS))
+    scores = ref.logprobs([p + g.token_ids for p, g in zip(PROMPTS, gens, strict=True)])
+    for p, g, lp in zip(PROMPTS, gens, scores, strict=True):
+        assert len(lp) == len(p) + len(g.token_ids)
+        diff = abs(lp[len(p):] - g.logprobs).max()
+        assert diff < 1e-3, f"rollout vs reference log-probs differ by {diff}"
+
+
 async def test_stop_token_is_kept_and_reported(engine) -> None:
     g = await engine.generate(PROMPTS[0], GREEDY)
     stop = g.token_ids[5]

@@ -1,0 +1,127 @@
+"""Reference stage: a frozen copy of the initial policy (transformers, torch) that gives the
+per-token log-probs of finished samples, for the KL term.
+
+`ReferenceModel` is the plain class (usable in any process); `ReferenceActor` serves it. Samples
+are token-id arrays; the result for a sample of length L is a float32 array of length L whose
+entry i is log p_ref(token_i | tokens_<i) (entry 0, which has no context, is 0.0), aligned with
+the dock's "input_ids" column so it can be stored as "ref_logprobs". Work is cut into
+micro-batches of at most `token_budget` padded tokens, longest samples first.
+
+This module never updates weights and knows nothing about rewards or the loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from earl.runtime import Actor, endpoint
+
+__all__ = ["ReferenceActor", "ReferenceConfig", "ReferenceModel", "microbatches"]
+
+
+@dataclass(kw_only=True, slots=True)
+class ReferenceConfig:
+    """Args:
+    model: HF folder of the initial policy.
+    dtype: "float32" or "bfloat16".
+    token_budget: most padded tokens per forward pass (bounds the B x T x vocab logits).
+    temperature: log-probs of softmax(logits / temperature), as the policy samples.
+    threads: torch threads.
+    """
+
+    model: str
+    dtype: str = "float32"
+    token_budget: int = 4096
+    temperature: float = 1.0
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.token_budget < 1:
+            raise ValueError(f"ReferenceConfig.token_budget must be >= 1, got {self.token_budget}")
+        if self.temperature <= 0:
+            raise ValueError(f"ReferenceConfig.temperature must be > 0, got {self.temperature}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"ReferenceConfig.dtype must be float32 or bfloat16, got {self.dtype}")
+
+
+def microbatches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """Indices grouped so that len(group) * max length in group <= token_budget (a sample
+    longer than the budget is alone), longest first, so padding stays small."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    out: list[list[int]] = []
+    for i in order:
+        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= token_budget:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+class ReferenceModel:
+    """The frozen model and its batched scorer."""
+
+    def __init__(self, config: ReferenceConfig) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(config.threads)
+        self.config = config
+        self.model = AutoModelForCausalLM.from_pretrained(
+            config.model, dtype=getattr(torch, config.dtype)).eval()
+        self.model.requires_grad_(False)
+        self.tokens_scored = 0
+
+    def logprobs(self, samples: Sequence[Sequence[int] | np.ndarray]) -> list[np.ndarray]:
+        """Per-token reference log-probs of each sample (see module docstring)."""
+        import torch
+
+        seqs = [np.asarray(s, dtype=np.int64).reshape(-1) for s in samples]
+        if any(len(s) == 0 for s in seqs):
+            raise ValueError("ReferenceModel.logprobs: empty sample; every sample needs >= 1 token")
+        out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(seqs)
+        for group in microbatches([len(s) for s in seqs], self.config.token_budget):
+            width = len(seqs[group[0]])
+            ids = torch.zeros((len(group), width), dtype=torch.long)
+            mask = torch.zeros((len(group), width), dtype=torch.long)
+            for row, i in enumerate(group):
+                ids[row, : len(seqs[i])] = torch.from_numpy(seqs[i])
+                mask[row, : len(seqs[i])] = 1
+            with torch.inference_mode():
+                logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+                if self.config.temperature != 1.0:
+                    logits = logits / self.config.temperature
+                picked = logits.gather(-1, ids[:, 1:, None]).squeeze(-1)
+                lp = (picked - logits.logsumexp(-1)).numpy()
+            for row, i in enumerate(group):
+                res = np.zeros(len(seqs[i]), np.float32)
+                res[1:] = lp[row, : len(seqs[i]) - 1]
+                out[i] = res
+            self.tokens_scored += int(mask.sum())
+        return out
+
+
+class ReferenceActor(Actor):
+    """Serves a `ReferenceModel` (config as a ReferenceConfig or its dict of fields)."""
+
+    def __init__(self, config: ReferenceConfig | dict[str, object]) -> None:
+        if isinstance(config, dict):
+            config = ReferenceConfig(**config)  # type: ignore[arg-type]
+        self.ref = ReferenceModel(config)
+        self._lock = asyncio.Lock()
+
+    @endpoint
+    async def logprobs(self, samples: list[np.ndarray]) -> list[np.ndarray]:
+        """Reference log-probs of each sample (runs in a worker thread, one call at a time)."""
+        async with self._lock:
+            return await asyncio.to_thread(self.ref.logprobs, samples)
+
+    @endpoint
+    async def config(self) -> dict[str, object]:
+        return asdict(self.ref.config)
+
+    @endpoint
+    async def tokens_scored(self) -> int:
+        return self.ref.tokens_scored
