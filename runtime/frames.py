@@ -152,8 +152,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
             return
         if len(out) == 1:
             t.write(out[0])
-        else:
+        elif len(out) <= 4 or any(len(b) > 16384 for b in out):  # big buffers: writev, no copy
             t.writelines(out)
+        else:
+            t.write(b"".join(out))  # many small frames: one copy beats a long iovec
 
     def _mac(self, parts: Any) -> bytes:
         assert self.key is not None
