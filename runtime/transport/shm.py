@@ -190,6 +190,16 @@ class ShmSender:
             if seg is not None:
                 self._free.append(seg)
 
+    def wait_released(self, timeout_s: float | None = None) -> bool:
+        """Wait until receivers released every frame sent so far; False on timeout."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self._busy:
+            left = 0.5 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._drain_releases(min(left, 0.5))
+        return True
+
     def statistics(self) -> ShmStatistics:
         return ShmStatistics(
             segments=len(self._free) + len(self._busy),

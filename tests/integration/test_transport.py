@@ -35,9 +35,11 @@ def _send(address: str, n: int, q, done) -> None:  # runs in the child
         for i in range(n):
             header, bufs = pack_arrays(_payloads(i), {"i": i})
             sender.send(header, bufs)
+        done.get()  # the parent has read and released this round
+        if hasattr(sender, "wait_released"):
+            assert sender.wait_released(30)
         stats = sender.statistics() if hasattr(sender, "statistics") else None
         q.put(None if stats is None else stats.segments)
-        done.get()  # the parent has read and released this round
     sender.close()
 
 
@@ -62,8 +64,8 @@ def test_transport_moves_frames_between_processes(name):
                 if name == "shm":  # zero-copy: read-only views into the sender's segment
                     assert not arrays["big"].flags.writeable
                 frame.release()
-            segments.append(q.get(timeout=60))
             done.put("next")
+            segments.append(q.get(timeout=60))
         if name == "shm":  # released segments are reused: the pool does not grow
             assert 1 <= segments[1] == segments[0] <= 5
         child.join(60)
