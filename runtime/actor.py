@@ -18,7 +18,7 @@ import itertools
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
-from earl.runtime.frames import FrameTooLarge, Kind, check_size, log
+from earl.runtime.frames import STREAM_WINDOW, FrameTooLarge, Kind, check_size, log
 from earl.runtime.wire import encode, register_ext
 
 if TYPE_CHECKING:
@@ -125,11 +125,16 @@ async def _stream(g: ActorGroup[Any], body: bytes, bufs: list[Any]) -> AsyncIter
     conn = await context().resolve(g, 0)
     rid, q = conn.open_stream(body, bufs)
     done = False
+    consumed = 0
     try:
         while True:
             kind, value = await q.get()
             if kind == Kind.ITEM:
                 yield value
+                consumed += 1
+                if consumed == STREAM_WINDOW // 2:  # let the actor produce more
+                    conn.grant(rid, consumed)
+                    consumed = 0
                 continue
             done = True
             if kind == Kind.END:

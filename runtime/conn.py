@@ -16,7 +16,7 @@ from typing import Any
 
 from earl.runtime.errors import ActorDied, ActorError, BadCall
 from earl.runtime.frames import FrameProtocol, Kind, log
-from earl.runtime.wire import WireError, decode
+from earl.runtime.wire import WireError, decode, encode
 
 _STREAM_KINDS = (Kind.ITEM, Kind.END, Kind.ERR, Kind.REJECT)
 
@@ -58,6 +58,11 @@ class Connection(FrameProtocol):
         self.send(Kind.STREAM, rid, body, bufs)
         self.streams[rid] = q
         return rid, q
+
+    def grant(self, rid: int, n: int) -> None:
+        """Allow the stream `rid` to send `n` more items."""
+        if rid in self.streams and self.dead is None:
+            self.send(Kind.CREDIT, rid, encode(n)[0])
 
     def cancel_stream(self, rid: int) -> None:
         if self.streams.pop(rid, None) is not None and self.dead is None:

@@ -51,6 +51,10 @@ class Kind(enum.IntEnum):
     ITEM = 8
     END = 9
     REJECT = 10
+    CREDIT = 11  # stream flow control: the consumer grants more ITEMs
+
+
+STREAM_WINDOW = 256  # ITEM frames a stream may send ahead of its consumer
 
 
 class FrameTooLarge(ValueError):

@@ -2,7 +2,8 @@
 
 Each request is decoded and checked synchronously in the protocol callback; a plain `def`
 endpoint runs inline, an `async def` one runs as a task in the server's task group (which the
-caller owns), a generator endpoint streams ITEM frames and honours CANCEL. Bad requests (unknown
+caller owns), a generator endpoint streams ITEM frames (at most STREAM_WINDOW ahead of the consumer's
+CREDIT frames) and honours CANCEL. Bad requests (unknown
 endpoint, wrong arguments, undecodable body, oversized frame) are answered with REJECT and
 logged; the server keeps serving. Used by actor processes and by the root runtime's directory.
 """
@@ -17,7 +18,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from earl.runtime.endpoint import Endpoint, endpoints_of
-from earl.runtime.frames import FrameProtocol, FrameTooLarge, Kind, log
+from earl.runtime.frames import STREAM_WINDOW, FrameProtocol, FrameTooLarge, Kind, log
 from earl.runtime.wire import WireError, decode, encode
 
 _REQUESTS = (Kind.CALL, Kind.ONEWAY, Kind.STREAM)
@@ -35,6 +36,7 @@ class _ServerConnection(FrameProtocol):
         super().__init__(max_bytes=server.max_bytes, secret=server.secret)
         self.server = server
         self.streams: dict[int, asyncio.Task[None]] = {}
+        self.credits: dict[int, list[Any]] = {}  # rid -> [items allowed, Event]
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -64,6 +66,15 @@ class _ServerConnection(FrameProtocol):
             self.reject(rid, reason)
 
     def frame_received(self, kind: int, rid: int, body: memoryview, bufs: list[Any]) -> None:
+        if kind == Kind.CREDIT:
+            credit = self.credits.get(rid)
+            if credit is not None:
+                try:
+                    credit[0] += int(decode(body))
+                except (WireError, TypeError, ValueError):
+                    return self.reject(rid, "malformed CREDIT frame")
+                credit[1].set()
+            return
         if kind == Kind.CANCEL:
             task = self.streams.pop(rid, None)
             if task is not None:
@@ -98,6 +109,7 @@ class _ServerConnection(FrameProtocol):
         except Exception as e:  # noqa: BLE001
             return self._fail(kind, rid, e)
         if kind == Kind.STREAM:
+            self.credits[rid] = [STREAM_WINDOW, asyncio.Event()]
             self.streams[rid] = srv.spawn(self._stream(rid, result))
         elif ep.is_async:
             srv.spawn(self._finish(kind, rid, result))
@@ -126,12 +138,17 @@ class _ServerConnection(FrameProtocol):
             self._ok(rid, result)
 
     async def _stream(self, rid: int, agen: Any) -> None:
+        credit = self.credits[rid]
         try:
             n = 0
             async for item in agen:
                 body, bufs = encode(item)
                 self.reply(Kind.ITEM, rid, body, bufs)
+                credit[0] -= 1
                 n += 1
+                while credit[0] <= 0:  # the consumer is behind: wait for its CREDIT
+                    credit[1].clear()
+                    await credit[1].wait()
                 if self._paused:
                     await self.wait_writable()
                 elif n % 32 == 0:  # a generator that never awaits must not starve the loop
@@ -141,6 +158,7 @@ class _ServerConnection(FrameProtocol):
             self.reply(Kind.ERR, rid, _error_body(e))
         finally:
             self.streams.pop(rid, None)
+            self.credits.pop(rid, None)
             await agen.aclose()
 
 

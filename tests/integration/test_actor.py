@@ -57,7 +57,12 @@ class Counter(Actor):
     @endpoint
     async def tokens(self, n: int):
         for i in range(n):
+            self.produced = i + 1
             yield i
+
+    @endpoint
+    async def get_produced(self) -> int:
+        return getattr(self, "produced", 0)
 
     @endpoint
     async def fail(self, msg: str) -> None:
@@ -147,10 +152,18 @@ async def test_arrays_tensors_and_typed_messages_cross(counters):
                                                                            dtype=torch.bfloat16))
 
 
-async def test_early_stream_exit_cancels_the_generator(counters):
+async def test_streams_have_backpressure_and_early_exit_cancels(counters):
+    from earl.runtime.frames import STREAM_WINDOW
+
     async for x in counters[0].tokens.stream(10**9):
         if x == 3:
+            # the generator never awaits, yet it may only run one window ahead of us
+            for _ in range(20):
+                await asyncio.sleep(0.01)
+            assert 4 <= await counters[0].get_produced.call_one() <= STREAM_WINDOW + 1
             break
+    assert [x async for x in counters[1].tokens.stream(3 * STREAM_WINDOW)] == list(
+        range(3 * STREAM_WINDOW))
     assert await counters[0].get.call_one() >= 0
 
 
