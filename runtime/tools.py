@@ -132,7 +132,8 @@ class _Action:
 class _Pool:
     """Worker bookkeeping shared by both executors: counts, time-averaged size, outcomes."""
 
-    def __init__(self) -> None:
+    def __init__(self, count_discards: bool = True) -> None:
+        self.count_discards = count_discards  # False: the owner counts capacity itself
         self._t0 = self._t_last = time.monotonic()
         self._area = 0.0
         self.size = self.peak = self.spawned = 0
@@ -145,7 +146,6 @@ class _Pool:
         self._t_last = now
         self.size += delta
         self.peak = max(self.peak, self.size)
-        self.spawned += max(delta, 0)
 
     def mean(self) -> float:
         now = time.monotonic()
@@ -154,7 +154,8 @@ class _Pool:
 
     def discard(self, tg: asyncio.TaskGroup, worker: _Worker) -> None:
         worker.kill()
-        self.resize(-1)
+        if self.count_discards:
+            self.resize(-1)
         tg.create_task(worker.proc.wait())  # reap it; owned by the executor's task group
 
     async def call(self, worker: _Worker, tool: Tool, args: dict[str, JSONValue],
@@ -318,12 +319,12 @@ class ToolExecutor:
             action.future.set_result(worker)
 
     def _grow_if_needed(self) -> None:
-        while (self._waiting > self._starting
-               and self._pool.size + self._starting < self.config.max_workers):
+        while self._waiting > self._starting and self._pool.size < self.config.max_workers:
             self._grow()
 
     def _grow(self) -> None:
         self._starting += 1
+        self._pool.resize(+1)  # a worker counts from the moment it is asked for
         self._tg.create_task(self._spawn())
 
     async def _spawn(self) -> None:
@@ -331,12 +332,13 @@ class ToolExecutor:
             worker = await _Worker.start()
         except (OSError, asyncio.IncompleteReadError) as exc:
             self._starting -= 1
+            self._pool.resize(-1)
             action = self._next_action()
             if action is not None:
                 action.future.set_exception(RuntimeError(f"cannot start a tool worker: {exc}"))
             return
         self._starting -= 1
-        self._pool.resize(+1)
+        self._pool.spawned += 1
         if self._closed.is_set():
             self._pool.discard(self._tg, worker)
         else:
@@ -375,7 +377,7 @@ class StaticExecutor:
 
     def __init__(self, config: ExecutorConfig | None = None) -> None:
         self.config = config or ExecutorConfig()
-        self._pool = _Pool()
+        self._pool = _Pool(count_discards=False)  # capacity = sandboxes reserved by sessions
         self._slots = asyncio.Semaphore(self.config.max_workers)
         self._owned: dict[str, _Worker | None] = {}
         self._waiting = 0
@@ -398,6 +400,7 @@ class StaticExecutor:
             worker = self._owned.pop(session_id)
             if worker is not None:
                 self._pool.discard(self._tg, worker)
+            self._pool.resize(-1)
             self._slots.release()
 
     def statistics(self) -> ExecutorStatistics:
@@ -418,10 +421,11 @@ class StaticExecutor:
                     finally:
                         self._waiting -= 1
                     self._owned[sid] = None
+                    self._pool.resize(+1)  # the session's sandbox is reserved from now on
                 worker = self._owned[sid]
                 if worker is None:  # a fresh sandbox per session (cold start)
                     worker = self._owned[sid] = await _Worker.start()
-                    self._pool.resize(+1)
+                    self._pool.spawned += 1
                 t1 = time.monotonic()
                 reply, alive = await self._pool.call(worker, tool, arguments, self._tg)
         except TimeoutError:
