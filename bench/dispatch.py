@@ -9,7 +9,7 @@ Prints one JSON object:
 - ``ray_handoff_GBps``: ray.put in one actor + ray.get in another (null without ray).
 - ``layout``: experience (``layout_bytes``, 1 GiB) held by 2 producer warehouses, consumed by a
   DP=2 x TP=2 group. ``decentralized_s``: the dispatcher's plan -- each DP leader fetches its half
-  straight from the warehouses over shm and replicates it to its TP peer. ``single_controller_s``:
+  straight from the warehouses over shm and forwards it to its TP peer (same read-only pages). ``single_controller_s``:
   the driver gathers everything, then scatters each DP half to both TP ranks (verl's path; the
   driver even reuses a warm gather buffer, its best case). Driver peak RSS for each.
 """
@@ -30,7 +30,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import zmq
-from earl.runtime.dispatch import FetchOp, gather_replica, plan_step, replicate
+from earl.runtime.dispatch import (
+    FetchOp,
+    forward,
+    gather_replica,
+    plan_step,
+    receive_replica,
+    replicate,
+)
 from earl.runtime.dock_index import DockIndex
 from earl.runtime.dock_warehouse import Warehouse, unpack_batch
 from earl.runtime.layout import FixedCount, Layout
@@ -198,14 +205,17 @@ def _consumer(rank: int, conn) -> None:
             batch, frames = asyncio.run(gather_replica(replica, recv, request))
             for p in peers:
                 senders.setdefault(p, connect(p))
-            replicate(batch, [senders[p] for p in peers])
+            forward(frames, [senders[p] for p in peers])  # same pages, no copy
             n = _check(batch, replica.sample_ids)
             for f in frames:
                 f.release()
-        else:  # "follow": receive one frame (from the leader or the driver)
-            frame = recv.recv(120)
-            n = _check(unpack_batch(frame), cmd[1])
-            frame.release()
+            for p in peers:  # the replica is done when its peers have read their share
+                senders[p].wait_released(120)
+        else:  # "follow": frames from the leader or the driver
+            batch, frames = receive_replica(recv, cmd[2], timeout_s=120)
+            n = _check(batch, cmd[1])
+            for f in frames:
+                f.release()
         conn.send(n)
     recv.close()
 
@@ -279,7 +289,7 @@ def _layout_bench(total_bytes: int, reps: int, seq_len: int = 32768) -> dict[str
                 leader, peers = rep.leader, [r for r in rep.ranks if r != rep.leader]
                 cons[leader][1].send(("lead", rep, shard_ctl, [addrs[p] for p in peers]))
                 for p in peers:
-                    cons[p][1].send(("follow", rep.sample_ids))
+                    cons[p][1].send(("follow", rep.sample_ids, len(rep.fetches)))
             got = sum(conn.recv() for _, conn in cons)
             assert got == 2 * nbytes
             return time.perf_counter() - t
@@ -314,7 +324,7 @@ def _layout_bench(total_bytes: int, reps: int, seq_len: int = 32768) -> dict[str
             for rep in plan.replicas:  # 2) scatter each DP slice to every rank of its replica
                 batch = {sid: held[sid] for sid in rep.sample_ids}
                 for r in rep.ranks:
-                    cons[r][1].send(("follow", rep.sample_ids))
+                    cons[r][1].send(("follow", rep.sample_ids, 1))
                 replicate(batch, [senders[r] for r in rep.ranks])
             got = sum(conn.recv() for _, conn in cons)
             assert got == 2 * nbytes

@@ -5,8 +5,8 @@ and replicates it inside its TP/CP/PP group. No process ever holds the whole bat
 `plan_step` is pure (lease + layout + micro-batch rule -> `DispatchPlan`). `gather_replica`
 runs on a replica leader: it asks each warehouse (via a caller-supplied `request` coroutine,
 normally an RPC to the warehouse's actor) to send its slice to the leader's receiver, and
-collects the frames. `replicate` / `receive_replica` move the slice to the other ranks of the
-replica over any transport (shm on one host writes it once per peer, zero-copy on read).
+collects the frames. `forward` / `receive_replica` move the slice to the other ranks of the
+replica over any transport (on one host, shm hands every peer the same read-only pages).
 
 Not here: deciding which samples are ready (dock_index.py), the wire of RPCs (runtime actors).
 """
@@ -170,7 +170,7 @@ async def gather_replica(
 
 
 def replicate(batch: Batch, peers: Sequence[Sender]) -> None:
-    """On the leader: send the replica's batch to every other rank of its TP/CP/PP group."""
+    """On the leader: send a (re-assembled) batch to every other rank of its replica (1 frame)."""
     ids = list(batch)
     arrays = {f"{i}/{c}": a for i, sid in enumerate(ids) for c, a in batch[sid].items()}
     header, bufs = pack_arrays(arrays, {"ids": ids})
@@ -178,10 +178,31 @@ def replicate(batch: Batch, peers: Sequence[Sender]) -> None:
         peer.send(header, bufs)
 
 
-def receive_replica(receiver: Receiver, *, timeout_s: float = 120.0) -> tuple[Batch, Frame]:
-    """On a non-leader rank: the batch its leader replicated (views; release the frame)."""
-    frame = receiver.recv(timeout_s)
-    return unpack_batch(frame), frame
+def forward(frames: Sequence[Frame], peers: Sequence[Sender]) -> None:
+    """On the leader: pass the gathered frames on to every other rank of its replica.
+
+    Senders that can forward (shm) hand the same read-only pages to every peer -- no copy;
+    others re-send the frame's buffers. Peers receive ``len(frames)`` frames.
+    """
+    for peer in peers:
+        fwd = getattr(peer, "forward", None)
+        for f in frames:
+            if fwd is not None:
+                fwd(f)
+            else:
+                peer.send(f.header, f.buffers)
+
+
+def receive_replica(
+    receiver: Receiver, n_frames: int = 1, *, timeout_s: float = 120.0
+) -> tuple[Batch, list[Frame]]:
+    """On a non-leader rank: the batch its leader sent (views; release the frames after use)."""
+    frames = [receiver.recv(timeout_s) for _ in range(n_frames)]
+    batch: Batch = {}
+    for f in frames:
+        for sid, cols in unpack_batch(f).items():
+            batch.setdefault(sid, {}).update(cols)
+    return batch, frames
 
 
 def concat_micro_batch(
@@ -195,7 +216,15 @@ def concat_micro_batch(
 
 
 __all__ = [
-    "Batch", "DispatchPlan", "FetchOp", "ReplicaPlan", "concat_micro_batch", "gather",
+    "Batch",
+    "DispatchPlan",
+    "FetchOp",
+    "ReplicaPlan",
+    "concat_micro_batch",
+    "forward",
+    "gather",
     "gather_replica",
-    "plan_step", "receive_replica", "replicate",
+    "plan_step",
+    "receive_replica",
+    "replicate",
 ]

@@ -27,17 +27,31 @@ Buffer = bytes | bytearray | memoryview | np.ndarray
 
 @dataclass(slots=True)
 class Frame:
-    """What a receiver gets: a header and buffers valid until `release()`."""
+    """What a receiver gets: a header and buffers valid until the last `release()`.
+
+    `retain()` adds a reference (e.g. while peers read a forwarded shm frame); the buffers go
+    back to the transport when every reference is released.
+    """
 
     header: bytes
     buffers: list[memoryview]
     _on_release: Callable[[], None] | None = field(default=None, repr=False)
+    _refs: int = field(default=1, repr=False)
+
+    def retain(self) -> None:
+        if self._on_release is None and self._refs <= 0:
+            raise ValueError("cannot retain a released frame")
+        self._refs += 1
 
     def release(self) -> None:
-        """Give the buffers back to the transport (idempotent)."""
-        cb, self._on_release = self._on_release, None
-        if cb is not None:
-            cb()
+        """Drop one reference; the last one gives the buffers back (extra calls are no-ops)."""
+        if self._refs <= 0:
+            return
+        self._refs -= 1
+        if self._refs == 0:
+            cb, self._on_release = self._on_release, None
+            if cb is not None:
+                cb()
 
     @property
     def nbytes(self) -> int:

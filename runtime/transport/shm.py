@@ -95,6 +95,14 @@ class _Segment:
             pass
 
 
+@dataclass(slots=True)
+class ShmFrame(Frame):
+    """A frame mapped from a sender's segment; `ShmSender.forward` passes it on zero-copy."""
+
+    segment: bytes = b""
+    desc: bytes = b""
+
+
 @dataclass(frozen=True, slots=True)
 class ShmStatistics:
     segments: int
@@ -129,6 +137,7 @@ class ShmSender:
         self._shm_dir = shm_dir
         self._free: list[_Segment] = []
         self._busy: dict[str, _Segment] = {}
+        self._forwarded: dict[str, list[Frame]] = {}
         self._pool_bytes = 0
         self._max_pool_bytes = max_pool_bytes
         self._release_timeout_s = release_timeout_s
@@ -147,6 +156,18 @@ class ShmSender:
             x for off, v in zip(offsets, views, strict=True) for x in (off, v.nbytes)
         ])
         self._sock.send_multipart([b"F", seg.name.encode(), desc, header], copy=False)
+
+    def forward(self, frame: Frame) -> None:
+        """Pass a received frame on without copying when it is shm-mapped (read-only readers).
+
+        The frame stays retained until this receiver releases it; other frames are re-sent.
+        """
+        if not isinstance(frame, ShmFrame):
+            self.send(frame.header, frame.buffers)
+            return
+        frame.retain()
+        self._forwarded.setdefault(frame.segment.decode(), []).append(frame)
+        self._sock.send_multipart([b"F", frame.segment, frame.desc, frame.header])
 
     def _acquire(self, nbytes: int) -> _Segment:
         self._drain_releases(0)
@@ -189,11 +210,13 @@ class ShmSender:
             seg = self._busy.pop(name, None)
             if seg is not None:
                 self._free.append(seg)
+            elif self._forwarded.get(name):
+                self._forwarded[name].pop(0).release()
 
     def wait_released(self, timeout_s: float | None = None) -> bool:
         """Wait until receivers released every frame sent so far; False on timeout."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while self._busy:
+        while self._busy or any(self._forwarded.values()):
             left = 0.5 if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 return False
@@ -208,6 +231,10 @@ class ShmSender:
         )
 
     def close(self) -> None:
+        for frames in self._forwarded.values():
+            for f in frames:
+                f.release()
+        self._forwarded.clear()
         for seg in [*self._free, *self._busy.values()]:
             seg.destroy()
         self._free, self._busy, self._pool_bytes = [], {}, 0
@@ -251,7 +278,8 @@ class ShmReceiver:
                 if not self._sock.closed:
                     self._sock.send_multipart([ident, name_b])
 
-        return Frame(header=header, buffers=bufs, _on_release=release)
+        return ShmFrame(header=header, buffers=bufs, _on_release=release, segment=name_b,
+                        desc=desc)
 
     def _map(self, name: str, size: int) -> mmap.mmap:
         key = (name, size)

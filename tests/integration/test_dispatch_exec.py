@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from earl.runtime.dispatch import (
     concat_micro_batch,
+    forward,
     gather_replica,
     plan_step,
     receive_replica,
@@ -45,13 +46,17 @@ async def test_plan_gather_replicate_over_shm():
             batch, frames = await gather_replica(rep, receivers[rep.leader], request)
             peers = [r for r in rep.ranks if r != rep.leader]
             peer_senders = [connect(receivers[p].address) for p in peers]
-            replicate(batch, peer_senders)
+            forward(frames, peer_senders)  # zero-copy: same pages, read-only
+            replicate(batch, peer_senders)  # a re-packed copy, one frame
             for p in peers:
-                copy, frame = receive_replica(receivers[p], timeout_s=10)
-                assert copy.keys() == batch.keys()
+                fwd, fwd_frames = receive_replica(receivers[p], len(frames), timeout_s=10)
+                copy, copy_frames = receive_replica(receivers[p], timeout_s=10)
+                assert fwd.keys() == copy.keys() == batch.keys()
                 for sid in batch:
-                    np.testing.assert_array_equal(copy[sid]["input_ids"], batch[sid]["input_ids"])
-                frame.release()
+                    np.testing.assert_array_equal(fwd[sid]["input_ids"], batch[sid]["input_ids"])
+                    np.testing.assert_array_equal(copy[sid]["loss_mask"], batch[sid]["loss_mask"])
+                for f in fwd_frames + copy_frames:
+                    f.release()
             for mb in rep.micro_batches:
                 ids, cu = concat_micro_batch(batch, mb, "input_ids")
                 assert cu[-1] == len(ids) <= 40
@@ -60,7 +65,10 @@ async def test_plan_gather_replicate_over_shm():
             for f in frames:
                 f.release()
             for s in peer_senders:
+                assert s.wait_released(10)  # peers' releases reach the producers' pools
                 s.close()
+        for s in senders.values():  # every producer segment came back: nothing leaks
+            assert s.wait_released(10) and s.statistics().in_flight == 0
         assert sorted(seen) == sorted(loc.sample_id for loc in lease.samples)
     finally:
         for s in senders.values():
