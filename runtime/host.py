@@ -77,7 +77,7 @@ async def _serve(spec: Any, sock: socket.socket) -> int:
             cls = _load_class(spec.cls_module, spec.cls_qualname, spec.main_file)
             if not (isinstance(cls, type) and issubclass(cls, Actor)):
                 raise TypeError(f"{spec.cls_qualname} is not an Actor subclass")
-            actor = cls.__new__(cls)
+            actor: Actor = cls.__new__(cls)  # type: ignore[call-overload]
             actor.name, actor.rank, actor.world_size = spec.name, spec.rank, spec.world_size
             actor.__init__(*spec.args, **spec.kwargs)
             await actor.setup()
@@ -89,8 +89,13 @@ async def _serve(spec: Any, sock: socket.socket) -> int:
                          "".join(traceback.format_exception(e))])
             return 1
         _send(sock, ["ready", address, os.getpid()])
-        eof = loop.create_future()
-        loop.add_reader(sock.fileno(), lambda: eof.done() or eof.set_result(None))
+        eof: asyncio.Future[None] = loop.create_future()
+
+        def on_readable() -> None:  # EOF (or stray bytes) on the liveness line: stop
+            if not eof.done():
+                eof.set_result(None)
+
+        loop.add_reader(sock.fileno(), on_readable)
         stopped = rt.task(stop.wait())
         await asyncio.wait([eof, stopped], return_when=asyncio.FIRST_COMPLETED)
         stopped.cancel()

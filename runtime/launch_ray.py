@@ -107,7 +107,8 @@ class RayLauncher:
             ray.init(address=address, include_dashboard=False, log_to_driver=False)
             self._owns_ray = True
         self.num_cpus = num_cpus
-        self._keeper_cls = ray.remote(num_cpus=0, max_concurrency=4)(_Keeper)
+        self._keeper_cls = ray.remote(num_cpus=0, max_concurrency=4)(  # type: ignore[call-overload]
+            _Keeper)
         self._pgs: dict[str, Any] = {}
         self._keepers: list[Any] = []
 

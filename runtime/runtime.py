@@ -18,6 +18,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Coroutine
+from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from earl.runtime.actor import Actor, ActorGroup, _current
@@ -85,16 +86,17 @@ class Runtime:
         _current.append(self)
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
         try:
             await self.shutdown()
         finally:
             if self in _current:
                 _current.remove(self)
             assert self._tg is not None
-            if exc[0] is not None and not issubclass(exc[0], asyncio.CancelledError):
-                exc = (None, None, None)  # let the body's own exception propagate unwrapped
-            await self._tg.__aexit__(*exc)
+            if et is not None and not issubclass(et, asyncio.CancelledError):
+                et = exc = tb = None  # let the body's own exception propagate unwrapped
+            await self._tg.__aexit__(et, exc, tb)
             if self._own_run_dir:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
 

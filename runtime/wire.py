@@ -92,6 +92,9 @@ def _torch_dtypes() -> dict[str, Any]:
         torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
 
 
+_BASES: tuple[type, ...] = (int, float, str, bytes, list, dict, tuple)
+
+
 class _Codec:
     """Packs one value; collects out-of-band buffers in `self.bufs` (event-loop thread only)."""
 
@@ -119,7 +122,7 @@ class _Codec:
             return obj.value
         if "torch" in sys.modules and isinstance(obj, sys.modules["torch"].Tensor):
             return self._tensor(obj)
-        for base in (bool, int, float, str, bytes, list, dict, tuple):
+        for base in _BASES:  # subclasses (IntEnum, str enums, OrderedDict ...) as their base
             if isinstance(obj, base):
                 return base(obj)
         if isinstance(obj, (bytearray, memoryview)):
@@ -136,7 +139,7 @@ class _Codec:
         if arr.dtype.hasobject or arr.dtype.fields is not None:
             raise WireError(f"cannot send numpy array of dtype {arr.dtype}: use a plain dtype")
         arr = np.ascontiguousarray(arr)
-        self.bufs.append(memoryview(arr).cast("B") if arr.size else b"")
+        self.bufs.append(memoryview(arr).cast("B") if arr.size else b"")  # type: ignore[arg-type]
         return msgpack.ExtType(EXT_NDARRAY, self.pack(
             [arr.dtype.str, list(arr.shape), len(self.bufs) - 1]))
 
