@@ -42,8 +42,21 @@ from earl.algorithms.offpolicy import (
 )
 
 __all__ = [
-    "AGG_MODES", "LossConfig", "aggregate", "aggregation_denominator", "broadcast_to_tokens",
-    "decoupled_ppo_loss", "discounted_returns", "entropy_from_logits", "grpo_advantages",
-    "kl_estimate", "kl_penalty_rewards", "per_turn_advantages", "policy_objective",
-    "ppo_clip_loss", "truncated_is_weights", "turn_token_values", "vanilla_pg_loss",
+    "AGG_MODES",
+    "LossConfig",
+    "aggregate",
+    "aggregation_denominator",
+    "broadcast_to_tokens",
+    "decoupled_ppo_loss",
+    "discounted_returns",
+    "entropy_from_logits",
+    "grpo_advantages",
+    "kl_estimate",
+    "kl_penalty_rewards",
+    "per_turn_advantages",
+    "policy_objective",
+    "ppo_clip_loss",
+    "truncated_is_weights",
+    "turn_token_values",
+    "vanilla_pg_loss",
 ]
