@@ -104,3 +104,23 @@ async def test_reference_actor_scores_what_the_rollout_sampled(rt, group) -> Non
         assert abs(lp[2:] - np.array(g.logprobs)).max() < 1e-3
     assert await ref[0].tokens_scored.call_one() == sum(len(s) for s in samples)
     await rt.stop(ref)
+
+
+async def test_reward_actor_serves_rules_and_the_reward_model(rt, tmp_path) -> None:
+    import numpy as np
+    from earl.runtime.reward import (
+        RewardActor,
+        RewardModel,
+        RewardModelConfig,
+        build_tiny_reward_model,
+    )
+
+    cfg = RewardModelConfig(model=str(build_tiny_reward_model(tmp_path / "rm", layers=1)))
+    rw = await rt.spawn("reward", RewardActor, asdict(cfg), env={"OMP_NUM_THREADS": "1"})
+    got = await rw[0].rule.call_one("earl.envs.arithmetic:score",
+                                    [{"text": "= 12", "answer": 12}, {"text": "7", "answer": 12}])
+    assert got == [1.0, 0.0]
+    samples = [np.arange(7, 20), np.arange(30, 35)]
+    remote = await rw[0].score.call_one(samples)
+    np.testing.assert_allclose(remote, RewardModel(cfg).score(samples), atol=1e-5)
+    await rt.stop(rw)
