@@ -18,6 +18,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
@@ -36,6 +37,18 @@ from earl.runtime.wire import encode
 A = TypeVar("A", bound=Actor)
 T = TypeVar("T")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeStatistics:
+    """A snapshot of one runtime (see `Runtime.statistics`)."""
+
+    groups: int  # groups this runtime spawned and supervises
+    actors: int  # their live processes
+    restarts: int  # restarts performed so far
+    connections: int  # open client connections
+    pending_calls: int  # calls sent and not answered yet
+    background_tasks: int
 
 
 class Runtime:
@@ -119,6 +132,14 @@ class Runtime:
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
         return t
+
+    def statistics(self) -> RuntimeStatistics:
+        sups = list(self._groups.values())
+        return RuntimeStatistics(
+            groups=len(sups), actors=sum(h is not None for s in sups for h in s.handles),
+            restarts=sum(sum(s.restarts) for s in sups), connections=len(self.pool.conns),
+            pending_calls=sum(len(c.pending) for c in self.pool.conns.values()),
+            background_tasks=len(self._tasks))
 
     # ---- addresses ---------------------------------------------------------------------
     def _bind(self, name: str, rank: int = 0) -> str:

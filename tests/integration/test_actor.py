@@ -241,6 +241,7 @@ async def test_restart_policy_brings_the_actor_back(rt):
             break
         await asyncio.sleep(0.025)
     assert rec.restarts[0] == 1
+    assert rt.statistics().restarts >= 1
     with pytest.raises(ActorDied):
         await g.incr.call_one(1)
 
