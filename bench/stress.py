@@ -22,9 +22,10 @@ import random
 import subprocess
 import sys
 import time
+from typing import Any
 
 
-def _stress(args: list[str]) -> dict[str, object]:
+def _stress(args: list[str]) -> dict[str, Any]:
     out = subprocess.run([sys.executable, "-m", "earl.cli", "stress", "--json", *args],
                          check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -55,7 +56,7 @@ def main() -> int:
     a = ap.parse_args()
     n = 2000 if a.quick else 10000
     scale = _stress(["--sessions", str(n), "--env", "tictactoe"])
-    turns = int(scale["turns"])  # type: ignore[arg-type]
+    turns = int(scale["turns"])
     floor = _floor(n, max(1, round(turns / n)))
     ex_sessions = "128" if a.quick else "256"
     ex = _stress(["--sessions", ex_sessions, "--env", "calc", "--tool-calls", "3",
@@ -73,7 +74,7 @@ def main() -> int:
         "targets": {
             "sessions_10000_none_lost": n == 10000 and scale["sessions_lost"] == 0
             and scale["sessions_completed"] == n,
-            "overhead_us_per_turn_le_100": scale["overhead_us_per_turn"] <= 100,  # type: ignore[operator]
+            "overhead_us_per_turn_le_100": scale["overhead_us_per_turn"] <= 100,
             "act_2x_better": (cmp["act_mean_speedup"] or 0) >= 2,
             "workers_50pct_fewer": (cmp["worker_reduction"] or 0) >= 0.5,
         },

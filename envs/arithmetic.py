@@ -12,11 +12,12 @@ import ast
 import operator
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["ArithmeticProblems", "Problem", "calculator", "score"]
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+_OPS: dict[type[ast.AST], Callable[..., float | int]] = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
         ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
         ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
 _NUM = re.compile(r"-?\d+")
@@ -25,7 +26,8 @@ _NUM = re.compile(r"-?\d+")
 def _eval(node: ast.AST) -> float | int:
     if isinstance(node, ast.Expression):
         return _eval(node.body)
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) \
+            and not isinstance(node.value, bool):
         return node.value
     if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
         left, right = _eval(node.left), _eval(node.right)

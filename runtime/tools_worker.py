@@ -29,7 +29,9 @@ def _resolve(ref: str, cache: dict[str, Callable[..., object]]) -> Callable[...,
         obj: object = importlib.import_module(module)
         for part in qual.split("."):
             obj = getattr(obj, part)
-        fn = cache[ref] = obj  # type: ignore[assignment]
+        if not callable(obj):
+            raise ValueError(f"{ref} is not callable")
+        fn = cache[ref] = obj
     return fn
 
 

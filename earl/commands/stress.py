@@ -22,7 +22,9 @@ import random
 import resource
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from earl.agents.chat import ChatCodec
 from earl.agents.rollout import Agent, RolloutConfig, run_agent
@@ -164,7 +166,7 @@ class _Totals:
     examples: dict[str, str] = field(default_factory=dict)
 
 
-def _pct(xs: list[float], q: float) -> float | None:
+def _pct(xs: Sequence[float], q: float) -> float | None:
     if not xs:
         return None
     s = sorted(xs)
@@ -174,15 +176,15 @@ def _pct(xs: list[float], q: float) -> float | None:
 def _workload(args: argparse.Namespace, codec: ChatCodec, use_sim: bool):
     """(agent, sample_fn, responder) for the chosen env."""
     if args.env in ("tictactoe", "connect4"):
+        from earl.agents.connect4 import connect4_agent, connect4_sim_responder
+        from earl.agents.tictactoe import sim_responder, tictactoe_agent
+
         if args.env == "tictactoe":
-            from earl.agents.tictactoe import sim_responder
-            from earl.agents.tictactoe import tictactoe_agent as agent
-            responder = sim_responder(codec, illegal_rate=args.illegal_rate)
+            game, responder = tictactoe_agent, sim_responder(codec, illegal_rate=args.illegal_rate)
         else:
-            from earl.agents.connect4 import connect4_agent as agent
-            from earl.agents.connect4 import connect4_sim_responder
+            game = connect4_agent
             responder = connect4_sim_responder(codec, illegal_rate=args.illegal_rate)
-        return agent, (lambda i: args.seed * 1_000_003 + i), responder if use_sim else None
+        return game, (lambda i: args.seed * 1_000_003 + i), responder if use_sim else None
     from earl.agents.calc import make_tool_agent, tool_sim_responder
     from earl.envs.arithmetic import ArithmeticProblems, calculator
     from earl.envs.python_tool import python
@@ -204,14 +206,14 @@ def _arrival(args: argparse.Namespace, i: int, rng: random.Random, prev: float) 
 
 
 async def run_stress(args: argparse.Namespace, executor_kind: str, codec: ChatCodec,
-                     engine: Engine) -> dict[str, object]:
+                     engine: Engine) -> dict[str, Any]:
     """One stress run with `executor_kind`; returns the metrics dict."""
     from earl.envs import sim_tools
     from earl.runtime.tools import ExecutorConfig, StaticExecutor, ToolExecutor
 
     use_sim = isinstance(engine, SimEngine)
     agent, sample, responder = _workload(args, codec, use_sim)
-    if use_sim:
+    if isinstance(engine, SimEngine):
         engine = SimEngine(engine.config, responder=responder)
     meter = _Meter(engine)
     rcfg = RolloutConfig(sampling=SamplingParams(max_tokens=args.max_tokens),
@@ -330,11 +332,11 @@ def _load_engine(args: argparse.Namespace):
     return VLLMEngine(EngineConfig(model=args.model))
 
 
-async def _amain(args: argparse.Namespace) -> dict[str, object]:
+async def _amain(args: argparse.Namespace) -> dict[str, Any]:
     if args.engine == "sim" and args.model is None:
         from earl.models.tiny import build_tokenizer
 
-        tokenizer = build_tokenizer()
+        tokenizer: Any = build_tokenizer()
     else:
         from transformers import AutoTokenizer
 
@@ -376,13 +378,13 @@ async def _amain(args: argparse.Namespace) -> dict[str, object]:
     return out
 
 
-def _plot(path: str, out: dict[str, object]) -> None:
+def _plot(path: str, out: dict[str, Any]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [out, *out.get("_others", [])]  # type: ignore[list-item]
+    runs = [out, *out.get("_others", [])]
     fig, ax = plt.subplots(1, 3, figsize=(15, 4))
     for r in runs:
         s = r["_series"]
@@ -396,9 +398,9 @@ def _plot(path: str, out: dict[str, object]) -> None:
     ax[0].set(xlabel="s", title="load over time", yscale="symlog")
     ax[1].set(xlabel="ACT ms", ylabel="CDF", xscale="log", title="action completion time")
     ctx = out["context_len_per_turn"]
-    ks = sorted(ctx, key=int)  # type: ignore[arg-type]
-    ax[2].plot([int(k) for k in ks], [ctx[k]["p50"] for k in ks], label="p50")  # type: ignore[index]
-    ax[2].plot([int(k) for k in ks], [ctx[k]["max"] for k in ks], label="max")  # type: ignore[index]
+    ks = sorted(ctx, key=int)
+    ax[2].plot([int(k) for k in ks], [ctx[k]["p50"] for k in ks], label="p50")
+    ax[2].plot([int(k) for k in ks], [ctx[k]["max"] for k in ks], label="max")
     ax[2].set(xlabel="turn", ylabel="tokens", title="context length per turn")
     for a in ax:
         a.legend(fontsize=7)
