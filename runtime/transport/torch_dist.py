@@ -126,10 +126,12 @@ class TorchDistReceiver:
         self._meta_work = None
         m = meta.cpu().tolist()
         hlen, sizes = m[0], m[2 : 2 + m[1]]
-        header = torch.empty(hlen, dtype=torch.uint8)
+        dev = "cuda" if self._backend == "nccl" else "cpu"
+        header = torch.empty(hlen, dtype=torch.uint8, device=dev)
         try:
             if hlen:
                 self._recv(header)
+            header = header.cpu()
             if self._backend == "nccl":
                 tensors = [torch.empty(s, dtype=torch.uint8, device="cuda") for s in sizes]
                 for t in tensors:

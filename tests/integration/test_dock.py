@@ -50,8 +50,9 @@ async def rt():
         yield rt
 
 
-async def _setup(rt, index="dock", capacity=64, stages=("train",)):
-    ix = await rt.spawn(index, IndexActor, stages=list(stages), capacity=capacity)
+async def _setup(rt, index="dock", capacity=64, stages=("train",), lease_timeout_s=600.0):
+    ix = await rt.spawn(index, IndexActor, stages=list(stages), capacity=capacity,
+                        lease_timeout_s=lease_timeout_s)
     prod = await rt.spawn("prod", Producer, index, n=2, restart=RestartPolicy(max_restarts=0))
     return ix, prod, Dock(ix)
 
@@ -155,4 +156,18 @@ async def test_dispatch_plan_fetches_each_replica_slice_from_the_shards(rt):
             f.release()
     assert sorted(got) == sorted(x.sample_id for x in lease.samples)
     await dock.ack(lease)
+    dock.close()
+
+
+@pytest.mark.timeout(90)
+async def test_consumer_that_never_acks_loses_its_lease(rt):
+    _ix, prod, dock = await _setup(rt, lease_timeout_s=1.0)
+    await prod[0].produce.call_one(1, 2)
+    dead = await dock.take("train", COLS, 2, timeout_s=5)  # this consumer "dies" holding it
+    again = await dock.take("train", COLS, 2, timeout_s=10)  # handed out again after expiry
+    assert [x.sample_id for x in again.samples] == [x.sample_id for x in dead.samples]
+    with pytest.raises(Exception, match="LeaseError"):
+        await dock.ack(dead)  # the late ack cannot double-consume
+    await dock.ack(again)
+    assert (await dock.statistics()).samples == 0
     dock.close()
