@@ -163,9 +163,11 @@ def set_attention(model: nn.Module, mode: AttnMode) -> None:
 def packed_forward(model: nn.Module, packed: Packed) -> Tensor:
     """Run an HF causal LM on a packed row; returns logits ``[T, V]``.
 
-    The model must have been prepared with ``set_attention`` (``varlen`` or ``mask``).
+    The model must have been prepared with ``set_attention`` (``varlen`` or ``mask``); it may be
+    wrapped in ``DistributedDataParallel``.
     """
-    impl = getattr(model.config, "_attn_implementation", None)
+    inner = getattr(model, "module", model)
+    impl = getattr(inner.config, "_attn_implementation", None)
     kwargs: dict[str, object] = {}
     if impl == VARLEN_ATTN:
         kwargs = {"cu_seq_lens_q": packed.cu_seqlens, "cu_seq_lens_k": packed.cu_seqlens,
