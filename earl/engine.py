@@ -127,7 +127,8 @@ class SimConfig:
 
     A call takes `overhead_s + prefill_s_per_token * uncached_prompt + decode_s_per_token * n_out`
     (scaled by `time_scale`). With `prefix_cache`, prompt tokens already seen for the same
-    `session_id` are free, as with a real engine's prefix cache.
+    `session_id` are free, as with a real engine's prefix cache. `max_num_seqs` bounds how many
+    calls run at once (a server's batch width); later calls queue, first come first served.
     """
 
     prefill_s_per_token: float = 2e-5
@@ -135,6 +136,7 @@ class SimConfig:
     overhead_s: float = 1e-3
     time_scale: float = 1.0
     max_model_len: int = 32768
+    max_num_seqs: int | None = None
     vocab_size: int = 256
     prefix_cache: bool = True
     seed: int = 0
@@ -143,6 +145,8 @@ class SimConfig:
         for name in ("prefill_s_per_token", "decode_s_per_token", "overhead_s", "time_scale"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SimConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError(f"SimConfig.max_num_seqs must be >= 1 or None, got {self.max_num_seqs}")
         if self.vocab_size < 2:
             raise ValueError(f"SimConfig.vocab_size must be >= 2, got {self.vocab_size}")
 
@@ -188,6 +192,7 @@ class SimEngine:
         self._calls = self._prompt_tokens = self._gen_tokens = 0
         self._simulated = 0.0
         self._compute = 0.0
+        self._sem: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
         self._in_flight = 0
         self._busy = self._idle = 0.0
         self._last = time.perf_counter()
@@ -220,6 +225,14 @@ class SimEngine:
                              generated_tokens=self._gen_tokens, simulated_s=self._simulated,
                              compute_s=self._compute,
                              busy_s=self._busy, idle_s=self._idle, in_flight=self._in_flight)
+
+    def _slots(self) -> asyncio.Semaphore | None:
+        if self.config.max_num_seqs is None:
+            return None
+        loop = asyncio.get_running_loop()
+        if self._sem is None or self._sem[0] is not loop:
+            self._sem = (loop, asyncio.Semaphore(self.config.max_num_seqs))
+        return self._sem[1]
 
     def _rng(self, n_prompt: int, params: SamplingParams, session_id: str | None) -> random.Random:
         if params.seed is not None:
@@ -263,11 +276,16 @@ class SimEngine:
                  + cfg.decode_s_per_token * len(out)) * cfg.time_scale
         version = self._version
         self._compute += time.process_time() - c0
+        slots = self._slots()
+        if slots is not None:
+            await slots.acquire()
         self._tick(+1)
         try:
             await asyncio.sleep(delay)
         finally:
             self._tick(-1)
+            if slots is not None:
+                slots.release()
         if session_id is not None and cfg.prefix_cache:
             self._cached[session_id] = n_prompt + len(out)
         self._calls += 1

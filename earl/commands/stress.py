@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--decode-ms", type=float, default=1.0, help="sim engine: ms per generated token")
     a("--prefill-us", type=float, default=20.0, help="sim engine: us per uncached prompt token")
     a("--engine-overhead-ms", type=float, default=1.0, help="sim engine: ms per call")
+    a("--max-num-seqs", type=int, default=None, help="sim engine: calls served at once")
     a("--illegal-rate", type=float, default=0.02, help="games: sim model's illegal-move rate")
     a("--max-tokens", type=int, default=256, help="per-turn token cap")
     a("--max-total-tokens", type=int, default=None, help="per-trajectory cap (default none)")
@@ -322,7 +323,8 @@ def _load_engine(args: argparse.Namespace):
     if args.engine == "sim":
         return SimEngine(SimConfig(decode_s_per_token=args.decode_ms / 1000,
                                    prefill_s_per_token=args.prefill_us / 1e6,
-                                   overhead_s=args.engine_overhead_ms / 1000, seed=args.seed))
+                                   overhead_s=args.engine_overhead_ms / 1000, seed=args.seed,
+                                   max_num_seqs=args.max_num_seqs))
     try:
         from earl.runtime.rollout import VLLMEngine  # type: ignore[attr-defined]
     except ImportError:

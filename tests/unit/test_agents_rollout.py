@@ -256,3 +256,22 @@ def test_sim_engine_is_deterministic_and_respects_caps() -> None:
         assert len(g.token_ids) <= 8 and (g.finish_reason == "stop") == (g.token_ids[-1] == 3)
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+
+
+def test_sim_engine_batch_width_queues_calls() -> None:
+    engine = SimEngine(SimConfig(max_num_seqs=2, overhead_s=0.02, decode_s_per_token=0.0))
+    peak = 0
+
+    async def one(i: int) -> None:
+        nonlocal peak
+        task = asyncio.ensure_future(engine.generate([i], SamplingParams(max_tokens=2)))
+        await asyncio.sleep(0.005)
+        peak = max(peak, engine.statistics().in_flight)
+        await task
+
+    async def main() -> None:
+        await asyncio.gather(*(one(i) for i in range(6)))
+
+    asyncio.run(main())
+    asyncio.run(main())  # a second event loop gets its own queue
+    assert peak == 2 and engine.statistics().calls == 12
