@@ -4,6 +4,9 @@ The decorated method stays a normal method inside the actor (`self.incr(1)` stil
 the calling side, `group.incr` is an `EndpointRef` (see `earl.runtime.actor`) with the delivery
 adverbs `call_one`, `call`, `broadcast`, `choose` and `stream`.
 
+An `async def` endpoint with no await point in its body is run inline by the server (it cannot
+suspend, so a task would only add cost); inside it `asyncio.current_task()` is None.
+
 Argument checking is cheap and happens in the actor before the method runs: arity comes from
 Python's own call (a coroutine function raises TypeError before creating the coroutine) and each
 argument whose annotation is a plain class, a union of them, or a generic like `list[int]`
@@ -13,6 +16,7 @@ This module knows nothing about sockets.
 
 from __future__ import annotations
 
+import dis
 import inspect
 import types
 import typing
@@ -22,7 +26,15 @@ from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 P = ParamSpec("P")
 R = TypeVar("R")
 
-_NOCHECK = object()
+_SUSPEND_OPS = frozenset({"GET_AWAITABLE", "SEND", "YIELD_VALUE", "BEFORE_ASYNC_WITH",
+                          "GET_AITER", "GET_ANEXT", "ASYNC_GEN_WRAP"})
+
+
+def _can_suspend(fn: Callable[..., Any]) -> bool:
+    code = getattr(inspect.unwrap(fn), "__code__", None)
+    if code is None:
+        return True
+    return any(ins.opname in _SUSPEND_OPS for ins in dis.get_instructions(code))
 
 
 def _allowed(hint: Any) -> tuple[type, ...] | None:
@@ -61,6 +73,9 @@ class Endpoint(Generic[P, R]):
         self.name = fn.__name__
         self.is_stream = inspect.isasyncgenfunction(fn)
         self.is_async = inspect.iscoroutinefunction(fn)
+        # An `async def` whose body has no await point (no await / async for / async with)
+        # finishes in its first step: the server runs it inline instead of paying for a task.
+        self.never_suspends = self.is_async and not _can_suspend(fn)
         params = list(inspect.signature(fn).parameters.values())[1:]
         self._params = params
         self._positional: list[tuple[str, tuple[type, ...] | None]] | None = None

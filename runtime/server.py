@@ -24,9 +24,37 @@ from earl.runtime.wire import WireError, decode, encode
 _REQUESTS = (Kind.CALL, Kind.ONEWAY, Kind.STREAM)
 
 
-def _error_body(e: BaseException) -> bytes:
-    tb = "".join(traceback.format_exception(e))
-    return encode([f"{type(e).__module__}.{type(e).__qualname__}", str(e), tb])[0]
+def _error_body(e: BaseException, with_traceback: bool = True) -> bytes:
+    msg = str(e)
+    msg = msg if len(msg) <= 2000 else msg[:2000] + "... (truncated)"
+    tb = "".join(traceback.format_exception(e)) if with_traceback else ""
+    tb = tb if len(tb) <= 16000 else "... (truncated)\n" + tb[-16000:]
+    return encode([f"{type(e).__module__}.{type(e).__qualname__}", msg, tb])[0]
+
+
+class _Resume:
+    """Awaitable that continues a coroutine already stepped once (which yielded `yielded`)."""
+
+    __slots__ = ("coro", "yielded")
+
+    def __init__(self, coro: Any, yielded: Any) -> None:
+        self.coro, self.yielded = coro, yielded
+
+    def __await__(self) -> Any:
+        coro, out = self.coro, self.yielded
+        while True:
+            try:
+                value = yield out
+            except BaseException as e:  # noqa: BLE001 (forwarded, e.g. cancellation)
+                try:
+                    out = coro.throw(e)
+                except StopIteration as stop:
+                    return stop.value
+            else:
+                try:
+                    out = coro.send(value)
+                except StopIteration as stop:
+                    return stop.value
 
 
 class _ServerConnection(FrameProtocol):
@@ -54,8 +82,11 @@ class _ServerConnection(FrameProtocol):
             self.send(kind, rid, body, bufs)
         except ConnectionError:
             pass  # the caller went away mid-call; nothing to tell it
-        except FrameTooLarge as e:
-            self.send(Kind.ERR, rid, _error_body(e))
+        except FrameTooLarge as e:  # too big to send (or even its traceback): say so briefly
+            try:
+                self.send(Kind.ERR, rid, _error_body(e, with_traceback=False))
+            except (FrameTooLarge, ConnectionError):
+                log.error("%s: cannot send the error for request %d", self.server.label, rid)
 
     def reject(self, rid: int, reason: str) -> None:
         log.warning("%s: rejected request %d: %s", self.server.label, rid, reason)
@@ -111,6 +142,18 @@ class _ServerConnection(FrameProtocol):
         if kind == Kind.STREAM:
             self.credits[rid] = [STREAM_WINDOW, asyncio.Event()]
             self.streams[rid] = srv.spawn(self._stream(rid, result))
+        elif ep.never_suspends:  # runs to completion in one step: no task needed
+            try:
+                yielded = result.send(None)
+            except StopIteration as stop:
+                value = stop.value
+            except Exception as e:  # noqa: BLE001
+                return self._fail(kind, rid, e)
+            else:
+                srv.spawn(self._finish(kind, rid, _Resume(result, yielded)))  # it did suspend
+                return
+            if kind == Kind.CALL:  # outside the except: no StopIteration in later tracebacks
+                self._ok(rid, value)
         elif ep.is_async:
             srv.spawn(self._finish(kind, rid, result))
         elif kind == Kind.CALL:

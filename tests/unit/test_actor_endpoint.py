@@ -107,3 +107,47 @@ def test_config_and_policy_validation(monkeypatch):
     assert cfg.secret_bytes == b"s" * 20 and cfg.use_tcp
     p = RestartPolicy(max_restarts=5, backoff_s=0.5, max_backoff_s=3.0)
     assert [p.delay(k) for k in range(4)] == [0.5, 1.0, 2.0, 3.0]
+
+
+async def _no_await(x: int) -> int:
+    return x + 1
+
+
+async def _awaits(x: int) -> int:
+    import asyncio
+
+    await asyncio.sleep(0)
+    return x
+
+
+async def _async_with(lock) -> None:
+    async with lock:
+        pass
+
+
+async def _async_comprehension(it) -> list:
+    return [x async for x in it]
+
+
+def test_endpoints_without_await_points_are_run_inline():
+    from earl.runtime.endpoint import _can_suspend
+
+    assert not _can_suspend(_no_await)
+    assert _can_suspend(_awaits) and _can_suspend(_async_with)
+    assert _can_suspend(_async_comprehension)
+    assert endpoint(_no_await).never_suspends  # type: ignore[arg-type]
+    assert not endpoint(_awaits).never_suspends  # type: ignore[arg-type]
+
+
+async def test_a_coroutine_stepped_once_can_be_resumed_in_a_task():
+    import asyncio
+
+    from earl.runtime.server import _Resume
+
+    coro = _awaits(7)
+    yielded = coro.send(None)  # suspends at sleep(0)
+
+    async def finish():
+        return await _Resume(coro, yielded)
+
+    assert await asyncio.wait_for(asyncio.create_task(finish()), 5) == 7
