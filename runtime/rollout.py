@@ -19,8 +19,8 @@ Example:
 
 from __future__ import annotations
 
-import asyncio
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from earl.runtime import Actor, ActorError, ActorGroup, endpoint
@@ -32,7 +32,7 @@ from earl.engine import ContextLengthError, Generation, SamplingParams
 
 if TYPE_CHECKING:
     import torch
-    from earl.runtime.transport import Receiver
+    from earl.runtime.transport import Frame, Receiver
 
 for _cls in (SamplingParams, Generation, EngineConfig, RolloutStatistics):
     message(_cls)
@@ -104,22 +104,27 @@ class RolloutActor(Actor):
     @endpoint
     async def commit_weights(self, version: int | None = None, mode: UpdateMode = "inflight",
                              frames: int = 0) -> float:
-        """Load the staged buckets plus `frames` buckets waiting on the shm receiver, all in one
-        in-place reload; returns the seconds the engine spent loading."""
+        """Load the staged buckets plus `frames` buckets arriving on the shm receiver, all in one
+        in-place reload that consumes frames as they come (call it before sending them);
+        returns the seconds the engine spent loading, receiving included."""
         staged, self._staged = self._staged, []
-        got = []
+        if not staged and not frames:
+            raise ValueError("commit_weights: nothing staged; send buckets first")
+        if frames and self._receiver is None:
+            raise ValueError("commit_weights(frames>0) before weights_address()")
+        got: list[Frame] = []
+        receiver = self._receiver
+
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:  # runs in the engine thread
+            yield from staged
+            for _ in range(frames):
+                got.append(receiver.recv(60.0))  # type: ignore[union-attr]
+                yield from decode_bucket(got[-1].header, got[-1].buffers)
+
         try:
-            if frames:
-                if self._receiver is None:
-                    raise ValueError("commit_weights(frames>0) before weights_address()")
-                for _ in range(frames):
-                    got.append(await asyncio.to_thread(self._receiver.recv, 60.0))
-                    staged += decode_bucket(got[-1].header, got[-1].buffers)
-            if not staged:
-                raise ValueError("commit_weights: nothing staged; send buckets first")
-            return await self.engine.update_weights(staged, version=version, mode=mode)
+            return await self.engine.update_weights(stream(), version=version, mode=mode)
         finally:
-            for f in got:
+            for f in got:  # vLLM has copied the views into its parameters by now
                 f.release()
 
     @endpoint

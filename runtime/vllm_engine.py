@@ -301,6 +301,8 @@ class VLLMEngine:
 
         Args:
             weights: a state dict or (name, tensor) pairs; or None with `path` (HF folder).
+                An iterator is consumed inside the engine thread while loading, so it may
+                block on a transport: transfer and load then overlap.
             version: the new policy version (default: current + 1).
             mode: "drain" holds new requests and waits for running ones to finish, then loads;
                 "inflight" loads between two decode steps: running requests are preempted and
@@ -311,7 +313,7 @@ class VLLMEngine:
             raise ValueError(f"update_weights: mode must be 'drain' or 'inflight', got {mode!r}")
         if (weights is None) == (path is None):
             raise ValueError("update_weights: pass exactly one of weights= or path=")
-        items = list(weights.items() if isinstance(weights, Mapping) else weights or [])
+        items = weights.items() if isinstance(weights, Mapping) else weights  # lazy: see doc
         new_version = self._version + 1 if version is None else version
         if mode == "drain":
             self._admit.clear()
@@ -326,13 +328,14 @@ class VLLMEngine:
         self._last_sync_s = secs
         return secs
 
-    def _load(self, eng: object, items: list[tuple[str, torch.Tensor]], path: str | None,
+    def _load(self, eng: object, items: Iterable[tuple[str, torch.Tensor]] | None,
+              path: str | None,
               version: int, preempt: bool) -> float:
         t0 = time.perf_counter()
         tied = self._tied
 
         def reload(worker: object) -> None:
-            if path is None:
+            if items is not None:
                 worker.reload_weights(weights_iterator=iter(items))  # type: ignore[attr-defined]
             else:
                 worker.reload_weights(weights_path=path)  # type: ignore[attr-defined]

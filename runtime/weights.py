@@ -21,41 +21,47 @@ import asyncio
 import json
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
     from earl.runtime import ActorGroup
 
-__all__ = ["WeightPublisher", "WeightSync", "decode_bucket", "encode_bucket", "iter_buckets"]
+__all__ = ["WeightPublisher", "WeightSync", "decode_bucket", "encode_bucket", "iter_buckets",
+           "plan_buckets"]
 
+T = TypeVar("T")
 Named = Mapping[str, "torch.Tensor"] | Iterable[tuple[str, "torch.Tensor"]]
+
+
+def plan_buckets(named: Named, bucket_bytes: int = 64 << 20,
+                 dtype: torch.dtype | None = None) -> list[list[tuple[str, torch.Tensor]]]:
+    """Group (name, tensor) pairs into lists of about `bucket_bytes` (measured in `dtype`, the
+    wire dtype; a bigger tensor is alone). Nothing is copied."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    items = named.items() if isinstance(named, Mapping) else named
+    out: list[list[tuple[str, torch.Tensor]]] = []
+    size = 0
+    for name, t in items:
+        n = t.numel() * (dtype.itemsize if dtype is not None else t.element_size())
+        if not out or (out[-1] and size + n > bucket_bytes):
+            out.append([])
+            size = 0
+        out[-1].append((name, t))
+        size += n
+    return out
 
 
 def iter_buckets(named: Named, bucket_bytes: int = 64 << 20,
                  dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group (name, tensor) pairs into lists of about `bucket_bytes` (a bigger tensor is alone).
-
-    Tensors are detached, moved to CPU, made contiguous and cast to `dtype` when given.
-    """
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    items = named.items() if isinstance(named, Mapping) else named
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in items:
-        t = t.detach().to("cpu", dtype=dtype or t.dtype).contiguous()
-        n = t.numel() * t.element_size()
-        if bucket and size + n > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += n
-    if bucket:
-        yield bucket
+    """`plan_buckets`, each tensor detached, on CPU, contiguous and cast to `dtype` (copies
+    into fresh memory when casting; `WeightPublisher` reuses warm buffers instead)."""
+    for bucket in plan_buckets(named, bucket_bytes, dtype):
+        yield [(k, t.detach().to("cpu", dtype=dtype or t.dtype).contiguous()) for k, t in bucket]
 
 
 def encode_bucket(bucket: list[tuple[str, torch.Tensor]]) -> tuple[bytes, list[np.ndarray]]:
@@ -111,6 +117,7 @@ class WeightPublisher:
         self.bucket_bytes = bucket_bytes
         self.dtype = dtype
         self._senders: list[Any] | None = None
+        self._buffers: dict[str, torch.Tensor] = {}
 
     async def _connect(self) -> list[Any]:
         if self._senders is None:
@@ -121,33 +128,62 @@ class WeightPublisher:
             self._senders = [shm.connect(a) for a in addrs]
         return self._senders
 
+    def _wire(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """`t` as it goes on the wire: on CPU, contiguous, in `dtype`. Casts and device copies
+        land in a buffer kept per tensor, so repeated pushes write warm memory."""
+        t = t.detach()
+        dtype = self.dtype or t.dtype
+        if t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous():
+            return t
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape != t.shape or buf.dtype != dtype:
+            buf = self._buffers[name] = torch_empty(t.shape, dtype)
+        buf.copy_(t)
+        return buf
+
     async def push(self, named: Named, *, version: int,
                    mode: Literal["drain", "inflight"] = "inflight") -> WeightSync:
-        """Send all tensors, then load them on every replica; returns when all have switched."""
+        """Send all tensors and load them on every replica; returns when all have switched.
+
+        Over shm the replicas start loading as the first bucket arrives, so transfer and
+        load overlap.
+        """
         t0 = time.perf_counter()
-        nbytes = n = 0
+        plan = plan_buckets(named, self.bucket_bytes, self.dtype)
+        nbytes = 0
         if self.transport == "shm":
             senders = await self._connect()
-            for bucket in iter_buckets(named, self.bucket_bytes, self.dtype):
-                header, bufs = encode_bucket(bucket)
-                await asyncio.to_thread(_send_all, senders, header, bufs)
-                nbytes += sum(b.nbytes for b in bufs)
-                n += 1
-            loads = await self.group.commit_weights.call(version, mode, n)
+            async with asyncio.TaskGroup() as tg:
+                commit = tg.create_task(_await(self.group.commit_weights.call(version, mode,
+                                                                              len(plan))))
+                for bucket in plan:
+                    header, bufs = encode_bucket([(k, self._wire(k, t)) for k, t in bucket])
+                    await asyncio.to_thread(_send_all, senders, header, bufs)
+                    nbytes += sum(b.nbytes for b in bufs)
+            loads = commit.result()
         else:
-            for bucket in iter_buckets(named, self.bucket_bytes, self.dtype):
-                names = [k for k, _ in bucket]
-                await self.group.stage_bucket.call(names, [t for _, t in bucket])
-                nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-                n += 1
+            for bucket in plan:
+                wire = [self._wire(k, t) for k, t in bucket]
+                await self.group.stage_bucket.call([k for k, _ in bucket], wire)
+                nbytes += sum(t.numel() * t.element_size() for t in wire)
             loads = await self.group.commit_weights.call(version, mode, 0)
-        return WeightSync(seconds=time.perf_counter() - t0, nbytes=nbytes, buckets=n,
+        return WeightSync(seconds=time.perf_counter() - t0, nbytes=nbytes, buckets=len(plan),
                           load_s=max(loads), version=version)
 
     def close(self) -> None:
         for s in self._senders or []:
             s.close()
         self._senders = None
+
+
+async def _await(aw: Awaitable[T]) -> T:
+    return await aw
+
+
+def torch_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    import torch
+
+    return torch.empty(shape, dtype=dtype)
 
 
 def _send_all(senders: list[Any], header: bytes, bufs: list[np.ndarray]) -> None:
