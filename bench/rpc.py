@@ -6,12 +6,14 @@ Prints one JSON object: earl round-trip latency (median, p99) and pipelined call
 one-actor group, the same for Ray 2.x actors (null if Ray is not importable), a pyzmq asyncio
 DEALER/ROUTER echo (the ZeroMQ design we did not take), and a raw unix-socket ping-pong between
 two processes (the physical floor for any RPC here). Payload: one small int each way.
+It also reports the CPU time each side spends per pipelined call (`caller_cpu_us_per_call`,
+`actor_cpu_us_per_call`) and the rate that implies on two idle cores (`calls_per_s_cpu_bound`),
+which stays meaningful when other jobs share the machine.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import socket
@@ -49,7 +51,12 @@ async def _earl(n_rtt: int, n_pipe: int, window: int) -> dict[str, float]:
             await h.ping.call_one(i)
             lat.append(time.perf_counter() - t)
         med, p99 = _summary(lat)
+        import psutil
+
+        actor = psutil.Process((await rt.dir_call("lookup", "echo")).pids[0])
+        me = psutil.Process()
         rates = []
+        cpu_me0, cpu_actor0 = me.cpu_times(), actor.cpu_times()
         for _ in range(3):  # median of 3 rounds: the machine may be shared
             t = time.perf_counter()
             for start in range(0, n_pipe, window):  # `window` calls in flight, in order
@@ -58,8 +65,15 @@ async def _earl(n_rtt: int, n_pipe: int, window: int) -> dict[str, float]:
                 for f in futs:
                     await f
             rates.append(n_pipe / (time.perf_counter() - t))
+        cpu_me1, cpu_actor1 = me.cpu_times(), actor.cpu_times()
+    # CPU seconds per call on each side: what the rate would be on two idle cores
+    caller = (cpu_me1.user + cpu_me1.system - cpu_me0.user - cpu_me0.system) / (3 * n_pipe)
+    callee = (cpu_actor1.user + cpu_actor1.system - cpu_actor0.user - cpu_actor0.system) / (
+        3 * n_pipe)
     return {"rtt_us_median": med, "rtt_us_p99": p99,
-            "calls_per_s_pipelined": statistics.median(rates)}
+            "calls_per_s_pipelined": statistics.median(rates),
+            "caller_cpu_us_per_call": caller * 1e6, "actor_cpu_us_per_call": callee * 1e6,
+            "calls_per_s_cpu_bound": 1.0 / max(caller, callee, 1e-9)}
 
 
 # ---- raw unix socket floor -------------------------------------------------------------------
