@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -171,7 +172,7 @@ class WarehouseHost:
     """Mixin: makes an actor a warehouse shard named ``"<group>:<rank>"``."""
 
     _warehouse: Warehouse
-    _senders: dict[str, Sender]
+    _senders: dict[str, tuple[Sender, threading.Lock]]
 
     @property
     def warehouse(self) -> Warehouse:
@@ -184,10 +185,15 @@ class WarehouseHost:
     async def dock_send(self, sample_ids: list[str], columns: list[str], address: str) -> int:
         """Send the columns to a consumer's receiver; returns bytes sent."""
         header, bufs = self.warehouse.pack(sample_ids, columns)
-        sender = self._senders.get(address)
-        if sender is None:
-            sender = self._senders[address] = connect(address)
-        await asyncio.to_thread(sender.send, header, bufs)
+        if address not in self._senders:
+            self._senders[address] = (connect(address), threading.Lock())
+        sender, lock = self._senders[address]
+
+        def send() -> None:
+            with lock:  # senders are single-threaded; concurrent fetches take turns
+                sender.send(header, bufs)
+
+        await asyncio.to_thread(send)
         return sum(b.nbytes for b in bufs)
 
     @endpoint

@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -254,17 +254,25 @@ class ShmReceiver:
         self._shm_dir = shm_dir
         self._maps: OrderedDict[tuple[str, int], mmap.mmap] = OrderedDict()
         self._max_mapped = max_mapped
-        self._lock = threading.Lock()  # release() may come from another thread
+        self._lock = threading.Lock()  # guards the socket: release() may be another thread
+        self._pending: deque[tuple[bytes, bytes]] = deque()
 
     @property
     def address(self) -> str:
         return f"shm://{self._endpoint}"
 
     def recv(self, timeout: float | None = None) -> Frame:
-        if timeout is not None and not self._sock.poll(int(timeout * 1000)):
-            raise TimeoutError(f"no frame within {timeout} s")
-        with self._lock:
-            ident, kind, name_b, desc, header = self._sock.recv_multipart()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            # zmq sockets are single-threaded: poll in short slices under the lock, so a
+            # release() from another thread never waits long and never deadlocks with us
+            with self._lock:
+                self._flush_releases()
+                if self._sock.poll(10):
+                    ident, kind, name_b, desc, header = self._sock.recv_multipart()
+                    break
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"no frame within {timeout} s")
         assert kind == b"F"
         name = name_b.decode()
         size, n = struct.unpack_from("<QI", desc)
@@ -274,12 +282,19 @@ class ShmReceiver:
         bufs = [base[pairs[2 * i] : pairs[2 * i] + pairs[2 * i + 1]] for i in range(n)]
 
         def release() -> None:
-            with self._lock:
-                if not self._sock.closed:
-                    self._sock.send_multipart([ident, name_b])
+            self._pending.append((ident, name_b))
+            if self._lock.acquire(blocking=False):  # else the polling thread flushes it
+                try:
+                    self._flush_releases()
+                finally:
+                    self._lock.release()
 
         return ShmFrame(header=header, buffers=bufs, _on_release=release, segment=name_b,
                         desc=desc)
+
+    def _flush_releases(self) -> None:
+        while self._pending and not self._sock.closed:
+            self._sock.send_multipart(list(self._pending.popleft()))
 
     def _map(self, name: str, size: int) -> mmap.mmap:
         key = (name, size)
@@ -303,7 +318,8 @@ class ShmReceiver:
 
     def close(self) -> None:
         with self._lock:
-            self._sock.close(0)
+            self._flush_releases()
+            self._sock.close(100)
         for mm in self._maps.values():
             _close_quietly(mm)
         self._maps.clear()

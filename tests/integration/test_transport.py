@@ -81,6 +81,7 @@ def _leak(address: str, conn) -> None:  # sends one frame, then dies without cle
     header, bufs = pack_arrays({"x": np.ones(1000)})
     sender.send(header, bufs)
     conn.send(os.getpid())  # a pipe write is done when it returns (a Queue's is not)
+    conn.recv()  # the parent has the frame
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -91,9 +92,11 @@ def test_shm_segments_leaked_by_a_crash_are_cleaned_on_restart():
     child.start()
     assert parent.poll(60)
     pid = parent.recv()
+    frame = receiver.recv(timeout=30)
+    parent.send("die")
     child.join(60)
     assert child.exitcode == -signal.SIGKILL
-    frame = receiver.recv(timeout=10)  # the data outlives its producer until cleanup
+    # the data outlives its producer until cleanup
     np.testing.assert_array_equal(unpack_arrays(frame)[0]["x"], np.ones(1000))
     leaked = [n for n in os.listdir(SHM_DIR) if n.startswith("earl-") and f"-{pid}-" in n]
     assert len(leaked) == 1
