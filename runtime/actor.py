@@ -176,6 +176,9 @@ class ActorGroup(Generic[A]):
     def __len__(self) -> int:
         return len(self.ranks)
 
+    def __reduce__(self) -> tuple[Any, ...]:  # plain data, so pickling (e.g. by Ray) is safe
+        return (_group_from_wire, (_group_to_wire(self),))
+
     def __getitem__(self, i: int) -> ActorGroup[A]:
         if not -len(self.ranks) <= i < len(self.ranks):
             raise IndexError(f"{self.name} has {len(self.ranks)} actors, no index {i}")

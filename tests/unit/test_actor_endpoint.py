@@ -151,3 +151,24 @@ async def test_a_coroutine_stepped_once_can_be_resumed_in_a_task():
         return await _Resume(coro, yielded)
 
     assert await asyncio.wait_for(asyncio.create_task(finish()), 5) == 7
+
+
+def test_group_handles_pickle_as_plain_data():
+    import pickle
+
+    g = ActorGroup("grp", "Base", {"a": False}, ["tcp:10.0.0.1:5"], [3], 8)
+    back = pickle.loads(pickle.dumps(g))
+    assert (back.name, back.addresses, back.ranks, back.world_size) == (
+        "grp", ["tcp:10.0.0.1:5"], [3], 8)
+
+
+def test_encode_from_another_thread_uses_its_own_packer():
+    import threading
+
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=wire.encode({"x": (1, np.arange(3))})))
+    t.start()
+    t.join()
+    body, bufs = out["r"]
+    back = wire.decode(body, [bytearray(memoryview(b).cast("B")) for b in bufs])
+    assert back["x"][0] == 1 and back["x"][1].tolist() == [0, 1, 2]
