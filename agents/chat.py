@@ -120,6 +120,8 @@ class ChatCodec:
         """Text the template puts after an assistant turn's end token, for `new_messages`."""
         key = _frame_key(new_messages)
         frame = self._frames.get(key) if key is not None else None
+        if frame is not None and any(_unusual(m) for m in new_messages):
+            frame = None  # templates often trim content: render edge cases exactly
         if frame is not None:
             parts = [frame[0]]
             for m, tail in zip(new_messages, frame[1:], strict=True):
@@ -169,6 +171,11 @@ class ChatCodec:
             frame.append(head)
         frame.append(text)
         return frame
+
+
+def _unusual(message: Message) -> bool:
+    content = str(message.get("content") or "")
+    return content != content.strip() or "\x1e" in content
 
 
 def _frame_key(messages: list[Message]) -> tuple[object, ...] | None:

@@ -41,6 +41,12 @@ def test_tictactoe_rules_and_parsing() -> None:
         TicTacToeConfig(opponent="perfect")
 
 
+def test_opponent_can_open() -> None:
+    env = TicTacToe(TicTacToeConfig(agent_first=False))
+    obs = env.reset(4)
+    assert "O took" in obs and obs.count("O") == 2 and len(env.legal_moves()) == 8
+
+
 def test_minimax_never_loses() -> None:
     import random
 

@@ -87,6 +87,17 @@ def test_continuation_frame_cache_matches_template(codec: ChatCodec) -> None:
     assert codec.continuation_text(user) == codec._delta(user)
 
 
+def test_codec_falls_back_when_the_template_transforms_content() -> None:
+    tok = build_tokenizer()
+    tok.chat_template = tok.chat_template.replace(
+        "<tool_response>{{ message.content }}", "<tool_response>{{ message.content | trim }}")
+    codec = ChatCodec(tok)
+    msgs = [{"role": "tool", "content": c} for c in ("a", "b", "c", "  padded  ", "d")]
+    for m in msgs:  # content with edge whitespace never uses the cached frame
+        assert codec.continuation_text([m]) == codec._delta([m])
+    assert "<tool_response>padded</tool_response>" in codec.continuation_text([msgs[3]])
+
+
 @pytest.mark.parametrize("text,error", [
     ('<tool_call>{"name": "calculator", "arguments": {"expression": 1}}</tool_call>', "type"),
     ('<tool_call>{"name": "nope", "arguments": {}}</tool_call>', "unknown tool"),
