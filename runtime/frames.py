@@ -96,7 +96,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._drain: asyncio.Future[None] | None = None
         self._out: list[Any] = []
         self._flush_scheduled = False
-        self._loop = asyncio.get_event_loop()
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by connection_made
 
     # ---- sending -------------------------------------------------------------------------
     def send(self, kind: int, rid: int, body: bytes = b"", bufs: list[Any] | tuple = ()) -> None:
@@ -117,6 +117,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
         else:
             self._send_slow(kind, rid, body, bufs)
         if not self._flush_scheduled:
+            if self._loop is None:
+                return
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
         elif len(self._out) >= 512:  # bound the queue; lets pause_writing() see pressure
@@ -196,6 +198,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
     # ---- receiving -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:  # driven by hand (tests): frames wait for an explicit _flush()
+            self._loop = None
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._big is not None:
