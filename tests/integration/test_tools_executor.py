@@ -149,3 +149,22 @@ async def test_static_session_recovers_after_a_timeout() -> None:
         r = await a.run(SLEEP, {"seconds": 30}, timeout_s=0.3)
         assert r.error == "timeout"
         assert (await a.run(ECHO, {"text": "again"})).output == "again"
+
+
+async def test_long_waiting_action_is_not_starved() -> None:
+    async with ToolExecutor(ExecutorConfig(max_workers=1, policy="sef", max_wait_s=0.2)) as ex:
+        await ex.run(SLEEP, {"seconds": 0.1})
+        await ex.run(ECHO, {"text": "x"})
+        done: list[str] = []
+
+        async def job(tool: Tool, args: dict, name: str) -> None:
+            await ex.run(tool, args)
+            done.append(name)
+
+        blocker = asyncio.create_task(job(SLEEP, {"seconds": 0.5}, "blocker"))
+        await _until(lambda: not ex._idle)
+        slow = asyncio.create_task(job(SLEEP, {"seconds": 0.1}, "slow"))
+        await asyncio.sleep(0.05)
+        await asyncio.gather(blocker, slow, job(ECHO, {"text": "a"}, "fast1"),
+                             job(ECHO, {"text": "b"}, "fast2"))
+        assert done == ["blocker", "slow", "fast1", "fast2"]  # waited > max_wait_s: goes first
