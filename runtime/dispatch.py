@@ -51,6 +51,7 @@ class ReplicaPlan:
 class DispatchPlan:
     step: int
     lease_id: int
+    index_rank: int
     layout: Layout
     columns: tuple[str, ...]
     replicas: tuple[ReplicaPlan, ...]
@@ -94,7 +95,8 @@ def plan_step(lease: Lease, layout: Layout, rule: MicroBatchRule, *, step: int =
                 tokens=sum(lengths[i] for i in idx),
             )
         )
-    return DispatchPlan(step=step, lease_id=lease.lease_id, layout=layout,
+    return DispatchPlan(step=step, lease_id=lease.lease_id, index_rank=lease.index_rank,
+                        layout=layout,
                         columns=lease.columns, replicas=tuple(replicas))
 
 

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 from earl.runtime import Actor, ActorDied, ActorError, ActorGroup, context, endpoint, wire
@@ -32,14 +34,18 @@ from earl.runtime.dock_index import (
     DockIndex,
     DockStatistics,
     Lease,
+    LeaseError,
     Location,
     LostSample,
     SampleInfo,
     WouldBlock,
+    index_rank_of,
 )
 from earl.runtime.dock_warehouse import Warehouse, WarehouseStatistics
 from earl.runtime.transport import Receiver, Sender, connect, get_transport
 from earl.runtime.transport.base import Frame
+
+T = TypeVar("T")
 
 for _cls in (SampleInfo, Location, Lease, LostSample, DockStatistics, WarehouseStatistics):
     wire.message(_cls)
@@ -63,12 +69,17 @@ class ShardReport:
 
 
 class IndexActor(Actor):
-    """The dock's metadata index as an actor (see `DockIndex` for the arguments)."""
+    """The dock's metadata index as an actor (see `DockIndex` for the arguments).
+
+    Spawn it with ``n > 1`` to shard the index by group: each rank owns the groups that
+    `index_rank_of` maps to it, with ``capacity`` samples each; `Dock` routes the calls.
+    """
 
     def __init__(self, *, stages: list[str], capacity: int,
                  columns: list[str] | None = None, lease_timeout_s: float = 600.0) -> None:
         self.ix = DockIndex(stages=stages, capacity=capacity,
-                            columns=columns or CONTRACT_COLUMNS, lease_timeout_s=lease_timeout_s)
+                            columns=columns or CONTRACT_COLUMNS, lease_timeout_s=lease_timeout_s,
+                            index_rank=self.rank)
         self.changed = asyncio.Condition()
 
     async def _notify(self) -> None:
@@ -140,9 +151,15 @@ class IndexActor(Actor):
         with contextlib.suppress(KeyError):
             self.ix.release(lease_id)
         if dead_shard is not None:
-            for shard, ids in self.ix.drop_shard(dead_shard).items():
-                with contextlib.suppress(ActorDied, KeyError):
-                    await (await _shard(shard)).dock_evict.call_one(ids)
+            await self.drop_shard(dead_shard)
+        await self._notify()
+
+    @endpoint
+    async def drop_shard(self, shard: str) -> None:
+        """A warehouse died: its groups go to `take_lost`, their other columns are evicted."""
+        for other, ids in self.ix.drop_shard(shard).items():
+            with contextlib.suppress(ActorDied, KeyError):
+                await (await _shard(other)).dock_evict.call_one(ids)
         await self._notify()
 
     @endpoint
@@ -158,7 +175,9 @@ class IndexActor(Actor):
         """Rebuild after a restart from the live shards' reports; returns samples restored."""
         for shard in shards:
             rep: ShardReport = await (await _shard(shard)).dock_report.call_one()
-            self.ix.restore(rep.own, rep.extra)
+            own = [(info, acked) for info, acked in rep.own
+                   if index_rank_of(info.group_id, self.world_size) == self.rank]
+            self.ix.restore(own, rep.extra)
         await self._notify()
         return self.ix.statistics().samples
 
@@ -231,7 +250,7 @@ class Dock:
     """Client of the dock, usable from any process with a runtime.
 
     Args:
-        index: the IndexActor group.
+        index: the IndexActor group (one rank, or several sharding the index by group).
         warehouse: this process' shard (producers); None for pure consumers.
         transport: how fetched columns reach this process (default: same-host shm).
     """
@@ -240,6 +259,7 @@ class Dock:
                  transport: str = "shm") -> None:
         self.index, self.warehouse, self._transport = index, warehouse, transport
         self._receiver: Receiver | None = None
+        self._rr = itertools.count()
 
     async def put(self, sample_id: str, columns: Mapping[str, np.ndarray], *, group_id: str,
                   group_size: int = 1, wait: bool = True, timeout_s: float | None = None) -> None:
@@ -249,7 +269,7 @@ class Dock:
         info = self.warehouse.put(sample_id, columns, group_id=group_id, group_size=group_size)
         assert isinstance(info, SampleInfo)
         try:
-            await self.index.register.call_one(info, wait, timeout_s)
+            await self._owner(group_id).register.call_one(info, wait, timeout_s)
         except ActorError as e:
             self.warehouse.evict([sample_id])
             if e.remote_type.endswith("WouldBlock"):
@@ -264,26 +284,43 @@ class Dock:
         """Like `put` but raises WouldBlock at once when the dock is full."""
         await self.put(sample_id, columns, group_id=group_id, group_size=group_size, wait=False)
 
-    async def add_columns(self, sample_id: str, columns: Mapping[str, np.ndarray]) -> None:
+    async def add_columns(self, sample_id: str, columns: Mapping[str, np.ndarray], *,
+                          group_id: str) -> None:
         """A later stage adds columns (e.g. ref_logprobs) to a sample, in this shard."""
         if self.warehouse is None:
             raise ValueError("this Dock has no warehouse: pass warehouse= to add columns")
         sizes = self.warehouse.put(sample_id, columns)
         assert isinstance(sizes, dict)
-        await self.index.add_columns.call_one(sample_id, self.warehouse.name, sizes)
+        await self._owner(group_id).add_columns.call_one(sample_id, self.warehouse.name, sizes)
+
+    def _owner(self, group_id: str) -> ActorGroup:  # type: ignore[type-arg]
+        return self.index[index_rank_of(group_id, len(self.index))]
 
     async def take(self, stage: str, columns: Sequence[str], n: int, *, whole_groups: bool = True,
                    min_version: int | None = None, timeout_s: float | None = None) -> Lease:
-        """Lease `n` samples with `columns` ready that `stage` has not consumed (awaits)."""
-        try:
-            return await self.index.take.call_one(stage, list(columns), n, whole_groups,
-                                                  min_version, True, timeout_s)
-        except ActorError as e:
-            if e.remote_type.endswith("ValueError"):
-                raise ValueError(e.remote_message) from None
-            if e.remote_type.endswith("TimeoutError"):
-                raise TimeoutError(e.remote_message) from None
-            raise
+        """Lease `n` samples with `columns` ready that `stage` has not consumed (awaits).
+
+        With a sharded index, one lease comes from one shard (whole groups live on one shard):
+        shards are tried in turn without waiting, then waited on in short slices.
+        """
+        args = (stage, list(columns), n, whole_groups, min_version)
+        if len(self.index) == 1:
+            return await _local_errors(self.index.take.call_one(*args, True, timeout_s))
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        start = next(self._rr)
+        while True:
+            for k in range(len(self.index)):
+                shard = self.index[(start + k) % len(self.index)]
+                with contextlib.suppress(WouldBlock):
+                    return await _local_errors(shard.take.call_one(*args, False, None))
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"no index shard had {n} samples ready for {stage!r}")
+            with contextlib.suppress(TimeoutError):
+                shard = self.index[start % len(self.index)]
+                return await _local_errors(
+                    shard.take.call_one(*args, True, min(0.5, left or 0.5)))
+            start += 1
 
     def receiver(self) -> Receiver:
         if self._receiver is None:
@@ -299,7 +336,7 @@ class Dock:
         """
         ops = [FetchOp(shard=s, sample_ids=tuple(ids), columns=tuple(cols))
                for s, (ids, cols) in lease.fetches().items()]
-        return await self._gather(lease.lease_id, ops, timeout_s)
+        return await self._gather(lease.index_rank, lease.lease_id, ops, timeout_s)
 
     async def fetch_replica(self, plan: DispatchPlan, rank: int, *,
                             timeout_s: float = 120.0) -> tuple[Batch, list[Frame]]:
@@ -307,9 +344,10 @@ class Dock:
         if not plan.is_leader(rank):
             raise ValueError(f"rank {rank} is not a replica leader; it receives via "
                              f"dispatch.receive_replica from rank {plan.for_rank(rank).leader}")
-        return await self._gather(plan.lease_id, plan.for_rank(rank).fetches, timeout_s)
+        return await self._gather(plan.index_rank, plan.lease_id, plan.for_rank(rank).fetches,
+                                  timeout_s)
 
-    async def _gather(self, lease_id: int, ops: Sequence[FetchOp],
+    async def _gather(self, index_rank: int, lease_id: int, ops: Sequence[FetchOp],
                       timeout_s: float) -> tuple[Batch, list[Frame]]:
         async def request(op: FetchOp, address: str) -> None:
             try:
@@ -321,23 +359,59 @@ class Dock:
         try:
             return await gather(ops, self.receiver(), request, timeout_s=timeout_s)
         except _ShardFailed as failed:
-            await self.index.release.call_one(lease_id, failed.shard)
+            await self.index[index_rank].release.call_one(lease_id, failed.shard)
+            if len(self.index) > 1:  # every index shard may hold groups from the dead warehouse
+                await self.index.drop_shard.call(failed.shard)
             raise DockFetchError(f"warehouse {failed.shard} failed during fetch (lease "
                                  f"{lease_id} released): {failed.cause}") from failed.cause
 
     async def ack(self, lease: Lease) -> None:
-        await self.index.ack.call_one(lease.lease_id)
+        """Mark the lease consumed; raises LeaseError if it expired or was already acked."""
+        await _local_errors(self.index[lease.index_rank].ack.call_one(lease.lease_id))
 
     async def release(self, lease: Lease) -> None:
-        await self.index.release.call_one(lease.lease_id)
+        await self.index[lease.index_rank].release.call_one(lease.lease_id)
 
     async def take_lost(self) -> list[LostSample]:
-        return await self.index.take_lost.call_one()  # type: ignore[no-any-return]
+        return [x for part in await self.index.take_lost.call() for x in part]
 
     async def statistics(self) -> DockStatistics:
-        return await self.index.statistics.call_one()  # type: ignore[no-any-return]
+        """Totals over the index shards."""
+        parts: list[DockStatistics] = await self.index.statistics.call()
+        if len(parts) == 1:
+            return parts[0]
+        return DockStatistics(
+            samples=sum(p.samples for p in parts),
+            capacity=sum(p.capacity for p in parts),
+            ready=_sum_dicts(p.ready for p in parts),
+            bytes_per_shard=_sum_dicts(p.bytes_per_shard for p in parts),
+            leased=sum(p.leased for p in parts),
+            consumed=_sum_dicts(p.consumed for p in parts),
+            lost=sum(p.lost for p in parts),
+            waiting_producers=sum(p.waiting_producers for p in parts),
+            waiting_consumers=sum(p.waiting_consumers for p in parts),
+        )
 
     def close(self) -> None:
         if self._receiver is not None:
             self._receiver.close()
             self._receiver = None
+
+
+def _sum_dicts(ds: Iterable[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in ds:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+async def _local_errors(call: Awaitable[T]) -> T:
+    """Re-raise the index's user-facing errors as themselves, not as ActorError."""
+    try:
+        return await call
+    except ActorError as e:
+        for cls in (WouldBlock, LeaseError, ValueError, TimeoutError):
+            if e.remote_type.rsplit(".", 1)[-1] == cls.__name__:
+                raise cls(e.remote_message) from None
+        raise

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -22,6 +23,11 @@ CONTRACT_COLUMNS = (
     "input_ids", "loss_mask", "rollout_logprobs", "versions", "ref_logprobs", "rewards",
     "advantages", "values",
 )
+
+
+def index_rank_of(group_id: str, n_shards: int) -> int:
+    """The index shard that owns a group (all its samples, so group selection stays local)."""
+    return zlib.crc32(group_id.encode()) % n_shards
 
 
 class WouldBlock(Exception):
@@ -62,6 +68,7 @@ class Lease:
     stage: str
     columns: tuple[str, ...]
     samples: tuple[Location, ...]
+    index_rank: int = 0  # which index shard issued it (ack/release go there)
 
     def fetches(self) -> dict[str, tuple[list[str], list[str]]]:
         """shard -> (sample ids, columns) to fetch from it, in lease order."""
@@ -118,6 +125,7 @@ class DockIndex:
         columns: the columns producers may write (requests for others are errors).
         lease_timeout_s: leases older than this return to the pool on `expire()`.
         clock: monotonic seconds (fake it in tests).
+        index_rank: this shard's rank when the index is sharded by group (`index_rank_of`).
     """
 
     def __init__(
@@ -128,6 +136,7 @@ class DockIndex:
         columns: Iterable[str] = CONTRACT_COLUMNS,
         lease_timeout_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
+        index_rank: int = 0,
     ) -> None:
         if not stages:
             raise ValueError("stages must name at least one consuming stage, e.g. ['train']")
@@ -136,6 +145,7 @@ class DockIndex:
         self.stages, self.capacity = tuple(stages), capacity
         self.known_columns = frozenset(columns)
         self.lease_timeout_s, self._clock = lease_timeout_s, clock
+        self.index_rank = index_rank
         self._samples: dict[str, _Entry] = {}
         self._groups: dict[str, list[str]] = {}
         self._leases: dict[int, tuple[Lease, float]] = {}
@@ -251,6 +261,7 @@ class DockIndex:
                 )
                 for e in chosen
             ),
+            index_rank=self.index_rank,
         )
         for e in chosen:
             e.leased[stage] = lease.lease_id

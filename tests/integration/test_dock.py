@@ -12,6 +12,7 @@ import pytest
 from earl.runtime import Actor, RestartPolicy, Runtime, context, endpoint
 from earl.runtime.dispatch import plan_step
 from earl.runtime.dock import Dock, DockFetchError, IndexActor, WarehouseHost
+from earl.runtime.dock_index import LeaseError, index_rank_of
 from earl.runtime.layout import FixedCount, Layout
 
 COLS = ["input_ids", "loss_mask", "versions"]
@@ -50,9 +51,10 @@ async def rt():
         yield rt
 
 
-async def _setup(rt, index="dock", capacity=64, stages=("train",), lease_timeout_s=600.0):
+async def _setup(rt, index="dock", capacity=64, stages=("train",), lease_timeout_s=600.0,
+                 index_shards=1):
     ix = await rt.spawn(index, IndexActor, stages=list(stages), capacity=capacity,
-                        lease_timeout_s=lease_timeout_s)
+                        lease_timeout_s=lease_timeout_s, n=index_shards)
     prod = await rt.spawn("prod", Producer, index, n=2, restart=RestartPolicy(max_restarts=0))
     return ix, prod, Dock(ix)
 
@@ -166,8 +168,29 @@ async def test_consumer_that_never_acks_loses_its_lease(rt):
     dead = await dock.take("train", COLS, 2, timeout_s=5)  # this consumer "dies" holding it
     again = await dock.take("train", COLS, 2, timeout_s=10)  # handed out again after expiry
     assert [x.sample_id for x in again.samples] == [x.sample_id for x in dead.samples]
-    with pytest.raises(Exception, match="LeaseError"):
+    with pytest.raises(LeaseError):
         await dock.ack(dead)  # the late ack cannot double-consume
     await dock.ack(again)
     assert (await dock.statistics()).samples == 0
+    dock.close()
+
+
+@pytest.mark.timeout(90)
+async def test_sharded_index_routes_groups_and_merges_statistics(rt):
+    ix, prod, dock = await _setup(rt, index_shards=2)
+    await prod.produce.call(3, 2)  # 6 groups of 2 over 2 index shards
+    groups = [f"{r}-{g}" for r in range(2) for g in range(3)]
+    per_shard = [sum(index_rank_of(g, 2) == k for g in groups) for k in range(2)]
+    assert [s.samples for s in await ix.statistics.call()] == [2 * n for n in per_shard]
+    assert (await dock.statistics()).samples == 12
+    seen = []
+    for _ in range(6):
+        lease = await dock.take("train", COLS, 2, timeout_s=10)
+        assert {index_rank_of(x.group_id, 2) for x in lease.samples} == {lease.index_rank}
+        batch, frames = await dock.fetch(lease)
+        for f in frames:
+            f.release()
+        await dock.ack(lease)
+        seen += list(batch)
+    assert len(set(seen)) == 12 and (await dock.statistics()).samples == 0
     dock.close()
