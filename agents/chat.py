@@ -11,7 +11,8 @@ template runs only on the first turns. This module does not talk to engines or t
 
 from __future__ import annotations
 
-import json
+import operator
+import re
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -57,25 +58,78 @@ class ChatCodec:
             stops.add(int(tokenizer.eos_token_id))
         self.stop_ids = sorted(stops)
         self._memo: dict[str, tuple[int, ...]] = {}
-        self._rendered: dict[str, str] = {}
+        self._pframes: dict[object, tuple[tuple[object, ...], list[str] | None, int]] = {}
         self._unmemo: dict[tuple[int, ...], str] = {}
         self._frames: dict[tuple[object, ...], list[str] | None] = {}
         self._checked: dict[tuple[object, ...], int] = {}
+        self._added: dict[str, int] = {}
+        self._split = self._added_token_splitter()
+        self._split_checks = 0
 
     # -- text <-> ids -------------------------------------------------------------------------
     def encode_text(self, text: str) -> list[int]:
-        """Token ids of `text` (no special tokens added). Memoized: observations such as board
-        renderings and shared system prompts repeat across thousands of sessions."""
+        """Token ids of `text` (no special tokens added).
+
+        Memoized, and split at added tokens (<|im_start|>, <tool_call>, ...) which tokenizers
+        never merge across, so a shared system prompt or a repeated board is encoded once
+        however many sessions use it. The split is checked against whole-text encoding on the
+        first calls and dropped if a tokenizer disagrees.
+        """
         ids = self._memo.get(text)
         if ids is None:
-            if self._fast is not None:
-                ids = tuple(self._fast.encode(text, add_special_tokens=False).ids)
+            if self._split is None:
+                ids = self._encode_raw(text)
             else:
-                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))  # type: ignore[attr-defined]
-            if len(self._memo) >= _MEMO_SIZE:
-                self._memo.pop(next(iter(self._memo)))  # drop the oldest entry
-            self._memo[text] = ids
+                parts: list[int] = []
+                for piece in self._split.split(text):
+                    if not piece:
+                        continue
+                    tid = self._added.get(piece)
+                    if tid is not None:
+                        parts.append(tid)
+                    else:
+                        parts += self._encode_piece(piece)
+                ids = tuple(parts)
+                if self._split_checks < _CHECKS * 4:
+                    self._split_checks += 1
+                    if ids != self._encode_raw(text):
+                        self._split = None  # this tokenizer merges across added tokens
+                        self._memo.clear()
+                        ids = self._encode_raw(text)
+            self._remember(text, ids)
         return list(ids)
+
+    def _encode_piece(self, piece: str) -> tuple[int, ...]:
+        ids = self._memo.get(piece)
+        if ids is None:
+            ids = self._encode_raw(piece)
+            self._remember(piece, ids)
+        return ids
+
+    def _remember(self, text: str, ids: tuple[int, ...]) -> None:
+        if len(self._memo) >= _MEMO_SIZE:
+            self._memo.pop(next(iter(self._memo)))  # drop the oldest entry
+        self._memo[text] = ids
+
+    def _encode_raw(self, text: str) -> tuple[int, ...]:
+        if self._fast is not None:
+            return tuple(self._fast.encode(text, add_special_tokens=False).ids)
+        return tuple(self.tokenizer.encode(text, add_special_tokens=False))  # type: ignore[attr-defined]
+
+    def _added_token_splitter(self) -> re.Pattern[str] | None:
+        """A regex splitting text at added tokens, or None when their options make it unsafe."""
+        getter = getattr(self._fast, "get_added_tokens_decoder", None)
+        if getter is None:
+            return None
+        tokens = getter()
+        for tid, tok in tokens.items():
+            if tok.lstrip or tok.rstrip or tok.single_word or tok.normalized:
+                return None
+            self._added[tok.content] = int(tid)
+        if not self._added:
+            return None
+        alts = sorted(self._added, key=len, reverse=True)
+        return re.compile("(" + "|".join(re.escape(a) for a in alts) + ")")
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`, special tokens included. Short sequences (moves, answers) are memoized."""
@@ -104,17 +158,38 @@ class ChatCodec:
         """Token ids of the first prompt, ending with the assistant generation header."""
         if not messages:
             raise ValueError("messages is empty; give at least one user message")
-        try:  # sessions often share their first prompt: skip the template when it repeats
-            key = json.dumps([messages, tools], sort_keys=True)
-        except (TypeError, ValueError):
-            return self.encode_text(self.render(messages, tools))
-        text = self._rendered.get(key)
-        if text is None:
-            text = self.render(messages, tools)
-            if len(self._rendered) >= 1024:
-                self._rendered.pop(next(iter(self._rendered)))
-            self._rendered[key] = text
-        return self.encode_text(text)
+        return self.encode_text(self.prompt_text(messages, tools))
+
+    def prompt_text(self, messages: list[Message],
+                    tools: list[dict[str, object]] | None = None) -> str:
+        """The rendered first prompt. Like continuations, it is filled into a cached frame per
+        (tools, role pattern) once the frame has matched real renders."""
+        tools_t = tuple(tools or ())
+        roles = _frame_key(messages)
+        key = None if roles is None else (tuple(map(id, tools_t)), roles)
+        entry = self._pframes.get(key) if key is not None else None
+        if entry is not None and all(map(operator.is_, entry[0], tools_t)) \
+                and entry[1] is not None and not any(_unusual(m) for m in messages):
+            frame = entry[1]
+            parts = [frame[0]]
+            for m, tail in zip(messages, frame[1:], strict=True):
+                parts.append(str(m.get("content") or ""))
+                parts.append(tail)
+            text = "".join(parts)
+            if entry[2] >= _CHECKS:
+                return text
+            exact = self.render(messages, tools)
+            self._pframes[key] = (entry[0], frame if exact == text else None, entry[2] + 1)
+            return exact
+        exact = self.render(messages, tools)
+        if key is not None and (entry is None or not all(map(operator.is_, entry[0], tools_t))):
+            marks = [f"\x1eEARL{i}\x1e" for i in range(len(messages))]
+            dummy = [dict(m, content=mark) for m, mark in zip(messages, marks, strict=True)]
+            frame = _split_marks(self.render(dummy, tools), marks)
+            if len(self._pframes) >= 1024:
+                self._pframes.pop(next(iter(self._pframes)))
+            self._pframes[key] = (tools_t, frame, 0)
+        return exact
 
     def continuation_text(self, new_messages: list[Message]) -> str:
         """Text the template puts after an assistant turn's end token, for `new_messages`."""
@@ -162,15 +237,19 @@ class ChatCodec:
     def _make_frame(self, new_messages: list[Message]) -> list[str] | None:
         marks = [f"\x1eEARL{i}\x1e" for i in range(len(new_messages))]
         dummy = [dict(m, content=mark) for m, mark in zip(new_messages, marks, strict=True)]
-        text = self._delta(dummy)
-        frame: list[str] = []
-        for mark in marks:
-            head, sep, text = text.partition(mark)
-            if not sep:
-                return None
-            frame.append(head)
-        frame.append(text)
-        return frame
+        return _split_marks(self._delta(dummy), marks)
+
+
+def _split_marks(text: str, marks: list[str]) -> list[str] | None:
+    """Cut `text` at each mark in order: the frame around the contents, or None."""
+    frame: list[str] = []
+    for mark in marks:
+        head, sep, text = text.partition(mark)
+        if not sep:
+            return None
+        frame.append(head)
+    frame.append(text)
+    return frame
 
 
 def _unusual(message: Message) -> bool:

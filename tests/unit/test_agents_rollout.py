@@ -87,6 +87,18 @@ def test_continuation_frame_cache_matches_template(codec: ChatCodec) -> None:
     assert codec.continuation_text(user) == codec._delta(user)
 
 
+def test_prompt_frame_cache_matches_template(codec: ChatCodec) -> None:
+    schema = [Tool.from_function(calculator).schema]
+    questions = ["What is 2+2?", "  spaced  ", "", "line\nbreak", "x" * 300, "<tool_call>"]
+    for tools in (schema, None):
+        for _ in range(3):
+            for q in questions:
+                msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": q}]
+                assert codec.prompt_text(msgs, tools) == codec.render(msgs, tools)
+                assert codec.encode_prompt(msgs, tools) == list(codec._encode_raw(
+                    codec.render(msgs, tools)))
+
+
 def test_codec_falls_back_when_the_template_transforms_content() -> None:
     tok = build_tokenizer()
     tok.chat_template = tok.chat_template.replace(
