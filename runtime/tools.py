@@ -22,6 +22,7 @@ import signal
 import struct
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Self
 
@@ -206,6 +207,7 @@ class ToolExecutor:
         self.config = config or ExecutorConfig()
         self._pool = _Pool()
         self._idle: list[_Worker] = []
+        self._live: weakref.WeakSet[_Worker] = weakref.WeakSet()
         self._by_expected: list[tuple[float, int, _Action]] = []
         self._by_age: list[tuple[int, _Action]] = []
         self._waiting = self._starting = 0
@@ -223,8 +225,9 @@ class ToolExecutor:
 
     async def __aexit__(self, *exc: object) -> None:
         self._closed.set()
-        for w in self._idle:
-            self._pool.discard(self._tg, w)
+        for w in list(self._live):  # busy ones too: a caller may still be waiting on them
+            if not w.dead:
+                self._pool.discard(self._tg, w)
         self._idle.clear()
         await self._tg.__aexit__(None, None, None)
 
@@ -339,6 +342,7 @@ class ToolExecutor:
             return
         self._starting -= 1
         self._pool.spawned += 1
+        self._live.add(worker)
         if self._closed.is_set():
             self._pool.discard(self._tg, worker)
         else:

@@ -168,3 +168,15 @@ async def test_long_waiting_action_is_not_starved() -> None:
         await asyncio.gather(blocker, slow, job(ECHO, {"text": "a"}, "fast1"),
                              job(ECHO, {"text": "b"}, "fast2"))
         assert done == ["blocker", "slow", "fast1", "fast2"]  # waited > max_wait_s: goes first
+
+
+async def test_closing_the_pool_kills_busy_workers() -> None:
+    ex = ToolExecutor(ExecutorConfig(max_workers=1))
+    async with ex:
+        task = asyncio.create_task(ex.run(SLEEP, {"seconds": 30}))
+        assert await _until(lambda: ex._pool.size == 1 and not ex._starting)
+        await asyncio.sleep(0.1)
+        (worker,) = list(ex._live)
+    assert await _until(lambda: not _alive(worker.proc.pid))
+    res = await task
+    assert not res.ok and res.error == "crashed"
