@@ -15,6 +15,10 @@ Prints one JSON object with, per model ("tiny"; and "smollm2_135m" unless --quic
   ``weight_sync_first_s`` the first (cold) push; ``weight_memcpy_s`` the time one memcpy of the
   same bytes takes here (the physical limit); ``weight_load_s`` the engine's reload share.
 Top-level ``raw_tok_s``/``agent_loop_tok_s``/``ratio``/``weight_sync_s`` repeat the tiny model's.
+
+``--compare-engines`` adds ``engines``: the same concurrent token-id workload, in a fresh process
+each, through EARL's in-process engine (LLMEngine stepped in a thread) and through vLLM's
+AsyncLLM (which always runs its EngineCore in a separate process): start-up seconds and tok/s.
 """
 
 from __future__ import annotations
@@ -114,6 +118,77 @@ async def bench_model(rt: object, name: str, path: str, *, dtype: str, sessions:
     }
 
 
+async def engine_only(kind: str, sessions: int, turns: int) -> dict[str, float | str]:
+    """One engine kind in this process: the agent-style workload without actors."""
+    from earl.engine import SamplingParams
+    from earl.models.tiny import default_model_dir
+
+    path = str(default_model_dir())
+    rng = random.Random(0)
+    prompts = [[1] + [rng.randrange(7, 263) for _ in range(32)] for _ in range(sessions)]
+    t0 = time.perf_counter()
+    if kind == "inproc":
+        from earl.runtime.vllm_engine import EngineConfig, VLLMEngine
+
+        eng = VLLMEngine(EngineConfig(model=path, dtype="float32"))
+        await eng.start()
+
+        async def gen(p: list[int], i: int) -> list[int]:
+            g = await eng.generate(p, SamplingParams(max_tokens=64, seed=i))
+            return g.token_ids
+    else:
+        from vllm import SamplingParams as VSP
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        allm = AsyncLLM.from_engine_args(AsyncEngineArgs(
+            model=path, dtype="float32", enforce_eager=True, max_model_len=2048,
+            disable_log_stats=True))
+        ids = iter(range(1 << 30))
+
+        async def gen(p: list[int], i: int) -> list[int]:
+            final = None
+            async for out in allm.generate({"prompt_token_ids": p}, VSP(
+                    max_tokens=64, seed=i, logprobs=0), f"r{next(ids)}"):
+                final = out
+            assert final is not None
+            return list(final.outputs[0].token_ids)
+    start_s = time.perf_counter() - t0
+
+    async def session(i: int) -> int:
+        p, n = list(prompts[i]), 0
+        for _ in range(turns):
+            out = await gen(p, i)
+            n += len(out)
+            p += out + [2, 1, 17]
+        return n
+
+    await gen(prompts[0], 0)  # warm-up
+    t = time.perf_counter()
+    n = sum(await asyncio.gather(*(session(i) for i in range(sessions))))
+    tok_s = n / (time.perf_counter() - t)
+    if kind == "inproc":
+        await eng.close()
+    else:
+        allm.shutdown()
+    return {"engine": kind, "start_s": round(start_s, 2), "tok_s": round(tok_s, 1)}
+
+
+def compare_engines(sessions: int, turns: int) -> dict[str, object]:
+    import subprocess
+
+    out: dict[str, object] = {}
+    for kind in ("inproc", "asyncllm"):
+        env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING",
+                   VLLM_LOGGING_STREAM="ext://sys.stderr")
+        res = subprocess.run([sys.executable, __file__, "--engine-only", kind,
+                              "--sessions", str(sessions), "--turns", str(turns)],
+                             env=env, capture_output=True, text=True, check=False)
+        lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+        out[kind] = json.loads(lines[-1]) if lines else {"error": res.stderr[-2000:]}
+    return out
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, object]:
     from earl.runtime import Runtime
 
@@ -142,9 +217,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--quick", action="store_true", help="tiny model only, fewer turns (< 50 s)")
     ap.add_argument("--sessions", type=int, default=64, help="concurrent agent sessions")
+    ap.add_argument("--compare-engines", action="store_true",
+                    help="also time EARL's in-process engine against vLLM AsyncLLM")
+    ap.add_argument("--engine-only", choices=["inproc", "asyncllm"], help=argparse.SUPPRESS)
+    ap.add_argument("--turns", type=int, default=4, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.engine_only:
+        print(json.dumps(asyncio.run(engine_only(args.engine_only, args.sessions, args.turns))))
+        return 0
     t = time.perf_counter()
     out = asyncio.run(main_async(args))
+    if args.compare_engines:
+        out["engines"] = compare_engines(args.sessions, 2 if args.quick else 4)
     out["bench_s"] = round(time.perf_counter() - t, 1)
     if args.json:
         print(json.dumps(out))
