@@ -126,6 +126,7 @@ class Rollout:
         self._tools: dict[str, Tool] = {}
         self._tool_key: object = None
         self._history: list[Message] = []
+        self._generating = False
         self._last: Message | None = None
         self._params = dataclasses.replace(
             self.config.sampling,
@@ -158,6 +159,18 @@ class Rollout:
         Raises:
             ValueError: `messages` does not extend the previous turn's messages.
         """
+        if self._generating:
+            raise RuntimeError("rollout.generate is already running for this session; await "
+                               "each turn before starting the next")
+        self._generating = True
+        try:
+            return await self._generate(messages, tools, max_tokens)
+        finally:
+            self._generating = False
+
+    async def _generate(self, messages: list[Message],
+                        tools: Sequence[Tool | Callable[..., object]] | dict[str, Tool] | None,
+                        max_tokens: int | None) -> AssistantTurn:
         schemas = self._set_tools(tools)
         before = len(self.token_ids)
         if self._last is None:
@@ -277,9 +290,9 @@ class Rollout:
         info.setdefault("tool_calls", self.tool_calls)
         info.setdefault("tool_errors", self.tool_errors)
         traj = Trajectory(sample_id=self.sample_id, group_id=self.group_id,
-                          token_ids=self.token_ids, loss_mask=self.loss_mask,
-                          logprobs=self.logprobs, versions=self.versions,
-                          turn_spans=self.turn_spans, turn_rewards=self.turn_rewards,
+                          token_ids=list(self.token_ids), loss_mask=list(self.loss_mask),
+                          logprobs=list(self.logprobs), versions=list(self.versions),
+                          turn_spans=list(self.turn_spans), turn_rewards=list(self.turn_rewards),
                           reward=reward, truncated=self.truncated, failed=failed, error=error,
                           gen_time_s=self.gen_time_s, tool_time_s=self.tool_time_s, info=info)
         traj.validate()

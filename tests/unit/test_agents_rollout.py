@@ -247,12 +247,18 @@ def test_bad_agents_fail_their_trajectory_only(codec: ChatCodec) -> None:
         turn = await rollout.generate(m)
         await rollout.generate([{"role": "user", "content": "changed"}, turn.message])
 
+    async def overlaps(rollout, sample):
+        m = [{"role": "user", "content": "hi"}]
+        await asyncio.gather(rollout.generate(m), rollout.generate(m))
+
     async def main():
         cfg = RolloutConfig(agent_timeout_s=0.1)
         return await asyncio.gather(*(run_agent(a, None, engine=engine, codec=codec, config=cfg)
-                                      for a in (raises, hangs, returns_str, edits_history)))
+                                      for a in (raises, hangs, returns_str, edits_history,
+                                                overlaps)))
 
-    t_raise, t_hang, t_str, t_edit = asyncio.run(main())
+    t_raise, t_hang, t_str, t_edit, t_overlap = asyncio.run(main())
+    assert t_overlap.failed and "already running" in t_overlap.error
     assert t_raise.failed and "KeyError" in t_raise.error and len(t_raise.turn_spans) == 1
     assert t_hang.failed and "timed out" in t_hang.error
     assert t_str.failed and "return a float" in t_str.error
