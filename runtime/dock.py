@@ -50,6 +50,7 @@ T = TypeVar("T")
 for _cls in (SampleInfo, Location, Lease, LostSample, DockStatistics, WarehouseStatistics):
     wire.message(_cls)
 
+
 class DockFetchError(RuntimeError):
     """A warehouse failed during `fetch`; the lease was released (samples re-queued or lost)."""
 
@@ -269,12 +270,7 @@ class Dock:
         info = self.warehouse.put(sample_id, columns, group_id=group_id, group_size=group_size)
         assert isinstance(info, SampleInfo)
         try:
-            await self._owner(group_id).register.call_one(info, wait, timeout_s)
-        except ActorError as e:
-            self.warehouse.evict([sample_id])
-            if e.remote_type.endswith("WouldBlock"):
-                raise WouldBlock(str(e)) from None
-            raise
+            await _local_errors(self._owner(group_id).register.call_one(info, wait, timeout_s))
         except BaseException:
             self.warehouse.evict([sample_id])
             raise
@@ -335,7 +331,7 @@ class Dock:
             DockFetchError: a warehouse died; the lease was released and the index told.
         """
         ops = [FetchOp(shard=s, sample_ids=tuple(ids), columns=tuple(cols))
-               for s, (ids, cols) in lease.fetches().items()]
+               for s, ids, cols in lease.fetches()]
         return await self._gather(lease.index_rank, lease.lease_id, ops, timeout_s)
 
     async def fetch_replica(self, plan: DispatchPlan, rank: int, *,

@@ -70,16 +70,15 @@ class Lease:
     samples: tuple[Location, ...]
     index_rank: int = 0  # which index shard issued it (ack/release go there)
 
-    def fetches(self) -> dict[str, tuple[list[str], list[str]]]:
-        """shard -> (sample ids, columns) to fetch from it, in lease order."""
-        out: dict[str, tuple[list[str], list[str]]] = {}
+    def fetches(self) -> list[tuple[str, list[str], list[str]]]:
+        """(shard, sample ids, columns) requests covering the lease, one per shard and column
+        set, samples in lease order."""
+        out: dict[tuple[str, tuple[str, ...]], list[str]] = {}
         for loc in self.samples:
             for shard in sorted({loc.columns[c] for c in self.columns}):
-                cols = [c for c in self.columns if loc.columns[c] == shard]
-                ids, have = out.setdefault(shard, ([], cols))
-                assert have == cols, "samples of one lease keep their columns on the same shards"
-                ids.append(loc.sample_id)
-        return out
+                cols = tuple(c for c in self.columns if loc.columns[c] == shard)
+                out.setdefault((shard, cols), []).append(loc.sample_id)
+        return [(shard, ids, list(cols)) for (shard, cols), ids in out.items()]
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,6 +56,8 @@ class Warehouse:
         With `group_id` this is a new sample (returns its SampleInfo to register); without, it
         adds columns to a sample registered elsewhere (returns column -> nbytes).
         """
+        if group_id is not None and sample_id in self._data:
+            raise ValueError(f"sample_id {sample_id!r} is already stored; sample ids must be unique")
         cols = {c: _check(sample_id, c, a) for c, a in columns.items()}
         if not cols:
             raise ValueError(f"sample {sample_id!r}: put needs at least one column")
@@ -63,6 +65,9 @@ class Warehouse:
         if len(lengths) > 1:
             raise ValueError(f"sample {sample_id!r}: per-token columns disagree on length "
                              f"{sorted(lengths)}; every 1-D column must have the sample's length")
+        if group_id is not None and not ("versions" in cols and cols["versions"].size):
+            raise ValueError(f"sample {sample_id!r}: a new sample needs a 'versions' column "
+                             "(policy version per token)")
         store = self._data.setdefault(sample_id, {})
         for c, a in cols.items():
             if c in store:
@@ -72,11 +77,7 @@ class Warehouse:
         sizes = {c: a.nbytes for c, a in cols.items()}
         if group_id is None:
             return sizes
-        if "versions" in cols and cols["versions"].size:
-            version = int(cols["versions"].min())
-        else:
-            raise ValueError(f"sample {sample_id!r}: a new sample needs a 'versions' column "
-                             "(policy version per token)")
+        version = int(cols["versions"].min())
         length = max((len(a) for a in cols.values() if a.ndim == 1), default=0)
         info = SampleInfo(sample_id=sample_id, group_id=group_id, group_size=group_size,
                           length=length, version=version, shard=self.name, columns=sizes)

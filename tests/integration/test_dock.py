@@ -41,6 +41,15 @@ class Producer(WarehouseHost, Actor):
         return ids
 
     @endpoint
+    async def add_ref(self, sample_ids: list[str]) -> None:
+        """Act as the reference stage: add ref_logprobs in this shard."""
+        dock = await self._dock()
+        for sid in sample_ids:
+            n = 5 + int(sid.rsplit("-", 1)[1])
+            await dock.add_columns(sid, {"ref_logprobs": np.full(n, -1.0, np.float32)},
+                                   group_id=sid.rsplit("-", 1)[0])
+
+    @endpoint
     async def pid(self) -> int:
         return os.getpid()
 
@@ -78,7 +87,17 @@ async def test_fetch_straight_from_shards_then_ack_evicts(rt):
     assert st.samples == 8 and st.consumed == {"ref": 0, "train": 8}  # "ref" still to come
     with pytest.raises(ValueError, match="produced by nobody"):
         await dock.take("ref", ["input_ids", "logits"], 2, timeout_s=1)
-    await dock.ack(await dock.take("ref", ["input_ids"], 8, timeout_s=10))
+    with pytest.raises(TimeoutError):  # nobody wrote ref_logprobs yet
+        await dock.take("ref", ["input_ids", "ref_logprobs"], 2, timeout_s=0.3)
+    await prod[0].add_ref.call_one(sorted(batch))  # shard 0 computes ref for all 8
+    lease = await dock.take("ref", ["input_ids", "ref_logprobs"], 8, timeout_s=10)
+    assert {loc.columns["ref_logprobs"] for loc in lease.samples} == {"prod:0"}
+    batch, frames = await dock.fetch(lease)  # columns of one sample from two shards
+    assert all(c["ref_logprobs"][0] == -1.0 and len(c["ref_logprobs"]) == len(c["input_ids"])
+               for c in batch.values())
+    for f in frames:
+        f.release()
+    await dock.ack(lease)
     assert (await dock.statistics()).samples == 0
     shard_stats = await prod.dock_statistics.call()
     assert [s.nbytes for s in shard_stats] == [0, 0]  # evicted in the producers

@@ -40,8 +40,8 @@ def test_take_waits_for_columns_then_hands_each_sample_once_per_stage():
     for i in range(4):
         ix.add_columns(f"s{i}", "w1", {"ref_logprobs": 16})
     t = ix.take("train", ["input_ids", "ref_logprobs"], 4)  # other stages are independent
-    assert t.fetches() == {"w0": (["s0", "s1", "s2", "s3"], ["input_ids"]),
-                           "w1": (["s0", "s1", "s2", "s3"], ["ref_logprobs"])}
+    assert t.fetches() == [("w0", ["s0", "s1", "s2", "s3"], ["input_ids"]),
+                           ("w1", ["s0", "s1", "s2", "s3"], ["ref_logprobs"])]
     ix.ack(a.lease_id)
     with pytest.raises(LeaseError):
         ix.ack(a.lease_id)  # never acked twice

@@ -38,5 +38,8 @@ def test_bad_columns_are_clear_errors():
         w.put("s", {"input_ids": np.arange(3), "loss_mask": np.ones(4, np.int8)}, group_id="g")
     with pytest.raises(ValueError, match="needs a 'versions' column"):
         w.put("s", {"input_ids": np.arange(3)}, group_id="g")
+    w.put("s", {"input_ids": np.arange(3), "versions": np.zeros(3, np.int32)}, group_id="g")
+    with pytest.raises(ValueError, match="already stored"):
+        w.put("s", {"input_ids": np.arange(3), "versions": np.zeros(3, np.int32)}, group_id="g")
     with pytest.raises(KeyError, match="no sample 'nope'"):
         w.get(["nope"], ["input_ids"])
