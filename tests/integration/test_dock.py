@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from earl.runtime import Actor, RestartPolicy, Runtime, context, endpoint
 from earl.runtime.dispatch import plan_step
-from earl.runtime.dock import Dock, DockFetchError, IndexActor, WarehouseHost
+from earl.runtime.dock import Dock, DockFetchError, IndexActor, WarehouseActor, WarehouseHost
 from earl.runtime.dock_index import LeaseError, index_rank_of
 from earl.runtime.layout import FixedCount, Layout
 
@@ -212,4 +212,20 @@ async def test_sharded_index_routes_groups_and_merges_statistics(rt):
         await dock.ack(lease)
         seen += list(batch)
     assert len(set(seen)) == 12 and (await dock.statistics()).samples == 0
+    dock.close()
+
+
+@pytest.mark.timeout(90)
+async def test_standalone_warehouse_actor_for_non_actor_producers(rt):
+    ix = await rt.spawn("dock", IndexActor, stages=["train"], capacity=8)
+    store = await rt.spawn("store", WarehouseActor, "dock")
+    cols = {"input_ids": np.arange(4, dtype=np.int64), "versions": np.full(4, 7, np.int32)}
+    await store.put.call_one("x0", cols, "gx", 1)  # columns travel as out-of-band RPC frames
+    dock = Dock(ix)
+    lease = await dock.take("train", ["input_ids"], 1, min_version=7, timeout_s=5)
+    assert lease.samples[0].version == 7 and lease.samples[0].columns == {"input_ids": "store:0"}
+    batch, frames = await dock.fetch(lease)
+    assert batch["x0"]["input_ids"].tolist() == [0, 1, 2, 3]
+    for f in frames:
+        f.release()
     dock.close()
