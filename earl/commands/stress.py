@@ -210,7 +210,8 @@ async def run_stress(args: argparse.Namespace, executor_kind: str, codec: ChatCo
                      engine: Engine) -> dict[str, Any]:
     """One stress run with `executor_kind`; returns the metrics dict."""
     from earl.envs import sim_tools
-    from earl.runtime.tools import ExecutorConfig, StaticExecutor, ToolExecutor
+    from earl.runtime.tools import ExecutorConfig, ToolExecutor
+    from earl.runtime.tools_static import StaticExecutor
 
     use_sim = isinstance(engine, SimEngine)
     agent, sample, responder = _workload(args, codec, use_sim)

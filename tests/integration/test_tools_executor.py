@@ -11,7 +11,8 @@ from earl.agents.tools import Tool
 from earl.envs.python_tool import python
 from earl.envs.sim_tools import crash_tool, echo_tool, sleep_tool
 from earl.runtime.sandbox import isolation_available
-from earl.runtime.tools import ExecutorConfig, StaticExecutor, ToolExecutor
+from earl.runtime.tools import ExecutorConfig, ToolExecutor
+from earl.runtime.tools_static import StaticExecutor
 
 SLEEP, CRASH, ECHO, PY = (Tool.from_function(f) for f in (sleep_tool, crash_tool, echo_tool, python))
 pytestmark = pytest.mark.timeout(60)
