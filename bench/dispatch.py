@@ -386,7 +386,12 @@ def main(argv: list[str] | None = None) -> int:
     best = max((v, k) for k, v in out["transfer_GBps"].items() if v is not None)  # type: ignore[union-attr]
     out["best_transport"] = best[1]
     out["best_vs_memcpy"] = round(best[0] / out["memcpy_GBps"], 3)  # type: ignore[operator]
-    rh = None if args.no_ray else ray_handoff_gbps(nbytes, reps)
+    rh = None
+    if not args.no_ray:
+        try:
+            rh = ray_handoff_gbps(nbytes, reps)
+        except Exception as e:  # noqa: BLE001 -- ray installed but cannot start: report it
+            out["ray_error"] = f"{type(e).__name__}: {e}"[:200]
     out["ray_handoff_GBps"] = None if rh is None else round(rh, 2)
     _log(f"ray: {rh} ({time.perf_counter() - t0:.1f} s)")
     out["layout"] = layout_bench(args.layout_mib * MiB, 1 if args.quick else 3)
