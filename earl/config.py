@@ -129,6 +129,11 @@ def _coerce(value: object, tp: object, where: str) -> object:
             return value
         raise TypeError(f"config field {where!r} must be an integer, got {value!r}")
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
         raise TypeError(f"config field {where!r} must be a number, got {value!r}")
@@ -179,7 +184,8 @@ def parse_overrides(args: list[str]) -> dict[str, object]:
         for part in parts[:-1]:
             nxt = node.setdefault(part, {})
             if not isinstance(nxt, dict):
-                raise ValueError(f"override --{key} conflicts with an earlier --{part}=...")
+                raise ValueError(  # noqa: TRY004 - a bad override string, not a type
+                    f"override --{key} conflicts with an earlier --{part}=...")
             node = nxt
         node[parts[-1]] = value
     return out
@@ -260,7 +266,8 @@ def validate(cfg: RunConfig) -> None:
              "folder or leave it empty for the built-in tiny model")
         need((mp / "config.json").is_file(), "model.path",
              f"{m.path!r} has no config.json; it must be a Hugging Face model folder")
-    need(m.hidden >= 8 and m.layers >= 1, "model.hidden", "tiny model needs hidden >= 8, layers >= 1")
+    need(m.hidden >= 32 and m.hidden % 32 == 0 and m.layers >= 1, "model.hidden",
+         "tiny model needs hidden a multiple of 32 (vLLM CPU head size) and layers >= 1")
     need(m.max_model_len >= 64, "model.max_model_len", "must be >= 64 tokens")
     pl = cfg.placement
     need(pl.device in DEVICES, "placement.device", f"{pl.device!r} unknown; choose one of {DEVICES}")

@@ -1,0 +1,171 @@
+"""Observability of a run: progress line, metrics (JSONL + TensorBoard), Chrome trace, plots,
+trajectory dump.
+
+- `Metrics` appends one JSON object per step to `metrics.jsonl` and mirrors scalars to
+  TensorBoard (`tb/`).
+- `Tracer` records spans (`with tracer.span("train_step", actor="trainer"):`) and writes a
+  Chrome/Perfetto trace (`trace.json`, open in ui.perfetto.dev or chrome://tracing).
+- `progress_line` formats the one-line status printed every step.
+- `write_plots` draws the reward/win-rate curve and context lengths to PNG.
+- `TrajectoryDump` appends trajectories as JSON lines for `earl inspect`.
+
+Nothing here decides anything about training; all of it is optional output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+
+from earl.trajectory import Trajectory
+
+
+class Metrics:
+    """Per-step scalars to `<dir>/metrics.jsonl` (and TensorBoard when available)."""
+
+    def __init__(self, out_dir: Path, *, tensorboard: bool = True, append: bool = False) -> None:
+        self.path = out_dir / "metrics.jsonl"
+        self._f = open(self.path, "a" if append else "w")  # noqa: SIM115 - closed in close()
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(out_dir / "tb"))
+            except ImportError:  # tensorboard is a declared dependency; keep runs alive anyway
+                self._tb = None
+
+    def log(self, record: dict[str, float | int | str]) -> None:
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+        if self._tb is not None and "step" in record:
+            step = int(record["step"])
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self._tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self._f.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, float | int | str]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class Tracer:
+    """Chrome trace events ("X" complete events); disabled tracers cost one branch per span."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.events: list[dict[str, object]] = []
+        self._t0 = time.perf_counter()
+        self._lock = threading.Lock()
+        self._tids: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def span(self, name: str, *, actor: str, **args: object) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, actor=actor, start=start, end=time.perf_counter(), **args)
+
+    def add(self, name: str, *, actor: str, start: float, end: float, **args: object) -> None:
+        if not self.enabled:
+            return
+        with self._lock:
+            tid = self._tids.setdefault(actor, len(self._tids) + 1)
+            self.events.append({"name": name, "ph": "X", "pid": 1, "tid": tid,
+                                "ts": (start - self._t0) * 1e6, "dur": (end - start) * 1e6,
+                                "args": args})
+
+    def write(self, path: Path) -> Path:
+        meta = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": a}}
+                for a, tid in self._tids.items()]
+        path.write_text(json.dumps({"traceEvents": meta + self.events,
+                                    "displayTimeUnit": "ms"}))
+        return path
+
+
+def progress_line(r: dict[str, float | int | str]) -> str:
+    """`step 12/200 | reward +0.41 | win 0.62 draw 0.08 | 3.1k tok/s | staleness 0.9 | 41 s`."""
+    return (f"step {r['step']}/{r['steps']} | reward {float(r['reward']):+.2f} | "
+            f"win {float(r['win_rate']):.2f} draw {float(r['draw_rate']):.2f} | "
+            f"{float(r['tokens_per_s']) / 1000:.1f}k tok/s | "
+            f"staleness {float(r['staleness']):.1f} | {float(r['wall_s']):.0f} s")
+
+
+def write_plots(metrics: list[dict[str, float | int | str]],
+                evals: list[dict[str, float]], out_dir: Path) -> dict[str, str]:
+    """`reward.png` (reward, train win+draw, eval win+draw vs minutes) and `context.png`."""
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths: dict[str, str] = {}
+    steps = [m for m in metrics if "reward" in m]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if steps:
+        t = [float(m["wall_s"]) / 60 for m in steps]
+        ax.plot(t, [float(m["reward"]) for m in steps], label="mean reward (train)", alpha=0.6)
+        ax.plot(t, [float(m["win_rate"]) + float(m["draw_rate"]) for m in steps],
+                label="win+draw (train, sampled)", alpha=0.6)
+    if evals:
+        ax.plot([e["minutes"] for e in evals], [e["win_draw_rate"] for e in evals], "o-",
+                label="win+draw (eval, 200 greedy games)", color="black")
+    ax.axhline(0.9, ls="--", color="gray", lw=0.8)
+    ax.set_xlabel("wall minutes")
+    ax.set_ylabel("rate / reward")
+    ax.set_title("Tic-Tac-Toe vs random")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    paths["reward"] = str(out_dir / "reward.png")
+    fig.savefig(paths["reward"], dpi=90)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    if steps:
+        ax.plot([int(m["step"]) for m in steps], [float(m["ctx_mean"]) for m in steps],
+                label="mean")
+        ax.plot([int(m["step"]) for m in steps], [float(m["ctx_max"]) for m in steps],
+                label="max")
+    ax.set_xlabel("step")
+    ax.set_ylabel("trajectory tokens")
+    ax.set_title("context length")
+    ax.legend()
+    fig.tight_layout()
+    paths["context"] = str(out_dir / "context.png")
+    fig.savefig(paths["context"], dpi=90)
+    plt.close(fig)
+    return paths
+
+
+class TrajectoryDump:
+    """Appends trajectories (with their step) to `trajectories.jsonl`."""
+
+    def __init__(self, out_dir: Path, *, append: bool = False) -> None:
+        self.path = out_dir / "trajectories.jsonl"
+        self._f = open(self.path, "a" if append else "w")  # noqa: SIM115
+
+    def write(self, step: int, trajs: list[Trajectory], advantages: list[float]) -> None:
+        for t, a in zip(trajs, advantages, strict=True):
+            d = asdict(t)
+            d["step"] = step
+            d["advantage"] = a
+            self._f.write(json.dumps(d) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()

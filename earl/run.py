@@ -1,0 +1,370 @@
+"""The asynchronous RL pipeline behind `earl train`: rollout -> reward/advantage -> trainer ->
+weights back to rollout, with a bounded policy lag.
+
+Actors (each its own process, joined by the actor runtime): `RolloutActor` (vLLM on CPU, from
+`earl.runtime.rollout`) and `Learner` (trainer + frozen reference, `earl.learner`). The driver
+runs the agent coroutines (`earl.agents`), which call the rollout actor through `RolloutClient`.
+Rollout never waits for training except at the staleness bound: batch `b` may start once the
+rollout holds policy version `>= b - max_policy_lag` (0 = synchronous baseline). Each batch is
+`batch_size / group_size` groups; a group is `group_size` games from one seed. The reward stage
+computes per-move advantages (`earl.algorithms.per_turn_advantages`) once a batch is complete.
+
+This module does not define losses (earl.algorithms), models (earl.models) or the CLI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from earl.config import RunConfig, to_dict
+from earl.observe import Metrics, Tracer, TrajectoryDump, progress_line, read_metrics, write_plots
+from earl.trajectory import Trajectory
+
+TRAIN_SEED = 10_000  # training game seeds: TRAIN_SEED + group cursor (even = agent opens)
+
+
+@dataclass(kw_only=True, slots=True)
+class RunResult:
+    """What `train` returns (and `earl train --json` prints)."""
+
+    eval: dict[str, float | int]
+    wall_minutes: float
+    steps: int
+    policy_version: int
+    games: int
+    evals: list[dict[str, float]] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)
+    stopped: str = ""
+
+    def to_json(self) -> dict[str, object]:
+        return {"eval": self.eval, "wall_minutes": round(self.wall_minutes, 3),
+                "steps": self.steps, "policy_version": self.policy_version, "games": self.games,
+                "stopped": self.stopped, "evals": self.evals, **self.files}
+
+
+def model_folder(cfg: RunConfig, out: Path) -> str:
+    """The starting model: `model.path`, or a seeded tiny char-level model built once."""
+    if cfg.model.path:
+        return cfg.model.path
+    from earl.models.tiny import build_tiny_model
+
+    m = cfg.model
+    path = out / f"tiny_h{m.hidden}_l{m.layers}_s{m.seed}_hd32"
+    if not (path / "config.json").is_file():
+        # A larger init scale than HF's 0.02 shortens the warm start's copy-the-digit plateau.
+        heads = max(m.hidden // 32, 1)  # vLLM's CPU attention needs head_dim >= 32
+        build_tiny_model(path, seed=m.seed, hidden=m.hidden, layers=m.layers, heads=heads,
+                         kv_heads=heads,
+                         intermediate=3 * m.hidden, max_positions=max(m.max_model_len, 512),
+                         init_std=0.1)
+    return str(path)
+
+
+def _legal_digits(text: str) -> list[str]:
+    board = text.rsplit("<|im_end|>", 1)[0].split("\n")[-3:]
+    return [ch for row in board for ch in row if ch in "123456789"]
+
+
+async def warm_start_data(codec, n_games: int, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Random legal games in the exact token format of training, with soft targets.
+
+    Targets per assistant turn: uniform over the legal digits, then 1.0 on the closing token.
+    """
+    from earl.agents.rollout import RolloutConfig, run_agent
+    from earl.agents.tictactoe import sim_responder
+    from earl.engine import SamplingParams, SimConfig, SimEngine
+    from earl.eval import make_agent
+
+    engine = SimEngine(SimConfig(time_scale=0.0, seed=seed), responder=sim_responder(codec))
+    agent = make_agent()
+    cfg = RolloutConfig(sampling=SamplingParams(max_tokens=4, stop_token_ids=codec.stop_ids))
+    trajs = [await run_agent(agent, seed * 7919 + i, engine=engine, codec=codec, config=cfg)
+             for i in range(n_games)]
+    digit_ids = {d: codec.encode_text(d)[0] for d in "123456789"}
+    ids_out, tgt_out = [], []
+    for t in trajs:
+        rows: list[tuple[int, int, float]] = []
+        for start, end in t.turn_spans:
+            legal = _legal_digits(codec.decode(t.token_ids[max(0, start - 48):start]))
+            if not legal or end - start < 2:
+                continue
+            rows += [(start, digit_ids[d], 1.0 / len(legal)) for d in legal]
+            rows.append((start + 1, codec.end_id, 1.0))
+        if rows:
+            ids_out.append(np.asarray(t.token_ids, dtype=np.int64))
+            tgt_out.append(np.asarray(rows, dtype=np.float64))
+    return ids_out, tgt_out
+
+
+def batch_columns(trajs: list[Trajectory], cfg: RunConfig) -> tuple[dict[str, list[np.ndarray]], list[float]]:
+    """Reward/advantage stage: per-move credit within each group, mapped onto turn tokens."""
+    import torch
+
+    from earl.algorithms.advantages import per_turn_advantages, turn_token_values
+
+    a = cfg.algorithm
+    turn_rewards = []
+    for t in trajs:
+        tr = list(t.turn_rewards)
+        if t.failed or not tr or len(tr) != len(t.turn_spans):  # a broken game scores a loss
+            tr = [0.0] * max(len(t.turn_spans) - 1, 0) + [a.reward_loss]
+        turn_rewards.append(tr)
+    gids = {g: i for i, g in enumerate(dict.fromkeys(t.group_id for t in trajs))}
+    advs = per_turn_advantages(turn_rewards, [gids[t.group_id] for t in trajs], gamma=a.gamma,
+                               normalize_std=a.normalize_std)
+    cols: dict[str, list[np.ndarray]] = {"input_ids": [], "loss_mask": [], "advantages": [],
+                                         "rollout_logprobs": []}
+    first_adv = []
+    for t, adv in zip(trajs, advs, strict=True):
+        spans = t.turn_spans[:len(adv)] if len(adv) <= len(t.turn_spans) else t.turn_spans
+        tok = turn_token_values(adv[:len(spans)], spans, len(t.token_ids)) if spans else \
+            torch.zeros(len(t.token_ids))
+        cols["input_ids"].append(np.asarray(t.token_ids, dtype=np.int64))
+        cols["loss_mask"].append(np.asarray(t.loss_mask, dtype=np.int8))
+        cols["advantages"].append(tok.numpy().astype(np.float32))
+        cols["rollout_logprobs"].append(np.asarray(t.logprobs, dtype=np.float32))
+        first_adv.append(float(adv[0]) if len(adv) else 0.0)
+    return cols, first_adv
+
+
+class _State:
+    """Driver-side run state that a checkpoint restores (the dock cursor is `step`)."""
+
+    def __init__(self) -> None:
+        self.step = 0            # batches consumed by the trainer == policy version
+        self.games = 0
+        self.wall_before = 0.0   # wall seconds of earlier (interrupted) segments
+        self.evals: list[dict[str, float]] = []
+        self.rng_state: object = None
+
+    def to_dict(self) -> dict[str, object]:
+        return {"step": self.step, "games": self.games, "wall_before": self.wall_before,
+                "evals": self.evals}
+
+
+async def train(cfg: RunConfig, *, resume: bool = False, trace: bool = False,
+                log: Callable[[str], None] = print) -> RunResult:
+    """Run the whole job; returns the final evaluation and the paths of every output file."""
+    from transformers import AutoTokenizer
+
+    from earl.agents.chat import ChatCodec
+    from earl.agents.rollout import RolloutConfig, run_agent
+    from earl.engine import SamplingParams
+    from earl.eval import EVAL_SEED, evaluate, make_agent
+    from earl.learner import Learner
+    from earl.runtime import Runtime
+    from earl.runtime.rollout import RolloutActor, RolloutClient
+    from earl.runtime.vllm_engine import EngineConfig
+
+    t_start = time.perf_counter()
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_dir = out / "checkpoint"
+    state_path = ckpt_dir / "state.json"
+    state = _State()
+    if resume:
+        if not state_path.is_file():
+            raise ValueError(f"--resume: no checkpoint in {str(ckpt_dir)!r}; run without "
+                             "--resume first (or point --output-dir at that run)")
+        saved = json.loads(state_path.read_text())
+        state.step, state.games = int(saved["step"]), int(saved["games"])
+        state.wall_before, state.evals = float(saved["wall_before"]), list(saved["evals"])
+    ckpt_dir.mkdir(exist_ok=True)
+    (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    a, pl = cfg.algorithm, cfg.placement
+    tracer = Tracer(trace)
+    metrics = Metrics(out, append=resume)
+    dump = TrajectoryDump(out, append=resume) if cfg.dump_trajectories else None
+    base = model_folder(cfg, out)
+    codec = ChatCodec(AutoTokenizer.from_pretrained(base))
+    env = {"OMP_NUM_THREADS": str(pl.threads_per_actor), "TOKENIZERS_PARALLELISM": "false",
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    loss = {"clip_low": a.clip, "clip_high": a.clip, "kl_coef": a.kl_coef,
+            "entropy_coef": a.entropy_coef, "agg": "token-mean"}
+    weights = out / "weights"
+    elapsed = lambda: state.wall_before + time.perf_counter() - t_start
+    budget_s = cfg.time_limit_minutes * 60
+
+    async with Runtime() as rt:
+        with tracer.span("spawn_trainer", actor="driver"):
+            learner = await rt.spawn("trainer", Learner, base, loss, lr=a.lr,
+                                     max_grad_norm=a.max_grad_norm, seed=cfg.seed,
+                                     threads=pl.threads_per_actor,
+                                     reference=pl.reference > 0, env=env)
+        if resume:
+            await learner[0].load_checkpoint.call_one(str(ckpt_dir / "learner.pt"))
+            log(f"resumed from step {state.step} ({ckpt_dir})")
+        elif cfg.warm_start.steps > 0:
+            w = cfg.warm_start
+            with tracer.span("warm_start", actor="trainer", steps=w.steps):
+                ids, tgts = await warm_start_data(codec, max(4 * w.batch_size, 512), cfg.seed)
+                losses = await learner[0].warm_start.call_one(ids, tgts, w.steps, w.batch_size,
+                                                              w.lr)
+            log(f"warm start: {w.steps} steps on random legal games, loss "
+                f"{losses[0]:.2f} -> {losses[-1]:.2f} ({elapsed():.0f} s)")
+        await learner[0].save_weights.call_one(str(weights))
+        with tracer.span("spawn_rollout", actor="driver"):
+            ecfg = EngineConfig(model=str(weights), max_model_len=cfg.model.max_model_len,
+                                threads=pl.threads_per_actor, seed=cfg.seed, kv_cache_gb=0.25,
+                                dtype="float32")
+            rollout = await rt.spawn("rollout", RolloutActor, to_dict(ecfg), state.step,
+                                     n=pl.rollout, env=env)
+        engine = RolloutClient(rollout)
+        engine.note_version(state.step)
+        agent = make_agent(a.reward_win, a.reward_draw, a.reward_loss)
+        rcfg = RolloutConfig(sampling=SamplingParams(max_tokens=4, temperature=a.temperature,
+                                                     stop_token_ids=codec.stop_ids))
+        version = state.step
+        version_changed = asyncio.Condition()
+        groups_per_batch = cfg.batch_size // cfg.group_size
+        batches: dict[int, asyncio.Future[list[Trajectory]]] = {}
+        loop = asyncio.get_running_loop()
+        producing: list[asyncio.Task[None]] = []
+
+        def batch_future(b: int) -> asyncio.Future[list[Trajectory]]:
+            return batches.setdefault(b, loop.create_future())
+
+        async def play_group(b: int, g: int) -> list[Trajectory]:
+            cursor = b * groups_per_batch + g
+            seed = TRAIN_SEED + cursor
+            t0 = time.perf_counter()
+            trajs = await asyncio.gather(*(
+                run_agent(agent, seed, engine=engine, codec=codec, config=rcfg,
+                          sample_id=f"s{cursor}-{i}", group_id=f"g{cursor}")
+                for i in range(cfg.group_size)))
+            for t in trajs:
+                engine.end_session(t.sample_id)
+            tracer.add("group", actor=f"rollout-agents-{g % 4}", start=t0,
+                       end=time.perf_counter(), batch=b)
+            return list(trajs)
+
+        async def produce_batch(b: int) -> None:
+            t0 = time.perf_counter()
+            groups = await asyncio.gather(*(play_group(b, g) for g in range(groups_per_batch)))
+            tracer.add(f"batch {b}", actor="rollout", start=t0, end=time.perf_counter())
+            batch_future(b).set_result([t for grp in groups for t in grp])
+
+        async def producer(tg: asyncio.TaskGroup, stop: asyncio.Event) -> None:
+            for b in range(state.step, cfg.steps):
+                async with version_changed:
+                    await version_changed.wait_for(
+                        lambda b=b: version >= b - cfg.max_policy_lag or stop.is_set())
+                if stop.is_set():
+                    return
+                producing.append(tg.create_task(produce_batch(b)))
+
+        async def run_eval(games: int, seed: int) -> dict[str, float]:
+            with tracer.span("eval", actor="driver", games=games):
+                res = await evaluate(engine, codec, games=games, seed=seed)
+            d = res.to_dict()
+            d.update(minutes=elapsed() / 60, step=float(version))
+            return d
+
+        stopped = "steps"
+        last_t = time.perf_counter()
+        async with asyncio.TaskGroup() as tg:
+            stop = asyncio.Event()
+            prod = tg.create_task(producer(tg, stop))
+            for b in range(state.step, cfg.steps):
+                trajs = await batch_future(b)
+                batches.pop(b)
+                cols, first_adv = batch_columns(trajs, cfg)
+                with tracer.span("train_step", actor="trainer", step=b + 1):
+                    m = await learner[0].train_step.call_one(
+                        cols["input_ids"], cols["loss_mask"], cols["advantages"],
+                        cols["rollout_logprobs"])
+                with tracer.span("push_weights", actor="trainer", version=b + 1):
+                    await learner[0].save_weights.call_one(str(weights))
+                    await rollout.update_weights_from_path.call(str(weights), b + 1, "inflight")
+                async with version_changed:
+                    version = b + 1
+                    engine.note_version(version)
+                    version_changed.notify_all()
+                state.step, state.games = version, state.games + len(trajs)
+                now = time.perf_counter()
+                gen_lags = [version - 1 - v for t in trajs for v, mk in
+                            zip(t.versions, t.loss_mask, strict=True) if mk]
+                outcomes = [str(t.info.get("outcome", "loss")) for t in trajs]
+                lens = [len(t.token_ids) for t in trajs]
+                rec: dict[str, float | int | str] = {
+                    "step": version, "steps": cfg.steps, "games": state.games,
+                    "reward": float(np.mean([t.reward or 0.0 for t in trajs])),
+                    "win_rate": outcomes.count("win") / len(trajs),
+                    "draw_rate": outcomes.count("draw") / len(trajs),
+                    "illegal_rate": float(np.mean([int(t.info.get("illegal", 0)) for t in trajs])),
+                    "tokens_per_s": sum(lens) / max(now - last_t, 1e-6),
+                    "staleness": float(np.mean(gen_lags)) if gen_lags else 0.0,
+                    "ctx_mean": float(np.mean(lens)), "ctx_max": max(lens),
+                    "step_s": now - last_t, "wall_s": elapsed(), **m}
+                last_t = now
+                metrics.log(rec)
+                log(progress_line(rec))
+                if dump is not None:
+                    dump.write(version, trajs, first_adv)
+                do_eval = cfg.eval_every > 0 and version % cfg.eval_every == 0
+                if do_eval:
+                    ev = await run_eval(cfg.eval_games, EVAL_SEED + 2_000_000 * version)
+                    state.evals.append(ev)
+                    log(f"eval @ step {version}: win+draw {ev['win_draw_rate']:.3f} "
+                        f"(win {ev['win_rate']:.3f}, illegal {ev['illegal_rate']:.3f})")
+                if version % cfg.checkpoint_every == 0 or version == cfg.steps:
+                    with tracer.span("checkpoint", actor="trainer"):
+                        await _checkpoint(learner, ckpt_dir, state, elapsed())
+                if do_eval and cfg.target_win_draw and \
+                        state.evals[-1]["win_draw_rate"] >= cfg.target_win_draw:
+                    stopped = "target"
+                elif elapsed() > budget_s:
+                    stopped = "time_limit"
+                if stopped != "steps":
+                    break
+            stop.set()
+            async with version_changed:
+                version_changed.notify_all()
+            await prod
+            for task in producing:  # rollouts of batches that will not be trained on
+                task.cancel()
+        if stopped != "steps":
+            with tracer.span("checkpoint", actor="trainer"):
+                await _checkpoint(learner, ckpt_dir, state, elapsed())
+        final = await run_eval(cfg.eval_games, EVAL_SEED)
+        await rollout.close.call()
+    metrics.close()
+    if dump is not None:
+        dump.close()
+    wall = elapsed()
+    files = {"metrics": str(metrics.path), "checkpoint": str(ckpt_dir / "learner.pt"),
+             "weights": str(weights), "config": str(out / "config.json")}
+    files.update({f"plot_{k}": v for k, v in
+                  write_plots(read_metrics(metrics.path), state.evals + [final], out).items()})
+    files["plot"] = files["plot_reward"]
+    if dump is not None:
+        files["trajectories"] = str(dump.path)
+    if trace:
+        files["trace"] = str(tracer.write(out / "trace.json"))
+    result = RunResult(eval={k: final[k] for k in ("games", "win_rate", "draw_rate",
+                                                    "loss_rate", "illegal_rate",
+                                                    "win_draw_rate", "first_win_draw",
+                                                    "second_win_draw")},
+                       wall_minutes=wall / 60, steps=state.step, policy_version=state.step,
+                       games=state.games, evals=state.evals, files=files, stopped=stopped)
+    (out / "result.json").write_text(json.dumps(result.to_json(), indent=2))
+    return result
+
+
+async def _checkpoint(learner, ckpt_dir: Path, state: _State, wall: float) -> None:
+    """Learner state first, then the driver state that points at it (atomic renames)."""
+    await learner[0].save_checkpoint.call_one(str(ckpt_dir / "learner.pt"))
+    d = state.to_dict()
+    d["wall_before"] = wall
+    d["python_rng"] = random.getstate()[1][:4]
+    tmp = ckpt_dir / "state.json.tmp"
+    tmp.write_text(json.dumps(d))
+    tmp.replace(ckpt_dir / "state.json")

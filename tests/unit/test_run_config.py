@@ -1,0 +1,75 @@
+"""earl.config: YAML + CLI overrides fill the typed tree; bad input names the field and fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from earl.config import RunConfig, load_config, parse_overrides, to_dict
+
+
+def test_defaults_are_valid() -> None:
+    cfg = load_config()
+    assert isinstance(cfg, RunConfig)
+    assert cfg.batch_size % cfg.group_size == 0
+    assert cfg.env.name == "tictactoe"
+
+
+def test_yaml_then_overrides(tmp_path) -> None:  # noqa: ANN001
+    f = tmp_path / "run.yaml"
+    f.write_text("steps: 7\nalgorithm:\n  lr: 0.01\n  gamma: 0.9\nplacement:\n  rollout: 2\n")
+    cfg = load_config(f, ["--algorithm.lr=3e-4", "--max_policy_lag", "0",
+                          "--model.hidden=96", "--dump_trajectories=false"])
+    assert cfg.steps == 7
+    assert cfg.algorithm.lr == pytest.approx(3e-4)   # CLI wins over YAML
+    assert cfg.algorithm.gamma == pytest.approx(0.9)  # YAML kept where not overridden
+    assert cfg.placement.rollout == 2
+    assert cfg.max_policy_lag == 0
+    assert cfg.model.hidden == 96
+    assert cfg.dump_trajectories is False
+    assert to_dict(cfg)["algorithm"]["lr"] == pytest.approx(3e-4)
+
+
+def test_parse_overrides_nested() -> None:
+    assert parse_overrides(["--a.b=1", "--a.c", "x", "--d=[1, 2]"]) == \
+        {"a": {"b": 1, "c": "x"}, "d": [1, 2]}
+    with pytest.raises(ValueError, match="--key.sub=value"):
+        parse_overrides(["steps=3"])
+    with pytest.raises(ValueError, match="needs a value"):
+        parse_overrides(["--steps"])
+
+
+@pytest.mark.parametrize(("overrides", "exc", "words"), [
+    (["--algorithm.lrr=1"], ValueError, ["algorithm.lrr", "valid keys under algorithm", "lr"]),
+    (["--nope=1"], ValueError, ["nope", "top level"]),
+    (["--batch_size=30", "--group_size=8"], ValueError, ["batch_size", "not divisible", "24"]),
+    (["--placement.trainer=3"], ValueError, ["placement.trainer", "divides"]),
+    (["--placement.rollout=0"], ValueError, ["placement.rollout", "at least 1"]),
+    (["--placement.reference=0", "--algorithm.kl_coef=0.1"], ValueError,
+     ["placement.reference", "kl_coef"]),
+    (["--placement.device=tpu"], ValueError, ["placement.device", "cpu"]),
+    (["--model.path=/does/not/exist"], ValueError, ["model.path", "does not exist"]),
+    (["--steps=ten"], TypeError, ["steps", "integer"]),
+    (["--algorithm.lr=fast"], TypeError, ["algorithm.lr", "number"]),
+    (["--algorithm=3"], TypeError, ["algorithm", "mapping"]),
+    (["--max_policy_lag=-1"], ValueError, ["max_policy_lag", "synchronous"]),
+    (["--eval_games=201"], ValueError, ["eval_games", "even"]),
+    (["--model.hidden=48"], ValueError, ["model.hidden", "32"]),
+])
+def test_bad_input_names_field_and_fix(overrides: list[str], exc: type[Exception],
+                                       words: list[str]) -> None:
+    with pytest.raises(exc) as info:
+        load_config(None, overrides)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+def test_missing_yaml_file_and_model_folder_without_config(tmp_path) -> None:  # noqa: ANN001
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    (tmp_path / "m").mkdir()
+    with pytest.raises(ValueError, match="config.json"):
+        load_config(None, [f"--model.path={tmp_path / 'm'}"])
+    bad = tmp_path / "list.yaml"
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(TypeError, match="mapping"):
+        load_config(bad)
