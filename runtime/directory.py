@@ -96,5 +96,25 @@ class Directory:
         return self.groups[name]
 
     @endpoint
+    async def wait_status(self, name: str, rank: int, status: str, timeout: float,
+                          min_restarts: int = 0) -> bool:
+        """Wait until rank `rank` of `name` is in `status` after at least `min_restarts`
+        restarts; False on timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            rec = self.groups.get(name)
+            if rec is not None and rank < len(rec.status) and rec.status[rank] == status \
+                    and rec.restarts[rank] >= min_restarts:
+                return True
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except TimeoutError:
+                return False
+
+    @endpoint
     async def names(self) -> list[str]:
         return sorted(self.groups)

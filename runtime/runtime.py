@@ -246,6 +246,29 @@ class Runtime:
         await sup.stop()
         await self.dir_call("remove", name)
 
+    async def wait_status(self, group: ActorGroup[Any] | str, status: str = UP, *,
+                          min_restarts: int = 0, timeout: float = 60.0) -> None:
+        """Wait until every rank of `group` (a name: all ranks; a handle: its ranks) is in
+        `status` ("up", "restarting" or "dead") after at least `min_restarts` restarts.
+
+        Use after a failure to wait for the restart instead of polling:
+        `await rt.wait_status(g[0], "up", min_restarts=1)`.
+
+        Raises:
+            KeyError: no such group.
+            TimeoutError: not reached within `timeout` seconds.
+        """
+        name = group if isinstance(group, str) else group.name
+        rec: GroupRecord | None = await self.dir_call("lookup", name)
+        if rec is None:
+            raise KeyError(f"no actor group named {name!r}")
+        ranks = range(len(rec.status)) if isinstance(group, str) else group.ranks
+        for rank in ranks:
+            if not await self.dir_call("wait_status", name, rank, status, timeout,
+                                       min_restarts):
+                raise TimeoutError(f"{name}[{rank}] not {status!r} after {min_restarts} "
+                                   f"restart(s) within {timeout}s")
+
     # ---- request plumbing for handles --------------------------------------------------
     async def resolve(self, g: ActorGroup[Any], i: int) -> Connection:
         """A live connection to member `i` of `g`, following restarts via the directory.

@@ -209,12 +209,8 @@ async def test_dead_actor_fails_pending_and_new_calls(rt):
     again = await rt.lookup("victim")  # a fresh handle fails fast too
     with pytest.raises(ActorDied, match=r"victim\[0\]"):
         await again.incr.call_one(1)
-    for _ in range(400):  # the supervisor records why it died
-        rec = await rt.dir_call("lookup", "victim")
-        if rec.status[0] == "dead":
-            break
-        await asyncio.sleep(0.025)
-    assert "SIGKILL" in rec.reasons[0]
+    await rt.wait_status("victim", "dead", timeout=30)  # the supervisor records why
+    assert "SIGKILL" in (await rt.dir_call("lookup", "victim")).reasons[0]
 
 
 async def test_restart_policy_brings_the_actor_back(rt):
@@ -224,22 +220,13 @@ async def test_restart_policy_brings_the_actor_back(rt):
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(ActorDied):
         await g.slow.call_one(60.0)
-    for _ in range(400):  # the restart takes one process start; poll the public API
-        try:
-            assert await g.incr.call_one(1) == 8  # fresh state: __init__ ran again
-            break
-        except ActorDied:
-            await asyncio.sleep(0.025)
-    else:
-        pytest.fail("actor was not restarted")
+    await rt.wait_status(g, "up", min_restarts=1)  # the new process' handshake, no polling
+    assert await g.incr.call_one(1) == 8  # fresh state: __init__ ran again
     new_pid = (await g.whoami.call_one())[3]
     assert new_pid != pid
     os.kill(new_pid, signal.SIGKILL)  # no restarts left
-    for _ in range(400):
-        rec = await rt.dir_call("lookup", "phoenix")
-        if rec.status[0] == "dead":
-            break
-        await asyncio.sleep(0.025)
+    await rt.wait_status("phoenix", "dead")
+    rec = await rt.dir_call("lookup", "phoenix")
     assert rec.restarts[0] == 1
     assert rt.statistics().restarts >= 1
     with pytest.raises(ActorDied):

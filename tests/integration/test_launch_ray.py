@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import signal
@@ -54,14 +53,8 @@ async def test_ray_placed_actors_talk_over_earl_sockets(rt):
     os.kill(pids[0], signal.SIGKILL)  # dies: pending calls fail, then the keeper restarts it
     with pytest.raises(ActorDied):
         await g[0].slow.call_one(60.0)
-    for _ in range(400):
-        try:
-            assert await g[0].incr.call_one(1) == 11
-            break
-        except ActorDied:
-            await asyncio.sleep(0.05)
-    else:
-        pytest.fail("ray-launched actor was not restarted")
+    await rt.wait_status(g[0], "up", min_restarts=1)
+    assert await g[0].incr.call_one(1) == 11
     assert (await g[0].whoami.call_one())[3] != pids[0]
     found = await rt.lookup("rc")
     assert await found[1].get.call_one() == 11
