@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 from typing import Any
 
 from earl.runtime.errors import ActorDied, ActorError, BadCall
-from earl.runtime.frames import FrameProtocol, Kind, log
+from earl.runtime.frames import FrameProtocol, Kind
 from earl.runtime.wire import WireError, decode, encode
 
 _STREAM_KINDS = (Kind.ITEM, Kind.END, Kind.ERR, Kind.REJECT)
@@ -246,7 +245,3 @@ class Pool:
             if conn.transport is not None:
                 conn.transport.close()
         self.conns.clear()
-
-
-logging.getLogger("earl.runtime").addHandler(logging.NullHandler())
-__all__ = ["Connection", "Pool", "connect", "log"]
