@@ -265,6 +265,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 self._frame(view[lo:lo + total], copy=True)
             lo += total
         self._lo, self._hi = lo, hi
+        if self._out:  # answers produced while parsing this read go out now, in one write
+            self._flush()
 
     def _frame(self, mv: memoryview, copy: bool) -> None:
         _, _, kind, n, rid, blen = HEADER.unpack_from(mv, 0)
