@@ -4,7 +4,8 @@ A thin wrapper over `TorchTrainer` (``backend="torch"``) or `MegatronTrainer`
 (``backend="megatron"``, CUDA only): each endpoint runs the blocking torch work in a thread, one
 call at a time, so collectives across ranks stay in order. Call data-parallel endpoints with
 ``.call(...)`` on the whole group, giving each rank its own shard (``TrainBatch.split``), or the
-same arguments when the endpoint takes none per rank.
+same arguments when the endpoint takes none per rank. With FSDP, every endpoint that touches
+the weights (all but ``version``) is a collective: calling it on one rank only hangs.
 
 Example:
     >>> url = free_dist_url()
