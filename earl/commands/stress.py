@@ -29,7 +29,14 @@ from typing import Any
 from earl.agents.chat import ChatCodec
 from earl.agents.rollout import Agent, RolloutConfig, run_agent
 from earl.agents.tools import JSONValue, Tool, ToolResult
-from earl.engine import Engine, Generation, SamplingParams, SimConfig, SimEngine
+from earl.engine import (
+    Engine,
+    Generation,
+    SamplingParams,
+    SimConfig,
+    SimEngine,
+    SimStatistics,
+)
 
 ENVS = ("tictactoe", "connect4", "calc", "python")
 
@@ -167,6 +174,15 @@ class _Totals:
     examples: dict[str, str] = field(default_factory=dict)
 
 
+def _idle_fraction(meter: _Meter | None, engine: Engine, before: object) -> float:
+    if meter is not None:
+        return meter.idle_fraction()
+    assert isinstance(engine, SimEngine) and isinstance(before, SimStatistics)
+    now = engine.statistics()
+    busy, idle = now.busy_s - before.busy_s, now.idle_s - before.idle_s
+    return idle / (busy + idle) if busy + idle > 0 else 0.0
+
+
 def _pct(xs: Sequence[float], q: float) -> float | None:
     if not xs:
         return None
@@ -217,7 +233,9 @@ async def run_stress(args: argparse.Namespace, executor_kind: str, codec: ChatCo
     agent, sample, responder = _workload(args, codec, use_sim)
     if isinstance(engine, SimEngine):
         engine = SimEngine(engine.config, responder=responder)
-    meter = _Meter(engine)
+    # SimEngine measures its own busy/idle time; any other engine gets a wrapper that does.
+    meter: _Meter | None = None if isinstance(engine, SimEngine) else _Meter(engine)
+    gen_engine: Engine = engine if meter is None else meter
     rcfg = RolloutConfig(sampling=SamplingParams(max_tokens=args.max_tokens),
                          max_total_tokens=args.max_total_tokens,
                          tool_timeout_s=args.tool_timeout_s,
@@ -248,7 +266,7 @@ async def run_stress(args: argparse.Namespace, executor_kind: str, codec: ChatCo
         runner = _Injector(executor.for_session(sid), sim_tool, latency, args.tool_failure_rate,
                            random.Random(args.seed * 7919 + i), acts) if uses_tools else None
         try:
-            traj = await run_agent(agent, sample(i), engine=meter, codec=codec, config=rcfg,
+            traj = await run_agent(agent, sample(i), engine=gen_engine, codec=codec, config=rcfg,
                                    executor=runner, sample_id=sid)
         finally:
             await executor.release_session(sid)
@@ -270,7 +288,8 @@ async def run_stress(args: argparse.Namespace, executor_kind: str, codec: ChatCo
     async def monitor(t0: float) -> None:
         while not done.is_set():
             st = executor.statistics()
-            tot.series.append((time.perf_counter() - t0, meter.in_flight, st.workers, st.queued))
+            in_flight = meter.in_flight if meter else engine.statistics().in_flight  # type: ignore[attr-defined]
+            tot.series.append((time.perf_counter() - t0, in_flight, st.workers, st.queued))
             try:
                 async with asyncio.timeout(0.05):
                     await done.wait()
@@ -280,8 +299,10 @@ async def run_stress(args: argparse.Namespace, executor_kind: str, codec: ChatCo
     async with executor:
         sim0 = engine.statistics().compute_s if use_sim else 0.0  # type: ignore[attr-defined]
         cpu0, t0 = time.process_time(), time.perf_counter()
-        meter.busy = meter.idle = 0.0
-        meter._last = t0
+        if meter is not None:
+            meter.busy = meter.idle = 0.0
+            meter._last = t0
+        idle0 = engine.statistics() if isinstance(engine, SimEngine) else None
         async with asyncio.TaskGroup() as tg:
             mon = tg.create_task(monitor(t0))
             async with asyncio.TaskGroup() as sessions:
@@ -310,7 +331,7 @@ async def run_stress(args: argparse.Namespace, executor_kind: str, codec: ChatCo
         "act_mean_ms": sum(act_ms) / len(act_ms) if act_ms else None,
         "workers_peak": stats.peak_workers, "workers_mean": stats.mean_workers,
         "workers_spawned": stats.spawned, "tool_timeouts": stats.timeouts,
-        "engine_idle_fraction": meter.idle_fraction(),
+        "engine_idle_fraction": _idle_fraction(meter, engine, idle0),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         # Main-process CPU per turn: sim engine/tool time is sleeping or in workers, so
         # this is the runtime's own cost (agent loop, codec, scheduling, executor IPC).
