@@ -113,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     fd, parent_pid = int(argv[0]), int(argv[1]) if len(argv) > 1 else 0
     _die_with_parent(parent_pid)
+    # Ctrl-C in a terminal reaches the whole process group: the driver decides, not us (we stop
+    # when it closes our liveness line or dies).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s "
                         f"[pid {os.getpid()}] %(message)s")
     sock = socket.socket(fileno=fd)
