@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from earl.envs.base import StepResult, first_digit
 
+_UNSEEDED = random.Random(0)  # placeholder until reset(seed); step() refuses before it
 __all__ = ["ConnectFour", "ConnectFourConfig"]
 
 ROWS, COLS = 6, 7
@@ -45,7 +46,7 @@ class ConnectFour:
     def __init__(self, config: ConnectFourConfig | None = None) -> None:
         self.config = config or ConnectFourConfig()
         self.grid = [[" "] * COLS for _ in range(ROWS)]
-        self.rng = random.Random(0)
+        self.rng = _UNSEEDED  # replaced by reset(seed)
         self.moves = 0
         self.done = True
 

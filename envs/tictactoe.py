@@ -14,6 +14,7 @@ from functools import cache
 
 from earl.envs.base import StepResult, first_digit
 
+_UNSEEDED = random.Random(0)  # placeholder until reset(seed); step() refuses before it
 __all__ = ["TicTacToe", "TicTacToeConfig", "minimax_move", "winner"]
 
 LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6))
@@ -81,7 +82,7 @@ class TicTacToe:
     def __init__(self, config: TicTacToeConfig | None = None) -> None:
         self.config = config or TicTacToeConfig()
         self.board = " " * 9
-        self.rng = random.Random(0)
+        self.rng = _UNSEEDED  # replaced by reset(seed)
         self.moves = 0
         self.done = True
 
