@@ -141,7 +141,7 @@ def _check(sample_id: str, column: str, a: object) -> np.ndarray:
     if a.ndim > 1:
         raise ValueError(f"sample {sample_id!r} column {column!r} has shape {a.shape}; "
                          "dock columns are 1-D per sample (or scalars)")
-    return np.ascontiguousarray(a)
+    return a if a.flags.c_contiguous else a.copy(order="C")  # keeps 0-d scalars 0-d
 
 
 def unpack_batch(frame: Frame, *, copy: bool = False) -> dict[str, dict[str, np.ndarray]]:

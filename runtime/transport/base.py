@@ -123,7 +123,8 @@ def pack_arrays(
     for name, arr in arrays.items():
         if not isinstance(arr, np.ndarray):
             raise TypeError(f"array {name!r} is {type(arr).__name__}; pass a numpy array")
-        arr = np.ascontiguousarray(arr)
+        if not arr.flags.c_contiguous:
+            arr = arr.copy(order="C")  # (np.ascontiguousarray would turn 0-d into 1-d)
         specs.append([name, arr.dtype.str, list(arr.shape)])
         bufs.append(arr)
     header = json.dumps({"a": specs, "m": dict(meta or {})}, separators=(",", ":")).encode()

@@ -22,7 +22,7 @@ def test_put_registers_min_version_and_pack_round_trips():
     frame = Frame(header=header, buffers=[as_bytes_view(b) for b in bufs])
     out = unpack_batch(frame)
     assert out["s0"]["input_ids"].tolist() == [0, 1, 2, 3, 4]
-    assert out["s1"]["rewards"] == np.float32(1.5)
+    assert out["s1"]["rewards"] == np.float32(1.5) and out["s1"]["rewards"].shape == ()
     assert w.statistics().nbytes == 5 * 13 + 4 + 2 * 13 + 4
     w.evict(["s0", "s1"])
     assert w.statistics().nbytes == 0 and w.statistics().samples == 0
