@@ -116,6 +116,7 @@ class ShmSender:
     Args:
         address: the receiver's ``shm://`` address.
         max_pool_bytes: total segment memory; `send` waits for releases beyond it.
+        max_free: idle segments kept for reuse; smaller extras are unlinked.
         release_timeout_s: how long `send` waits for a free segment before TransportError.
     """
 
@@ -125,6 +126,7 @@ class ShmSender:
         *,
         max_pool_bytes: int = 4 << 30,
         release_timeout_s: float = 60.0,
+        max_free: int = 4,
         shm_dir: str = SHM_DIR,
     ) -> None:
         if not address.startswith("shm://"):
@@ -141,6 +143,7 @@ class ShmSender:
         self._pool_bytes = 0
         self._max_pool_bytes = max_pool_bytes
         self._release_timeout_s = release_timeout_s
+        self._max_free = max_free
         self._seq = 0
 
     def send(self, header: bytes, buffers: Sequence[Buffer]) -> None:
@@ -217,6 +220,11 @@ class ShmSender:
             seg = self._busy.pop(name, None)
             if seg is not None:
                 self._free.append(seg)
+                if len(self._free) > self._max_free:  # bound idle memory: drop the smallest
+                    old = min(self._free, key=lambda s: s.size)
+                    self._free.remove(old)
+                    self._pool_bytes -= old.size
+                    old.destroy()
             elif self._forwarded.get(name):
                 self._forwarded[name].pop(0).release()
 
