@@ -43,6 +43,7 @@ class SandboxLimits:
         memory_mb: address space per process (RLIMIT_AS).
         max_procs: processes the run may have at once (needs the uid isolation).
         file_mb: largest file it may write.
+        disk_mb: total size of its private dir (a tmpfs; with the uid isolation only).
         output_chars: stdout+stderr kept; more is cut and the run is killed.
     """
 
@@ -51,10 +52,12 @@ class SandboxLimits:
     memory_mb: int = 256
     max_procs: int = 16
     file_mb: int = 8
+    disk_mb: int = 32
     output_chars: int = 8192
 
     def __post_init__(self) -> None:
-        for name in ("wall_s", "cpu_s", "memory_mb", "max_procs", "file_mb", "output_chars"):
+        for name in ("wall_s", "cpu_s", "memory_mb", "max_procs", "file_mb", "disk_mb",
+                     "output_chars"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)}")
 
@@ -134,9 +137,11 @@ def _preexec(limits: SandboxLimits, root: str | None, work: str) -> None:
             if not os.path.islink(d):
                 _bind(libc, d, root + d)
         _bind(libc, "/dev/null", root + "/dev/null", writable=True)
-        _bind(libc, work, root + "/work", writable=True)
         uid = _UID_BASE + os.getpid()
-        os.chown(work, uid, uid)
+        # The run's cwd is a size-capped tmpfs, so it cannot fill the host's disk.
+        opts = f"size={limits.disk_mb}m,mode=0700,uid={uid},gid={uid}".encode()
+        _check(libc.mount(b"tmpfs", (root + "/work").encode(), b"tmpfs", 0, opts), "mount tmpfs")
+        shutil.copyfile(os.path.join(work, "main.py"), root + "/work/main.py")
         os.chroot(root)
         os.chdir("/work")
         resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_procs, limits.max_procs))

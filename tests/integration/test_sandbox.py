@@ -137,3 +137,16 @@ def test_environment_is_scrubbed(monkeypatch) -> None:
     monkeypatch.setenv("EARL_SECRET_TOKEN", "hunter2")
     r = run_python("import os\nprint(sorted(os.environ))", LIMITS)
     assert r.ok and "EARL_SECRET_TOKEN" not in r.output and "PATH" in r.output
+
+
+@needs_isolation
+def test_big_files_and_disk_filling_are_capped() -> None:
+    code = ("import os\ntry:\n    open('big', 'wb').write(b'x' * (20 << 20))\n"
+            "except OSError as e:\n    print('file', e.errno)\n"
+            "n = 0\ntry:\n    while True:\n        open(f'f{n}', 'wb').write(b'x' * (4 << 20))\n"
+            "        n += 1\nexcept OSError as e:\n    print('disk', e.errno, n)")
+    r = run_python(code, SandboxLimits(file_mb=8, disk_mb=32, wall_s=5))
+    assert r.ok, r
+    lines = r.output.split()
+    assert lines[:2] == ["file", "27"]  # EFBIG
+    assert lines[2:4] == ["disk", "28"] and int(lines[4]) <= 8  # ENOSPC within 32 MiB
