@@ -5,13 +5,17 @@ open files and processes; a private temp dir as cwd; a scrubbed environment; and
 allows (root, as in our containers), new mount and network namespaces, a chroot holding only
 the read-only interpreter and system libraries plus the temp dir, and a fresh unprivileged uid
 that is unique to the run (so RLIMIT_NPROC bounds fork bombs and every leftover process is
-killed by uid). A wall-clock timeout kills the whole run, children included. Output is capped.
-Failures are reported in `SandboxResult`, never raised. This is not a VM: it trusts the kernel.
+killed by uid), its dir being a size-capped tmpfs. Without root a run still gets a user+network
+namespace where the kernel allows it, but no chroot, private uid or process cap (fork bombs
+and reads outside its dir are then not contained). A wall-clock timeout kills the whole run's
+process group. Output is capped. Failures are reported in `SandboxResult`, never raised.
+This is not a VM: it trusts the kernel.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import resource
 import selectors
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 
 __all__ = ["SandboxLimits", "SandboxResult", "isolation_available", "run_python"]
 
-_CLONE_NEWNS, _CLONE_NEWNET = 0x00020000, 0x40000000
+_CLONE_NEWNS, _CLONE_NEWNET, _CLONE_NEWUSER = 0x00020000, 0x40000000, 0x10000000
 _MS_RDONLY, _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 1, 32, 4096, 16384, 1 << 18
 _PR_SET_PDEATHSIG = 1
 _UID_BASE = 1_000_000  # run uid = base + child pid: unique among live runs, never a real user
@@ -72,7 +76,7 @@ class SandboxResult:
     error: str | None  # "timeout", "exit 1", "killed by SIGXCPU", "output limit", ...
     truncated: bool
     elapsed_s: float
-    isolation: str  # "chroot+netns+uid" or "rlimits"
+    isolation: str  # "chroot+netns+uid" (root) or "rlimits+userns" (best effort otherwise)
 
     def text(self) -> str:
         """The tool observation: the output plus a one-line error note when it failed."""
@@ -83,6 +87,15 @@ class SandboxResult:
 def isolation_available() -> bool:
     """True where runs get namespaces, chroot and a private uid (we are root on Linux)."""
     return sys.platform == "linux" and os.geteuid() == 0
+
+
+@functools.cache
+def _userns_available() -> bool:
+    """Whether an unprivileged user+network namespace can be created here (probed once)."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if _libc().unshare(_CLONE_NEWUSER | _CLONE_NEWNET) == 0 else 1)
+    return os.waitpid(pid, 0)[1] == 0
 
 
 def _libc() -> ctypes.CDLL:
@@ -148,6 +161,8 @@ def _preexec(limits: SandboxLimits, root: str | None, work: str) -> None:
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
+    else:  # unprivileged: a user namespace still buys an empty network namespace
+        _libc().unshare(_CLONE_NEWUSER | _CLONE_NEWNET)  # best effort: fails where user namespaces are off
     # Die with the worker that started us (set after setuid, which clears it).
     _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
@@ -179,7 +194,8 @@ def _kill(proc: subprocess.Popen[bytes], uid: int | None) -> None:
         _kill_uid(uid)
 
 
-def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
+def run_python(code: str, limits: SandboxLimits | None = None, *,
+               full_isolation: bool | None = None) -> SandboxResult:
     """Run `code` with the sandboxed interpreter; return its (capped) output and status.
 
     Example:
@@ -189,7 +205,10 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
     if not isinstance(code, str):
         raise TypeError(f"code must be a str, got {type(code).__name__}")
     limits = limits or SandboxLimits()
-    isolated = isolation_available()
+    isolated = isolation_available() if full_isolation is None else full_isolation
+    if isolated and not isolation_available():
+        raise ValueError("full_isolation=True needs root on Linux; pass None to pick "
+                         "what the OS allows")
     base = tempfile.mkdtemp(prefix="earl-sandbox-")
     work = os.path.join(base, "work")
     os.makedirs(work)
@@ -244,4 +263,5 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
             error += f" (CPU limit {limits.cpu_s} s)"
     return SandboxResult(ok=error is None, output=text, returncode=rc, error=error,
                          truncated=truncated, elapsed_s=time.monotonic() - t0,
-                         isolation="chroot+netns+uid" if root else "rlimits")
+                         isolation="chroot+netns+uid" if root
+                         else "rlimits+userns" if _userns_available() else "rlimits")

@@ -150,3 +150,17 @@ def test_big_files_and_disk_filling_are_capped() -> None:
     lines = r.output.split()
     assert lines[:2] == ["file", "27"]  # EFBIG
     assert lines[2:4] == ["disk", "28"] and int(lines[4]) <= 8  # ENOSPC within 32 MiB
+
+
+def test_unprivileged_mode_still_has_no_network() -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    try:
+        code = (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+                "print('connected')")
+        r = run_python(code, LIMITS, full_isolation=False)
+    finally:
+        server.close()
+    assert r.isolation == "rlimits+userns"
+    assert not r.ok and "connected" not in r.output
+    assert run_python("print(2 + 2)", LIMITS, full_isolation=False).output == "4\n"
