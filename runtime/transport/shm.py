@@ -105,6 +105,7 @@ class ShmFrame(Frame):
 
 @dataclass(frozen=True, slots=True)
 class ShmStatistics:
+    created: int  # segments ever created (reuse keeps this flat)
     segments: int
     pool_bytes: int
     in_flight: int
@@ -240,6 +241,7 @@ class ShmSender:
 
     def statistics(self) -> ShmStatistics:
         return ShmStatistics(
+            created=self._seq,
             segments=len(self._free) + len(self._busy),
             pool_bytes=self._pool_bytes,
             in_flight=len(self._busy),
