@@ -205,6 +205,16 @@ class _ServerConnection(FrameProtocol):
             await agen.aclose()
 
 
+def _advertised(host: str) -> str:
+    """The address peers should dial for a server bound to `host` (wildcards: this node)."""
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
 class Server:
     """Serves `target`'s endpoints; request tasks are started by `spawn` (the caller's task
     group, so the caller owns their lifetime)."""
@@ -236,9 +246,7 @@ class Server:
         self._server = await loop.create_server(lambda: _ServerConnection(self), host,
                                                 int(port), backlog=1024, reuse_address=True)
         bound = self._server.sockets[0].getsockname()
-        adv = host if host not in ("0.0.0.0", "::", "") else socket.gethostbyname(
-            socket.gethostname())
-        return f"tcp:{adv}:{bound[1]}"
+        return f"tcp:{_advertised(host)}:{bound[1]}"
 
     def close(self) -> None:
         if self._server is not None:
