@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--static-workers", type=int, default=None,
       help="sandboxes of the static baseline (default 2 x --max-workers)")
     a("--idle-s", type=float, default=2.0, help="elastic: close workers idle this long")
+    a("--policy", choices=("sef", "fifo"), default="sef",
+      help="elastic: shortest-expected-first or first-in-first-out")
     a("--decode-ms", type=float, default=1.0, help="sim engine: ms per generated token")
     a("--prefill-us", type=float, default=20.0, help="sim engine: us per uncached prompt token")
     a("--engine-overhead-ms", type=float, default=1.0, help="sim engine: ms per call")
@@ -246,7 +248,8 @@ async def run_stress(args: argparse.Namespace, executor_kind: str, codec: ChatCo
         executor = StaticExecutor(ExecutorConfig(max_workers=static_workers))
     else:
         executor = ToolExecutor(ExecutorConfig(min_workers=args.min_workers,
-                                               max_workers=args.max_workers, idle_s=args.idle_s))
+                                               max_workers=args.max_workers, idle_s=args.idle_s,
+                                               policy=args.policy))
     sim_tool = Tool.from_function(sim_tools.simulated)
     latency = LatencyModel(args.tool_latency, args.tool_latency_ms / 1000)
     rng = random.Random(args.seed)
