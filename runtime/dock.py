@@ -28,7 +28,7 @@ from typing import TypeVar
 
 import numpy as np
 from earl.runtime import Actor, ActorDied, ActorError, ActorGroup, context, endpoint, wire
-from earl.runtime.dispatch import Batch, DispatchPlan, FetchOp, gather
+from earl.runtime.dispatch import Batch, DispatchPlan, FetchOp, ReplicaPlan, gather
 from earl.runtime.dock_index import (
     CONTRACT_COLUMNS,
     DockIndex,
@@ -42,12 +42,14 @@ from earl.runtime.dock_index import (
     index_rank_of,
 )
 from earl.runtime.dock_warehouse import Warehouse, WarehouseStatistics
+from earl.runtime.layout import Layout
 from earl.runtime.transport import Receiver, Sender, connect, get_transport
 from earl.runtime.transport.base import Frame
 
 T = TypeVar("T")
 
-for _cls in (SampleInfo, Location, Lease, LostSample, DockStatistics, WarehouseStatistics):
+for _cls in (SampleInfo, Location, Lease, LostSample, DockStatistics, WarehouseStatistics,
+             Layout, FetchOp, ReplicaPlan, DispatchPlan):  # plans travel to consumer ranks
     wire.message(_cls)
 
 

@@ -10,7 +10,7 @@ import signal
 import numpy as np
 import pytest
 from earl.runtime import Actor, RestartPolicy, Runtime, context, endpoint
-from earl.runtime.dispatch import plan_step
+from earl.runtime.dispatch import DispatchPlan, plan_step
 from earl.runtime.dock import Dock, DockFetchError, IndexActor, WarehouseActor, WarehouseHost
 from earl.runtime.dock_index import LeaseError, index_rank_of
 from earl.runtime.layout import FixedCount, Layout
@@ -48,6 +48,16 @@ class Producer(WarehouseHost, Actor):
             n = 5 + int(sid.rsplit("-", 1)[1])
             await dock.add_columns(sid, {"ref_logprobs": np.full(n, -1.0, np.float32)},
                                    group_id=sid.rsplit("-", 1)[0])
+
+    @endpoint
+    async def lead(self, plan: DispatchPlan, rank: int) -> list[str]:
+        """Act as a consumer replica leader: fetch this rank's slice of the plan."""
+        dock = Dock(await context().lookup(self.index))
+        batch, frames = await dock.fetch_replica(plan, rank)
+        for f in frames:
+            f.release()
+        dock.close()
+        return sorted(batch)
 
     @endpoint
     async def pid(self) -> int:
@@ -168,6 +178,8 @@ async def test_dispatch_plan_fetches_each_replica_slice_from_the_shards(rt):
     plan = plan_step(lease, Layout(dp=2, tp=2), FixedCount(micro_batch_size=2))
     with pytest.raises(ValueError, match="rank 1 is not a replica leader"):
         await dock.fetch_replica(plan, 1)
+    # a consumer actor gets the plan over RPC and fetches its replica's slice itself
+    assert await prod[1].lead.call_one(plan, 2) == sorted(plan.for_rank(2).sample_ids)
     got = []
     for rep in plan.replicas:
         batch, frames = await dock.fetch_replica(plan, rep.leader)
