@@ -181,3 +181,34 @@ async def test_closing_the_pool_kills_busy_workers() -> None:
     assert await _until(lambda: not _alive(worker.proc.pid))
     res = await task
     assert not res.ok and res.error == "crashed"
+
+
+async def test_python_agent_through_the_executor_and_sandbox() -> None:
+    from earl.agents.calc import python_agent
+    from earl.agents.chat import ChatCodec
+    from earl.agents.rollout import RolloutConfig, run_agent
+    from earl.envs.arithmetic import ArithmeticProblems
+
+    from earl.engine import SamplingParams, SimConfig, SimEngine
+    from earl.models.tiny import build_tokenizer
+
+    codec = ChatCodec(build_tokenizer())
+    problem = ArithmeticProblems(0).problem(2)
+    call = ('<tool_call>{"name": "python", "arguments": {"code": "print(' + problem.expression
+            + ')"}}</tool_call>')
+
+    def respond(prompt_ids, rng):
+        tail = codec.decode(prompt_ids[-60:])
+        if "<tool_response>" not in tail:
+            return codec.encode_text(call) + [codec.end_id]
+        result = tail.split("<tool_response>")[-1].split("</tool_response>")[0].strip()
+        return codec.encode_text(f"It is {result}") + [codec.end_id]
+
+    engine = SimEngine(SimConfig(time_scale=0.0), responder=respond)
+    cfg = RolloutConfig(sampling=SamplingParams(max_tokens=200), tool_timeout_s=20)
+    async with ToolExecutor(ExecutorConfig(max_workers=1)) as ex:
+        traj = await run_agent(python_agent, problem, engine=engine, codec=codec, config=cfg,
+                               executor=ex)
+    assert not traj.failed, traj.error
+    assert traj.reward == 1.0 and traj.info["tool_calls"] == 1 and traj.info["tool_errors"] == 0
+    assert traj.tool_time_s > 0
