@@ -123,8 +123,6 @@ class TorchTrainer:
     """
 
     def __init__(self, config: TrainerConfig, *, rank: int = 0, world_size: int = 1) -> None:
-        from transformers import AutoModelForCausalLM
-
         self.config = config
         self.rank, self.world_size = rank, world_size
         if not Path(config.model, "config.json").is_file():
@@ -136,12 +134,8 @@ class TorchTrainer:
         self.device = torch.device("cuda", torch.cuda.current_device()) if want_cuda else torch.device("cpu")
         self.distributed = tdist.init_distributed(rank, world_size, config.dist_url, self.device)
         torch.manual_seed(config.seed)
-        hf = AutoModelForCausalLM.from_pretrained(config.model, dtype=torch.float32)
-        hf.to(self.device)
-        set_attention(hf, config.attention)
-        self.hf_model: nn.Module = hf
-        self._tied = set(getattr(hf, "all_tied_weights_keys", {}) or {})
-        self.model = tdist.wrap_model(hf, config.parallel, self.device) if self.distributed else hf
+        self.module: nn.Module = self._load_model()  # the unwrapped model
+        self.model = self._wrap_model(self.module) if self.distributed else self.module
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.lr, betas=config.betas, eps=config.adam_eps,
             weight_decay=config.weight_decay,
@@ -151,6 +145,24 @@ class TorchTrainer:
             self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0
         )
         self.step = 0  # optimizer steps taken = the policy version this trainer holds
+
+    # ------------------------------------------------------------------ backend hooks
+
+    def _load_model(self) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(self.config.model, dtype=torch.float32)
+        hf.to(self.device)
+        set_attention(hf, self.config.attention)
+        self._tied = set(getattr(hf, "all_tied_weights_keys", {}) or {})
+        return hf
+
+    def _wrap_model(self, module: nn.Module) -> nn.Module:
+        return tdist.wrap_model(module, self.config.parallel, self.device)
+
+    def _forward(self, packed: Packed) -> Tensor:
+        """Logits ``[T, V]`` of a packed row already on the device."""
+        return packed_forward(self.model, packed)
 
     # ------------------------------------------------------------------ forward
 
@@ -168,7 +180,7 @@ class TorchTrainer:
             max_seqlen=packed.max_seqlen,
         )
         with self._autocast():
-            logits = packed_forward(self.model, on_dev)
+            logits = self._forward(on_dev)
         logits = logits.float()
         if self.config.temperature != 1.0:
             logits = logits / self.config.temperature
@@ -334,11 +346,14 @@ class TorchTrainer:
         state = dict(self.named_weights())
         if self.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
-            self.hf_model.save_pretrained(out, state_dict=state)
+            self._hf_for_saving().save_pretrained(out, state_dict=state)
             for f in Path(self.config.model).iterdir():
                 if f.is_file() and ("token" in f.name or f.name.endswith((".jinja", ".txt"))):
                     shutil.copy2(f, out / f.name)
         return out
+
+    def _hf_for_saving(self) -> nn.Module:
+        return self.module
 
     def save_checkpoint(self, path: str | Path) -> None:
         """Save model, optimizer, schedule, step and this rank's RNG under folder ``path``."""

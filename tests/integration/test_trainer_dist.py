@@ -34,7 +34,7 @@ def make_batch() -> TrainBatch:
 
 def _full_grads(t: TorchTrainer) -> dict[str, torch.Tensor]:
     out = {}
-    for name, p in t.hf_model.named_parameters():
+    for name, p in t.module.named_parameters():
         g = p.grad
         out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
     return out

@@ -34,7 +34,7 @@ def make_batch(seed: int = 0, lengths: tuple[int, ...] = (12, 40, 7, 25, 60, 18)
 
 
 def grads(trainer: TorchTrainer) -> list[torch.Tensor]:
-    return [p.grad.clone() for p in trainer.hf_model.parameters()]
+    return [p.grad.clone() for p in trainer.module.parameters()]
 
 
 def trainer(model_dir: Path, **kw: object) -> TorchTrainer:
@@ -96,7 +96,7 @@ def test_bf16_autocast_close_to_fp32(model_dir: Path) -> None:
     assert lp16.dtype == torch.float32
     torch.testing.assert_close(lp16, lp32, atol=0.15, rtol=0.05)
     assert t16.train_step(batch)["grad_norm"] > 0
-    assert all(p.dtype == torch.float32 for p in t16.hf_model.parameters())
+    assert all(p.dtype == torch.float32 for p in t16.module.parameters())
 
 
 def test_checkpoint_resume_reproduces_next_step(model_dir: Path, tmp_path: Path) -> None:
@@ -107,7 +107,7 @@ def test_checkpoint_resume_reproduces_next_step(model_dir: Path, tmp_path: Path)
     a.save_checkpoint(tmp_path / "ck")
     torch.manual_seed(123)
     a.train_step(batch)
-    expected = [p.detach().clone() for p in a.hf_model.parameters()]
+    expected = [p.detach().clone() for p in a.module.parameters()]
     rng_after = torch.rand(3)
 
     b = trainer(model_dir, lr=1e-3, warmup_steps=3)
@@ -115,7 +115,7 @@ def test_checkpoint_resume_reproduces_next_step(model_dir: Path, tmp_path: Path)
     assert b.step == 2
     torch.manual_seed(123)
     b.train_step(batch)
-    for x, y in zip(expected, b.hf_model.parameters(), strict=True):
+    for x, y in zip(expected, b.module.parameters(), strict=True):
         torch.testing.assert_close(x, y.detach(), atol=0, rtol=0)
     b.load_checkpoint(tmp_path / "ck")  # RNG restored to the state at save time
     c = torch.rand(3)
