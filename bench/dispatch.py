@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import zmq
+
 from earl.runtime.dispatch import (
     FetchOp,
     forward,

@@ -19,6 +19,7 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from earl.runtime.dock_index import Lease
 from earl.runtime.dock_warehouse import unpack_batch
 from earl.runtime.layout import Layout, MicroBatchRule, assign_micro_batches

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
+
 from earl.runtime import Actor, ActorDied, ActorError, ActorGroup, context, endpoint, wire
 from earl.runtime.dispatch import Batch, DispatchPlan, FetchOp, ReplicaPlan, gather
 from earl.runtime.dock_index import (

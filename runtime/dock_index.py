@@ -231,6 +231,10 @@ class DockIndex:
                 and (min_version is None or e.info.version >= min_version)
             )
 
+        sizes = {self._samples[ids[0]].info.group_size for ids in self._groups.values()}
+        if whole_groups and len(sizes) == 1 and n % (g := sizes.pop()):
+            raise ValueError(f"n={n} is not a multiple of the group size {g}; ask for whole "
+                             "groups or pass whole_groups=False")
         chosen: list[_Entry] = []
         if whole_groups:
             groups = []

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from earl.runtime.dock_index import SampleInfo
 from earl.runtime.transport.base import Frame, pack_arrays, unpack_arrays
 

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import zmq
+
 from earl.runtime.transport.base import Buffer, Frame, TransportError, as_bytes_view
 
 SHM_DIR = "/dev/shm"

@@ -24,6 +24,7 @@ from typing import cast
 import numpy as np
 import torch
 import torch.distributed as dist
+
 from earl.runtime.transport.base import Buffer, Frame, TransportError, as_bytes_view
 
 _META = 1024  # int64 slots: [header_len, n, sizes...]

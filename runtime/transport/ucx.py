@@ -20,6 +20,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 import numpy as np
+
 from earl.runtime.transport.base import Buffer, Frame, TransportError, as_bytes_view
 
 _CTRL_TAG = 1

@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Sequence
 
 import zmq
+
 from earl.runtime.transport.base import Buffer, Frame, TransportError, as_bytes_view
 
 

@@ -6,6 +6,7 @@ import multiprocessing as mp
 
 import pytest
 import torch
+
 from earl.runtime.transport import get_transport
 
 pytestmark = pytest.mark.gpu

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from earl.runtime.dispatch import (
     concat_micro_batch,
     forward,

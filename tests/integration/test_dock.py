@@ -9,6 +9,7 @@ import signal
 
 import numpy as np
 import pytest
+
 from earl.runtime import Actor, RestartPolicy, Runtime, context, endpoint
 from earl.runtime.dispatch import DispatchPlan, plan_step
 from earl.runtime.dock import Dock, DockFetchError, IndexActor, WarehouseActor, WarehouseHost

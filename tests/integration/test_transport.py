@@ -8,6 +8,7 @@ import signal
 
 import numpy as np
 import pytest
+
 from earl.runtime.transport import (
     available,
     choose,

@@ -1,6 +1,7 @@
 """Per-step dispatch plans: DP split, micro-batches, fetch lists, bad layouts."""
 
 import pytest
+
 from earl.runtime.dispatch import plan_step
 from earl.runtime.dock_index import DockIndex, SampleInfo
 from earl.runtime.layout import FixedCount, Layout, TokenBudget

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+
 from earl.runtime.dock_warehouse import Warehouse, unpack_batch
 from earl.runtime.transport.base import Frame, as_bytes_view
 

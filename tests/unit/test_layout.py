@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+
 from earl.runtime.layout import (
     FixedCount,
     Layout,

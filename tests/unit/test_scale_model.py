@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+
 from earl.runtime.scale_model import ScaleConfig, estimate, model_parallel, table
 
 

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+
 from earl.runtime.transport import choose
 from earl.runtime.transport.base import (
     Frame,
