@@ -14,10 +14,9 @@ from collections.abc import Callable
 
 from earl.agents.chat import ChatCodec
 from earl.agents.rollout import Agent, Rollout
+from earl.engine import Responder
 from earl.envs.arithmetic import Problem, calculator, score
 from earl.envs.python_tool import python
-
-from earl.engine import Responder
 
 __all__ = ["calc_agent", "make_tool_agent", "python_agent", "tool_sim_responder"]
 

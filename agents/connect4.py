@@ -5,9 +5,8 @@ from __future__ import annotations
 from earl.agents.chat import ChatCodec
 from earl.agents.rollout import Agent, Rollout
 from earl.agents.tictactoe import play_board_game, sim_responder
-from earl.envs.connect4 import ROWS, ConnectFour, ConnectFourConfig
-
 from earl.engine import Responder
+from earl.envs.connect4 import ROWS, ConnectFour, ConnectFourConfig
 
 __all__ = ["connect4_agent", "connect4_sim_responder", "make_connect4_agent"]
 

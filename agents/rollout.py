@@ -40,7 +40,6 @@ from earl.agents.tools import (
     parse_tool_calls,
     to_text,
 )
-
 from earl.engine import ContextLengthError, Engine, SamplingParams
 from earl.trajectory import Trajectory
 

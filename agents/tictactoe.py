@@ -18,10 +18,9 @@ from typing import Protocol
 
 from earl.agents.chat import ChatCodec
 from earl.agents.rollout import Agent, Rollout
+from earl.engine import Responder
 from earl.envs.base import StepResult
 from earl.envs.tictactoe import TicTacToe, TicTacToeConfig
-
-from earl.engine import Responder
 
 __all__ = ["make_tictactoe_agent", "play_board_game", "sim_responder", "tictactoe_agent"]
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 
 import pytest
+
 from earl.agents.chat import ChatCodec
 from earl.agents.rollout import RolloutConfig, run_agent
 from earl.agents.tictactoe import tictactoe_agent
-
 from earl.engine import Generation, SamplingParams
 from earl.models.tiny import default_model_dir
 
@@ -34,8 +34,9 @@ class Recorder:
 
 async def test_tictactoe_on_vllm_is_token_exact() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from earl.runtime.vllm_engine import EngineConfig, VLLMEngine
     from transformers import AutoTokenizer
+
+    from earl.runtime.vllm_engine import EngineConfig, VLLMEngine
 
     path = default_model_dir()
     codec = ChatCodec(AutoTokenizer.from_pretrained(path))

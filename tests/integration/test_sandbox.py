@@ -7,6 +7,7 @@ import socket
 import time
 
 import pytest
+
 from earl.runtime.sandbox import SandboxLimits, isolation_available, run_python
 
 LIMITS = SandboxLimits(wall_s=3.0, cpu_s=1, memory_mb=200, max_procs=8, output_chars=2000)

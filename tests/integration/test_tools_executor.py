@@ -7,6 +7,7 @@ import os
 import time
 
 import pytest
+
 from earl.agents.tools import Tool
 from earl.envs.python_tool import python
 from earl.envs.sim_tools import crash_tool, echo_tool, sleep_tool
@@ -187,9 +188,8 @@ async def test_python_agent_through_the_executor_and_sandbox() -> None:
     from earl.agents.calc import python_agent
     from earl.agents.chat import ChatCodec
     from earl.agents.rollout import RolloutConfig, run_agent
-    from earl.envs.arithmetic import ArithmeticProblems
-
     from earl.engine import SamplingParams, SimConfig, SimEngine
+    from earl.envs.arithmetic import ArithmeticProblems
     from earl.models.tiny import build_tokenizer
 
     codec = ChatCodec(build_tokenizer())

@@ -6,16 +6,16 @@ import asyncio
 import json
 
 import pytest
+
 from earl.agents.calc import calc_agent, tool_sim_responder
 from earl.agents.chat import ChatCodec
 from earl.agents.connect4 import connect4_agent, connect4_sim_responder
 from earl.agents.rollout import RolloutConfig, run_agent
 from earl.agents.tictactoe import make_tictactoe_agent, sim_responder, tictactoe_agent
+from earl.engine import SamplingParams, SimConfig, SimEngine
 from earl.envs.arithmetic import ArithmeticProblems, calculator, score
 from earl.envs.connect4 import ConnectFour, ConnectFourConfig
 from earl.envs.tictactoe import TicTacToe, TicTacToeConfig
-
-from earl.engine import SamplingParams, SimConfig, SimEngine
 from earl.models.tiny import build_tokenizer
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from earl.agents.chat import ChatCodec
 from earl.agents.rollout import RolloutConfig, run_agent
 from earl.agents.tools import Tool, parse_tool_calls
-
 from earl.engine import Generation, SamplingParams, SimConfig, SimEngine
 from earl.models.tiny import build_tokenizer
 
@@ -304,3 +304,30 @@ def test_sim_engine_batch_width_queues_calls() -> None:
     asyncio.run(main())
     asyncio.run(main())  # a second event loop gets its own queue
     assert peak == 2 and engine.statistics().calls == 12
+
+
+def _smollm2_tokenizer_dir():
+    from earl.models.tiny import cache_root
+
+    found = sorted((cache_root() / "models").glob("smollm2-*/tokenizer.json"))
+    return found[-1].parent if found else None
+
+
+@pytest.mark.skipif(_smollm2_tokenizer_dir() is None,
+                    reason="SmolLM2 not converted yet (earl.models.smollm2.smollm2_dir())")
+def test_codec_is_exact_with_a_byte_level_bpe_tokenizer() -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(_smollm2_tokenizer_dir())
+    codec = ChatCodec(tok)
+    schema = [Tool.from_function(calculator).schema]
+    texts = ["What's 2+2?", "Board:\n123\n456", "  spaced ", "héllo 世界", "<tool_call>x"]
+    for _ in range(3):
+        for t in texts:
+            msgs = [{"role": "user", "content": t}]
+            assert codec.encode_prompt(msgs, schema) == list(
+                codec._encode_raw(codec.render(msgs, schema)))
+            for role in ("user", "tool"):
+                m = [{"role": role, "content": t}]
+                assert codec.encode_continuation(m) == list(codec._encode_raw(codec._delta(m)))
+    assert codec._split is not None  # splitting at added tokens agreed with whole-text encoding
