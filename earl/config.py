@@ -64,6 +64,9 @@ class AlgorithmConfig:
     reward_draw: float = 0.5
     reward_loss: float = -1.0
     normalize_std: bool = False
+    critic: str = "tabular"
+    critic_lambda: float = 0.5
+    critic_alpha: float = 0.2
     max_grad_norm: float = 1.0
     temperature: float = 1.0
 
@@ -106,6 +109,7 @@ ENVS = ("tictactoe",)
 OPPONENTS = ("random",)
 ALGORITHMS = ("grpo", "ppo")
 DEVICES = ("cpu", "cuda")
+CRITICS = ("tabular", "none")
 
 
 def _fields(cls: type) -> dict[str, typing.Any]:
@@ -251,6 +255,9 @@ def validate(cfg: RunConfig) -> None:
     need(a.name in ALGORITHMS, "algorithm.name", f"{a.name!r} unknown; choose one of {ALGORITHMS}")
     need(a.lr > 0, "algorithm.lr", "must be > 0")
     need(a.epochs >= 1, "algorithm.epochs", "must be >= 1")
+    need(a.critic in CRITICS, "algorithm.critic", f"{a.critic!r} unknown; choose one of {CRITICS}")
+    need(0 <= a.critic_lambda <= 1, "algorithm.critic_lambda", "must be in [0, 1]")
+    need(0 < a.critic_alpha <= 1, "algorithm.critic_alpha", "must be in (0, 1]")
     need(a.clip > 0, "algorithm.clip", "must be > 0")
     need(0 < a.gamma <= 1, "algorithm.gamma", "must be in (0, 1]")
     need(a.temperature > 0, "algorithm.temperature", "must be > 0 for exploration")

@@ -48,6 +48,7 @@ class Learner(Actor):
 
         torch.set_num_threads(threads)
         torch.manual_seed(seed)
+        self.model_path = model_path
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         set_attention(self.model, "varlen")
         self.model.train()
@@ -147,6 +148,8 @@ class Learner(Actor):
         if tmp.exists():
             shutil.rmtree(tmp)
         self.model.save_pretrained(tmp)
+        for f in Path(self.model_path).glob("tokenizer*"):  # a self-contained HF folder
+            shutil.copy(f, tmp / f.name)
         final = Path(path)
         if final.exists():
             shutil.rmtree(final)

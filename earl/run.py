@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from earl.config import RunConfig, to_dict
+from earl.critic import TabularCritic
 from earl.observe import Metrics, Tracer, TrajectoryDump, progress_line, read_metrics, write_plots
 from earl.trajectory import Trajectory
 
@@ -104,8 +104,13 @@ async def warm_start_data(codec, n_games: int, seed: int) -> tuple[list[np.ndarr
     return ids_out, tgt_out
 
 
-def batch_columns(trajs: list[Trajectory], cfg: RunConfig) -> tuple[dict[str, list[np.ndarray]], list[float]]:
-    """Reward/advantage stage: per-move credit within each group, mapped onto turn tokens."""
+def batch_columns(trajs: list[Trajectory], cfg: RunConfig, critic: TabularCritic | None = None
+                  ) -> tuple[dict[str, list[np.ndarray]], list[float]]:
+    """Reward/advantage stage: per-move credit, mapped onto turn tokens.
+
+    With a critic: lambda-return minus the value of the observation each move answered (the
+    critic is then updated with this batch). Without: each move's return centred on its group.
+    """
     import torch
 
     from earl.algorithms.advantages import per_turn_advantages, turn_token_values
@@ -118,8 +123,12 @@ def batch_columns(trajs: list[Trajectory], cfg: RunConfig) -> tuple[dict[str, li
             tr = [0.0] * max(len(t.turn_spans) - 1, 0) + [a.reward_loss]
         turn_rewards.append(tr)
     gids = {g: i for i, g in enumerate(dict.fromkeys(t.group_id for t in trajs))}
-    advs = per_turn_advantages(turn_rewards, [gids[t.group_id] for t in trajs], gamma=a.gamma,
-                               normalize_std=a.normalize_std)
+    if critic is not None:
+        advs = [torch.tensor(x) for x in critic.advantages(trajs, turn_rewards)]
+        critic.update(trajs, turn_rewards)
+    else:
+        advs = per_turn_advantages(turn_rewards, [gids[t.group_id] for t in trajs],
+                                   gamma=a.gamma, normalize_std=a.normalize_std)
     cols: dict[str, list[np.ndarray]] = {"input_ids": [], "loss_mask": [], "advantages": [],
                                          "rollout_logprobs": []}
     first_adv = []
@@ -143,7 +152,7 @@ class _State:
         self.games = 0
         self.wall_before = 0.0   # wall seconds of earlier (interrupted) segments
         self.evals: list[dict[str, float]] = []
-        self.rng_state: object = None
+        self.critic: TabularCritic | None = None
 
     def to_dict(self) -> dict[str, object]:
         return {"step": self.step, "games": self.games, "wall_before": self.wall_before,
@@ -178,6 +187,11 @@ async def train(cfg: RunConfig, *, resume: bool = False, trace: bool = False,
         state.step, state.games = int(saved["step"]), int(saved["games"])
         state.wall_before, state.evals = float(saved["wall_before"]), list(saved["evals"])
     ckpt_dir.mkdir(exist_ok=True)
+    critic = TabularCritic(alpha=cfg.algorithm.critic_alpha, lam=cfg.algorithm.critic_lambda) \
+        if cfg.algorithm.critic == "tabular" else None
+    if resume and critic is not None and (ckpt_dir / "critic.json").is_file():
+        critic.load_state_dict(json.loads((ckpt_dir / "critic.json").read_text()))
+    state.critic = critic
     (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     a, pl = cfg.algorithm, cfg.placement
     tracer = Tracer(trace)
@@ -276,7 +290,7 @@ async def train(cfg: RunConfig, *, resume: bool = False, trace: bool = False,
             for b in range(state.step, cfg.steps):
                 trajs = await batch_future(b)
                 batches.pop(b)
-                cols, first_adv = batch_columns(trajs, cfg)
+                cols, first_adv = batch_columns(trajs, cfg, critic)
                 with tracer.span("train_step", actor="trainer", step=b + 1):
                     m = await learner[0].train_step.call_one(
                         cols["input_ids"], cols["loss_mask"], cols["advantages"],
@@ -362,9 +376,12 @@ async def train(cfg: RunConfig, *, resume: bool = False, trace: bool = False,
 async def _checkpoint(learner, ckpt_dir: Path, state: _State, wall: float) -> None:
     """Learner state first, then the driver state that points at it (atomic renames)."""
     await learner[0].save_checkpoint.call_one(str(ckpt_dir / "learner.pt"))
+    if state.critic is not None:
+        tmp = ckpt_dir / "critic.json.tmp"
+        tmp.write_text(json.dumps(state.critic.state_dict()))
+        tmp.replace(ckpt_dir / "critic.json")
     d = state.to_dict()
     d["wall_before"] = wall
-    d["python_rng"] = random.getstate()[1][:4]
     tmp = ckpt_dir / "state.json.tmp"
     tmp.write_text(json.dumps(d))
     tmp.replace(ckpt_dir / "state.json")

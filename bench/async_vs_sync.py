@@ -1,0 +1,77 @@
+"""Async (max_policy_lag > 0) vs synchronous (lag 0) `earl train`: same model, env, seed and
+wall budget. Prints one JSON object: trajectories/s, time to reach a win+draw threshold, final
+win+draw for each mode, and the async/sync ratios.
+
+    python bench/async_vs_sync.py            # 2 x ~5 min runs (default recipe, eval every 10)
+    python bench/async_vs_sync.py --quick    # < 60 s: throughput only, tiny budget, 20-game eval
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+from contextlib import redirect_stdout
+
+
+def run_mode(lag: int, overrides: list[str], out: str) -> dict[str, object]:
+    from earl.config import load_config
+    from earl.run import train
+
+    cfg = load_config(None, [*overrides, f"--max_policy_lag={lag}", f"--output_dir={out}"])
+    t0 = time.perf_counter()
+    with redirect_stdout(io.StringIO()):
+        res = asyncio.run(train(cfg, log=lambda s: None))
+    wall = time.perf_counter() - t0
+    from earl.observe import read_metrics
+
+    ms = read_metrics(__import__("pathlib").Path(res.files["metrics"]))
+    train_s = (float(ms[-1]["wall_s"]) - float(ms[0]["wall_s"]) + float(ms[0]["step_s"])) \
+        if ms else 0.0
+    games = sum(int(m["games"]) - int(p["games"]) for p, m in zip([{"games": 0}] + ms, ms))
+    thr = float(cfg.target_win_draw or 0.8)
+    hit = [e["minutes"] for e in res.evals if e["win_draw_rate"] >= thr]
+    return {"max_policy_lag": lag, "steps": res.steps, "trajectories": games,
+            "trajectories_per_s": games / train_s if train_s else 0.0,
+            "loop_seconds": round(train_s, 2), "wall_s": round(wall, 1),
+            "threshold": thr, "minutes_to_threshold": hit[0] if hit else None,
+            "final_win_draw": res.eval["win_draw_rate"],
+            "mean_staleness": sum(float(m["staleness"]) for m in ms) / max(len(ms), 1)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--json", action="store_true", help="(always JSON; kept for `earl bench`)")
+    p.add_argument("--lag", type=int, default=2)
+    p.add_argument("--minutes", type=float, default=4.5, help="wall budget per mode")
+    a = p.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if a.quick:
+        common = ["--steps=8", "--warm_start.steps=10", "--batch_size=32", "--group_size=8",
+                  "--eval_games=20", "--eval_every=0", "--checkpoint_every=100",
+                  "--dump_trajectories=false", "--time_limit_minutes=0.5"]
+    else:
+        common = ["--steps=100000", f"--time_limit_minutes={a.minutes}", "--eval_every=10",
+                  "--target_win_draw=0.9", "--checkpoint_every=100000"]
+    with tempfile.TemporaryDirectory() as d:
+        sync = run_mode(0, common, os.path.join(d, "sync"))
+        asyn = run_mode(a.lag, common, os.path.join(d, "async"))
+    out = {"bench": "async_vs_sync", "quick": a.quick, "sync": sync, "async": asyn,
+           "throughput_ratio": (asyn["trajectories_per_s"] / sync["trajectories_per_s"])
+           if sync["trajectories_per_s"] else None,
+           "final_win_draw_delta": asyn["final_win_draw"] - sync["final_win_draw"],  # type: ignore[operator]
+           "note": "2 CPU cores shared by rollout (vLLM), trainer and driver: the physical "
+                   "limit of overlap is (rollout + train) / max(rollout, train) per step"}
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""A tabular critic for per-move credit in small text environments (board games).
+
+The value of an observation (the exact tokens the environment showed before an assistant turn)
+is a running average of the returns that followed it. A move's advantage is then its
+lambda-return minus the value of the observation it answered, so a move that leads to states
+from which games are usually lost is blamed even when that game happened to be won — far less
+variance than crediting every move with the final outcome. Unseen observations fall back to the
+mean return at that turn index. Works for any env with few distinct observations; it is not a
+neural value head and knows nothing of tokens beyond using them as keys.
+
+Example:
+    >>> critic = TabularCritic(alpha=0.2, lam=0.5)
+    >>> advs = critic.advantages(trajs)   # per trajectory, one value per turn
+    >>> critic.update(trajs)              # after computing advantages
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from earl.trajectory import Trajectory
+
+
+def observation_keys(t: Trajectory) -> list[bytes]:
+    """One key per assistant turn: the tokens between the previous turn and this one."""
+    keys, prev = [], 0
+    for start, end in t.turn_spans:
+        keys.append(bytes(memoryview(_pack(t.token_ids[prev:start]))))
+        prev = end
+    return keys
+
+
+def _pack(ids: Sequence[int]) -> bytes:
+    return b"".join(i.to_bytes(4, "little") for i in ids)
+
+
+def returns_to_go(rewards: Sequence[float]) -> list[float]:
+    out, g = [0.0] * len(rewards), 0.0
+    for k in range(len(rewards) - 1, -1, -1):
+        g += rewards[k]
+        out[k] = g
+    return out
+
+
+class TabularCritic:
+    """Running-average values keyed by observation; lambda-return advantages.
+
+    Args:
+        alpha: step size of the running average (after the first visit, which sets it).
+        lam: 0 = one-step TD advantages, 1 = Monte-Carlo return minus value.
+    """
+
+    def __init__(self, *, alpha: float = 0.2, lam: float = 0.5) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError(f"critic alpha={alpha} must be in (0, 1]")
+        if not 0 <= lam <= 1:
+            raise ValueError(f"critic lam={lam} must be in [0, 1]")
+        self.alpha, self.lam = alpha, lam
+        self.values: dict[bytes, float] = {}
+        self.turn_means: dict[int, float] = {}
+
+    def value(self, key: bytes, turn: int) -> float:
+        v = self.values.get(key)
+        return self.turn_means.get(turn, 0.0) if v is None else v
+
+    def advantages(self, trajs: Sequence[Trajectory],
+                   turn_rewards: Sequence[Sequence[float]]) -> list[list[float]]:
+        out = []
+        for t, rewards in zip(trajs, turn_rewards, strict=True):
+            keys = observation_keys(t)[:len(rewards)]
+            n = len(keys)
+            vs = [self.value(k, i) for i, k in enumerate(keys)]
+            adv, g = [0.0] * n, 0.0
+            for k in range(n - 1, -1, -1):
+                g = rewards[k] if k == n - 1 else \
+                    rewards[k] + self.lam * g + (1 - self.lam) * vs[k + 1]
+                adv[k] = g - vs[k]
+            out.append(adv)
+        return out
+
+    def update(self, trajs: Sequence[Trajectory],
+               turn_rewards: Sequence[Sequence[float]]) -> None:
+        for t, rewards in zip(trajs, turn_rewards, strict=True):
+            for i, (key, ret) in enumerate(zip(observation_keys(t), returns_to_go(rewards),
+                                               strict=False)):
+                v = self.values.get(key)
+                self.values[key] = ret if v is None else v + self.alpha * (ret - v)
+                m = self.turn_means.get(i)
+                self.turn_means[i] = ret if m is None else m + 0.05 * (ret - m)
+
+    def state_dict(self) -> dict[str, object]:
+        return {"values": {k.hex(): v for k, v in self.values.items()},
+                "turn_means": {str(k): v for k, v in self.turn_means.items()}}
+
+    def load_state_dict(self, d: dict[str, object]) -> None:
+        self.values = {bytes.fromhex(k): float(v) for k, v in d["values"].items()}  # type: ignore[attr-defined]
+        self.turn_means = {int(k): float(v) for k, v in d["turn_means"].items()}  # type: ignore[attr-defined]

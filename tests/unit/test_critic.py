@@ -1,0 +1,54 @@
+"""earl.critic.TabularCritic: values keyed by observation tokens, lambda-return advantages."""
+
+from __future__ import annotations
+
+import pytest
+
+from earl.critic import TabularCritic, observation_keys, returns_to_go
+from earl.trajectory import Trajectory
+
+
+def traj(obs: list[list[int]], sid: str = "s") -> Trajectory:
+    """Turns alternate: observation tokens, then a 2-token assistant turn."""
+    ids, spans = [], []
+    for o in obs:
+        ids += o
+        spans.append((len(ids), len(ids) + 2))
+        ids += [7, 2]
+    n = len(ids)
+    return Trajectory(sample_id=sid, group_id="g", token_ids=ids, loss_mask=[0] * n,
+                      logprobs=[0.0] * n, versions=[-1] * n, turn_spans=spans)
+
+
+def test_keys_are_the_observation_tokens() -> None:
+    a, b = traj([[1, 2], [3]]), traj([[1, 2], [4]])
+    ka, kb = observation_keys(a), observation_keys(b)
+    assert ka[0] == kb[0] and ka[1] != kb[1]
+    assert returns_to_go([0.0, 0.0, 1.0]) == [1.0, 1.0, 1.0]
+
+
+def test_hand_computed_advantages() -> None:
+    c = TabularCritic(alpha=0.5, lam=0.5)
+    t1, t2 = traj([[1], [2]]), traj([[1], [3]])
+    # nothing seen: values 0, advantages are the lambda-returns
+    assert c.advantages([t1], [[0.0, 1.0]]) == [[0.5, 1.0]]
+    c.update([t1, t2], [[0.0, 1.0], [0.0, -1.0]])
+    # V([1]) = 1 then 1 + 0.5 * (-1 - 1) = 0; V([2]) = 1; V([3]) = -1
+    assert c.values[observation_keys(t1)[0]] == pytest.approx(0.0)
+    (adv,) = c.advantages([t1], [[0.0, 1.0]])
+    # turn 1: G = 1, A = 1 - V([2]) = 0; turn 0: G = 0 + 0.5 * 1 + 0.5 * V([2]) = 1, A = 1 - 0
+    assert adv == pytest.approx([1.0, 0.0])
+    (adv,) = c.advantages([t2], [[0.0, -1.0]])
+    assert adv == pytest.approx([-1.0, 0.0])  # the move into the losing state is blamed
+
+
+def test_state_roundtrip_and_bad_args() -> None:
+    c = TabularCritic()
+    c.update([traj([[1], [2]])], [[0.0, 0.5]])
+    d = TabularCritic()
+    d.load_state_dict(c.state_dict())
+    assert d.values == c.values and d.turn_means == c.turn_means
+    with pytest.raises(ValueError, match="alpha"):
+        TabularCritic(alpha=0.0)
+    with pytest.raises(ValueError, match="lam"):
+        TabularCritic(lam=2.0)
