@@ -122,6 +122,7 @@ class VLLMEngine:
         self._idle = asyncio.Event()
         self._idle.set()
         self._tied = False
+        self._dead: BaseException | None = None
         self._n = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "ctx_errors": 0,
                    "aborted": 0, "steps": 0, "updates": 0}
         self._busy_s = 0.0
@@ -184,6 +185,8 @@ class VLLMEngine:
                 f"max_model_len={self.config.max_model_len}: shorten the prompt or max_tokens")
         await self._admit.wait()
         assert self._loop is not None, "call start() first"
+        if self._dead is not None:
+            raise RuntimeError(f"vLLM engine thread died: {self._dead!r}")
         rid = f"{session_id or 'r'}-{next(self._ids)}"
         req = _Request(self._loop.create_future(), len(prompt_ids))
         self._reqs[rid] = req
@@ -265,6 +268,10 @@ class VLLMEngine:
         if req is not None and not req.future.done():
             req.future.set_exception(exc)
         self._forget(rid)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for rid in list(self._reqs):
+            self._fail(rid, RuntimeError(f"vLLM engine thread died: {exc!r}"))
 
     def _forget(self, rid: str) -> None:
         self._reqs.pop(rid, None)
@@ -353,6 +360,8 @@ class VLLMEngine:
 
     async def _call(self, fn: Callable[[object], T]) -> T:
         """Run `fn(llm_engine)` in the engine thread between two steps."""
+        if self._dead is not None:
+            raise RuntimeError(f"vLLM engine thread died: {self._dead!r}")
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
         self._cmds.put((fn, fut))  # type: ignore[arg-type]
         return await asyncio.wrap_future(fut)
@@ -384,6 +393,10 @@ class VLLMEngine:
                           enforce_eager=True, seed=cfg.seed, max_num_seqs=cfg.max_num_seqs,
                           logprobs_mode=cfg.logprobs_mode,  # type: ignore[arg-type]
                           enable_prefix_caching=cfg.enable_prefix_caching,
+                          # vLLM 0.32 on CPU crashes when a seeded request's prefill is split
+                          # across steps ("CPU Generator does not use offset"): no chunking.
+                          enable_chunked_prefill=False,
+                          max_num_batched_tokens=max(cfg.max_model_len, 2048),
                           async_scheduling=False, disable_log_stats=True)
         eng = LLMEngine.from_engine_args(args, enable_multiprocessing=False)
         self._tied = bool(getattr(eng.model_config.hf_config, "tie_word_embeddings", False))
@@ -398,6 +411,17 @@ class VLLMEngine:
         ready.set_result(None)
         try:
             self._serve(eng)
+        except BaseException as exc:  # noqa: BLE001 - every waiter gets it, nothing hangs
+            self._dead = exc
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._fail_all, exc)
+            while True:  # fail commands already queued
+                try:
+                    cmd = self._cmds.get_nowait()
+                except queue.Empty:
+                    break
+                if cmd is not None:
+                    cmd[1].set_exception(RuntimeError(f"vLLM engine thread died: {exc!r}"))
         finally:
             shutdown = getattr(getattr(eng, "engine_core", None), "shutdown", None)
             if shutdown is not None:

@@ -111,6 +111,15 @@ async def test_rollout_and_reference_logprobs_agree(engine, paths) -> None:
         assert diff < 1e-3, f"rollout vs reference log-probs differ by {diff}"
 
 
+async def test_many_seeded_requests_at_once(engine) -> None:
+    # 64 x 41-token prompts overflow one step's token budget: vLLM 0.32 on CPU used to crash on
+    # a seeded request whose prefill was split across steps.
+    gens = await asyncio.gather(*(engine.generate(PROMPTS[2], SamplingParams(max_tokens=8, seed=i))
+                                  for i in range(64)))
+    assert all(len(g.token_ids) == 8 for g in gens)
+    assert len({tuple(g.token_ids) for g in gens}) > 32  # the seeds differ, so do the samples
+
+
 async def test_stop_token_is_kept_and_reported(engine) -> None:
     g = await engine.generate(PROMPTS[0], GREEDY)
     stop = g.token_ids[5]
