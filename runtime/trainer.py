@@ -25,6 +25,7 @@ from dataclasses import asdict
 from typing import Any, Literal, TypeVar
 
 import torch
+
 from earl.runtime import Actor, ActorGroup, endpoint
 from earl.runtime.trainer_batch import TrainBatch
 from earl.runtime.trainer_dist import free_dist_url

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from earl.runtime.wire import message
 from torch import Tensor
 
 from earl.packing import Packed, pack
+from earl.runtime.wire import message
 
 __all__ = ["MicroBatch", "TrainBatch"]
 

@@ -25,8 +25,6 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from earl.runtime import trainer_dist as tdist
-from earl.runtime.trainer_batch import MicroBatch, TrainBatch
 from torch import Tensor, nn
 
 from earl.algorithms.aggregation import aggregation_denominator
@@ -41,6 +39,8 @@ from earl.packing import (
     token_entropy,
     token_logprobs,
 )
+from earl.runtime import trainer_dist as tdist
+from earl.runtime.trainer_batch import MicroBatch, TrainBatch
 
 __all__ = ["TorchTrainer", "TrainerConfig"]
 

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from earl.models.tiny import build_tiny_model
 from earl.runtime import Actor, ActorError, Runtime, endpoint
 from earl.runtime.trainer import TrainBatch, TrainerActor, free_dist_url
 from earl.runtime.trainer_torch import TorchTrainer, TrainerConfig
 from earl.runtime.weights import decode_bucket
-
-from earl.models.tiny import build_tiny_model
 
 pytestmark = pytest.mark.timeout(240)
 

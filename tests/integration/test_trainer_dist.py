@@ -1,4 +1,5 @@
-"""Two trainer ranks over gloo (DDP and FSDP2) give the gradients of one rank on all the data."""
+"""Two trainer ranks over gloo (DDP, FSDP2, megatron-core + DDP) give the gradients of one rank
+on all the data."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from earl.runtime.trainer_batch import TrainBatch
-from earl.runtime.trainer_dist import free_dist_url
-from earl.runtime.trainer_torch import TorchTrainer, TrainerConfig
 
 from earl.algorithms import LossConfig
 from earl.models.tiny import build_tiny_model
+from earl.runtime.trainer_batch import TrainBatch
+from earl.runtime.trainer_dist import free_dist_url
+from earl.runtime.trainer_torch import TorchTrainer, TrainerConfig
 
 LOSS = {"agg": "seq-mean-token-mean", "kl_coef": 0.05, "entropy_coef": 0.01, "off_policy": "tis"}
 LENGTHS = (12, 40, 7, 25, 60, 18, 33)  # uneven shards: rank 0 gets 4 samples, rank 1 gets 3
@@ -59,6 +60,16 @@ def _worker(rank: int, model: str, url: str, out: str) -> None:
         t.save_checkpoint(Path(out) / f"ck_{parallel}")
         t.load_checkpoint(Path(out) / f"ck_{parallel}")
         results[f"{parallel}_reloaded"] = {n: w.clone() for n, w in t.named_weights()}
+    # megatron-core backend: parallel_state over the same 2-rank gloo group, torch DDP
+    from earl.runtime.trainer_megatron import MegatronTrainer
+    from earl.runtime.trainer_megatron_convert import mcore_to_hf
+
+    cfg = TrainerConfig(model=model, dist_url=url, micro_batch_tokens=40 if rank == 0 else 4096,
+                        loss=LossConfig(**LOSS))
+    mt = MegatronTrainer(cfg, rank=rank, world_size=2)
+    results["megatron_metrics"] = mt.accumulate(shard)
+    results["megatron_grads"] = mcore_to_hf(
+        {k: p.grad.clone() for k, p in mt.module.named_parameters()}, mt.shape)
     torch.save(results, Path(out) / f"rank{rank}.pt")
     t.close()
 
@@ -91,21 +102,27 @@ def test_two_ranks_match_one_rank(model_dir: Path, tmp_path: Path) -> None:
         assert p.exitcode == 0, f"trainer rank exited with {p.exitcode}"
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     cut = make_batch().split(2)[0].num_tokens
-    for parallel in ("ddp", "fsdp"):
+    for parallel in ("ddp", "fsdp", "megatron"):
         for r in range(2):
             res = ranks[r]
             for name, g in g_single.items():
+                if parallel == "megatron" and name == "lm_head.weight":
+                    continue  # tied to embed_tokens: megatron has one tensor
                 torch.testing.assert_close(res[f"{parallel}_grads"][name], g, atol=1e-6, rtol=1e-4,
                                            msg=lambda m, n=f"{parallel} rank{r} {name}": f"{n}: {m}")
             metrics = res[f"{parallel}_metrics"]
             for k in ("loss", "pg_loss", "kl", "entropy", "tokens", "samples"):
                 assert metrics[k] == pytest.approx(m_single[k], rel=1e-5), (parallel, k)
+            if parallel == "megatron":
+                continue
             assert res[f"{parallel}_step"]["grad_norm"] == pytest.approx(
                 step_single["grad_norm"], rel=1e-4)
             for name, w in w_single.items():
                 torch.testing.assert_close(res[f"{parallel}_weights"][name], w, atol=1e-5, rtol=0)
                 torch.testing.assert_close(res[f"{parallel}_reloaded"][name],
                                            res[f"{parallel}_weights"][name], atol=0, rtol=0)
+        if parallel == "megatron":
+            continue
         lp = torch.cat([ranks[0][f"{parallel}_logprobs"], ranks[1][f"{parallel}_logprobs"]])
         assert ranks[0][f"{parallel}_logprobs"].numel() == cut
         torch.testing.assert_close(lp, lp_single, atol=1e-5, rtol=1e-5)

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from earl.runtime.trainer_batch import TrainBatch
-from earl.runtime.trainer_torch import TorchTrainer, TrainerConfig
 
 from earl.algorithms import LossConfig
 from earl.models.tiny import build_tiny_model
+from earl.runtime.trainer_batch import TrainBatch
+from earl.runtime.trainer_torch import TorchTrainer, TrainerConfig
 
 
 @pytest.fixture(scope="module")
