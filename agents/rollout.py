@@ -253,6 +253,10 @@ class Rollout:
         if not ok:
             self.tool_errors += 1
             text = f"Error: {text}"
+        try:
+            text.encode()
+        except UnicodeEncodeError:  # lone surrogates: tokenizers only take valid UTF-8
+            text = text.encode("utf-8", "replace").decode()
         cap = self.config.max_tool_output_chars
         if len(text) > cap:
             text = f"{text[:cap]}\n[output truncated: {len(text) - cap} more characters]"

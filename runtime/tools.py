@@ -109,7 +109,7 @@ class _Worker:
 
     async def call(self, ref: str, args: dict[str, JSONValue]) -> dict[str, JSONValue]:
         assert self.proc.stdin is not None
-        data = json.dumps({"ref": ref, "args": args}, ensure_ascii=False).encode()
+        data = json.dumps({"ref": ref, "args": args}).encode()  # ASCII: lone surrogates survive
         self.proc.stdin.write(_HEADER.pack(len(data)) + data)
         await self.proc.stdin.drain()
         return await self._read()

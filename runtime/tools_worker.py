@@ -86,7 +86,7 @@ def main() -> None:
                      "error": "import", "run_s": 0.0}
         else:
             reply = _call(fn, req["args"])
-        data = json.dumps(reply, ensure_ascii=False).encode()
+        data = json.dumps(reply).encode()  # ASCII escapes: lone surrogates survive
         proto_out.write(_HEADER.pack(len(data)) + data)
 
 

@@ -56,6 +56,7 @@ async def test_timeout_crash_and_bad_results_keep_the_pool_serving() -> None:
         assert not r.ok and "not a string" in r.output
         assert (await ex.run(ECHO, {"text": "dict"})).output == '{"echo": "dict"}'
         assert (await ex.run(ECHO, {"text": "héllo ✓"})).output == "héllo ✓"
+        assert (await ex.run(ECHO, {"text": "bad \ud800"})).output == "bad \ud800"
 
         def local(x: int) -> str:
             """Local.

@@ -166,6 +166,14 @@ def test_tool_failures_are_observations(codec: ChatCodec) -> None:
         """
         return {"data": "é" * x}
 
+    def surrogate(x: int) -> str:
+        """Invalid UTF-8 in a str.
+
+        Args:
+            x: anything.
+        """
+        return "half \ud800 pair"
+
     def bad(x: int) -> object:
         """Not JSON.
 
@@ -177,14 +185,15 @@ def test_tool_failures_are_observations(codec: ChatCodec) -> None:
     def call(name: str) -> str:
         return f'<tool_call>{{"name": "{name}", "arguments": {{"x": 100000}}}}</tool_call>'
 
-    respond, _ = scripted(codec, [call("boom"), call("slow"), call("huge"), call("bad"), "end"])
+    respond, _ = scripted(codec, [call("boom"), call("slow"), call("huge"), call("bad"),
+                                  call("surrogate"), "end"])
     engine = SimEngine(SimConfig(time_scale=0.0), responder=respond)
     outs: list[str] = []
 
     async def agent(rollout, sample):
         messages = [{"role": "user", "content": "go"}]
-        for _ in range(4):
-            turn = await rollout.generate(messages, tools=[boom, slow, huge, bad])
+        for _ in range(5):
+            turn = await rollout.generate(messages, tools=[boom, slow, huge, bad, surrogate])
             messages.append(turn.message)
             obs = await rollout.call_tool(turn.tool_calls[0], timeout_s=0.05)
             outs.append(obs["content"])
@@ -199,6 +208,7 @@ def test_tool_failures_are_observations(codec: ChatCodec) -> None:
     assert outs[2].startswith('{"data": "éé') and "output truncated" in outs[2]
     assert len(outs[2]) < 200
     assert outs[3].startswith("Error:") and "not a string" in outs[3]
+    assert outs[4] == "half ? pair"
     assert traj.info["tool_errors"] == 3
 
 
