@@ -206,8 +206,8 @@ class SimEngine:
         """Pretend new weights arrived: later tokens carry `version`."""
         self._version = version
 
-    def forget_session(self, session_id: str) -> None:
-        """Drop the prefix-cache entry of a finished session."""
+    def end_session(self, session_id: str) -> None:
+        """Drop the prefix-cache entry of a finished session (as `RolloutClient.end_session`)."""
         self._cached.pop(session_id, None)
 
     def _tick(self, delta: int) -> None:

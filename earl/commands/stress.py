@@ -274,7 +274,7 @@ async def run_stress(args: argparse.Namespace, executor_kind: str, codec: ChatCo
         finally:
             await executor.release_session(sid)
         if use_sim:
-            engine.forget_session(sid)  # type: ignore[attr-defined]
+            engine.end_session(sid)  # type: ignore[attr-defined]
         if traj.failed:
             tot.failed += 1
             kind = (traj.error or "").split(":", 1)[0]
