@@ -3,7 +3,8 @@
     python bench/dispatch.py --json [--quick]
 
 Prints one JSON object:
-- ``memcpy_GBps``: single-thread copy of the transfer size into warm memory (the physical limit).
+- ``memcpy_GBps``: single-thread copy of the transfer size into warm memory, best of reps (the
+  physical limit; the transports below report medians, so the ratio is conservative).
 - ``transfer_GBps``: {shm, ucx, gloo, zmq} -> 256 MiB from one process to another, measured at
   the receiver from "go" to the data being readable there (median of reps, warm buffers).
 - ``ray_handoff_GBps``: ray.put in one actor + ray.get in another (null without ray).
