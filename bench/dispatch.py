@@ -8,7 +8,7 @@ Prints one JSON object:
 - ``transfer_GBps``: {shm, ucx, gloo, zmq} -> 256 MiB from one process to another, measured at
   the receiver from "go" to the data being readable there (median of reps, warm buffers).
 - ``ray_handoff_GBps``: ray.put in one actor + ray.get in another (null without ray).
-- ``layout``: experience (``layout_bytes``, 1 GiB) held by 2 producer warehouses, consumed by a
+- ``layout``: experience (``bytes``, 1 GiB by default) held by 2 producer warehouses, consumed by a
   DP=2 x TP=2 group. ``decentralized_s``: the dispatcher's plan -- each DP leader fetches its half
   straight from the warehouses over shm and forwards it to its TP peer (same read-only pages). ``single_controller_s``:
   the driver gathers everything, then scatters each DP half to both TP ranks (verl's path; the
