@@ -52,12 +52,12 @@ async def bench_model(rt: object, name: str, path: str, *, dtype: str, sessions:
                       max_tokens: int, prompt_len: int, vocab_hi: int, syncs: int,
                       cast: str | None) -> dict[str, float | int | str]:
     import torch
-    from earl.runtime.rollout import RolloutActor, RolloutClient
-    from earl.runtime.vllm_engine import EngineConfig
-    from earl.runtime.weights import WeightPublisher
     from safetensors.torch import load_file
 
     from earl.engine import SamplingParams
+    from earl.runtime.rollout import RolloutActor, RolloutClient
+    from earl.runtime.vllm_engine import EngineConfig
+    from earl.runtime.weights import WeightPublisher
 
     cfg = EngineConfig(model=path, dtype=dtype, max_model_len=2048, max_num_seqs=256)
     t0 = time.perf_counter()
@@ -120,6 +120,7 @@ async def bench_model(rt: object, name: str, path: str, *, dtype: str, sessions:
 
 async def engine_only(kind: str, sessions: int, turns: int) -> dict[str, float | str]:
     """One engine kind in this process: the agent-style workload without actors."""
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     from earl.engine import SamplingParams
     from earl.models.tiny import default_model_dir
 
@@ -143,7 +144,8 @@ async def engine_only(kind: str, sessions: int, turns: int) -> dict[str, float |
 
         allm = AsyncLLM.from_engine_args(AsyncEngineArgs(
             model=path, dtype="float32", enforce_eager=True, max_model_len=2048,
-            disable_log_stats=True))
+            disable_log_stats=True, enable_chunked_prefill=False, max_num_batched_tokens=2048,
+            gpu_memory_utilization=0.3))  # CPU: the share of RAM it insists is free
         ids = iter(range(1 << 30))
 
         async def gen(p: list[int], i: int) -> list[int]:
@@ -180,6 +182,7 @@ def compare_engines(sessions: int, turns: int) -> dict[str, object]:
     out: dict[str, object] = {}
     for kind in ("inproc", "asyncllm"):
         env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING",
+                   VLLM_CPU_KVCACHE_SPACE="1",
                    VLLM_LOGGING_STREAM="ext://sys.stderr")
         res = subprocess.run([sys.executable, __file__, "--engine-only", kind,
                               "--sessions", str(sessions), "--turns", str(turns)],
@@ -190,9 +193,8 @@ def compare_engines(sessions: int, turns: int) -> dict[str, object]:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, object]:
-    from earl.runtime import Runtime
-
     from earl.models.tiny import default_model_dir
+    from earl.runtime import Runtime
 
     out: dict[str, object] = {"quick": args.quick, "cores": os.cpu_count()}
     async with Runtime() as rt:
