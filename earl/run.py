@@ -168,9 +168,10 @@ async def train(cfg: RunConfig, *, resume: bool = False, trace: bool = False,
     from earl.agents.rollout import RolloutConfig, run_agent
     from earl.engine import SamplingParams
     from earl.eval import EVAL_SEED, evaluate, make_agent
-    from earl.learner import Learner
     from earl.runtime import Runtime
+    from earl.runtime.reference import ReferenceActor
     from earl.runtime.rollout import RolloutActor, RolloutClient
+    from earl.runtime.trainer import TrainBatch, TrainerActor, free_dist_url
     from earl.runtime.vllm_engine import EngineConfig
 
     t_start = time.perf_counter()
@@ -203,30 +204,32 @@ async def train(cfg: RunConfig, *, resume: bool = False, trace: bool = False,
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     loss = {"clip_low": a.clip, "clip_high": a.clip, "kl_coef": a.kl_coef,
             "entropy_coef": a.entropy_coef, "agg": "token-mean"}
-    weights = out / "weights"
+    weights = out / "weights"       # the trained policy (HF folder), written at the end
+    start = out / "weights_start"   # the warm-started policy: trainer start, KL reference
     elapsed = lambda: state.wall_before + time.perf_counter() - t_start
     budget_s = cfg.time_limit_minutes * 60
 
     async with Runtime() as rt:
-        with tracer.span("spawn_trainer", actor="driver"):
-            learner = await rt.spawn("trainer", Learner, base, loss, lr=a.lr,
-                                     max_grad_norm=a.max_grad_norm, seed=cfg.seed,
-                                     threads=pl.threads_per_actor,
-                                     reference=pl.reference > 0, env=env)
-        if resume:
-            await learner[0].load_checkpoint.call_one(str(ckpt_dir / "learner.pt"))
-            log(f"resumed from step {state.step} ({ckpt_dir})")
-        elif cfg.warm_start.steps > 0:
-            w = cfg.warm_start
-            with tracer.span("warm_start", actor="trainer", steps=w.steps):
-                ids, tgts = await warm_start_data(codec, max(4 * w.batch_size, 512), cfg.seed)
-                losses = await learner[0].warm_start.call_one(ids, tgts, w.steps, w.batch_size,
-                                                              w.lr)
-            log(f"warm start: {w.steps} steps on random legal games, loss "
-                f"{losses[0]:.2f} -> {losses[-1]:.2f} ({elapsed():.0f} s)")
-        await learner[0].save_weights.call_one(str(weights))
-        with tracer.span("spawn_rollout", actor="driver"):
-            ecfg = EngineConfig(model=str(weights), max_model_len=cfg.model.max_model_len,
+        if not resume:
+            await _warm_start(rt, cfg, codec, base, start, env, tracer, log, elapsed)
+        with tracer.span("spawn_actors", actor="driver"):
+            tcfg = {"model": str(start), "lr": a.lr, "betas": (0.9, 0.99),
+                    "grad_clip": a.max_grad_norm, "threads": pl.threads_per_actor,
+                    "seed": cfg.seed, "device": pl.device, "temperature": a.temperature,
+                    "micro_batch_tokens": 1 << 16, "loss": loss,
+                    "dist_url": free_dist_url() if pl.trainer > 1 else None}
+            trainer = await rt.spawn("trainer", TrainerActor, tcfg, n=pl.trainer, env=env)
+            serve = start  # the folder the rollout engine loads first
+            if resume:
+                await trainer.load_checkpoint.call(str(ckpt_dir / "trainer"))
+                serve = Path(await trainer[0].save_hf.call_one(str(weights)))
+                log(f"resumed from step {state.step} ({ckpt_dir})")
+            reference = None
+            if pl.reference > 0:
+                rfcfg = {"model": str(start), "threads": pl.threads_per_actor, "temperature": a.temperature}
+                reference = await rt.spawn("reference", ReferenceActor, rfcfg,
+                                           n=pl.reference, env=env)
+            ecfg = EngineConfig(model=str(serve), max_model_len=cfg.model.max_model_len,
                                 threads=pl.threads_per_actor, seed=cfg.seed, kv_cache_gb=0.25,
                                 dtype="float32")
             rollout = await rt.spawn("rollout", RolloutActor, to_dict(ecfg), state.step,
@@ -291,13 +294,20 @@ async def train(cfg: RunConfig, *, resume: bool = False, trace: bool = False,
                 trajs = await batch_future(b)
                 batches.pop(b)
                 cols, first_adv = batch_columns(trajs, cfg, critic)
+                if reference is not None:
+                    with tracer.span("reference", actor="reference", step=b + 1):
+                        cols["ref_logprobs"] = await reference.logprobs.choose(cols["input_ids"])
+                samples = [{k: v[i] for k, v in cols.items()} for i in range(len(trajs))]
                 with tracer.span("train_step", actor="trainer", step=b + 1):
-                    m = await learner[0].train_step.call_one(
-                        cols["input_ids"], cols["loss_mask"], cols["advantages"],
-                        cols["rollout_logprobs"])
+                    batch = TrainBatch.from_samples(samples)
+                    if pl.trainer == 1:
+                        m = await trainer[0].train_step.call_one(batch)
+                    else:
+                        shards = batch.split(pl.trainer)
+                        m = (await asyncio.gather(*(trainer[r].train_step.call_one(shards[r])
+                                                    for r in range(pl.trainer))))[0]
                 with tracer.span("push_weights", actor="trainer", version=b + 1):
-                    await learner[0].save_weights.call_one(str(weights))
-                    await rollout.update_weights_from_path.call(str(weights), b + 1, "inflight")
+                    await trainer.push_weights.call(rollout, b + 1)
                 async with version_changed:
                     version = b + 1
                     engine.note_version(version)
@@ -309,7 +319,7 @@ async def train(cfg: RunConfig, *, resume: bool = False, trace: bool = False,
                 outcomes = [str(t.info.get("outcome", "loss")) for t in trajs]
                 lens = [len(t.token_ids) for t in trajs]
                 rec: dict[str, float | int | str] = {
-                    "step": version, "steps": cfg.steps, "games": state.games,
+                    **{f"train/{k}": v for k, v in m.items()}, "step": version, "steps": cfg.steps, "games": state.games,
                     "reward": float(np.mean([t.reward or 0.0 for t in trajs])),
                     "win_rate": outcomes.count("win") / len(trajs),
                     "draw_rate": outcomes.count("draw") / len(trajs),
@@ -317,7 +327,7 @@ async def train(cfg: RunConfig, *, resume: bool = False, trace: bool = False,
                     "tokens_per_s": sum(lens) / max(now - last_t, 1e-6),
                     "staleness": float(np.mean(gen_lags)) if gen_lags else 0.0,
                     "ctx_mean": float(np.mean(lens)), "ctx_max": max(lens),
-                    "step_s": now - last_t, "wall_s": elapsed(), **m}
+                    "step_s": now - last_t, "wall_s": elapsed()}
                 last_t = now
                 metrics.log(rec)
                 log(progress_line(rec))
@@ -331,7 +341,7 @@ async def train(cfg: RunConfig, *, resume: bool = False, trace: bool = False,
                         f"(win {ev['win_rate']:.3f}, illegal {ev['illegal_rate']:.3f})")
                 if version % cfg.checkpoint_every == 0 or version == cfg.steps:
                     with tracer.span("checkpoint", actor="trainer"):
-                        await _checkpoint(learner, ckpt_dir, state, elapsed())
+                        await _checkpoint(trainer, ckpt_dir, state, elapsed())
                 if do_eval and cfg.target_win_draw and \
                         state.evals[-1]["win_draw_rate"] >= cfg.target_win_draw:
                     stopped = "target"
@@ -347,14 +357,15 @@ async def train(cfg: RunConfig, *, resume: bool = False, trace: bool = False,
                 task.cancel()
         if stopped != "steps":
             with tracer.span("checkpoint", actor="trainer"):
-                await _checkpoint(learner, ckpt_dir, state, elapsed())
+                await _checkpoint(trainer, ckpt_dir, state, elapsed())
         final = await run_eval(cfg.eval_games, EVAL_SEED)
+        await trainer[0].save_hf.call_one(str(weights))
         await rollout.close.call()
     metrics.close()
     if dump is not None:
         dump.close()
     wall = elapsed()
-    files = {"metrics": str(metrics.path), "checkpoint": str(ckpt_dir / "learner.pt"),
+    files = {"metrics": str(metrics.path), "checkpoint": str(ckpt_dir / "trainer"),
              "weights": str(weights), "config": str(out / "config.json")}
     files.update({f"plot_{k}": v for k, v in
                   write_plots(read_metrics(metrics.path), state.evals + [final], out).items()})
@@ -373,9 +384,30 @@ async def train(cfg: RunConfig, *, resume: bool = False, trace: bool = False,
     return result
 
 
-async def _checkpoint(learner, ckpt_dir: Path, state: _State, wall: float) -> None:
-    """Learner state first, then the driver state that points at it (atomic renames)."""
-    await learner[0].save_checkpoint.call_one(str(ckpt_dir / "learner.pt"))
+async def _warm_start(rt, cfg: RunConfig, codec, base: str, start: Path,
+                      env: dict[str, str], tracer: Tracer, log: Callable[[str], None],
+                      elapsed: Callable[[], float]) -> None:
+    """Supervised warm start in a short-lived `Learner` actor; writes the HF folder `start`
+    (the RL trainer's starting point and the reference's KL anchor)."""
+    from earl.learner import Learner
+
+    w = cfg.warm_start
+    with tracer.span("warm_start", actor="trainer", steps=w.steps):
+        learner = await rt.spawn("warmstart", Learner, base, seed=cfg.seed,
+                                 threads=cfg.placement.threads_per_actor, env=env)
+        if w.steps > 0:
+            ids, tgts = await warm_start_data(codec, max(4 * w.batch_size, 512), cfg.seed)
+            losses = await learner[0].warm_start.call_one(ids, tgts, w.steps, w.batch_size,
+                                                          w.lr)
+            log(f"warm start: {w.steps} steps on random legal games, loss "
+                f"{losses[0]:.2f} -> {losses[-1]:.2f} ({elapsed():.0f} s)")
+        await learner[0].save_weights.call_one(str(start))
+        await rt.stop(learner)
+
+
+async def _checkpoint(trainer, ckpt_dir: Path, state: _State, wall: float) -> None:
+    """Trainer state first, then the driver state that points at it (atomic renames)."""
+    await trainer.save_checkpoint.call(str(ckpt_dir / "trainer"))
     if state.critic is not None:
         tmp = ckpt_dir / "critic.json.tmp"
         tmp.write_text(json.dumps(state.critic.state_dict()))
