@@ -199,7 +199,8 @@ class VLLMEngine:
         try:
             return await req.future
         except asyncio.CancelledError:
-            self._cmds.put((lambda eng: eng.abort_request([rid]), concurrent.futures.Future()))
+            self._cmds.put((lambda eng: eng.abort_request([rid]),  # type: ignore[attr-defined]
+                           concurrent.futures.Future()))
             self._forget(rid)
             raise
 

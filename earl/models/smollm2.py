@@ -65,7 +65,7 @@ def _convert(src: Path, out: Path) -> None:
     d, name = str(src.parent), src.name
     tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
-    model.hf_quantizer = None  # weights are dequantized: save a plain fp32 checkpoint
+    model.hf_quantizer = None  # type: ignore[assignment]  # weights are dequantized: save a plain fp32 checkpoint
     if hasattr(model.config, "quantization_config"):  # vLLM rejects quant_method "gguf"
         del model.config.quantization_config
     model.save_pretrained(out)

@@ -225,15 +225,16 @@ def _write_model(out: Path, cfg: TinyConfig) -> None:
         max_position_embeddings=cfg.max_positions,
         initializer_range=cfg.init_std,
         tie_word_embeddings=cfg.tie_embeddings,
-        rope_theta=10000.0,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
         bos_token_id=None,
         eos_token_id=eos,
         pad_token_id=pad,
-        torch_dtype="float32",
     )
+    hf_cfg.dtype = "float32"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        model = Qwen2ForCausalLM(hf_cfg).to(torch.float32)
+        model = Qwen2ForCausalLM(hf_cfg)
+    model.to(dtype=torch.float32)  # type: ignore[call-arg]  # transformers stub quirk
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
     model.save_pretrained(out)
 
