@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
 from earl.runtime import Actor, endpoint
 
 __all__ = ["ReferenceActor", "ReferenceConfig", "ReferenceModel", "microbatches"]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from earl.runtime import Actor, endpoint
 from earl.runtime.reference import microbatches
 

@@ -23,15 +23,15 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from earl.engine import ContextLengthError, Generation, SamplingParams
 from earl.runtime import Actor, ActorError, ActorGroup, endpoint
 from earl.runtime.vllm_engine import EngineConfig, RolloutStatistics, UpdateMode, VLLMEngine
 from earl.runtime.weights import decode_bucket
 from earl.runtime.wire import message
 
-from earl.engine import ContextLengthError, Generation, SamplingParams
-
 if TYPE_CHECKING:
     import torch
+
     from earl.runtime.transport import Frame, Receiver
 
 for _cls in (SamplingParams, Generation, EngineConfig, RolloutStatistics):

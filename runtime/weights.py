@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
     from earl.runtime import ActorGroup
 
 __all__ = ["WeightPublisher", "WeightSync", "decode_bucket", "encode_bucket", "iter_buckets",

@@ -65,8 +65,9 @@ async def test_context_length_error_keeps_its_type(group) -> None:
 
 @pytest.mark.parametrize("transport", ["shm", "rpc"])
 async def test_publisher_switches_every_replica(group, transport: str) -> None:
-    from earl.runtime.weights import WeightPublisher
     from safetensors.torch import load_file
+
+    from earl.runtime.weights import WeightPublisher
 
     def path(kw: dict[str, float]) -> Path:
         return default_model_dir(**kw) / "model.safetensors"
@@ -91,6 +92,7 @@ async def test_publisher_switches_every_replica(group, transport: str) -> None:
 
 async def test_reference_actor_scores_what_the_rollout_sampled(rt, group) -> None:
     import numpy as np
+
     from earl.runtime.reference import ReferenceActor, ReferenceConfig
 
     ref = await rt.spawn("reference", ReferenceActor,
@@ -108,6 +110,7 @@ async def test_reference_actor_scores_what_the_rollout_sampled(rt, group) -> Non
 
 async def test_reward_actor_serves_rules_and_the_reward_model(rt, tmp_path) -> None:
     import numpy as np
+
     from earl.runtime.reward import (
         RewardActor,
         RewardModel,

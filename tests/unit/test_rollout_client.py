@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from earl.runtime import ActorError
-from earl.runtime.rollout import RolloutClient
 
 from earl.engine import ContextLengthError, Generation, SamplingParams
+from earl.runtime import ActorError
+from earl.runtime.rollout import RolloutClient
 
 
 class _Endpoint:
