@@ -19,6 +19,9 @@ Example:
 
 from __future__ import annotations
 
+import os
+import sys
+import traceback
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -52,7 +55,7 @@ class RolloutActor(Actor):
     def __init__(self, config: EngineConfig | dict[str, object], policy_version: int = 0) -> None:
         if isinstance(config, dict):
             config = EngineConfig(**config)  # type: ignore[arg-type]
-        self.engine = VLLMEngine(config, policy_version=policy_version)
+        self.engine = VLLMEngine(config, policy_version=policy_version, on_death=_die)
         self._staged: list[tuple[str, torch.Tensor]] = []
         self._receiver: Receiver | None = None
 
@@ -132,6 +135,13 @@ class RolloutActor(Actor):
         await self.engine.close()
         if self._receiver is not None:
             self._receiver.close()
+
+
+def _die(exc: BaseException) -> None:
+    """vLLM failed mid-serve: end this process so the supervisor sees it and can restart it."""
+    traceback.print_exception(exc, file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(70)
 
 
 class RolloutClient:

@@ -108,8 +108,12 @@ class _Request:
 class VLLMEngine:
     """An in-process vLLM engine speaking `earl.engine.Engine` (see module docstring)."""
 
-    def __init__(self, config: EngineConfig, *, policy_version: int = 0) -> None:
+    def __init__(self, config: EngineConfig, *, policy_version: int = 0,
+                 on_death: Callable[[BaseException], None] | None = None) -> None:
+        """`on_death(exc)` runs in the engine thread if vLLM fails while serving, after every
+        waiter has been failed (e.g. to exit the actor process so its supervisor restarts it)."""
         self.config = config
+        self._on_death = on_death
         self._version = policy_version
         self._cmds: queue.SimpleQueue[tuple[Callable[[object], object], concurrent.futures.Future]
                                       | None] = queue.SimpleQueue()
@@ -423,6 +427,8 @@ class VLLMEngine:
                     break
                 if cmd is not None:
                     cmd[1].set_exception(RuntimeError(f"vLLM engine thread died: {exc!r}"))
+            if self._on_death is not None:
+                self._on_death(exc)
         finally:
             shutdown = getattr(getattr(eng, "engine_core", None), "shutdown", None)
             if shutdown is not None:
