@@ -44,7 +44,7 @@ class EnvConfig:
 class WarmStartConfig:
     """Supervised warm start on random legal games (a random legal player, not an expert)."""
 
-    steps: int = 150
+    steps: int = 120
     batch_size: int = 32
     lr: float = 3e-3
 
@@ -87,14 +87,14 @@ class RunConfig:
     """One training run. `batch_size` counts trajectories per step (whole groups)."""
 
     seed: int = 0
-    steps: int = 200
+    steps: int = 2000
     batch_size: int = 64
     group_size: int = 8
     max_policy_lag: int = 1
-    time_limit_minutes: float = 9.0
-    target_win_draw: float = 0.0
+    time_limit_minutes: float = 8.5
+    target_win_draw: float = 0.95
     eval_games: int = 200
-    eval_every: int = 0
+    eval_every: int = 20
     checkpoint_every: int = 25
     dump_trajectories: bool = True
     output_dir: str = "runs/latest"

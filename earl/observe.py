@@ -125,7 +125,8 @@ def write_plots(metrics: list[dict[str, float | int | str]],
                 label="win+draw (train, sampled)", alpha=0.6)
     if evals:
         ax.plot([e["minutes"] for e in evals], [e["win_draw_rate"] for e in evals], "o-",
-                label="win+draw (eval, 200 greedy games)", color="black")
+                label=f"win+draw (eval, {int(evals[-1].get('games', 0))} greedy games)",
+                color="black")
     ax.axhline(0.9, ls="--", color="gray", lw=0.8)
     ax.set_xlabel("wall minutes")
     ax.set_ylabel("rate / reward")

@@ -251,14 +251,17 @@ async def train(cfg: RunConfig, *, resume: bool = False, trace: bool = False,
 
         async def play_group(b: int, g: int) -> list[Trajectory]:
             cursor = b * groups_per_batch + g
-            seed = TRAIN_SEED + cursor
             t0 = time.perf_counter()
+            # GRPO groups share a prompt (seed); with the critic every game gets its own seed.
+            seeds = [TRAIN_SEED + cursor if critic is None else
+                     TRAIN_SEED + cursor * cfg.group_size + i for i in range(cfg.group_size)]
             trajs = await asyncio.gather(*(
-                run_agent(agent, seed, engine=engine, codec=codec, config=rcfg,
+                run_agent(agent, seeds[i], engine=engine, codec=codec, config=rcfg,
                           sample_id=f"s{cursor}-{i}", group_id=f"g{cursor}")
                 for i in range(cfg.group_size)))
-            for t in trajs:
+            for t, seed in zip(trajs, seeds, strict=True):
                 engine.end_session(t.sample_id)
+                t.info["seed"] = seed
             tracer.add("group", actor=f"rollout-agents-{g % 4}", start=t0,
                        end=time.perf_counter(), batch=b)
             return list(trajs)

@@ -58,7 +58,7 @@ def replay(t: dict[str, object], tok) -> dict[str, object]:
     from earl.envs.tictactoe import TicTacToe
     from earl.eval import env_config
 
-    seed = int(str(t["group_id"]).lstrip("g")) + 10_000
+    seed = int(t["info"]["seed"])  # type: ignore[index]
     env = TicTacToe(env_config(seed % 2 == 0))
     env.reset(seed)
     ids: list[int] = t["token_ids"]  # type: ignore[assignment]

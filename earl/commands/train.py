@@ -7,6 +7,11 @@
     earl train --trace                          # also write a Chrome/Perfetto trace
 
 Any `--key.sub=value` not listed below overrides a field of `earl.config.RunConfig`.
+
+Resume restores the trainer (model, optimizer, schedule, RNG), the critic table, the policy
+version and the data cursor (the next batch's game seeds), so a resumed run continues the same
+metrics trajectory. It is not bit-identical: vLLM's sampling stream restarts with the engine and,
+with max_policy_lag > 0, which policy version sampled which token depends on timing.
 """
 
 from __future__ import annotations
