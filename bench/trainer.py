@@ -3,7 +3,7 @@ and the full train step against the machine's matmul peak.
 
     python bench/trainer.py --json [--quick] [--threads 2]
 
-For tiny Qwen2 models (~0.2M, ~0.8M, ~1.8M parameters; --quick: 0.8M only) and 64 samples of
+For tiny Qwen2 models (~0.2M, ~0.8M, ~1.8M parameters; --quick: 0.8M only, 32 samples) and 64 samples of
 50-400 tokens cut into 4096-token micro-batches, prints one JSON object with, per model:
 - ``fwd_bwd_tok_s``: tokens/s of forward + log-probs + backward, per attention layout:
   ``varlen`` (EARL default: packed row, causal SDPA per sample), ``mask`` (packed row, one SDPA
@@ -45,7 +45,7 @@ def _peak_gflops(n: int = 1024, reps: int = 10) -> float:
     return 2 * n**3 / min(times) / 1e9
 
 
-def _bench_model(hidden: int, layers: int, rounds: int, seed: int) -> dict[str, object]:
+def _bench_model(hidden: int, layers: int, rounds: int, seed: int, samples: int) -> dict[str, object]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -55,7 +55,7 @@ def _bench_model(hidden: int, layers: int, rounds: int, seed: int) -> dict[str, 
     from earl.runtime.trainer_torch import TorchTrainer, TrainerConfig
 
     rng = random.Random(seed)
-    lengths = [rng.randint(50, 400) for _ in range(64)]
+    lengths = [rng.randint(50, 400) for _ in range(samples)]
     g = torch.Generator().manual_seed(seed)
     seqs = [torch.randint(7, 263, (n,), generator=g) for n in lengths]
     plan = plan_micro_batches(lengths, 4096)
@@ -126,7 +126,7 @@ def _bench_model(hidden: int, layers: int, rounds: int, seed: int) -> dict[str, 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print only the JSON object")
-    ap.add_argument("--quick", action="store_true", help="one model, 2 rounds (~1 min)")
+    ap.add_argument("--quick", action="store_true", help="one model, 32 samples, 2 rounds")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=None)
     args = ap.parse_args(argv)
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [(128, 4)] if args.quick else [(64, 4), (128, 4), (192, 4)]
     models = {}
     for hidden, layers in shapes:
-        r = _bench_model(hidden, layers, rounds, seed=0)
+        r = _bench_model(hidden, layers, rounds, seed=0, samples=32 if args.quick else 64)
         r["mfu"] = round(float(r["train_step_gflops"]) / peak, 3)  # type: ignore[arg-type]
         models[f"h{hidden}_l{layers}"] = r
         if not args.json:

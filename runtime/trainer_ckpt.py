@@ -17,7 +17,7 @@ import json
 import os
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -54,10 +54,11 @@ def _rng_state() -> dict[str, object]:
 
 
 def _set_rng_state(state: dict[str, object]) -> None:
-    torch.set_rng_state(state["torch"])  # type: ignore[arg-type]
-    kind, keys, pos, has_gauss, cached = state["numpy"]  # type: ignore[misc]
+    torch.set_rng_state(cast(torch.Tensor, state["torch"]))
+    kind, keys, pos, has_gauss, cached = cast(tuple[str, torch.Tensor, int, int, float],
+                                              state["numpy"])
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    version, internal, gauss = state["python"]  # type: ignore[misc]
+    version, internal, gauss = cast(tuple[int, tuple[int, ...], float | None], state["python"])
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])  # type: ignore[arg-type]

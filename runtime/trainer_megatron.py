@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -84,7 +85,7 @@ def build_gpt_model(hf_config: PretrainedConfig, *, dtype: torch.dtype = torch.f
     return GPTModel(
         config=tcfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=c.vocab_size, max_sequence_length=c.max_position_embeddings,
-        position_embedding_type="rope", rotary_base=int(rope),
+        position_embedding_type="rope", rotary_base=int(float(rope or 10000.0)),
         share_embeddings_and_output_weights=shape.tied, pre_process=True, post_process=True,
     )
 
@@ -132,7 +133,7 @@ class MegatronTrainer(TorchTrainer):
         init_megatron_parallel(self.rank, self.world_size, self.config.dist_url, self.device)
         self.hf_config = AutoConfig.from_pretrained(self.config.model)
         self.shape = QwenShape.from_hf_config(self.hf_config)
-        files = sorted(p for p in _model_files(self.config.model))
+        files = _model_files(self.config.model)
         hf_state: dict[str, Tensor] = {}
         for f in files:
             hf_state.update(load_file(str(f)))
@@ -166,10 +167,8 @@ class MegatronTrainer(TorchTrainer):
             return AutoModelForCausalLM.from_config(self.hf_config)
 
 
-def _model_files(folder: str) -> list[object]:
-    from pathlib import Path
-
+def _model_files(folder: str) -> list[Path]:
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
         raise ValueError(f"TrainerConfig.model={folder!r} has no *.safetensors weights")
-    return list(files)
+    return files

@@ -152,7 +152,7 @@ class TorchTrainer:
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(self.config.model, dtype=torch.float32)
-        hf.to(self.device)
+        hf.to(self.device)  # type: ignore[arg-type]
         set_attention(hf, self.config.attention)
         self._tied = set(getattr(hf, "all_tied_weights_keys", {}) or {})
         return hf
@@ -251,8 +251,8 @@ class TorchTrainer:
         want_entropy = cfg.entropy_coef > 0 or self.config.log_entropy
         for k, mb in enumerate(plan):
             last = k == len(plan) - 1
-            sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") \
-                else self.model.no_sync()
+            no_sync = getattr(self.model, "no_sync", None)  # DDP: all-reduce on the last only
+            sync = contextlib.nullcontext() if last or no_sync is None else no_sync()
             with sync:
                 if mb is None:
                     self._dummy_forward().backward()
@@ -338,6 +338,12 @@ class TorchTrainer:
             if name not in self._tied:
                 yield name, t.detach()
 
+    def weight_buckets(self, bucket_bytes: int = 64 << 20) -> Iterator[list[tuple[str, Tensor]]]:
+        """``named_weights`` grouped into lists of about ``bucket_bytes`` (for weight sync)."""
+        from earl.runtime.weights import iter_buckets
+
+        yield from iter_buckets(self.named_weights(), bucket_bytes)
+
     def save_hf(self, out_dir: str | Path) -> Path:
         """Write an HF folder (weights, config, and the source folder's tokenizer files)."""
         import shutil
@@ -346,7 +352,7 @@ class TorchTrainer:
         state = dict(self.named_weights())
         if self.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
-            self._hf_for_saving().save_pretrained(out, state_dict=state)
+            self._hf_for_saving().save_pretrained(out, state_dict=state)  # type: ignore[operator]
             for f in Path(self.config.model).iterdir():
                 if f.is_file() and ("token" in f.name or f.name.endswith((".jinja", ".txt"))):
                     shutil.copy2(f, out / f.name)

@@ -135,6 +135,8 @@ def test_named_weights_and_save_hf_round_trip(model_dir: Path, tmp_path: Path) -
     names = [n for n, _ in t.named_weights()]
     assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names  # tied
     assert "model.layers.1.mlp.down_proj.weight" in names
+    buckets = list(t.weight_buckets(bucket_bytes=30_000))
+    assert len(buckets) > 1 and [n for b in buckets for n, _ in b] == names
     out = t.save_hf(tmp_path / "hf")
     assert (out / "tokenizer.json").is_file()
     reloaded = AutoModelForCausalLM.from_pretrained(out)
