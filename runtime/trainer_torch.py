@@ -235,11 +235,10 @@ class TorchTrainer:
         """
         cfg = self.config.loss
         self.model.train()
-        plan = self._plan(batch)
+        plan = [None if mb is None else batch.select(mb) for mb in self._plan(batch)]
         local = torch.zeros(4, dtype=torch.float64)
-        for mb in plan:
-            if mb is not None:
-                sub = batch.select(mb)
+        for sub in plan:
+            if sub is not None:
                 local[0] += aggregation_denominator(sub.loss_mask, cfg.agg, sub.packed.seq_ids)
         local[1] = batch.num_tokens
         local[2] = float(batch.loss_mask.sum())
@@ -249,15 +248,15 @@ class TorchTrainer:
         scale = float(self.world_size if self.distributed else 1)  # DDP/FSDP average gradients
         sums: dict[str, Tensor] = {}
         want_entropy = cfg.entropy_coef > 0 or self.config.log_entropy
-        for k, mb in enumerate(plan):
+        for k, sub in enumerate(plan):
             last = k == len(plan) - 1
             no_sync = getattr(self.model, "no_sync", None)  # DDP: all-reduce on the last only
             sync = contextlib.nullcontext() if last or no_sync is None else no_sync()
             with sync:
-                if mb is None:
+                if sub is None:
                     self._dummy_forward().backward()
                     continue
-                loss, metrics = self._micro_loss(batch.select(mb), denom, want_entropy)
+                loss, metrics = self._micro_loss(sub, denom, want_entropy)
                 (loss * scale).backward()
             for name, v in metrics.items():
                 sums[name] = sums.get(name, torch.zeros((), dtype=torch.float64)) + v.double().cpu()
