@@ -54,9 +54,10 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if a.quick:
-        common = ["--steps=8", "--warm_start.steps=10", "--batch_size=32", "--group_size=8",
+        common = ["--steps=8", "--warm_start.steps=0", "--placement.reference=0",
+                  "--batch_size=32", "--group_size=8",
                   "--eval_games=20", "--eval_every=0", "--checkpoint_every=100",
-                  "--dump_trajectories=false", "--time_limit_minutes=0.5"]
+                  "--dump_trajectories=false", "--target_win_draw=0"]
     else:
         common = ["--steps=100000", f"--time_limit_minutes={a.minutes}", "--eval_every=10",
                   "--target_win_draw=0.9", "--checkpoint_every=100000"]

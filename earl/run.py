@@ -395,15 +395,20 @@ async def _warm_start(rt, cfg: RunConfig, codec, base: str, start: Path,
     from earl.learner import Learner
 
     w = cfg.warm_start
+    if w.steps == 0:  # no warm start: the RL trainer starts from the model as it is
+        import shutil
+
+        if start.exists():
+            shutil.rmtree(start)
+        shutil.copytree(base, start)
+        return
     with tracer.span("warm_start", actor="trainer", steps=w.steps):
         learner = await rt.spawn("warmstart", Learner, base, seed=cfg.seed,
                                  threads=cfg.placement.threads_per_actor, env=env)
-        if w.steps > 0:
-            ids, tgts = await warm_start_data(codec, max(4 * w.batch_size, 512), cfg.seed)
-            losses = await learner[0].warm_start.call_one(ids, tgts, w.steps, w.batch_size,
-                                                          w.lr)
-            log(f"warm start: {w.steps} steps on random legal games, loss "
-                f"{losses[0]:.2f} -> {losses[-1]:.2f} ({elapsed():.0f} s)")
+        ids, tgts = await warm_start_data(codec, max(4 * w.batch_size, 512), cfg.seed)
+        losses = await learner[0].warm_start.call_one(ids, tgts, w.steps, w.batch_size, w.lr)
+        log(f"warm start: {w.steps} steps on random legal games, loss "
+            f"{losses[0]:.2f} -> {losses[-1]:.2f} ({elapsed():.0f} s)")
         await learner[0].save_weights.call_one(str(start))
         await rt.stop(learner)
 
