@@ -7,6 +7,9 @@ entry i is log p_ref(token_i | tokens_<i) (entry 0, which has no context, is 0.0
 the dock's "input_ids" column so it can be stored as "ref_logprobs". Work is cut into
 micro-batches of at most `token_budget` padded tokens, longest samples first.
 
+`ReferenceActor.score_dock` runs the reference stage on the transfer dock: samples in, the
+"ref_logprobs" column out (kept on the reference actor's own warehouse shard).
+
 This module never updates weights and knows nothing about rewards or the loss.
 """
 
@@ -18,7 +21,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from earl.runtime import Actor, endpoint
+from earl.runtime import Actor, context, endpoint
+from earl.runtime.dock import Dock, WarehouseHost
 
 __all__ = ["ReferenceActor", "ReferenceConfig", "ReferenceModel", "microbatches"]
 
@@ -104,14 +108,44 @@ class ReferenceModel:
         return out
 
 
-class ReferenceActor(Actor):
-    """Serves a `ReferenceModel` (config as a ReferenceConfig or its dict of fields)."""
+class ReferenceActor(WarehouseHost, Actor):
+    """Serves a `ReferenceModel` (config as a ReferenceConfig or its dict of fields).
 
-    def __init__(self, config: ReferenceConfig | dict[str, object]) -> None:
+    It is also a dock warehouse shard: `score_dock` leases samples' "input_ids" for the
+    "reference" stage, scores them, and adds their "ref_logprobs" column in this process.
+    """
+
+    def __init__(self, config: ReferenceConfig | dict[str, object], index: str = "dock") -> None:
         if isinstance(config, dict):
             config = ReferenceConfig(**config)  # type: ignore[arg-type]
         self.ref = ReferenceModel(config)
+        self.index_name = index
+        self._dock: Dock | None = None
         self._lock = asyncio.Lock()
+
+    @endpoint
+    async def score_dock(self, n: int = 32, stage: str = "reference",
+                         timeout_s: float | None = None) -> int:
+        """One lease of up to `n` samples: take -> fetch -> score -> add "ref_logprobs" -> ack.
+
+        Returns the number of samples scored. Raises TimeoutError when none is ready in time.
+        """
+        if self._dock is None:
+            self._dock = Dock(await context().lookup(self.index_name), warehouse=self.warehouse)
+        dock = self._dock
+        lease = await dock.take(stage, ["input_ids"], n, whole_groups=False, timeout_s=timeout_s)
+        batch, frames = await dock.fetch(lease)
+        try:
+            ids = [batch[loc.sample_id]["input_ids"] for loc in lease.samples]
+            async with self._lock:
+                scores = await asyncio.to_thread(self.ref.logprobs, ids)
+        finally:
+            for f in frames:
+                f.release()
+        for loc, lp in zip(lease.samples, scores, strict=True):
+            await dock.add_columns(loc.sample_id, {"ref_logprobs": lp}, group_id=loc.group_id)
+        await dock.ack(lease)
+        return len(scores)
 
     @endpoint
     async def logprobs(self, samples: list[np.ndarray]) -> list[np.ndarray]:

@@ -93,19 +93,39 @@ async def test_publisher_switches_every_replica(group, transport: str) -> None:
 async def test_reference_actor_scores_what_the_rollout_sampled(rt, group) -> None:
     import numpy as np
 
+    from earl.runtime.dock import Dock, IndexActor, WarehouseActor
     from earl.runtime.reference import ReferenceActor, ReferenceConfig
 
+    ix = await rt.spawn("dock", IndexActor, stages=["reference", "train"], capacity=16)
+    store = await rt.spawn("store", WarehouseActor, "dock")
     ref = await rt.spawn("reference", ReferenceActor,
-                         asdict(ReferenceConfig(model=str(default_model_dir(**MODEL_A)))),
+                         asdict(ReferenceConfig(model=str(default_model_dir(**MODEL_A)))), "dock",
                          env={"OMP_NUM_THREADS": "1"})
     gens = [await group[0].generate.call_one([1, 60 + i], SamplingParams(max_tokens=20, seed=i))
             for i in range(3)]
     samples = [np.array([1, 60 + i] + g.token_ids) for i, g in enumerate(gens)]
-    scores = await ref[0].logprobs.call_one(samples)
+    scores = await ref[0].logprobs.call_one(samples)  # direct RPC path
     for g, lp in zip(gens, scores, strict=True):
         assert abs(lp[2:] - np.array(g.logprobs)).max() < 1e-3
-    assert await ref[0].tokens_scored.call_one() == sum(len(s) for s in samples)
-    await rt.stop(ref)
+    for i, (s, g) in enumerate(zip(samples, gens, strict=True)):  # the dock path
+        cols = {"input_ids": s.astype(np.int64),
+                "versions": np.array([-1, -1] + g.versions, np.int32)}
+        await store.put.call_one(f"s{i}", cols, f"g{i}", 1)
+    assert await ref[0].score_dock.call_one(3, timeout_s=30) == 3
+    dock = Dock(ix)
+    lease = await dock.take("train", ["input_ids", "ref_logprobs"], 3, timeout_s=10)
+    batch, frames = await dock.fetch(lease)
+    for i, g in enumerate(gens):
+        lp = batch[f"s{i}"]["ref_logprobs"]
+        assert lp.dtype == np.float32 and len(lp) == len(samples[i])
+        assert abs(lp[2:] - np.array(g.logprobs)).max() < 1e-3
+    for f in frames:
+        f.release()
+    await dock.ack(lease)
+    dock.close()
+    assert await ref[0].tokens_scored.call_one() == 2 * sum(len(s) for s in samples)
+    for g in (ref, store, ix):
+        await rt.stop(g)
 
 
 async def test_reward_actor_serves_rules_and_the_reward_model(rt, tmp_path) -> None:
