@@ -8,7 +8,9 @@ out of the agent's process. The reward model scores token-id sequences with one 
 `build_tiny_reward_model` makes an offline Qwen2 classifier that shares the tiny model's
 tokenizer, for tests and demos.
 
-This module does not turn rewards into advantages (`earl.algorithms`).
+The same reward model runs as a tool action on the shared executor through
+`earl.models.reward_model.score_text`. This module does not turn rewards into advantages
+(`earl.algorithms`).
 """
 
 from __future__ import annotations
