@@ -63,6 +63,7 @@ def _send(sock: socket.socket, msg: Any) -> None:
 async def _serve(spec: Any, sock: socket.socket) -> int:
     from earl.runtime.actor import Actor
     from earl.runtime.config import RuntimeConfig
+    from earl.runtime.launch import unpack_msg
     from earl.runtime.runtime import Runtime
     from earl.runtime.server import Server
 
@@ -79,7 +80,8 @@ async def _serve(spec: Any, sock: socket.socket) -> int:
                 raise TypeError(f"{spec.cls_qualname} is not an Actor subclass")
             actor: Actor = cls.__new__(cls)  # type: ignore[call-overload]
             actor.name, actor.rank, actor.world_size = spec.name, spec.rank, spec.world_size
-            actor.__init__(*spec.args, **spec.kwargs)
+            args, kwargs = unpack_msg(spec.call)
+            actor.__init__(*args, **kwargs)
             await actor.setup()
             server = Server(actor, label, spawn=rt.task, max_bytes=spec.max_message_bytes,
                             secret=spec.secret)

@@ -33,8 +33,7 @@ class ActorSpec:
     cls_module: str
     cls_qualname: str
     main_file: str | None
-    args: list[Any]
-    kwargs: dict[str, Any]
+    call: bytes  # `[args, kwargs]` packed by `pack_call`; decoded after the class is imported
     bind: str  # "unix:/path" or "tcp:host:0"
     directory: str  # address of the root directory
     run_dir: str
@@ -49,6 +48,12 @@ def pack_msg(obj: Any) -> bytes:
     body, bufs = encode(obj)
     data = msgpack.packb([body, [bytes(memoryview(b)) for b in bufs]], use_bin_type=True)
     return _LEN.pack(len(data)) + data
+
+
+def pack_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+    """Constructor arguments, packed so the actor process decodes them only after importing its
+    class's module (which registers the `@message` dataclasses they may contain)."""
+    return pack_msg([list(args), kwargs])[_LEN.size:]
 
 
 def unpack_msg(data: bytes) -> Any:

@@ -29,7 +29,7 @@ from earl.runtime.directory import DEAD, UP, Directory, GroupRecord
 from earl.runtime.endpoint import endpoints_of
 from earl.runtime.errors import ActorDied
 from earl.runtime.frames import Kind
-from earl.runtime.launch import ActorSpec, Launcher, make_launcher
+from earl.runtime.launch import ActorSpec, Launcher, make_launcher, pack_call
 from earl.runtime.server import Server
 from earl.runtime.supervisor import GroupSupervisor
 from earl.runtime.wire import encode
@@ -203,7 +203,7 @@ class Runtime:
         if old is not None and any(s != DEAD for s in old.status):
             raise ValueError(f"an actor group named {name!r} already exists: stop it or pick "
                              "another name")
-        encode([list(args), kwargs])  # fail here, not in the child, if an argument cannot travel
+        call = pack_call(args, kwargs)  # fails here, not in the child, if an argument can't travel
         if self._launcher is None:
             self._launcher = make_launcher(self.config.launcher, self.config.ray_address)
         main_file = None
@@ -212,7 +212,7 @@ class Runtime:
         cfg = self.config
         specs = [ActorSpec(
             name=name, rank=r, world_size=n, cls_module=cls.__module__,
-            cls_qualname=cls.__qualname__, main_file=main_file, args=list(args), kwargs=kwargs,
+            cls_qualname=cls.__qualname__, main_file=main_file, call=call,
             bind=self._bind(name, r), directory=self.directory_address or "",
             run_dir=self.run_dir, host=cfg.host, tcp=cfg.use_tcp, secret=cfg.secret_bytes,
             max_message_bytes=cfg.max_message_bytes, sys_path=list(sys.path)) for r in range(n)]

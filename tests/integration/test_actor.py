@@ -101,6 +101,17 @@ class Relay(Actor):
         return (await g.whoami.call_one())[3]
 
 
+class Holder(Actor):
+    """Takes a registered message in its constructor (decoded only after this module loads)."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+
+    @endpoint
+    async def job_id(self) -> str:
+        return self.job.job_id
+
+
 class BadInit(Actor):
     def __init__(self) -> None:
         raise ValueError("model file missing")
@@ -129,6 +140,14 @@ async def test_delivery_adverbs(counters):
     names = await counters.whoami.call()
     assert [(n, r, w) for n, r, w, _ in names] == [("counters", 0, 2), ("counters", 1, 2)]
     assert names[0][3] != names[1][3] != os.getpid()
+
+
+async def test_spawn_arguments_may_be_registered_messages(rt):
+    g = await rt.spawn("holder", Holder, Job(job_id="j7", weights=np.ones(3)))
+    try:
+        assert await g.job_id.call_one() == "j7"
+    finally:
+        await rt.stop(g)
 
 
 async def test_remote_exception_carries_traceback(counters):
