@@ -58,10 +58,10 @@ class AlgorithmConfig:
     epochs: int = 1
     clip: float = 0.2
     entropy_coef: float = 0.0
-    kl_coef: float = 0.0
+    kl_coef: float = 0.05
     gamma: float = 1.0
     reward_win: float = 1.0
-    reward_draw: float = 0.5
+    reward_draw: float = 1.0
     reward_loss: float = -1.0
     normalize_std: bool = False
     critic: str = "tabular"
