@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    rounds = args.rounds or (2 if args.quick else 5)
+    rounds = args.rounds or (2 if args.quick else 3)
     peak = _peak_gflops()
     shapes = [(128, 4)] if args.quick else [(64, 4), (128, 4), (192, 4)]
     models = {}

@@ -110,6 +110,9 @@ class TrainerActor(Actor):
 
         assert self.trainer is not None
         ver = self.trainer.step if version is None else version
+        gathers = self.trainer.distributed and self.config.parallel == "fsdp"
+        if self.rank != 0 and not gathers:
+            return {}
         named = await self._run(lambda t: list(t.named_weights()))
         if self.rank != 0:
             return {}
