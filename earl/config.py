@@ -84,7 +84,11 @@ class PlacementConfig:
 
 @dataclass(kw_only=True, slots=True)
 class RunConfig:
-    """One training run. `batch_size` counts trajectories per step (whole groups)."""
+    """One training run. `batch_size` counts trajectories per step (whole groups).
+
+    `select_best`: the final policy is the one with the best periodic (validation) eval; the
+    reported final eval uses fresh game seeds.
+    """
 
     seed: int = 0
     steps: int = 2000
@@ -95,6 +99,7 @@ class RunConfig:
     target_win_draw: float = 0.95
     eval_games: int = 200
     eval_every: int = 20
+    select_best: bool = True
     checkpoint_every: int = 25
     dump_trajectories: bool = True
     output_dir: str = "runs/latest"

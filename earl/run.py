@@ -43,11 +43,13 @@ class RunResult:
     evals: list[dict[str, float]] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)
     stopped: str = ""
+    selected_step: int = -1
 
     def to_json(self) -> dict[str, object]:
         return {"eval": self.eval, "wall_minutes": round(self.wall_minutes, 3),
                 "steps": self.steps, "policy_version": self.policy_version, "games": self.games,
-                "stopped": self.stopped, "evals": self.evals, **self.files}
+                "stopped": self.stopped, "selected_step": self.selected_step,
+                "evals": self.evals, **self.files}
 
 
 def model_folder(cfg: RunConfig, out: Path) -> str:
@@ -153,10 +155,11 @@ class _State:
         self.wall_before = 0.0   # wall seconds of earlier (interrupted) segments
         self.evals: list[dict[str, float]] = []
         self.critic: TabularCritic | None = None
+        self.best: tuple[int, float] = (-1, -1.0)  # (step, validation win+draw)
 
     def to_dict(self) -> dict[str, object]:
         return {"step": self.step, "games": self.games, "wall_before": self.wall_before,
-                "evals": self.evals}
+                "evals": self.evals, "best": list(self.best)}
 
 
 async def train(cfg: RunConfig, *, resume: bool = False, trace: bool = False,
@@ -187,6 +190,7 @@ async def train(cfg: RunConfig, *, resume: bool = False, trace: bool = False,
         saved = json.loads(state_path.read_text())
         state.step, state.games = int(saved["step"]), int(saved["games"])
         state.wall_before, state.evals = float(saved["wall_before"]), list(saved["evals"])
+        state.best = (int(saved["best"][0]), float(saved["best"][1]))
     ckpt_dir.mkdir(exist_ok=True)
     critic = TabularCritic(alpha=cfg.algorithm.critic_alpha, lam=cfg.algorithm.critic_lambda) \
         if cfg.algorithm.critic == "tabular" else None
@@ -206,6 +210,7 @@ async def train(cfg: RunConfig, *, resume: bool = False, trace: bool = False,
             "entropy_coef": a.entropy_coef, "agg": "token-mean"}
     weights = out / "weights"       # the trained policy (HF folder), written at the end
     start = out / "weights_start"   # the warm-started policy: trainer start, KL reference
+    best_dir = out / "weights_best"  # the policy with the best validation eval so far
     elapsed = lambda: state.wall_before + time.perf_counter() - t_start
     budget_s = cfg.time_limit_minutes * 60
 
@@ -342,6 +347,9 @@ async def train(cfg: RunConfig, *, resume: bool = False, trace: bool = False,
                     state.evals.append(ev)
                     log(f"eval @ step {version}: win+draw {ev['win_draw_rate']:.3f} "
                         f"(win {ev['win_rate']:.3f}, illegal {ev['illegal_rate']:.3f})")
+                    if cfg.select_best and ev["win_draw_rate"] > state.best[1]:
+                        await trainer[0].save_hf.call_one(str(best_dir))
+                        state.best = (version, ev["win_draw_rate"])
                 if version % cfg.checkpoint_every == 0 or version == cfg.steps:
                     with tracer.span("checkpoint", actor="trainer"):
                         await _checkpoint(trainer, ckpt_dir, state, elapsed())
@@ -361,8 +369,22 @@ async def train(cfg: RunConfig, *, resume: bool = False, trace: bool = False,
         if stopped != "steps":
             with tracer.span("checkpoint", actor="trainer"):
                 await _checkpoint(trainer, ckpt_dir, state, elapsed())
-        final = await run_eval(cfg.eval_games, EVAL_SEED)
         await trainer[0].save_hf.call_one(str(weights))
+        if cfg.select_best and state.best[0] >= 0 and cfg.eval_every > 0:
+            # Model selection on the validation evals (their own seeds); the reported eval
+            # below uses fresh seeds, so selection does not inflate it.
+            if not state.evals or int(state.evals[-1]["step"]) != version:
+                ev = await run_eval(cfg.eval_games, EVAL_SEED + 2_000_000 * version)
+                state.evals.append(ev)
+                if ev["win_draw_rate"] > state.best[1]:
+                    await trainer[0].save_hf.call_one(str(best_dir))
+                    state.best = (version, ev["win_draw_rate"])
+            if state.best[0] != version:
+                await rollout.update_weights_from_path.call(str(best_dir), state.best[0],
+                                                            "drain")
+                log(f"final policy: step {state.best[0]} (best validation win+draw "
+                    f"{state.best[1]:.3f})")
+        final = await run_eval(cfg.eval_games, EVAL_SEED)
         await rollout.close.call()
     metrics.close()
     if dump is not None:
@@ -377,7 +399,10 @@ async def train(cfg: RunConfig, *, resume: bool = False, trace: bool = False,
         files["trajectories"] = str(dump.path)
     if trace:
         files["trace"] = str(tracer.write(out / "trace.json"))
-    result = RunResult(eval={k: final[k] for k in ("games", "win_rate", "draw_rate",
+    if cfg.select_best and state.best[0] >= 0:
+        files["weights_selected"] = str(best_dir)
+    result = RunResult(selected_step=state.best[0] if cfg.select_best else state.step,
+                       eval={k: final[k] for k in ("games", "win_rate", "draw_rate",
                                                     "loss_rate", "illegal_rate",
                                                     "win_draw_rate", "first_win_draw",
                                                     "second_win_draw")},
