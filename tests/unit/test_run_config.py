@@ -14,7 +14,7 @@ def test_defaults_are_valid() -> None:
     assert cfg.env.name == "tictactoe"
 
 
-def test_yaml_then_overrides(tmp_path) -> None:  # noqa: ANN001
+def test_yaml_then_overrides(tmp_path) -> None:
     f = tmp_path / "run.yaml"
     f.write_text("steps: 7\nalgorithm:\n  lr: 0.01\n  gamma: 0.9\nplacement:\n  rollout: 2\n")
     cfg = load_config(f, ["--algorithm.lr=3e-4", "--max_policy_lag", "0",
@@ -63,7 +63,7 @@ def test_bad_input_names_field_and_fix(overrides: list[str], exc: type[Exception
         assert w in str(info.value), (w, str(info.value))
 
 
-def test_missing_yaml_file_and_model_folder_without_config(tmp_path) -> None:  # noqa: ANN001
+def test_missing_yaml_file_and_model_folder_without_config(tmp_path) -> None:
     with pytest.raises(ValueError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
     (tmp_path / "m").mkdir()
