@@ -14,7 +14,8 @@ For tiny Qwen2 models (~0.2M, ~0.8M, ~1.8M parameters; --quick: 0.8M only, 32 sa
 - ``mfu``: model FLOPs/s of that train step (6 x params x tokens, plus attention) divided by
   ``peak_gflops``, the fp32 matmul GFLOP/s measured here with the same threads (the physical
   limit for this CPU).
-Each number is the median of interleaved rounds (the machine may be shared).
+Cases run interleaved, round after round; each number is the best round (least disturbed
+by other work on a shared machine), the peak included.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import argparse
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -45,7 +45,8 @@ def _peak_gflops(n: int = 1024, reps: int = 10) -> float:
     return 2 * n**3 / min(times) / 1e9
 
 
-def _bench_model(hidden: int, layers: int, rounds: int, seed: int, samples: int) -> dict[str, object]:
+def _bench_model(hidden: int, layers: int, rounds: int, seed: int, samples: int
+                 ) -> dict[str, object]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -99,8 +100,10 @@ def _bench_model(hidden: int, layers: int, rounds: int, seed: int, samples: int)
     def train_step() -> None:
         trainer.train_step(batch)
 
+    peaks: list[float] = []
     cases = {"varlen": packed("varlen"), "mask": packed("mask"), "padded": padded,
-             "per_sample": per_sample, "train_step": train_step}
+             "per_sample": per_sample, "train_step": train_step,
+             "peak": lambda: peaks.append(_peak_gflops(reps=3))}
     times: dict[str, list[float]] = {k: [] for k in cases}
     for fn in cases.values():
         fn()  # warm-up
@@ -111,7 +114,8 @@ def _bench_model(hidden: int, layers: int, rounds: int, seed: int, samples: int)
             fn()
             times[name].append(time.perf_counter() - t)
     tokens = sum(lengths)
-    tok_s = {k: round(tokens / statistics.median(v)) for k, v in times.items()}
+    del times["peak"]
+    tok_s = {k: round(tokens / min(v)) for k, v in times.items()}
     step = tok_s.pop("train_step")
     avg_ctx = sum(n * n for n in lengths) / tokens / 2
     flops_per_token = 6 * params + 12 * layers * hidden * avg_ctx  # fwd+bwd, attention included
@@ -120,7 +124,8 @@ def _bench_model(hidden: int, layers: int, rounds: int, seed: int, samples: int)
             "varlen_vs_padded": round(tok_s["varlen"] / tok_s["padded"], 2),
             "varlen_vs_mask": round(tok_s["varlen"] / tok_s["mask"], 2),
             "train_step_tok_s": step,
-            "train_step_gflops": round(step * flops_per_token / 1e9, 2)}
+            "train_step_gflops": round(step * flops_per_token / 1e9, 2),
+            "peak_gflops": round(max(peaks), 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,17 +139,17 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     rounds = args.rounds or (2 if args.quick else 3)
-    peak = _peak_gflops()
     shapes = [(128, 4)] if args.quick else [(64, 4), (128, 4), (192, 4)]
     models = {}
     for hidden, layers in shapes:
         r = _bench_model(hidden, layers, rounds, seed=0, samples=32 if args.quick else 64)
-        r["mfu"] = round(float(r["train_step_gflops"]) / peak, 3)  # type: ignore[arg-type]
+        r["mfu"] = round(float(r["train_step_gflops"]) / float(r["peak_gflops"]), 3)  # type: ignore[arg-type]
         models[f"h{hidden}_l{layers}"] = r
         if not args.json:
             print(f"h{hidden} l{layers}: {r}", file=sys.stderr)
     main_key = "h128_l4"
-    out = {"threads": args.threads, "rounds": rounds, "peak_gflops": round(peak, 1),
+    out = {"threads": args.threads, "rounds": rounds,
+           "peak_gflops": models[main_key]["peak_gflops"],
            "varlen_vs_padded": models[main_key]["varlen_vs_padded"],
            "train_step_tok_s": models[main_key]["train_step_tok_s"],
            "mfu": models[main_key]["mfu"], "models": models}
