@@ -55,6 +55,7 @@ def main() -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if a.quick:
         common = ["--steps=8", "--warm_start.steps=0", "--placement.reference=0",
+                  "--algorithm.kl_coef=0",
                   "--batch_size=32", "--group_size=8",
                   "--eval_games=20", "--eval_every=0", "--checkpoint_every=100",
                   "--dump_trajectories=false", "--target_win_draw=0"]
