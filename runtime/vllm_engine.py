@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -345,6 +346,10 @@ class VLLMEngine:
               version: int, preempt: bool) -> float:
         t0 = time.perf_counter()
         tied = self._tied
+        # Every reload warns "Failed to load weights" for layers that have none to load here
+        # (rotary buffers; the tied lm_head, re-tied below): expected, so not worth a log line.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(
+            logging.ERROR)
 
         def reload(worker: object) -> None:
             if items is not None:
