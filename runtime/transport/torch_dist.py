@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import datetime
 import socket
-import threading
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import cast
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from earl.runtime.transport.base import Buffer, Frame, TransportError, as_bytes_view
+from earl.runtime.transport.base import Buffer, BufferPool, Frame, TransportError, as_bytes_view
 
 _META = 1024  # int64 slots: [header_len, n, sizes...]
 _TIMEOUT = datetime.timedelta(seconds=120)
@@ -100,8 +98,7 @@ class TorchDistReceiver:
         self._pg: _PG | None = None
         self._meta = torch.zeros(_META, dtype=torch.int64)
         self._meta_work: dist.Work | None = None
-        self._pool: dict[int, list[np.ndarray]] = defaultdict(list)
-        self._lock = threading.Lock()
+        self._pool = BufferPool()
 
     @property
     def address(self) -> str:
@@ -140,7 +137,7 @@ class TorchDistReceiver:
                         self._recv(t)
                 return TorchFrame(header=header.numpy().tobytes(), buffers=[], tensors=tensors)
             total = sum(sizes)
-            buf = self._take(total)
+            buf = self._pool.take(total)
             views, off = [], 0
             for s in sizes:
                 if s:
@@ -150,22 +147,12 @@ class TorchDistReceiver:
         except RuntimeError as e:
             raise TransportError(f"{self._backend} receive failed: {e}") from e
 
-        def release() -> None:
-            with self._lock:
-                self._pool[total].append(buf)
-
-        return Frame(header=header.numpy().tobytes(), buffers=views, _on_release=release)
+        return Frame(header=header.numpy().tobytes(), buffers=views,
+                     _on_release=partial(self._pool.give, buf))
 
     def _recv(self, t: torch.Tensor) -> None:
         assert self._pg is not None
         self._pg.recv([t], 1, 0).wait()
-
-    def _take(self, nbytes: int) -> np.ndarray:
-        with self._lock:
-            free = self._pool.get(nbytes)
-            if free:
-                return free.pop()
-        return np.empty(nbytes, np.uint8)
 
     def close(self) -> None:
         self._pg = None

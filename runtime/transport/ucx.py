@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import os
 import struct
-import threading
 import time
-from collections import defaultdict
 from collections.abc import Sequence
+from functools import partial
 
 import numpy as np
 
-from earl.runtime.transport.base import Buffer, Frame, TransportError, as_bytes_view
+from earl.runtime.transport.base import Buffer, BufferPool, Frame, TransportError, as_bytes_view
 
 _CTRL_TAG = 1
 _CTRL_BYTES = 64 * 1024
@@ -115,8 +114,7 @@ class UcxReceiver:
         self._addr = self._worker.address.tobytes().hex()
         self._ctrl = np.zeros(_CTRL_BYTES, np.uint8)
         self._ctrl_req = None
-        self._pool: dict[int, list[np.ndarray]] = defaultdict(list)
-        self._lock = threading.Lock()
+        self._pool = BufferPool()
 
     @property
     def address(self) -> str:
@@ -134,7 +132,7 @@ class UcxReceiver:
         sizes = struct.unpack_from(f"<{n}Q", self._ctrl.data, 20)
         header = np.empty(hlen, np.uint8)
         total = sum(sizes)
-        buf = self._take(total)
+        buf = self._pool.take(total)
         reqs = []
         if hlen:
             reqs.append(self._worker.tag_recv(self._Array(header), tag(sender_tag)))
@@ -150,18 +148,8 @@ class UcxReceiver:
             bufs.append(mv[off : off + s])
             off += s
 
-        def release() -> None:
-            with self._lock:
-                self._pool[total].append(buf)
-
-        return Frame(header=header.tobytes(), buffers=bufs, _on_release=release)
-
-    def _take(self, nbytes: int) -> np.ndarray:
-        with self._lock:
-            free = self._pool.get(nbytes)
-            if free:
-                return free.pop()
-        return np.empty(nbytes, np.uint8)
+        return Frame(header=header.tobytes(), buffers=bufs,
+                     _on_release=partial(self._pool.give, buf))
 
     def close(self) -> None:
         self._pool.clear()

@@ -63,3 +63,14 @@ def test_frame_returns_buffers_after_the_last_reference():
 def test_locality_choice():
     assert choose(same_host=True) == "shm"
     assert choose(same_host=True, device="cuda:0") in ("nccl", "shm")  # nccl only with CUDA
+
+
+def test_buffer_pool_reuses_released_buffers_by_size():
+    from earl.runtime.transport.base import BufferPool
+
+    pool = BufferPool()
+    a = pool.take(64)
+    pool.give(a)
+    assert pool.take(32) is not a  # another size: a fresh buffer
+    assert pool.take(64) is a      # same size: the released one
+    assert pool.take(64) is not a  # handed out once only
