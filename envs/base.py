@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["StepResult", "first_digit"]
+__all__ = ["GameConfig", "StepResult", "first_digit"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -26,6 +26,30 @@ class StepResult:
     reward: float
     done: bool
     info: dict[str, float | int | str] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True, slots=True)
+class GameConfig:
+    """Opponent and rewards shared by the board games.
+
+    Args:
+        opponent: "random" or "minimax".
+        win, draw, loss: final-move rewards.
+        illegal: reward of an unparseable/illegal move (the game is lost).
+        legal_move: reward for every legal non-final move (format shaping; 0 disables).
+    """
+
+    opponent: str = "random"
+    win: float = 1.0
+    draw: float = 0.5
+    loss: float = 0.0
+    illegal: float = -1.0
+    legal_move: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.opponent not in ("random", "minimax"):
+            raise ValueError(f"{type(self).__name__}.opponent must be 'random' or 'minimax', "
+                             f"got {self.opponent!r}")
 
 
 def first_digit(text: str, lo: int, hi: int) -> int | None:

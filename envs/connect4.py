@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from earl.envs.base import StepResult, first_digit
+from earl.envs.base import GameConfig, StepResult, first_digit
 
 _UNSEEDED = random.Random(0)  # placeholder until reset(seed); step() refuses before it
 __all__ = ["ConnectFour", "ConnectFourConfig"]
@@ -21,21 +21,13 @@ INTRO = "ConnectFour. You are X. Reply with a column digit 1-7.\n"
 
 
 @dataclass(kw_only=True, slots=True)
-class ConnectFourConfig:
-    """Rules and rewards (see TicTacToeConfig); `depth` is the minimax search depth in plies."""
+class ConnectFourConfig(GameConfig):
+    """Rules and rewards (see `GameConfig`); `depth` is the minimax search depth in plies."""
 
-    opponent: str = "random"
     depth: int = 3
-    win: float = 1.0
-    draw: float = 0.5
-    loss: float = 0.0
-    illegal: float = -1.0
-    legal_move: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.opponent not in ("random", "minimax"):
-            raise ValueError(f"ConnectFourConfig.opponent must be 'random' or 'minimax', "
-                             f"got {self.opponent!r}")
+        GameConfig.__post_init__(self)  # zero-arg super() fails in slotted dataclasses
         if not 1 <= self.depth <= 6:
             raise ValueError(f"ConnectFourConfig.depth must be in 1..6, got {self.depth}")
 

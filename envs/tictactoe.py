@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass
 from functools import cache
 
-from earl.envs.base import StepResult, first_digit
+from earl.envs.base import GameConfig, StepResult, first_digit
 
 _UNSEEDED = random.Random(0)  # placeholder until reset(seed); step() refuses before it
 __all__ = ["TicTacToe", "TicTacToeConfig", "minimax_move", "winner"]
@@ -22,29 +22,14 @@ INTRO = "TicTacToe. You are X. Reply with the digit of an empty square.\n"
 
 
 @dataclass(kw_only=True, slots=True)
-class TicTacToeConfig:
-    """Rules and rewards.
+class TicTacToeConfig(GameConfig):
+    """Rules and rewards (see `GameConfig`); the "minimax" opponent never loses.
 
     Args:
-        opponent: "random" or "minimax" (never loses).
         agent_first: X moves first; otherwise the opponent opens.
-        win, draw, loss: final-move rewards.
-        illegal: reward of an unparseable/illegal move (the game is lost).
-        legal_move: reward for every legal non-final move (format shaping; 0 disables).
     """
 
-    opponent: str = "random"
     agent_first: bool = True
-    win: float = 1.0
-    draw: float = 0.5
-    loss: float = 0.0
-    illegal: float = -1.0
-    legal_move: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.opponent not in ("random", "minimax"):
-            raise ValueError(f"TicTacToeConfig.opponent must be 'random' or 'minimax', "
-                             f"got {self.opponent!r}")
 
 
 def winner(board: str) -> str | None:
