@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from earl.agents.chat import ChatCodec
-from earl.agents.rollout import Agent, Rollout
-from earl.agents.tictactoe import play_board_game, sim_responder
+from earl.agents.rollout import Agent
+from earl.agents.tictactoe import make_board_game_agent, sim_responder
 from earl.engine import Responder
 from earl.envs.connect4 import ROWS, ConnectFour, ConnectFourConfig
 
@@ -13,14 +13,7 @@ __all__ = ["connect4_agent", "connect4_sim_responder", "make_connect4_agent"]
 
 def make_connect4_agent(config: ConnectFourConfig | None = None) -> Agent:
     """An agent `(rollout, seed) -> reward` that plays one Connect Four game as X."""
-
-    async def connect4_agent(rollout: Rollout, sample: object) -> float:
-        if not isinstance(sample, int):
-            raise TypeError(f"the Connect Four sample is the game seed (int), got "
-                            f"{type(sample).__name__}")
-        return await play_board_game(rollout, ConnectFour(config), sample)
-
-    return connect4_agent
+    return make_board_game_agent(lambda: ConnectFour(config), "Connect Four")
 
 
 connect4_agent = make_connect4_agent()

@@ -22,7 +22,8 @@ from earl.engine import Responder
 from earl.envs.base import StepResult
 from earl.envs.tictactoe import TicTacToe, TicTacToeConfig
 
-__all__ = ["make_tictactoe_agent", "play_board_game", "sim_responder", "tictactoe_agent"]
+__all__ = ["make_board_game_agent", "make_tictactoe_agent", "play_board_game", "sim_responder",
+           "tictactoe_agent"]
 
 
 class _Game(Protocol):  # what play_board_game needs from an env
@@ -49,16 +50,21 @@ async def play_board_game(rollout: Rollout, env: _Game, seed: int) -> float:
         messages.append({"role": "user", "content": step.observation})
 
 
+def make_board_game_agent(new_env: Callable[[], _Game], game: str) -> Agent:
+    """An agent `(rollout, seed) -> reward` that plays one game of `new_env()` as X."""
+
+    async def board_game_agent(rollout: Rollout, sample: object) -> float:
+        if not isinstance(sample, int):
+            raise TypeError(f"the {game} sample is the game seed (int), got "
+                            f"{type(sample).__name__}")
+        return await play_board_game(rollout, new_env(), sample)
+
+    return board_game_agent
+
+
 def make_tictactoe_agent(config: TicTacToeConfig | None = None) -> Agent:
     """An agent `(rollout, seed) -> reward` that plays one Tic-Tac-Toe game as X."""
-
-    async def tictactoe_agent(rollout: Rollout, sample: object) -> float:
-        if not isinstance(sample, int):
-            raise TypeError(f"the Tic-Tac-Toe sample is the game seed (int), got "
-                            f"{type(sample).__name__}")
-        return await play_board_game(rollout, TicTacToe(config), sample)
-
-    return tictactoe_agent
+    return make_board_game_agent(lambda: TicTacToe(config), "Tic-Tac-Toe")
 
 
 tictactoe_agent = make_tictactoe_agent()
