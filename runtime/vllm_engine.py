@@ -139,6 +139,10 @@ class VLLMEngine:
         if self._thread is not None:
             raise RuntimeError("VLLMEngine.start() called twice")
         self._loop = asyncio.get_running_loop()
+        # Every weight reload warns "Failed to load weights" for layers with nothing to load
+        # (rotary buffers; a tied lm_head, which `_load` re-ties): expected, so silenced once.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(
+            logging.ERROR)
         ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, args=(ready,), name="vllm-engine",
                                         daemon=True)
@@ -346,10 +350,6 @@ class VLLMEngine:
               version: int, preempt: bool) -> float:
         t0 = time.perf_counter()
         tied = self._tied
-        # Every reload warns "Failed to load weights" for layers that have none to load here
-        # (rotary buffers; the tied lm_head, re-tied below): expected, so not worth a log line.
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(
-            logging.ERROR)
 
         def reload(worker: object) -> None:
             if items is not None:
