@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgpack
+
 from earl.runtime.wire import decode, encode, message
 
 _LEN = struct.Struct("<I")
@@ -44,16 +45,20 @@ class ActorSpec:
     sys_path: list[str] = field(default_factory=list)
 
 
-def pack_msg(obj: Any) -> bytes:
+def _pack(obj: Any) -> bytes:
     body, bufs = encode(obj)
-    data = msgpack.packb([body, [bytes(memoryview(b)) for b in bufs]], use_bin_type=True)
+    return msgpack.packb([body, [bytes(memoryview(b)) for b in bufs]], use_bin_type=True)
+
+
+def pack_msg(obj: Any) -> bytes:
+    data = _pack(obj)
     return _LEN.pack(len(data)) + data
 
 
 def pack_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
-    """Constructor arguments, packed so the actor process decodes them only after importing its
-    class's module (which registers the `@message` dataclasses they may contain)."""
-    return pack_msg([list(args), kwargs])[_LEN.size:]
+    """Constructor arguments, packed so the actor process decodes them (`unpack_msg`) only after
+    importing its class's module, which registers the `@message` dataclasses they may contain."""
+    return _pack([list(args), kwargs])
 
 
 def unpack_msg(data: bytes) -> Any:
