@@ -15,6 +15,7 @@ import numpy as np
 import psutil
 import pytest
 import pytest_asyncio
+
 from earl.runtime import (
     Actor,
     ActorDied,

@@ -7,6 +7,7 @@ import asyncio
 import msgpack
 import pytest
 import pytest_asyncio
+
 from earl.runtime import (
     Actor,
     ActorError,

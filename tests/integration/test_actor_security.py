@@ -10,6 +10,7 @@ import msgpack
 import numpy as np
 import pytest
 import pytest_asyncio
+
 from earl.runtime import Actor, BadCall, Runtime, RuntimeConfig, endpoint
 from earl.runtime.conn import connect
 from earl.runtime.frames import HEADER, MAGIC, Kind

@@ -10,8 +10,9 @@ import tempfile
 import psutil
 import pytest
 import pytest_asyncio
-from earl.runtime import ActorDied, RestartPolicy, Runtime, RuntimeConfig
 from test_actor import Counter
+
+from earl.runtime import ActorDied, RestartPolicy, Runtime, RuntimeConfig
 
 ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.ray, pytest.mark.asyncio(loop_scope="module")]

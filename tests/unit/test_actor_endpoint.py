@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from earl.runtime import Actor, ActorGroup, RestartPolicy, RuntimeConfig, endpoint, wire
 from earl.runtime.endpoint import endpoints_of
 

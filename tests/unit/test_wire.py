@@ -9,6 +9,7 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+
 from earl.runtime import wire
 from earl.runtime.frames import HEADER, MAGIC, FrameProtocol, FrameTooLarge, Kind, derive_key
 
