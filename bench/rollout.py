@@ -6,6 +6,8 @@ coroutines, and trainer -> serving weight-sync time.
 Prints one JSON object with, per model ("tiny"; and "smollm2_135m" unless --quick):
 - ``raw_tok_s``: generated tokens/s of vLLM stepping a whole batch inside the rollout actor's
   engine thread (`generate_batch`: no RPC, no asyncio per request) -- the physical reference.
+  Each turn's batch extends the last turn's prompts with the tokens generated, exactly the
+  prompts the agent loop sends (same prefill and prefix-cache work).
 - ``agent_loop_tok_s``: tokens/s when `sessions` agent coroutines in this process each run
   `turns` multi-turn calls through `RolloutClient` -> RPC -> `RolloutActor` (each turn's prompt
   extends the previous one, as an agent's does).
@@ -70,12 +72,16 @@ async def bench_model(rt: object, name: str, path: str, *, dtype: str, sessions:
     params = SamplingParams(max_tokens=max_tokens, temperature=1.0)
     await g[0].generate_batch.call_one(prompts[:4], params)  # warm-up
 
+    s0 = await g[0].statistics.call_one()
     t = time.perf_counter()
     raw_tokens = 0
-    for _ in range(turns):
-        gens = await g[0].generate_batch.call_one(prompts, params)
+    batch = [list(p) for p in prompts]
+    for _ in range(turns):  # each turn's prompt extends the last, as an agent's does
+        gens = await g[0].generate_batch.call_one(batch, params)
         raw_tokens += sum(len(x.token_ids) for x in gens)
+        batch = [p + x.token_ids + [2, 1, 17] for p, x in zip(batch, gens, strict=True)]
     raw_s = time.perf_counter() - t
+    s1 = await g[0].statistics.call_one()
 
     client = RolloutClient(g)
 
@@ -90,6 +96,7 @@ async def bench_model(rt: object, name: str, path: str, *, dtype: str, sessions:
     t = time.perf_counter()
     agent_tokens = sum(await asyncio.gather(*(session(i) for i in range(sessions))))
     agent_s = time.perf_counter() - t
+    s2 = await g[0].statistics.call_one()
 
     state = load_file(os.path.join(path, "model.safetensors"))
     pub = WeightPublisher(g, transport="shm", bucket_bytes=64 << 20,
@@ -110,6 +117,10 @@ async def bench_model(rt: object, name: str, path: str, *, dtype: str, sessions:
         "raw_tokens": raw_tokens, "agent_tokens": agent_tokens,
         "raw_tok_s": round(raw_tok_s, 1), "agent_loop_tok_s": round(agent_tok_s, 1),
         "ratio": round(agent_tok_s / raw_tok_s, 3),
+        # engine steps and the share of wall time the engine thread spent inside step()
+        "raw_steps": s1.steps - s0.steps, "agent_steps": s2.steps - s1.steps,
+        "raw_busy": round((s1.busy_s - s0.busy_s) / raw_s, 3),
+        "agent_busy": round((s2.busy_s - s1.busy_s) / agent_s, 3),
         "weight_bytes": results[0].nbytes, "weight_buckets": results[0].buckets,
         "weight_sync_s": round(statistics.median(warm), 4),
         "weight_sync_first_s": round(results[0].seconds, 4),

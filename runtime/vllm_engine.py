@@ -96,14 +96,20 @@ class RolloutStatistics:
 
 
 class _Request:
-    __slots__ = ("future", "logprobs", "prompt_tokens", "token_ids", "versions")
+    __slots__ = ("finish_reason", "logprobs", "prompt_tokens", "rid", "token_ids", "versions")
 
-    def __init__(self, future: asyncio.Future[Generation], prompt_tokens: int) -> None:
-        self.future = future
+    def __init__(self, rid: str, prompt_tokens: int) -> None:
+        self.rid = rid
         self.prompt_tokens = prompt_tokens
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+        self.finish_reason: str | None = None
+
+    def generation(self) -> Generation:
+        return Generation(token_ids=self.token_ids, logprobs=self.logprobs,
+                          versions=self.versions, finish_reason=self.finish_reason or "abort",
+                          prompt_tokens=self.prompt_tokens)
 
 
 class VLLMEngine:
@@ -118,7 +124,8 @@ class VLLMEngine:
         self._version = policy_version
         self._cmds: queue.SimpleQueue[tuple[Callable[[object], object], concurrent.futures.Future]
                                       | None] = queue.SimpleQueue()
-        self._reqs: dict[str, _Request] = {}
+        self._reqs: dict[str, asyncio.Future[Generation]] = {}  # event-loop side: callers
+        self._running: dict[str, _Request] = {}   # engine-thread side: requests in vLLM
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -139,10 +146,6 @@ class VLLMEngine:
         if self._thread is not None:
             raise RuntimeError("VLLMEngine.start() called twice")
         self._loop = asyncio.get_running_loop()
-        # Every weight reload warns "Failed to load weights" for layers with nothing to load
-        # (rotary buffers; a tied lm_head, which `_load` re-ties): expected, so silenced once.
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(
-            logging.ERROR)
         ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, args=(ready,), name="vllm-engine",
                                         daemon=True)
@@ -156,9 +159,9 @@ class VLLMEngine:
         self._cmds.put(None)
         await asyncio.to_thread(self._thread.join)
         self._thread = None
-        for req in self._reqs.values():
-            if not req.future.done():
-                req.future.set_exception(RuntimeError("VLLMEngine closed"))
+        for fut in self._reqs.values():
+            if not fut.done():
+                fut.set_exception(RuntimeError("VLLMEngine closed"))
         self._reqs.clear()
 
     async def __aenter__(self) -> Self:
@@ -197,19 +200,19 @@ class VLLMEngine:
         if self._dead is not None:
             raise RuntimeError(f"vLLM engine thread died: {self._dead!r}")
         rid = f"{session_id or 'r'}-{next(self._ids)}"
-        req = _Request(self._loop.create_future(), len(prompt_ids))
-        self._reqs[rid] = req
+        req = _Request(rid, len(prompt_ids))
+        fut = self._reqs[rid] = self._loop.create_future()
         self._idle.clear()
         self._n["requests"] += 1
         self._n["prompt_tokens"] += len(prompt_ids)
         sp = self._vllm_params(params)
         ids = list(prompt_ids)
-        self._cmds.put((lambda eng: self._add(eng, rid, ids, sp), concurrent.futures.Future()))
+        self._cmds.put((lambda eng: self._add(eng, rid, req, ids, sp),
+                        concurrent.futures.Future()))
         try:
-            return await req.future
+            return await fut
         except asyncio.CancelledError:
-            self._cmds.put((lambda eng: eng.abort_request([rid]),  # type: ignore[attr-defined]
-                           concurrent.futures.Future()))
+            self._cmds.put((lambda eng: self._abort(eng, rid), concurrent.futures.Future()))
             self._forget(rid)
             raise
 
@@ -231,31 +234,18 @@ class VLLMEngine:
         assert self._loop is not None
         acc: dict[str, _Request] = {}
         for i, p in enumerate(prompts):
-            acc[f"{tag}{i}"] = _Request(None, len(p))  # type: ignore[arg-type]
+            acc[f"{tag}{i}"] = _Request(f"{tag}{i}", len(p))
             eng.add_request(f"{tag}{i}", {"prompt_token_ids": list(p)}, sp)
-        done: dict[str, str] = {}
-        while len(done) < len(prompts):
-            others = []
-            for out in eng.step():
-                req = acc.get(out.request_id)
-                if req is None:
-                    others.append(out)
-                    continue
-                c = out.outputs[0]
-                req.token_ids += c.token_ids
-                req.logprobs += [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids,
-                                                                strict=True)]
-                req.versions += [self._version] * len(c.token_ids)
-                if out.finished:
-                    done[out.request_id] = c.finish_reason or "abort"
+        pending = dict(acc)
+        while pending:
+            t0 = time.perf_counter()
+            outs = eng.step()
+            self._busy_s += time.perf_counter() - t0
             self._n["steps"] += 1
-            if others:
-                self._loop.call_soon_threadsafe(self._deliver, others, self._version)
+            self._absorb(outs, pending)
+            self._hand_over(self._absorb(outs, self._running))  # requests of generate()
         self._n["requests"] += len(prompts)
-        self._n["generated_tokens"] += sum(len(r.token_ids) for r in acc.values())
-        return [Generation(token_ids=r.token_ids, logprobs=r.logprobs, versions=r.versions,
-                           finish_reason=done[k], prompt_tokens=r.prompt_tokens)
-                for k, r in acc.items()]
+        return [r.generation() for r in acc.values()]
 
     def _vllm_params(self, p: SamplingParams) -> object:
         from vllm import SamplingParams as VSP
@@ -266,17 +256,50 @@ class VLLMEngine:
                    seed=p.seed, logprobs=0, output_kind=RequestOutputKind.DELTA,
                    detokenize=False, skip_special_tokens=False)
 
-    def _add(self, eng: object, rid: str, ids: list[int], sp: object) -> None:
+    # The engine thread owns `_running` and every `_Request` in it: it appends each step's
+    # tokens itself (as `generate_batch` does) and wakes the event loop only for finished
+    # requests, so the loop does not compete with the engine for the GIL on every step.
+    def _add(self, eng: object, rid: str, req: _Request, ids: list[int], sp: object) -> None:
         try:
             eng.add_request(rid, {"prompt_token_ids": ids}, sp)  # type: ignore[attr-defined]
         except Exception as exc:  # noqa: BLE001 - surfaces at the caller of generate()
             assert self._loop is not None
             self._loop.call_soon_threadsafe(self._fail, rid, exc)
+        else:
+            self._running[rid] = req
+
+    def _abort(self, eng: object, rid: str) -> None:
+        eng.abort_request([rid])  # type: ignore[attr-defined]
+        self._running.pop(rid, None)
+
+    def _absorb(self, outs: list[Any], table: dict[str, _Request]) -> list[_Request]:
+        """Append step outputs to the requests of `table`; pop and return the finished ones."""
+        done = []
+        for out in outs:
+            req = table.get(out.request_id)
+            if req is None:
+                continue
+            c = out.outputs[0]
+            new = c.token_ids
+            req.token_ids += new
+            if c.logprobs is not None:
+                req.logprobs += [lp[t].logprob for lp, t in zip(c.logprobs, new, strict=True)]
+            req.versions += [self._version] * len(new)
+            self._n["generated_tokens"] += len(new)  # written by the engine thread only
+            if out.finished:
+                req.finish_reason = c.finish_reason or "abort"
+                done.append(table.pop(out.request_id))
+        return done
+
+    def _hand_over(self, done: list[_Request]) -> None:
+        if done:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._finish, done)
 
     def _fail(self, rid: str, exc: BaseException) -> None:
-        req = self._reqs.get(rid)
-        if req is not None and not req.future.done():
-            req.future.set_exception(exc)
+        fut = self._reqs.get(rid)
+        if fut is not None and not fut.done():
+            fut.set_exception(exc)
         self._forget(rid)
 
     def _fail_all(self, exc: BaseException) -> None:
@@ -288,28 +311,14 @@ class VLLMEngine:
         if not self._reqs:
             self._idle.set()
 
-    def _deliver(self, outs: list[object], version: int) -> None:
-        for out in outs:
-            rid = out.request_id  # type: ignore[attr-defined]
-            req = self._reqs.get(rid)
-            if req is None:
-                continue
-            c = out.outputs[0]  # type: ignore[attr-defined]
-            new = list(c.token_ids)
-            req.token_ids += new
-            if c.logprobs is not None:
-                req.logprobs += [lp[t].logprob for lp, t in zip(c.logprobs, new, strict=True)]
-            req.versions += [version] * len(new)
-            self._n["generated_tokens"] += len(new)
-            if out.finished:  # type: ignore[attr-defined]
-                reason = c.finish_reason or "abort"
-                if reason == "abort":
-                    self._n["aborted"] += 1
-                if not req.future.done():
-                    req.future.set_result(Generation(
-                        token_ids=req.token_ids, logprobs=req.logprobs, versions=req.versions,
-                        finish_reason=reason, prompt_tokens=req.prompt_tokens))
-                self._forget(rid)
+    def _finish(self, done: list[_Request]) -> None:
+        for req in done:
+            if req.finish_reason == "abort":
+                self._n["aborted"] += 1
+            fut = self._reqs.get(req.rid)
+            if fut is not None and not fut.done():
+                fut.set_result(req.generation())
+            self._forget(req.rid)
 
     # ---- weights ---------------------------------------------------------------------------
     async def update_weights(self, weights: Weights | None = None, *, path: str | None = None,
@@ -409,6 +418,11 @@ class VLLMEngine:
                           max_num_batched_tokens=max(cfg.max_model_len, 2048),
                           async_scheduling=False, disable_log_stats=True)
         eng = LLMEngine.from_engine_args(args, enable_multiprocessing=False)
+        # Every weight reload warns "Failed to load weights" for layers with nothing to load
+        # (rotary buffers; a tied lm_head, which `_load` re-ties): expected, so silenced once,
+        # after vLLM has configured its loggers.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(
+            logging.ERROR)
         self._tied = bool(getattr(eng.model_config.hf_config, "tie_word_embeddings", False))
         return eng
 
@@ -462,8 +476,7 @@ class VLLMEngine:
                 outs = eng.step()  # type: ignore[attr-defined]
                 self._busy_s += time.perf_counter() - t0
                 self._n["steps"] += 1
-                if outs:
-                    loop.call_soon_threadsafe(self._deliver, outs, self._version)
+                self._hand_over(self._absorb(outs, self._running))
 
 
 VLLMRollout = VLLMEngine  # the name the issue uses for the engine core
