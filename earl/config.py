@@ -67,6 +67,7 @@ class AlgorithmConfig:
     critic: str = "tabular"
     critic_lambda: float = 0.5
     critic_alpha: float = 0.2
+    critic_q_weight: float = 2.0
     max_grad_norm: float = 1.0
     temperature: float = 1.0
 
@@ -263,6 +264,7 @@ def validate(cfg: RunConfig) -> None:
     need(a.critic in CRITICS, "algorithm.critic", f"{a.critic!r} unknown; choose one of {CRITICS}")
     need(0 <= a.critic_lambda <= 1, "algorithm.critic_lambda", "must be in [0, 1]")
     need(0 < a.critic_alpha <= 1, "algorithm.critic_alpha", "must be in (0, 1]")
+    need(a.critic_q_weight >= 0, "algorithm.critic_q_weight", "must be >= 0 (0 = no Q table)")
     need(a.clip > 0, "algorithm.clip", "must be > 0")
     need(0 < a.gamma <= 1, "algorithm.gamma", "must be in (0, 1]")
     need(a.temperature > 0, "algorithm.temperature", "must be > 0 for exploration")

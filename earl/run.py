@@ -192,7 +192,8 @@ async def train(cfg: RunConfig, *, resume: bool = False, trace: bool = False,
         state.wall_before, state.evals = float(saved["wall_before"]), list(saved["evals"])
         state.best = (int(saved["best"][0]), float(saved["best"][1]))
     ckpt_dir.mkdir(exist_ok=True)
-    critic = TabularCritic(alpha=cfg.algorithm.critic_alpha, lam=cfg.algorithm.critic_lambda) \
+    critic = TabularCritic(alpha=cfg.algorithm.critic_alpha, lam=cfg.algorithm.critic_lambda,
+                           q_weight=cfg.algorithm.critic_q_weight) \
         if cfg.algorithm.critic == "tabular" else None
     if resume and critic is not None and (ckpt_dir / "critic.json").is_file():
         critic.load_state_dict(json.loads((ckpt_dir / "critic.json").read_text()))

@@ -28,7 +28,7 @@ def test_tictactoe_rules_and_parsing() -> None:
     env = TicTacToe()
     assert env.reset(1).endswith("\n123\n456\n789")
     step = env.step(" 5\n")
-    assert not step.done and "X" in step.observation.split("\n")[2]
+    assert not step.done and "e" in step.observation.split("\n")[2]  # X on square 5
     taken = int(step.observation.split("\n")[0].split()[-1])
     step = env.step(f"Move: {taken}")  # the opponent's square: illegal -> loss
     assert step.done and step.info == {"outcome": "loss", "illegal": 1, "moves": 1}
@@ -44,7 +44,20 @@ def test_tictactoe_rules_and_parsing() -> None:
 def test_opponent_can_open() -> None:
     env = TicTacToe(TicTacToeConfig(agent_first=False))
     obs = env.reset(4)
-    assert "O took" in obs and obs.count("O") == 2 and len(env.legal_moves()) == 8
+    assert "O took" in obs and len(env.legal_moves()) == 8
+    (square,) = set(range(1, 10)) - set(env.legal_moves())
+    assert obs.endswith(env.render()) and chr(64 + square) in env.render()
+
+
+def test_board_styles() -> None:
+    env = TicTacToe(TicTacToeConfig(board_style="cells"))
+    env.board = "X O  O  X"
+    assert env.render() == "a2C\n45F\n78i"
+    env = TicTacToe(TicTacToeConfig(board_style="xo"))
+    env.board = "X O  O  X"
+    assert env.render() == "X2O\n45O\n78X"
+    with pytest.raises(ValueError, match="board_style"):
+        TicTacToeConfig(board_style="emoji")
 
 
 def test_minimax_never_loses() -> None:

@@ -8,13 +8,13 @@ from earl.critic import TabularCritic, observation_keys, returns_to_go
 from earl.trajectory import Trajectory
 
 
-def traj(obs: list[list[int]], sid: str = "s") -> Trajectory:
-    """Turns alternate: observation tokens, then a 2-token assistant turn."""
+def traj(obs: list[list[int]], sid: str = "s", moves: list[int] | None = None) -> Trajectory:
+    """Turns alternate: observation tokens, then a 2-token assistant turn `[move, 2]`."""
     ids, spans = [], []
-    for o in obs:
+    for i, o in enumerate(obs):
         ids += o
         spans.append((len(ids), len(ids) + 2))
-        ids += [7, 2]
+        ids += [moves[i] if moves else 7, 2]
     n = len(ids)
     return Trajectory(sample_id=sid, group_id="g", token_ids=ids, loss_mask=[0] * n,
                       logprobs=[0.0] * n, versions=[-1] * n, turn_spans=spans)
@@ -42,13 +42,35 @@ def test_hand_computed_advantages() -> None:
     assert adv == pytest.approx([-1.0, 0.0])  # the move into the losing state is blamed
 
 
+def test_q_table_blames_a_move_that_loses_only_sometimes() -> None:
+    # From observation [1], move 8 loses 1 game in 4 and move 9 never does; later observations
+    # differ per game so the lambda-return alone credits each game's outcome.
+    c = TabularCritic(alpha=0.2, lam=1.0, q_weight=2.0)
+    games = [(traj([[1], [10 + i]], moves=[8, 7]), [0.0, -1.0 if i % 4 == 0 else 1.0])
+             for i in range(40)]
+    safe = [(traj([[1], [100 + i]], moves=[9, 7]), [0.0, 1.0]) for i in range(40)]
+    games = [g for pair in zip(games, safe, strict=True) for g in pair]  # interleaved
+    for t, r in games:
+        c.update([t], [r])
+    lucky = traj([[1], [999]], moves=[8, 7])  # a won game that made the risky move
+    (adv,) = c.advantages([lucky], [[0.0, 1.0]])
+    assert adv[0] < 0  # blamed although this game was won
+    plain = TabularCritic(alpha=0.2, lam=1.0)
+    for t, r in games:
+        plain.update([t], [r])
+    assert plain.advantages([lucky], [[0.0, 1.0]])[0][0] > 0.05  # without Q: credited
+    assert c.advantages([traj([[1], [5]], moves=[9, 7])], [[0.0, 1.0]])[0][0] > 0
+
+
 def test_state_roundtrip_and_bad_args() -> None:
-    c = TabularCritic()
+    c = TabularCritic(q_weight=1.0)
     c.update([traj([[1], [2]])], [[0.0, 0.5]])
-    d = TabularCritic()
+    d = TabularCritic(q_weight=1.0)
     d.load_state_dict(c.state_dict())
-    assert d.values == c.values and d.turn_means == c.turn_means
+    assert d.values == c.values and d.turn_means == c.turn_means and d.q == c.q and d.q
     with pytest.raises(ValueError, match="alpha"):
         TabularCritic(alpha=0.0)
     with pytest.raises(ValueError, match="lam"):
         TabularCritic(lam=2.0)
+    with pytest.raises(ValueError, match="q_weight"):
+        TabularCritic(q_weight=-1.0)
