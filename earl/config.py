@@ -58,7 +58,7 @@ class AlgorithmConfig:
     epochs: int = 1
     clip: float = 0.2
     entropy_coef: float = 0.0
-    kl_coef: float = 0.05
+    kl_coef: float = 0.15
     gamma: float = 1.0
     reward_win: float = 1.0
     reward_draw: float = 1.0
@@ -68,6 +68,7 @@ class AlgorithmConfig:
     critic_lambda: float = 0.5
     critic_alpha: float = 0.2
     critic_q_weight: float = 2.0
+    self_imitation: int = 16
     max_grad_norm: float = 1.0
     temperature: float = 1.0
 
@@ -265,6 +266,10 @@ def validate(cfg: RunConfig) -> None:
     need(0 <= a.critic_lambda <= 1, "algorithm.critic_lambda", "must be in [0, 1]")
     need(0 < a.critic_alpha <= 1, "algorithm.critic_alpha", "must be in (0, 1]")
     need(a.critic_q_weight >= 0, "algorithm.critic_q_weight", "must be >= 0 (0 = no Q table)")
+    need(a.self_imitation >= 0, "algorithm.self_imitation", "must be >= 0 (0 = off)")
+    need(a.self_imitation == 0 or (a.critic == "tabular" and a.critic_q_weight > 0),
+         "algorithm.self_imitation", "needs algorithm.critic=tabular with critic_q_weight > 0 "
+         "(or set it to 0)")
     need(a.clip > 0, "algorithm.clip", "must be > 0")
     need(0 < a.gamma <= 1, "algorithm.gamma", "must be in (0, 1]")
     need(a.temperature > 0, "algorithm.temperature", "must be > 0 for exploration")

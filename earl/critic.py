@@ -22,15 +22,15 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from earl.trajectory import Trajectory
 
 
-def action_keys(t: Trajectory) -> list[bytes]:
-    """One key per assistant turn: the observation key followed by the turn's own tokens."""
-    return [obs + b"|" + _pack(t.token_ids[start:end])
-            for obs, (start, end) in zip(observation_keys(t), t.turn_spans, strict=True)]
+def turn_actions(t: Trajectory) -> list[tuple[int, ...]]:
+    """One entry per assistant turn: the tokens the model replied with."""
+    return [tuple(t.token_ids[start:end]) for start, end in t.turn_spans]
 
 
 def observation_keys(t: Trajectory) -> list[bytes]:
@@ -74,7 +74,8 @@ class TabularCritic:
         self.alpha, self.lam, self.q_weight = alpha, lam, q_weight
         self.values: dict[bytes, float] = {}
         self.turn_means: dict[int, float] = {}
-        self.q: dict[bytes, tuple[float, int]] = {}  # (running mean return, visits)
+        # Q(s, a): observation key -> reply tokens -> (running mean return, visits)
+        self.q: dict[bytes, dict[tuple[int, ...], tuple[float, int]]] = {}
 
     def value(self, key: bytes, turn: int) -> float:
         v = self.values.get(key)
@@ -93,8 +94,8 @@ class TabularCritic:
                     rewards[k] + self.lam * g + (1 - self.lam) * vs[k + 1]
                 adv[k] = g - vs[k]
             if self.q_weight > 0:
-                for k, akey in enumerate(action_keys(t)[:n]):
-                    q, visits = self.q.get(akey, (0.0, 0))
+                for k, (okey, act) in enumerate(zip(keys, turn_actions(t), strict=False)):
+                    q, visits = self.q.get(okey, {}).get(act, (0.0, 0))
                     w = visits / (visits + self.q_weight)
                     adv[k] = w * (q - vs[k]) + (1 - w) * adv[k]
             out.append(adv)
@@ -110,17 +111,44 @@ class TabularCritic:
                 m = self.turn_means.get(i)
                 self.turn_means[i] = ret if m is None else m + 0.05 * (ret - m)
             if self.q_weight > 0:
-                for akey, ret in zip(action_keys(t), returns_to_go(rewards), strict=False):
-                    q, visits = self.q.get(akey, (ret, 0))
-                    self.q[akey] = (q + max(self.alpha, 1 / (visits + 1)) * (ret - q), visits + 1)
+                for okey, act, ret in zip(observation_keys(t), turn_actions(t),
+                                          returns_to_go(rewards), strict=False):
+                    row = self.q.setdefault(okey, {})
+                    q, visits = row.get(act, (ret, 0))
+                    row[act] = (q + max(self.alpha, 1 / (visits + 1)) * (ret - q), visits + 1)
+
+    def better_actions(self, trajs: Sequence[Trajectory], *, min_visits: int = 3,
+                       margin: float = 0.1) -> list[tuple[int, int, tuple[int, ...], float]]:
+        """Replies known to beat the one each turn took: for self-imitation.
+
+        For every turn whose observation has a reply seen at least `min_visits` times with
+        Q(s, a*) - V(s) > `margin` (a* the best such reply, not the one taken), yields
+        `(trajectory index, turn index, a* tokens, Q(s, a*) - V(s))`, best first.
+        """
+        out = []
+        for i, t in enumerate(trajs):
+            for k, (okey, act) in enumerate(zip(observation_keys(t), turn_actions(t),
+                                                strict=True)):
+                row = self.q.get(okey)
+                if not row:
+                    continue
+                best = max(((q, a) for a, (q, n) in row.items() if n >= min_visits and a != act),
+                           default=None)
+                taken = row.get(act, (-math.inf, 0))[0]
+                if best is not None and best[0] > taken and \
+                        best[0] - self.value(okey, k) > margin:
+                    out.append((i, k, best[1], best[0] - self.value(okey, k)))
+        out.sort(key=lambda x: -x[3])
+        return out
 
     def state_dict(self) -> dict[str, object]:
         return {"values": {k.hex(): v for k, v in self.values.items()},
                 "turn_means": {str(k): v for k, v in self.turn_means.items()},
-                "q": {k.hex(): list(v) for k, v in self.q.items()}}
+                "q": [[k.hex(), [[list(a), q, n] for a, (q, n) in row.items()]]
+                      for k, row in self.q.items()]}
 
     def load_state_dict(self, d: dict[str, object]) -> None:
         self.values = {bytes.fromhex(k): float(v) for k, v in d["values"].items()}  # type: ignore[attr-defined]
         self.turn_means = {int(k): float(v) for k, v in d["turn_means"].items()}  # type: ignore[attr-defined]
-        self.q = {bytes.fromhex(k): (float(v[0]), int(v[1]))
-                  for k, v in d.get("q", {}).items()}  # type: ignore[attr-defined]
+        self.q = {bytes.fromhex(k): {tuple(a): (float(q), int(n)) for a, q, n in row}
+                  for k, row in d.get("q", [])}  # type: ignore[attr-defined]

@@ -2,8 +2,14 @@
 weights back to rollout, with a bounded policy lag.
 
 Actors (each its own process, joined by the actor runtime): `RolloutActor` (vLLM on CPU, from
-`earl.runtime.rollout`) and `Learner` (trainer + frozen reference, `earl.learner`). The driver
+`earl.runtime.rollout`), `ReferenceActor`, `TrainerActor`, the transfer dock (`IndexActor` plus
+a `WarehouseActor` shard), and a short-lived warm-start `Learner` (`earl.learner`). The driver
 runs the agent coroutines (`earl.agents`), which call the rollout actor through `RolloutClient`.
+One sample's path: agent coroutine -> rollout actor (tokens) -> driver (advantages) -> dock
+shard -> reference (adds "ref_logprobs" on its own shard) -> trainer, which fetches the
+columns straight from both shards -> weights back to the rollout actor. The driver carries
+only metadata after the put.
+
 Rollout never waits for training except at the staleness bound: batch `b` may start once the
 rollout holds policy version `>= b - max_policy_lag` (0 = synchronous baseline). Each batch is
 `batch_size / group_size` groups; a group is `group_size` games from one seed. The reward stage
@@ -107,11 +113,14 @@ async def warm_start_data(codec, n_games: int, seed: int) -> tuple[list[np.ndarr
 
 
 def batch_columns(trajs: list[Trajectory], cfg: RunConfig, critic: TabularCritic | None = None
-                  ) -> tuple[dict[str, list[np.ndarray]], list[float]]:
+                  ) -> tuple[dict[str, list[np.ndarray]], list[float], list[int]]:
     """Reward/advantage stage: per-move credit, mapped onto turn tokens.
 
     With a critic: lambda-return minus the value of the observation each move answered (the
     critic is then updated with this batch). Without: each move's return centred on its group.
+    With a critic and `algorithm.self_imitation` > 0, up to that many extra samples replay a
+    turn with the reply the critic's Q(s, a) table rates best there, when it beats the reply
+    taken (self-imitation: a rarely sampled good move is learned without waiting to sample it).
     """
     import torch
 
@@ -125,14 +134,16 @@ def batch_columns(trajs: list[Trajectory], cfg: RunConfig, critic: TabularCritic
             tr = [0.0] * max(len(t.turn_spans) - 1, 0) + [a.reward_loss]
         turn_rewards.append(tr)
     gids = {g: i for i, g in enumerate(dict.fromkeys(t.group_id for t in trajs))}
+    better: list[tuple[int, int, tuple[int, ...], float]] = []
     if critic is not None:
         advs = [torch.tensor(x) for x in critic.advantages(trajs, turn_rewards)]
+        better = critic.better_actions(trajs) if a.self_imitation > 0 else []
         critic.update(trajs, turn_rewards)
     else:
         advs = per_turn_advantages(turn_rewards, [gids[t.group_id] for t in trajs],
                                    gamma=a.gamma, normalize_std=a.normalize_std)
     cols: dict[str, list[np.ndarray]] = {"input_ids": [], "loss_mask": [], "advantages": [],
-                                         "rollout_logprobs": []}
+                                         "rollout_logprobs": [], "versions": []}
     first_adv = []
     for t, adv in zip(trajs, advs, strict=True):
         spans = t.turn_spans[:len(adv)] if len(adv) <= len(t.turn_spans) else t.turn_spans
@@ -142,8 +153,29 @@ def batch_columns(trajs: list[Trajectory], cfg: RunConfig, critic: TabularCritic
         cols["loss_mask"].append(np.asarray(t.loss_mask, dtype=np.int8))
         cols["advantages"].append(tok.numpy().astype(np.float32))
         cols["rollout_logprobs"].append(np.asarray(t.logprobs, dtype=np.float32))
+        cols["versions"].append(np.asarray(t.versions, dtype=np.int32))
         first_adv.append(float(adv[0]) if len(adv) else 0.0)
-    return cols, first_adv
+    sources = list(range(len(trajs)))  # the trajectory each sample comes from
+    if critic is not None and a.self_imitation > 0:
+        for i, k, tokens, gain in better[:a.self_imitation]:
+            _add_imitation(cols, trajs[i], k, tokens, gain)
+            sources.append(i)
+    return cols, first_adv, sources
+
+
+def _add_imitation(cols: dict[str, list[np.ndarray]], t: Trajectory, turn: int,
+                   tokens: tuple[int, ...], gain: float) -> None:
+    """A sample that replays `t` up to `turn` and answers with `tokens` (a reply the critic
+    knows beats the one taken there): trained on with advantage `gain`, as on-policy."""
+    start = t.turn_spans[turn][0]
+    n = len(tokens)
+    cols["input_ids"].append(np.asarray(list(t.token_ids[:start]) + list(tokens), np.int64))
+    cols["loss_mask"].append(np.concatenate([np.zeros(start, np.int8), np.ones(n, np.int8)]))
+    cols["advantages"].append(np.concatenate([np.zeros(start, np.float32),
+                                              np.full(n, gain, np.float32)]))
+    cols["rollout_logprobs"].append(np.concatenate([np.zeros(start, np.float32),
+                                                    np.full(n, np.nan, np.float32)]))
+    cols["versions"].append(np.asarray(list(t.versions[:start]) + [-1] * n, np.int32))
 
 
 class _State:
@@ -172,9 +204,10 @@ async def train(cfg: RunConfig, *, resume: bool = False, trace: bool = False,
     from earl.engine import SamplingParams
     from earl.eval import EVAL_SEED, evaluate, make_agent
     from earl.runtime import Runtime
+    from earl.runtime.dock import IndexActor, WarehouseActor
     from earl.runtime.reference import ReferenceActor
     from earl.runtime.rollout import RolloutActor, RolloutClient
-    from earl.runtime.trainer import TrainBatch, TrainerActor, free_dist_url
+    from earl.runtime.trainer import TrainerActor, free_dist_url
     from earl.runtime.vllm_engine import EngineConfig
 
     t_start = time.perf_counter()
@@ -230,6 +263,15 @@ async def train(cfg: RunConfig, *, resume: bool = False, trace: bool = False,
                 await trainer.load_checkpoint.call(str(ckpt_dir / "trainer"))
                 serve = Path(await trainer[0].save_hf.call_one(str(weights)))
                 log(f"resumed from step {state.step} ({ckpt_dir})")
+            # The transfer dock: the driver's samples go to a warehouse shard, the reference
+            # adds "ref_logprobs" on its own shard, the trainer fetches straight from both.
+            stages = ["reference", "train"] if pl.reference > 0 else ["train"]
+            await rt.spawn("dock", IndexActor, stages=stages,
+                           capacity=2 * (cfg.batch_size + a.self_imitation), env=env)
+            warehouse = await rt.spawn("rollout-dock", WarehouseActor, "dock", env=env)
+            train_columns = ["input_ids", "loss_mask", "advantages", "rollout_logprobs"]
+            if pl.reference > 0:
+                train_columns.append("ref_logprobs")
             reference = None
             if pl.reference > 0:
                 rfcfg = {"model": str(start), "threads": pl.threads_per_actor, "temperature": a.temperature}
@@ -272,10 +314,13 @@ async def train(cfg: RunConfig, *, resume: bool = False, trace: bool = False,
                        end=time.perf_counter(), batch=b)
             return list(trajs)
 
+        rollout_s: dict[int, float] = {}  # batch -> seconds its games took to play
+
         async def produce_batch(b: int) -> None:
             t0 = time.perf_counter()
             groups = await asyncio.gather(*(play_group(b, g) for g in range(groups_per_batch)))
             tracer.add(f"batch {b}", actor="rollout", start=t0, end=time.perf_counter())
+            rollout_s[b] = time.perf_counter() - t0
             batch_future(b).set_result([t for grp in groups for t in grp])
 
         async def producer(tg: asyncio.TaskGroup, stop: asyncio.Event) -> None:
@@ -302,19 +347,11 @@ async def train(cfg: RunConfig, *, resume: bool = False, trace: bool = False,
             for b in range(state.step, cfg.steps):
                 trajs = await batch_future(b)
                 batches.pop(b)
-                cols, first_adv = batch_columns(trajs, cfg, critic)
-                if reference is not None:
-                    with tracer.span("reference", actor="reference", step=b + 1):
-                        cols["ref_logprobs"] = await reference.logprobs.choose(cols["input_ids"])
-                samples = [{k: v[i] for k, v in cols.items()} for i in range(len(trajs))]
+                cols, first_adv, sources = batch_columns(trajs, cfg, critic)
+                with tracer.span("dock_put", actor="driver", step=b + 1):
+                    n = await _put_batch(warehouse, b, trajs, cols, sources)
                 with tracer.span("train_step", actor="trainer", step=b + 1):
-                    batch = TrainBatch.from_samples(samples)
-                    if pl.trainer == 1:
-                        m = await trainer[0].train_step.call_one(batch)
-                    else:
-                        shards = batch.split(pl.trainer)
-                        m = (await asyncio.gather(*(trainer[r].train_step.call_one(shards[r])
-                                                    for r in range(pl.trainer))))[0]
+                    m = await _score_and_train(reference, trainer, n, train_columns, tracer, b)
                 with tracer.span("push_weights", actor="trainer", version=b + 1):
                     await trainer.push_weights.call(rollout, b + 1)
                 async with version_changed:
@@ -336,7 +373,8 @@ async def train(cfg: RunConfig, *, resume: bool = False, trace: bool = False,
                     "tokens_per_s": sum(lens) / max(now - last_t, 1e-6),
                     "staleness": float(np.mean(gen_lags)) if gen_lags else 0.0,
                     "ctx_mean": float(np.mean(lens)), "ctx_max": max(lens),
-                    "step_s": now - last_t, "wall_s": elapsed()}
+                    "step_s": now - last_t, "rollout_s": rollout_s.pop(b, 0.0),
+                    "wall_s": elapsed()}
                 last_t = now
                 metrics.log(rec)
                 log(progress_line(rec))
@@ -437,6 +475,37 @@ async def _warm_start(rt, cfg: RunConfig, codec, base: str, start: Path,
             f"{losses[0]:.2f} -> {losses[-1]:.2f} ({elapsed():.0f} s)")
         await learner[0].save_weights.call_one(str(start))
         await rt.stop(learner)
+
+
+async def _put_batch(warehouse, b: int, trajs: list[Trajectory],
+                     cols: dict[str, list[np.ndarray]], sources: list[int]) -> int:
+    """Put batch `b`'s samples in the dock (whole groups: a game's group, with the
+    self-imitation samples made from its games); returns how many."""
+    sizes: dict[str, int] = {}
+    for i in sources:
+        sizes[trajs[i].group_id] = sizes.get(trajs[i].group_id, 0) + 1
+    await asyncio.gather(*(
+        warehouse[0].put.call_one(f"b{b:06d}-{j:04d}", {k: v[j] for k, v in cols.items()},
+                                  trajs[i].group_id, sizes[trajs[i].group_id])
+        for j, i in enumerate(sources)))
+    return len(sources)
+
+
+async def _score_and_train(reference, trainer, n: int, columns: list[str], tracer: Tracer,
+                           b: int) -> dict[str, float]:
+    """Reference scores the batch in the dock while the trainer waits for complete samples;
+    with several trainer ranks each leases its share."""
+    async def score() -> None:
+        if reference is not None:
+            with tracer.span("reference", actor="reference", step=b + 1):
+                await reference.score_dock.choose(n, "reference")
+
+    world = len(trainer)
+    shares = [n // world + (r < n % world) for r in range(world)]
+    results = await asyncio.gather(score(), *(
+        trainer[r].train_from_dock.call_one(shares[r], columns, whole_groups=world == 1)
+        for r in range(world)))
+    return results[1]
 
 
 async def _checkpoint(trainer, ckpt_dir: Path, state: _State, wall: float) -> None:

@@ -54,6 +54,7 @@ class TrainerActor(Actor):
         self.backend = backend
         self.trainer: TorchTrainer | None = None
         self._lock = asyncio.Lock()
+        self._dock: Any = None  # earl.runtime.dock.Dock, made on first use
 
     async def setup(self) -> None:
         def build() -> TorchTrainer:
@@ -76,6 +77,35 @@ class TrainerActor(Actor):
     async def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on this rank's shard; metrics are global (all ranks)."""
         return await self._run(lambda t: t.train_step(batch))
+
+    @endpoint
+    async def train_from_dock(self, n: int, columns: list[str], *, index: str = "dock",
+                              stage: str = "train", whole_groups: bool = True,
+                              timeout_s: float = 600.0) -> dict[str, float]:
+        """One optimizer step on `n` samples leased from the transfer dock.
+
+        take -> fetch the columns straight from the warehouses holding them (the producer's
+        shard, the reference's) -> train -> ack. Samples are ordered by id, so a batch trains
+        the same whatever the lease order. A rank that dies before `ack` leaves its lease to
+        expire and the samples go back to the pool: none is lost.
+        """
+        from earl.runtime import context
+        from earl.runtime.dock import Dock
+
+        if self._dock is None:
+            self._dock = Dock(await context().lookup(index))
+        dock = self._dock
+        lease = await dock.take(stage, columns, n, whole_groups=whole_groups,
+                                timeout_s=timeout_s)
+        data, frames = await dock.fetch(lease)
+        try:
+            batch = TrainBatch.from_samples([data[sid] for sid in sorted(data)])
+        finally:
+            for f in frames:
+                f.release()
+        metrics = await self._run(lambda t: t.train_step(batch))
+        await dock.ack(lease)
+        return metrics
 
     @endpoint
     async def accumulate(self, batch: TrainBatch) -> dict[str, float]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
 from torch import Tensor
 
 from earl.algorithms.aggregation import AGG_MODES, AggMode, aggregate
@@ -97,7 +98,9 @@ def policy_objective(
         seq_ids: sample index of each token (for sequence-level aggregation).
         old_logprobs: proximal/old log-probs. None: the current ones, detached — exact when this
             is the first update since the rollout's policy was last recomputed by this trainer.
-        rollout_logprobs: behaviour log-probs (required for ``tis``/``decoupled``).
+        rollout_logprobs: behaviour log-probs (required for ``tis``/``decoupled``); NaN on a
+            token the behaviour policy did not sample (self-imitation), which counts as
+            on-policy.
         ref_logprobs: reference log-probs (required when ``kl_coef > 0``).
         entropy: per-token entropy (required when ``entropy_coef > 0``).
         denom: global aggregation normaliser (``aggregation_denominator`` summed over the step).
@@ -117,6 +120,11 @@ def policy_objective(
         return aggregate(x, mask, cfg.agg, seq_ids=seq_ids, denom=denom)
 
     metrics: dict[str, Tensor] = {}
+    if rollout_logprobs is not None:
+        # NaN marks a token the behaviour policy did not sample (a self-imitation target):
+        # it is treated as on-policy, ratio 1.
+        rollout_logprobs = torch.where(torch.isnan(rollout_logprobs), logprobs.detach(),
+                                       rollout_logprobs)
     if old_logprobs is None:
         old_logprobs = (
             rollout_logprobs

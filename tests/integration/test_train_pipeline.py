@@ -48,7 +48,7 @@ def test_train_json_files_inspect_and_resume(tmp_path: Path) -> None:
     assert all(r["staleness"] <= 1.0 + 1e-9 for r in rows)  # default max_policy_lag=1
     trace = json.loads(Path(res["trace"]).read_text())
     names = {e["name"] for e in trace["traceEvents"]}
-    assert {"train_step", "push_weights", "eval"} <= names
+    assert {"dock_put", "reference", "train_step", "push_weights", "eval"} <= names
     assert "step 3/3" in p.stderr  # progress lines go to stderr with --json
 
     q = _earl("inspect", str(out), "--json")

@@ -245,3 +245,16 @@ def test_policy_objective_tis_and_errors() -> None:
                          seq_ids=T([0, 1]))
     with pytest.raises(ValueError, match="off_policy"):
         LossConfig(off_policy="areal")  # type: ignore[arg-type]
+
+
+def test_nan_rollout_logprob_is_on_policy() -> None:
+    # token 0 was sampled at p=0.25 (now 0.5: ratio 2, clipped at 1.2); token 1 is a
+    # self-imitation target nobody sampled (NaN): ratio 1, gradient -A.
+    logp = torch.log(T([0.5, 0.5])).requires_grad_()
+    roll = T([math.log(0.25), float("nan")])
+    loss, m = policy_objective(LossConfig(), logprobs=logp, advantages=T([1.0, 2.0]),
+                               mask=T([1, 1]), seq_ids=T([0, 1]), rollout_logprobs=roll)
+    close(loss, (-1.2 - 2.0) / 2)
+    loss.backward()
+    close(logp.grad, [0.0, -1.0])
+    assert not math.isnan(float(m["approx_kl_old"]))

@@ -60,6 +60,10 @@ def test_q_table_blames_a_move_that_loses_only_sometimes() -> None:
         plain.update([t], [r])
     assert plain.advantages([lucky], [[0.0, 1.0]])[0][0] > 0.05  # without Q: credited
     assert c.advantages([traj([[1], [5]], moves=[9, 7])], [[0.0, 1.0]])[0][0] > 0
+    # self-imitation: the lucky game's first turn should have answered 9 instead
+    ((i, k, tokens, gain),) = c.better_actions([lucky], min_visits=3, margin=0.1)
+    assert (i, k, tokens) == (0, 0, (9, 2)) and gain > 0.1
+    assert c.better_actions([traj([[1], [5]], moves=[9, 7])]) == []  # took the best one
 
 
 def test_state_roundtrip_and_bad_args() -> None:
