@@ -98,7 +98,7 @@ class RunConfig:
     group_size: int = 8
     max_policy_lag: int = 1
     time_limit_minutes: float = 8.5
-    target_win_draw: float = 0.95
+    target_win_draw: float = 0.97
     eval_games: int = 200
     eval_every: int = 20
     select_best: bool = True
