@@ -16,9 +16,12 @@ import json
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
+
+Record = dict[str, Any]  # one line of trajectories.jsonl, as JSON gives it
 
 
-def _load(run: Path) -> list[dict[str, object]]:
+def _load(run: Path) -> list[Record]:
     path = run / "trajectories.jsonl" if run.is_dir() else run
     if not path.is_file():
         raise ValueError(f"{str(path)!r} not found: pass a run directory written by `earl train` "
@@ -35,43 +38,43 @@ def _tokenizer(run: Path):
     return AutoTokenizer.from_pretrained(str(folder))
 
 
-def summary(trajs: list[dict[str, object]]) -> dict[str, object]:
-    steps = sorted({int(t["step"]) for t in trajs})  # type: ignore[arg-type]
+def summary(trajs: list[Record]) -> dict[str, object]:
+    steps = sorted({int(t["step"]) for t in trajs})
     out: dict[str, object] = {"trajectories": len(trajs), "steps": len(steps)}
     if not steps:
         return out
     quarters = [steps[int(i * (len(steps) - 1) / 3)] for i in range(4)]
     rows = []
     for lo, hi in itertools.pairwise(quarters):
-        sel = [t for t in trajs if lo <= int(t["step"]) <= hi]  # type: ignore[arg-type]
-        c = Counter(str(t["info"].get("outcome", "?")) for t in sel)  # type: ignore[union-attr]
+        sel = [t for t in trajs if lo <= int(t["step"]) <= hi]
+        c = Counter(str(t["info"].get("outcome", "?")) for t in sel)
         n = max(len(sel), 1)
         rows.append({"steps": f"{lo}-{hi}", "games": len(sel), "win": c["win"] / n,
                      "draw": c["draw"] / n, "loss": c["loss"] / n,
-                     "mean_tokens": sum(len(t["token_ids"]) for t in sel) / n})  # type: ignore[arg-type]
+                     "mean_tokens": sum(len(t["token_ids"]) for t in sel) / n})
     out["by_steps"] = rows
     return out
 
 
-def replay(t: dict[str, object], tok) -> dict[str, object]:
+def replay(t: Record, tok) -> dict[str, object]:
     """Re-play the recorded moves in a fresh env with the same seed; compare outcomes."""
     from earl.envs.tictactoe import TicTacToe
     from earl.eval import env_config
 
-    seed = int(t["info"]["seed"])  # type: ignore[index]
+    seed = int(t["info"]["seed"])
     env = TicTacToe(env_config(seed % 2 == 0))
     env.reset(seed)
-    ids: list[int] = t["token_ids"]  # type: ignore[assignment]
+    ids: list[int] = t["token_ids"]
     outcome = "unfinished"
     moves = []
-    for start, end in t["turn_spans"]:  # type: ignore[attr-defined]
+    for start, end in t["turn_spans"]:
         text = tok.decode(ids[start:end], skip_special_tokens=True)
         moves.append(text)
         res = env.step(text)
         if res.done:
             outcome = str(res.info["outcome"])
             break
-    recorded = str(t["info"].get("outcome"))  # type: ignore[union-attr]
+    recorded = str(t["info"].get("outcome"))
     return {"sample_id": t["sample_id"], "moves": moves, "replayed": outcome,
             "recorded": recorded, "match": outcome == recorded}
 

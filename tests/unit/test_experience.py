@@ -1,4 +1,4 @@
-"""earl.run.batch_columns: per-move advantages on turn tokens, plus self-imitation samples."""
+"""earl.experience.batch_columns: per-move advantages on turn tokens, plus self-imitation samples."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 
 from earl.config import RunConfig
 from earl.critic import TabularCritic
-from earl.run import batch_columns
+from earl.experience import batch_columns
 from earl.trajectory import Trajectory
 
 
