@@ -2,8 +2,9 @@
 and in-place weight updates. It implements `earl.engine.Engine`.
 
 One dedicated thread owns vLLM's V1 `LLMEngine` (in-process core, no EngineCore subprocess):
-it applies queued commands (add, abort, weight load) between `step()` calls and hands each
-step's new tokens to the asyncio loop, tagged with the policy version the step ran under.
+it applies queued commands (add, abort, weight load) between `step()` calls, appends each
+step's new tokens to its requests, tagged with the policy version the step ran under, and hands
+finished requests to the asyncio loop (one wake-up per step that finishes any, not per token).
 Running the model in a thread keeps the event loop free for agent coroutines and RPC (torch
 releases the GIL in its kernels); keeping the core in-process lets weight updates pass tensors
 by reference instead of pickling them to a subprocess.
