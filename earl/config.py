@@ -90,7 +90,7 @@ class RunConfig:
 
     `select_best`: the final policy is the one with the best periodic (validation) eval; the
     reported final eval uses fresh game seeds. `time_limit_minutes` bounds the training loop;
-    start-up, the final eval and the plots add ~0.3 min, so the default run ends within 10 min.
+    start-up, the final eval and the plots add ~0.3-0.5 min, so the default run ends within 10 min.
     """
 
     seed: int = 0
@@ -98,7 +98,7 @@ class RunConfig:
     batch_size: int = 64
     group_size: int = 8
     max_policy_lag: int = 1
-    time_limit_minutes: float = 9.2
+    time_limit_minutes: float = 9.0
     target_win_draw: float = 0.97
     eval_games: int = 200
     eval_every: int = 20
