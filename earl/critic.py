@@ -104,15 +104,14 @@ class TabularCritic:
     def update(self, trajs: Sequence[Trajectory],
                turn_rewards: Sequence[Sequence[float]]) -> None:
         for t, rewards in zip(trajs, turn_rewards, strict=True):
-            for i, (key, ret) in enumerate(zip(observation_keys(t), returns_to_go(rewards),
-                                               strict=False)):
+            keys, rets = observation_keys(t), returns_to_go(rewards)
+            for i, (key, ret) in enumerate(zip(keys, rets, strict=False)):
                 v = self.values.get(key)
                 self.values[key] = ret if v is None else v + self.alpha * (ret - v)
                 m = self.turn_means.get(i)
                 self.turn_means[i] = ret if m is None else m + 0.05 * (ret - m)
             if self.q_weight > 0:
-                for okey, act, ret in zip(observation_keys(t), turn_actions(t),
-                                          returns_to_go(rewards), strict=False):
+                for okey, act, ret in zip(keys, turn_actions(t), rets, strict=False):
                     row = self.q.setdefault(okey, {})
                     q, visits = row.get(act, (ret, 0))
                     row[act] = (q + max(self.alpha, 1 / (visits + 1)) * (ret - q), visits + 1)
@@ -134,10 +133,11 @@ class TabularCritic:
                     continue
                 best = max(((q, a) for a, (q, n) in row.items() if n >= min_visits and a != act),
                            default=None)
-                taken = row.get(act, (-math.inf, 0))[0]
-                if best is not None and best[0] > taken and \
-                        best[0] - self.value(okey, k) > margin:
-                    out.append((i, k, best[1], best[0] - self.value(okey, k)))
+                if best is None or best[0] <= row.get(act, (-math.inf, 0))[0]:
+                    continue
+                gain = best[0] - self.value(okey, k)
+                if gain > margin:
+                    out.append((i, k, best[1], gain))
         out.sort(key=lambda x: -x[3])
         return out
 

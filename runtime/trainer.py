@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 
@@ -32,6 +32,9 @@ from earl.runtime.trainer_dist import free_dist_url
 from earl.runtime.trainer_torch import TorchTrainer, TrainerConfig
 
 __all__ = ["TorchTrainer", "TrainBatch", "TrainerActor", "TrainerConfig", "free_dist_url"]
+
+if TYPE_CHECKING:
+    from earl.runtime.dock import Dock
 
 R = TypeVar("R")
 
@@ -54,7 +57,7 @@ class TrainerActor(Actor):
         self.backend = backend
         self.trainer: TorchTrainer | None = None
         self._lock = asyncio.Lock()
-        self._dock: Any = None  # earl.runtime.dock.Dock, made on first use
+        self._dock: Dock | None = None  # made on first use
 
     async def setup(self) -> None:
         def build() -> TorchTrainer:
