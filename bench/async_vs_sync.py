@@ -19,21 +19,49 @@ import time
 from contextlib import redirect_stdout
 
 
+def tree_cpu_s() -> float:
+    """CPU seconds (user + system) used so far by this process and all its descendants."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent: dict[int, int] = {}
+    used: dict[int, float] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = open(f"/proc/{d}/stat").read()  # noqa: SIM115 (tiny read)
+            except OSError:
+                continue
+            f = stat.rsplit(")", 1)[1].split()
+            parent[int(d)], used[int(d)] = int(f[1]), (int(f[11]) + int(f[12])) / tick
+    mine, frontier = {os.getpid()}, [os.getpid()]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parent.items() if pp == p and c not in mine]
+        mine.update(kids)
+        frontier += kids
+    return sum(used.get(p, 0.0) for p in mine)
+
+
 def run_mode(lag: int, overrides: list[str], out: str) -> dict[str, object]:
     from earl.config import load_config
     from earl.run import train
 
     cfg = load_config(None, [*overrides, f"--max_policy_lag={lag}", f"--output_dir={out}"])
+    marks: list[tuple[float, float]] = []  # (wall, CPU of the whole process tree) per step
+
+    def on_log(line: str) -> None:
+        if line.startswith("step "):
+            marks.append((time.perf_counter(), tree_cpu_s()))
+
     t0 = time.perf_counter()
     with redirect_stdout(io.StringIO()):
-        res = asyncio.run(train(cfg, log=lambda s: None))
+        res = asyncio.run(train(cfg, log=on_log))
     wall = time.perf_counter() - t0
     from earl.observe import read_metrics
 
     ms = read_metrics(__import__("pathlib").Path(res.files["metrics"]))
-    train_s = (float(ms[-1]["wall_s"]) - float(ms[0]["wall_s"]) + float(ms[0]["step_s"])) \
-        if ms else 0.0
-    games = sum(int(m["games"]) - int(p["games"]) for p, m in zip([{"games": 0}] + ms, ms))
+    # Steady state: from the end of the first step (pipeline filled) to the end of the last.
+    train_s = float(ms[-1]["wall_s"]) - float(ms[0]["wall_s"]) if len(ms) > 1 else 0.0
+    games = int(ms[-1]["games"]) - int(ms[0]["games"]) if len(ms) > 1 else 0
     thr = float(cfg.target_win_draw or 0.8)
     hit = [e["minutes"] for e in res.evals if e["win_draw_rate"] >= thr]
     import statistics
@@ -43,7 +71,9 @@ def run_mode(lag: int, overrides: list[str], out: str) -> dict[str, object]:
     return {"max_policy_lag": lag, "steps": res.steps, "trajectories": games,
             "step_s_median": round(step_s, 4), "rollout_s_median": round(roll_s, 4),
             "trajectories_per_s": games / train_s if train_s else 0.0,
-            "loop_seconds": round(train_s, 2), "wall_s": round(wall, 1),
+            "loop_seconds": round(train_s, 2),
+            "cores_used": round((marks[-1][1] - marks[0][1]) / (marks[-1][0] - marks[0][0]), 3)
+            if len(marks) > 1 else None, "wall_s": round(wall, 1),
             "threshold": thr, "minutes_to_threshold": hit[0] if hit else None,
             "final_win_draw": res.eval["win_draw_rate"],
             "mean_staleness": sum(float(m["staleness"]) for m in ms) / max(len(ms), 1)}
@@ -62,13 +92,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", action="store_true", help="(always JSON; kept for `earl bench`)")
-    p.add_argument("--lag", type=int, default=2)
+    p.add_argument("--lag", type=int, default=1, help="async run's max_policy_lag")
     p.add_argument("--minutes", type=float, default=4.5, help="wall budget per mode")
     a = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if a.quick:
-        common = ["--steps=8", "--warm_start.steps=0", "--placement.reference=0",
+        common = ["--steps=12", "--warm_start.steps=0", "--placement.reference=0",
                   "--algorithm.kl_coef=0",
                   "--batch_size=32", "--group_size=8",
                   "--eval_games=20", "--eval_every=0", "--checkpoint_every=100",
@@ -84,9 +114,14 @@ def main() -> int:
            if sync["trajectories_per_s"] else None,
            "final_win_draw_delta": asyn["final_win_draw"] - sync["final_win_draw"],  # type: ignore[operator]
            "overlap_limit": overlap_limit(sync),
+           "cores": os.cpu_count(),
+           "core_limit": round(os.cpu_count() / sync["cores_used"], 3)  # type: ignore[operator]
+           if sync["cores_used"] else None,
            "note": "overlap_limit: the best async/sync ratio possible from the sync run's own "
                    "stage times, (rollout + rest) / max(rollout, rest) per step, if rollout "
-                   "and training never slowed each other (here they share 2 CPU cores)"}
+                   "and training never slowed each other. core_limit: the best ratio if async "
+                   "kept every core busy with the sync run's CPU work per trajectory "
+                   "(cores / cores the sync run used)"}
     print(json.dumps(out))
     return 0
 

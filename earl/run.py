@@ -14,6 +14,8 @@ Rollout never waits for training except at the staleness bound: batch `b` may st
 rollout holds policy version `>= b - max_policy_lag` (0 = synchronous baseline). Each batch is
 `batch_size / group_size` groups; a group is `group_size` games from one seed. The reward stage
 computes per-move advantages (`earl.algorithms.per_turn_advantages`) once a batch is complete.
+With a lag >= 1 the driver looks one batch ahead: batch `b + 1` goes through the critic, the
+dock and the reference while the trainer works on batch `b`.
 
 This module does not define losses (earl.algorithms), models (earl.models) or the CLI.
 """
@@ -75,6 +77,15 @@ def model_folder(cfg: RunConfig, out: Path) -> str:
                          intermediate=3 * m.hidden, max_positions=max(m.max_model_len, 512),
                          init_std=0.1)
     return str(path)
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A batch whose samples are in the dock, scored by the reference, ready to train on."""
+
+    trajs: list[Trajectory]
+    first_adv: list[float]
+    samples: int
 
 
 class _State:
@@ -240,47 +251,72 @@ async def train(cfg: RunConfig, *, resume: bool = False, trace: bool = False,
             d.update(minutes=elapsed() / 60, step=float(version))
             return d
 
-        stopped = "steps"
+        async def prepare(b: int, ahead: bool = False) -> Prepared:
+            """Batch `b`'s games -> critic + advantages -> dock -> reference scores."""
+            trajs = await batch_future(b)
+            batches.pop(b)
+            cols, first_adv, sources = batch_columns(trajs, cfg, critic)
+            with tracer.span("dock_put", actor="driver", step=b + 1, ahead=ahead):
+                n = await _put_batch(warehouse, b, trajs, cols, sources)
+            if reference is not None:
+                with tracer.span("reference", actor="reference", step=b + 1):
+                    await reference.score_dock.choose(n, "reference")
+            return Prepared(trajs, first_adv, n)
+
+        def look_ahead(b: int) -> bool:
+            """Prepare batch `b + 1` while `b` trains? Only when the staleness bound lets its
+            games exist already, and not across a checkpoint (whose critic must be step b's)."""
+            return cfg.max_policy_lag >= 1 and b + 1 < cfg.steps and \
+                (b + 1) % cfg.checkpoint_every != 0
+
         last_t = time.perf_counter()
+
+        async def learn(b: int, p: Prepared) -> None:
+            """Train on batch `b`, push the weights, log the step."""
+            nonlocal version, last_t
+            with tracer.span("train_step", actor="trainer", step=b + 1):
+                m = await _train(trainer, p.samples, train_columns)
+            with tracer.span("push_weights", actor="trainer", version=b + 1):
+                await trainer.push_weights.call(rollout, b + 1)
+            async with version_changed:
+                version = b + 1
+                engine.note_version(version)
+                version_changed.notify_all()
+            trajs = p.trajs
+            state.step, state.games = version, state.games + len(trajs)
+            now = time.perf_counter()
+            gen_lags = [version - 1 - v for t in trajs for v, mk in
+                        zip(t.versions, t.loss_mask, strict=True) if mk]
+            outcomes = [str(t.info.get("outcome", "loss")) for t in trajs]
+            lens = [len(t.token_ids) for t in trajs]
+            rec: dict[str, float | int | str] = {
+                **{f"train/{k}": v for k, v in m.items()}, "step": version, "steps": cfg.steps,
+                "games": state.games,
+                "reward": float(np.mean([t.reward or 0.0 for t in trajs])),
+                "win_rate": outcomes.count("win") / len(trajs),
+                "draw_rate": outcomes.count("draw") / len(trajs),
+                "illegal_rate": float(np.mean([int(t.info.get("illegal", 0)) for t in trajs])),
+                "tokens_per_s": sum(lens) / max(now - last_t, 1e-6),
+                "staleness": float(np.mean(gen_lags)) if gen_lags else 0.0,
+                "ctx_mean": float(np.mean(lens)), "ctx_max": max(lens),
+                "step_s": now - last_t, "rollout_s": rollout_s.pop(b, 0.0),
+                "wall_s": elapsed()}
+            last_t = now
+            metrics.log(rec)
+            log(progress_line(rec))
+            if dump is not None:
+                dump.write(version, trajs, p.first_adv)
+
+        stopped = "steps"
         async with asyncio.TaskGroup() as tg:
             stop = asyncio.Event()
             prod = tg.create_task(producer(tg, stop))
+            ready: Prepared | None = None
             for b in range(state.step, cfg.steps):
-                trajs = await batch_future(b)
-                batches.pop(b)
-                cols, first_adv, sources = batch_columns(trajs, cfg, critic)
-                with tracer.span("dock_put", actor="driver", step=b + 1):
-                    n = await _put_batch(warehouse, b, trajs, cols, sources)
-                with tracer.span("train_step", actor="trainer", step=b + 1):
-                    m = await _score_and_train(reference, trainer, n, train_columns, tracer, b)
-                with tracer.span("push_weights", actor="trainer", version=b + 1):
-                    await trainer.push_weights.call(rollout, b + 1)
-                async with version_changed:
-                    version = b + 1
-                    engine.note_version(version)
-                    version_changed.notify_all()
-                state.step, state.games = version, state.games + len(trajs)
-                now = time.perf_counter()
-                gen_lags = [version - 1 - v for t in trajs for v, mk in
-                            zip(t.versions, t.loss_mask, strict=True) if mk]
-                outcomes = [str(t.info.get("outcome", "loss")) for t in trajs]
-                lens = [len(t.token_ids) for t in trajs]
-                rec: dict[str, float | int | str] = {
-                    **{f"train/{k}": v for k, v in m.items()}, "step": version, "steps": cfg.steps, "games": state.games,
-                    "reward": float(np.mean([t.reward or 0.0 for t in trajs])),
-                    "win_rate": outcomes.count("win") / len(trajs),
-                    "draw_rate": outcomes.count("draw") / len(trajs),
-                    "illegal_rate": float(np.mean([int(t.info.get("illegal", 0)) for t in trajs])),
-                    "tokens_per_s": sum(lens) / max(now - last_t, 1e-6),
-                    "staleness": float(np.mean(gen_lags)) if gen_lags else 0.0,
-                    "ctx_mean": float(np.mean(lens)), "ctx_max": max(lens),
-                    "step_s": now - last_t, "rollout_s": rollout_s.pop(b, 0.0),
-                    "wall_s": elapsed()}
-                last_t = now
-                metrics.log(rec)
-                log(progress_line(rec))
-                if dump is not None:
-                    dump.write(version, trajs, first_adv)
+                p = ready if ready is not None else await prepare(b)
+                # Look-ahead: batch b+1 goes through critic, dock and reference while b trains.
+                ahead = tg.create_task(prepare(b + 1, ahead=True)) if look_ahead(b) else None
+                await learn(b, p)
                 do_eval = cfg.eval_every > 0 and version % cfg.eval_every == 0
                 if do_eval:
                     ev = await run_eval(cfg.eval_games, EVAL_SEED + 2_000_000 * version)
@@ -298,7 +334,10 @@ async def train(cfg: RunConfig, *, resume: bool = False, trace: bool = False,
                     stopped = "target"
                 elif elapsed() > budget_s:
                     stopped = "time_limit"
+                ready = await ahead if ahead is not None else None
                 if stopped != "steps":
+                    if ready is not None:  # its games are in the critic: train on them too
+                        await learn(b + 1, ready)
                     break
             stop.set()
             async with version_changed:
@@ -392,21 +431,15 @@ async def _put_batch(warehouse, b: int, trajs: list[Trajectory],
     return len(sources)
 
 
-async def _score_and_train(reference, trainer, n: int, columns: list[str], tracer: Tracer,
-                           b: int) -> dict[str, float]:
-    """Reference scores the batch in the dock while the trainer waits for complete samples;
-    with several trainer ranks each leases its share."""
-    async def score() -> None:
-        if reference is not None:
-            with tracer.span("reference", actor="reference", step=b + 1):
-                await reference.score_dock.choose(n, "reference")
-
+async def _train(trainer, n: int, columns: list[str]) -> dict[str, float]:
+    """One optimizer step on the `n` oldest ready samples in the dock; with several trainer
+    ranks each leases its share."""
     world = len(trainer)
     shares = [n // world + (r < n % world) for r in range(world)]
-    results = await asyncio.gather(score(), *(
+    results = await asyncio.gather(*(
         trainer[r].train_from_dock.call_one(shares[r], columns, whole_groups=world == 1)
         for r in range(world)))
-    return results[1]
+    return results[0]
 
 
 async def _checkpoint(trainer, ckpt_dir: Path, state: _State, wall: float) -> None:

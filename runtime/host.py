@@ -111,6 +111,15 @@ async def _serve(spec: Any, sock: socket.socket) -> int:
     return 0
 
 
+def _name_process(name: str) -> None:
+    """Shows the actor in `ps -o comm`/`top` (Linux keeps 15 bytes) instead of "python"."""
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(name[:15])
+    except OSError:  # not Linux, or /proc is read-only: cosmetic only
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     fd, parent_pid = int(argv[0]), int(argv[1]) if len(argv) > 1 else 0
@@ -128,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     except EOFError:
         return 2
     sys.path[:] = spec.sys_path + [p for p in sys.path if p not in spec.sys_path]
+    _name_process(f"{spec.name}{spec.rank}")
     import uvloop
 
     return uvloop.run(_serve(spec, sock))

@@ -19,7 +19,7 @@ import pytest
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
 
 SMALL = ["--warm_start.steps=5", "--batch_size=16", "--group_size=4", "--eval_games=20",
-         "--checkpoint_every=1", "--algorithm.lr=1e-3"]
+         "--checkpoint_every=2", "--algorithm.lr=1e-3"]
 
 
 def _earl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -49,6 +49,13 @@ def test_train_json_files_inspect_and_resume(tmp_path: Path) -> None:
     trace = json.loads(Path(res["trace"]).read_text())
     names = {e["name"] for e in trace["traceEvents"]}
     assert {"dock_put", "reference", "train_step", "push_weights", "eval"} <= names
+    # lag 1: batch 2 was prepared (critic, dock, reference) while batch 1 trained; not batch 3,
+    # since step 2 checkpoints (the checkpoint's critic must not hold batch 3's games)
+    ahead = {e["args"]["step"]: e["args"]["ahead"] for e in trace["traceEvents"]
+             if e["name"] == "dock_put"}
+    assert ahead == {1: False, 2: True, 3: False}
+    trained = [e["args"]["step"] for e in trace["traceEvents"] if e["name"] == "train_step"]
+    assert trained == [1, 2, 3]
     assert "step 3/3" in p.stderr  # progress lines go to stderr with --json
 
     q = _earl("inspect", str(out), "--json")
