@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from contextlib import redirect_stdout
+from pathlib import Path
 
 
 def tree_cpu_s() -> float:
@@ -58,10 +59,13 @@ def run_mode(lag: int, overrides: list[str], out: str) -> dict[str, object]:
     wall = time.perf_counter() - t0
     from earl.observe import read_metrics
 
-    ms = read_metrics(__import__("pathlib").Path(res.files["metrics"]))
+    ms = read_metrics(Path(res.files["metrics"]))
     # Steady state: from the end of the first step (pipeline filled) to the end of the last.
     train_s = float(ms[-1]["wall_s"]) - float(ms[0]["wall_s"]) if len(ms) > 1 else 0.0
     games = int(ms[-1]["games"]) - int(ms[0]["games"]) if len(ms) > 1 else 0
+    # Evals pause training in both modes (the same 200 games); without them: the pipeline alone.
+    eval_s = sum(float(e.get("seconds", 0.0)) for e in res.evals
+                 if ms and float(ms[0]["step"]) <= float(e["step"]) < float(ms[-1]["step"]))
     thr = float(cfg.target_win_draw or 0.8)
     hit = [e["minutes"] for e in res.evals if e["win_draw_rate"] >= thr]
     import statistics
@@ -71,7 +75,9 @@ def run_mode(lag: int, overrides: list[str], out: str) -> dict[str, object]:
     return {"max_policy_lag": lag, "steps": res.steps, "trajectories": games,
             "step_s_median": round(step_s, 4), "rollout_s_median": round(roll_s, 4),
             "trajectories_per_s": games / train_s if train_s else 0.0,
-            "loop_seconds": round(train_s, 2),
+            "loop_seconds": round(train_s, 2), "eval_seconds": round(eval_s, 2),
+            "trajectories_per_s_without_evals": games / (train_s - eval_s)
+            if train_s > eval_s else 0.0,
             "cores_used": round((marks[-1][1] - marks[0][1]) / (marks[-1][0] - marks[0][0]), 3)
             if len(marks) > 1 else None, "wall_s": round(wall, 1),
             "threshold": thr, "minutes_to_threshold": hit[0] if hit else None,
@@ -112,6 +118,9 @@ def main() -> int:
     out = {"bench": "async_vs_sync", "quick": a.quick, "sync": sync, "async": asyn,
            "throughput_ratio": (asyn["trajectories_per_s"] / sync["trajectories_per_s"])
            if sync["trajectories_per_s"] else None,
+           "throughput_ratio_without_evals": (asyn["trajectories_per_s_without_evals"]  # type: ignore[operator]
+                                              / sync["trajectories_per_s_without_evals"])
+           if sync["trajectories_per_s_without_evals"] else None,
            "final_win_draw_delta": asyn["final_win_draw"] - sync["final_win_draw"],  # type: ignore[operator]
            "overlap_limit": overlap_limit(sync),
            "cores": os.cpu_count(),

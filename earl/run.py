@@ -245,10 +245,12 @@ async def train(cfg: RunConfig, *, resume: bool = False, trace: bool = False,
                 producing.append(tg.create_task(produce_batch(b)))
 
         async def run_eval(games: int, seed: int) -> dict[str, float]:
+            t0 = time.perf_counter()
             with tracer.span("eval", actor="driver", games=games):
                 res = await evaluate(engine, codec, games=games, seed=seed)
             d = res.to_dict()
-            d.update(minutes=elapsed() / 60, step=float(version))
+            d.update(minutes=elapsed() / 60, step=float(version),
+                     seconds=round(time.perf_counter() - t0, 3))
             return d
 
         async def prepare(b: int, ahead: bool = False) -> Prepared:
@@ -260,7 +262,7 @@ async def train(cfg: RunConfig, *, resume: bool = False, trace: bool = False,
                 n = await _put_batch(warehouse, b, trajs, cols, sources)
             if reference is not None:
                 with tracer.span("reference", actor="reference", step=b + 1):
-                    await reference.score_dock.choose(n, "reference")
+                    await reference.score_dock.choose(n, "reference", trained_only=True)
             return Prepared(trajs, first_adv, n)
 
         def look_ahead(b: int) -> bool:

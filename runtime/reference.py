@@ -79,13 +79,21 @@ class ReferenceModel:
         self.model.requires_grad_(False)
         self.tokens_scored = 0
 
-    def logprobs(self, samples: Sequence[Sequence[int] | np.ndarray]) -> list[np.ndarray]:
-        """Per-token reference log-probs of each sample (see module docstring)."""
+    def logprobs(self, samples: Sequence[Sequence[int] | np.ndarray],
+                 masks: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+        """Per-token reference log-probs of each sample (see module docstring).
+
+        With `masks` (one per sample, e.g. the "loss_mask" column), only tokens whose mask is
+        > 0 are scored and the rest are 0: the KL term reads nothing else, and the LM head then
+        runs on those positions alone (most tokens of an RL sample are prompt).
+        """
         import torch
 
         seqs = [np.asarray(s, dtype=np.int64).reshape(-1) for s in samples]
         if any(len(s) == 0 for s in seqs):
             raise ValueError("ReferenceModel.logprobs: empty sample; every sample needs >= 1 token")
+        if masks is not None and [len(m) for m in masks] != [len(s) for s in seqs]:
+            raise ValueError("ReferenceModel.logprobs: each mask needs its sample's length")
         out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(seqs)
         for group in microbatches([len(s) for s in seqs], self.config.token_budget):
             width = len(seqs[group[0]])
@@ -95,17 +103,30 @@ class ReferenceModel:
                 ids[row, : len(seqs[i])] = torch.from_numpy(seqs[i])
                 mask[row, : len(seqs[i])] = 1
             with torch.inference_mode():
-                logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-                if self.config.temperature != 1.0:
-                    logits = logits / self.config.temperature
-                picked = logits.gather(-1, ids[:, 1:, None]).squeeze(-1)
-                lp = (picked - logits.logsumexp(-1)).numpy()
+                if masks is None:
+                    rows, cols = torch.nonzero(mask[:, 1:] > 0, as_tuple=True)
+                else:
+                    want = torch.zeros((len(group), width), dtype=torch.bool)
+                    for row, i in enumerate(group):
+                        want[row, : len(seqs[i])] = torch.from_numpy(np.asarray(masks[i]) > 0)
+                    rows, cols = torch.nonzero(want[:, 1:], as_tuple=True)
+                lp = self._score(ids, mask, rows, cols + 1).numpy()
+            rows_np, cols_np = rows.numpy(), cols.numpy() + 1
             for row, i in enumerate(group):
                 res = np.zeros(len(seqs[i]), np.float32)
-                res[1:] = lp[row, : len(seqs[i]) - 1]
+                sel = rows_np == row
+                res[cols_np[sel]] = lp[sel]
                 out[i] = res
             self.tokens_scored += int(mask.sum())
         return out
+
+    def _score(self, ids, mask, rows, cols):  # type: ignore[no-untyped-def]
+        """log p(ids[rows, cols] | ids[rows, :cols]); the LM head runs on those rows only."""
+        hidden = self.model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+        logits = self.model.get_output_embeddings()(hidden[rows, cols - 1]).float()
+        if self.config.temperature != 1.0:
+            logits = logits / self.config.temperature
+        return logits.gather(-1, ids[rows, cols][:, None])[:, 0] - logits.logsumexp(-1)
 
 
 class ReferenceActor(WarehouseHost, Actor):
@@ -125,20 +146,24 @@ class ReferenceActor(WarehouseHost, Actor):
 
     @endpoint
     async def score_dock(self, n: int = 32, stage: str = "reference",
-                         timeout_s: float | None = None) -> int:
+                         timeout_s: float | None = None, trained_only: bool = False) -> int:
         """One lease of up to `n` samples: take -> fetch -> score -> add "ref_logprobs" -> ack.
 
+        `trained_only`: lease "loss_mask" too and score only the trained tokens (others 0).
         Returns the number of samples scored. Raises TimeoutError when none is ready in time.
         """
         if self._dock is None:
             self._dock = Dock(await context().lookup(self.index_name), warehouse=self.warehouse)
         dock = self._dock
-        lease = await dock.take(stage, ["input_ids"], n, whole_groups=False, timeout_s=timeout_s)
+        columns = ["input_ids", "loss_mask"] if trained_only else ["input_ids"]
+        lease = await dock.take(stage, columns, n, whole_groups=False, timeout_s=timeout_s)
         batch, frames = await dock.fetch(lease)
         try:
             ids = [batch[loc.sample_id]["input_ids"] for loc in lease.samples]
+            masks = [batch[loc.sample_id]["loss_mask"] for loc in lease.samples] \
+                if trained_only else None
             async with self._lock:
-                scores = await asyncio.to_thread(self.ref.logprobs, ids)
+                scores = await asyncio.to_thread(self.ref.logprobs, ids, masks)
         finally:
             for f in frames:
                 f.release()

@@ -148,11 +148,11 @@ class MegatronTrainer(TorchTrainer):
     def _wrap_model(self, module: nn.Module) -> nn.Module:
         return tdist.wrap_model(module, "ddp", self.device)
 
-    def _forward(self, packed: Packed) -> Tensor:
+    def _forward(self, packed: Packed, keep: Tensor | None = None) -> Tensor:
         with _cpu_compat(self.device):
             logits = self.model(packed.input_ids[None], packed.position_ids[None],
                                 attention_mask=packed_causal_mask(packed))
-        return logits[0]
+        return logits[0] if keep is None else logits[0, keep]
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """HF-named weights converted from the megatron model (tied ``lm_head`` left out)."""

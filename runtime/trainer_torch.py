@@ -35,6 +35,7 @@ from earl.packing import (
     pack,
     packed_forward,
     plan_micro_batches,
+    scored_positions,
     set_attention,
     token_entropy,
     token_logprobs,
@@ -160,9 +161,9 @@ class TorchTrainer:
     def _wrap_model(self, module: nn.Module) -> nn.Module:
         return tdist.wrap_model(module, self.config.parallel, self.device)
 
-    def _forward(self, packed: Packed) -> Tensor:
-        """Logits ``[T, V]`` of a packed row already on the device."""
-        return packed_forward(self.model, packed)
+    def _forward(self, packed: Packed, keep: Tensor | None = None) -> Tensor:
+        """Logits ``[T, V]`` of a packed row already on the device (rows ``keep`` only)."""
+        return packed_forward(self.model, packed, keep)
 
     # ------------------------------------------------------------------ forward
 
@@ -171,7 +172,7 @@ class TorchTrainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _logits(self, packed: Packed) -> Tensor:
+    def _logits(self, packed: Packed, keep: Tensor | None = None) -> Tensor:
         on_dev = Packed(
             input_ids=packed.input_ids.to(self.device),
             position_ids=packed.position_ids.to(self.device),
@@ -180,7 +181,7 @@ class TorchTrainer:
             max_seqlen=packed.max_seqlen,
         )
         with self._autocast():
-            logits = self._forward(on_dev)
+            logits = self._forward(on_dev, None if keep is None else keep.to(self.device))
         logits = logits.float()
         if self.config.temperature != 1.0:
             logits = logits / self.config.temperature
@@ -274,15 +275,17 @@ class TorchTrainer:
         self, sub: MicroBatch, denom: float, want_entropy: bool
     ) -> tuple[Tensor, dict[str, Tensor]]:
         dev = self.device
-        logits = self._logits(sub.packed)
-        logprobs = token_logprobs(logits, sub.packed)
+        # Every loss term is masked: the LM head runs only where a trained token is predicted.
+        at = scored_positions(sub.packed, sub.loss_mask).to(dev)
+        logits = self._logits(sub.packed, keep=at - 1)
+        logprobs = token_logprobs(logits, sub.packed, at)
         entropy = None
         if want_entropy:
             if self.config.loss.entropy_coef > 0:
-                entropy = token_entropy(logits, sub.packed)
+                entropy = token_entropy(logits, sub.packed, at)
             else:
                 with torch.no_grad():
-                    entropy = token_entropy(logits, sub.packed)
+                    entropy = token_entropy(logits, sub.packed, at)
 
         def opt(t: Tensor | None) -> Tensor | None:
             return None if t is None else t.to(dev)

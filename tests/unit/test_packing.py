@@ -7,7 +7,15 @@ import math
 import pytest
 import torch
 
-from earl.packing import pack, packed_forward, plan_micro_batches, set_attention, token_logprobs
+from earl.packing import (
+    pack,
+    packed_forward,
+    plan_micro_batches,
+    scored_positions,
+    set_attention,
+    token_entropy,
+    token_logprobs,
+)
 
 
 def test_plan_respects_budget_and_covers_every_sample_once() -> None:
@@ -84,6 +92,42 @@ def test_packed_logprobs_equal_per_sequence(tiny_qwen2: torch.nn.Module, mode: s
         for s in seqs
     ).backward()
     for a, p in zip(g_packed, model.parameters(), strict=True):
+        torch.testing.assert_close(a, p.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_scored_positions_skip_sample_starts_and_keep_a_graph() -> None:
+    p = pack([torch.tensor([5, 6, 7]), torch.tensor([8, 9])])
+    mask = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0])  # a (bogus) mask on both sample starts
+    assert scored_positions(p, mask).tolist() == [2, 4]
+    assert scored_positions(p, torch.zeros(5)).tolist() == [1]  # nothing trained: one row
+
+
+def test_sparse_lm_head_equals_dense_rows(tiny_qwen2: torch.nn.Module) -> None:
+    """Log-probs, entropies and gradients from the LM head on the scored rows only equal the
+    dense ones at those tokens; every other token is 0."""
+    model = tiny_qwen2
+    set_attention(model, "varlen")
+    g = torch.Generator().manual_seed(2)
+    packed = pack([torch.randint(0, 300, (n,), generator=g) for n in (9, 20, 5)])
+    mask = (torch.rand(packed.input_ids.numel(), generator=g) < 0.4).float()
+    at = scored_positions(packed, mask)
+    dense_logits = packed_forward(model, packed)
+    dense = token_logprobs(dense_logits, packed)
+    dense_ent = token_entropy(dense_logits, packed)
+    (dense * mask).sum().backward()
+    g_dense = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    logits = packed_forward(model, packed, keep=at - 1)
+    assert logits.shape[0] == len(at)
+    sparse = token_logprobs(logits, packed, at)
+    torch.testing.assert_close(sparse[at], dense[at].detach(), atol=1e-5, rtol=1e-5)
+    off = torch.ones_like(mask, dtype=torch.bool)
+    off[at] = False
+    assert torch.all(sparse[off] == 0)
+    torch.testing.assert_close(token_entropy(logits, packed, at)[at], dense_ent[at].detach(),
+                               atol=1e-5, rtol=1e-5)
+    (sparse * mask).sum().backward()
+    for a, p in zip(g_dense, model.parameters(), strict=True):
         torch.testing.assert_close(a, p.grad, atol=1e-5, rtol=1e-4)
 
 

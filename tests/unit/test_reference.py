@@ -36,3 +36,20 @@ def test_logprobs_match_a_plain_forward_and_ignore_batching() -> None:
     assert all(np.all(lp[1:] < 0) for lp in got)
     with pytest.raises(ValueError, match="empty sample"):
         ref.logprobs([np.zeros(0, np.int64)])
+
+
+def test_masked_logprobs_score_only_the_trained_tokens() -> None:
+    ref = ReferenceModel(ReferenceConfig(model=str(default_model_dir(init_std=0.2)),
+                                         token_budget=64))
+    rng = np.random.default_rng(1)
+    samples = [rng.integers(7, 100, size=n) for n in (12, 30, 5)]
+    masks = [(rng.random(len(s)) < 0.5).astype(np.float32) for s in samples]
+    masks[0][0] = 1.0  # a sample's first token has no context: stays 0 even when masked
+    full = ref.logprobs(samples)
+    for m, f, got in zip(masks, full, ref.logprobs(samples, masks), strict=True):
+        on = m > 0
+        on[0] = False
+        np.testing.assert_allclose(got[on], f[on], atol=1e-5)
+        assert np.all(got[~on] == 0.0)
+    with pytest.raises(ValueError, match="mask"):
+        ref.logprobs(samples, masks[:2] + [np.ones(3, np.float32)])
