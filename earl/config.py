@@ -55,6 +55,10 @@ class AlgorithmConfig:
 
     name: str = "grpo"
     lr: float = 1e-3
+    # Annealing: once the run's progress (the larger of elapsed / time limit and step / steps)
+    # passes lr_anneal_from, the LR falls linearly to lr_final * lr at the end (1.0: constant).
+    lr_anneal_from: float = 0.5
+    lr_final: float = 0.1
     epochs: int = 1
     clip: float = 0.2
     entropy_coef: float = 0.0
@@ -237,6 +241,14 @@ def load_config(path: str | os.PathLike[str] | None = None,
     return cfg
 
 
+def lr_scale(a: AlgorithmConfig, progress: float) -> float:
+    """The LR multiplier at `progress` in [0, 1] of the run (see `lr_anneal_from`)."""
+    if progress <= a.lr_anneal_from or a.lr_anneal_from >= 1:
+        return 1.0
+    frac = min((progress - a.lr_anneal_from) / (1 - a.lr_anneal_from), 1.0)
+    return 1.0 - frac * (1.0 - a.lr_final)
+
+
 def validate(cfg: RunConfig) -> None:
     """Raises ValueError naming the field and the fix for any impossible setting."""
     def need(ok: bool, name: str, msg: str) -> None:
@@ -262,6 +274,9 @@ def validate(cfg: RunConfig) -> None:
     a = cfg.algorithm
     need(a.name in ALGORITHMS, "algorithm.name", f"{a.name!r} unknown; choose one of {ALGORITHMS}")
     need(a.lr > 0, "algorithm.lr", "must be > 0")
+    need(0 <= a.lr_anneal_from <= 1, "algorithm.lr_anneal_from",
+         "must be in [0, 1] (the run's progress where annealing starts; 1 = never)")
+    need(0 < a.lr_final <= 1, "algorithm.lr_final", "must be in (0, 1] (a fraction of lr)")
     need(a.epochs >= 1, "algorithm.epochs", "must be >= 1")
     need(a.critic in CRITICS, "algorithm.critic", f"{a.critic!r} unknown; choose one of {CRITICS}")
     need(0 <= a.critic_lambda <= 1, "algorithm.critic_lambda", "must be in [0, 1]")

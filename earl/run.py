@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from earl.config import RunConfig, to_dict
+from earl.config import RunConfig, lr_scale, to_dict
 from earl.critic import TabularCritic
 from earl.experience import batch_columns, warm_start_data
 from earl.observe import Metrics, Tracer, TrajectoryDump, progress_line, read_metrics, write_plots
@@ -276,8 +276,9 @@ async def train(cfg: RunConfig, *, resume: bool = False, trace: bool = False,
         async def learn(b: int, p: Prepared) -> None:
             """Train on batch `b`, push the weights, log the step."""
             nonlocal version, last_t
+            scale = lr_scale(a, max(elapsed() / budget_s, (b + 1) / cfg.steps))
             with tracer.span("train_step", actor="trainer", step=b + 1):
-                m = await _train(trainer, p.samples, train_columns)
+                m = await _train(trainer, p.samples, train_columns, scale)
             with tracer.span("push_weights", actor="trainer", version=b + 1):
                 await trainer.push_weights.call(rollout, b + 1)
             async with version_changed:
@@ -433,13 +434,14 @@ async def _put_batch(warehouse, b: int, trajs: list[Trajectory],
     return len(sources)
 
 
-async def _train(trainer, n: int, columns: list[str]) -> dict[str, float]:
-    """One optimizer step on the `n` oldest ready samples in the dock; with several trainer
-    ranks each leases its share."""
+async def _train(trainer, n: int, columns: list[str], scale: float) -> dict[str, float]:
+    """One optimizer step (LR times `scale`) on the `n` oldest ready samples in the dock; with
+    several trainer ranks each leases its share."""
     world = len(trainer)
     shares = [n // world + (r < n % world) for r in range(world)]
     results = await asyncio.gather(*(
-        trainer[r].train_from_dock.call_one(shares[r], columns, whole_groups=world == 1)
+        trainer[r].train_from_dock.call_one(shares[r], columns, whole_groups=world == 1,
+                                            lr_scale=scale)
         for r in range(world)))
     return results[0]
 

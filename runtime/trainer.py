@@ -84,7 +84,7 @@ class TrainerActor(Actor):
     @endpoint
     async def train_from_dock(self, n: int, columns: list[str], *, index: str = "dock",
                               stage: str = "train", whole_groups: bool = True,
-                              timeout_s: float = 600.0) -> dict[str, float]:
+                              timeout_s: float = 600.0, lr_scale: float = 1.0) -> dict[str, float]:
         """One optimizer step on `n` samples leased from the transfer dock.
 
         take -> fetch the columns straight from the warehouses holding them (the producer's
@@ -106,7 +106,7 @@ class TrainerActor(Actor):
         finally:
             for f in frames:
                 f.release()
-        metrics = await self._run(lambda t: t.train_step(batch))
+        metrics = await self._run(lambda t: t.train_step(batch, lr_scale))
         await dock.ack(lease)
         return metrics
 

@@ -303,9 +303,16 @@ class TorchTrainer:
             denom=denom,
         )
 
-    def optimizer_step(self) -> dict[str, float]:
-        """Clip, step AdamW and the LR schedule, zero the gradients; returns grad_norm and lr."""
-        lr = float(self.optimizer.param_groups[0]["lr"])
+    def optimizer_step(self, lr_scale: float = 1.0) -> dict[str, float]:
+        """Clip, step AdamW and the LR schedule, zero the gradients; returns grad_norm and lr.
+
+        `lr_scale` multiplies this step's scheduled LR (the caller's annealing, e.g. over a
+        wall-clock budget); the schedule itself is unchanged, so checkpoints do not hold it.
+        """
+        scheduled = [float(g["lr"]) for g in self.optimizer.param_groups]
+        for g, lr0 in zip(self.optimizer.param_groups, scheduled, strict=True):
+            g["lr"] = lr0 * lr_scale
+        lr = scheduled[0] * lr_scale
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -316,7 +323,7 @@ class TorchTrainer:
         self.step += 1
         return {"grad_norm": float(norm), "lr": lr}
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, lr_scale: float = 1.0) -> dict[str, float]:
         """One optimizer step on ``batch`` (this rank's shard); returns step metrics.
 
         When ``batch.old_logprobs`` is None, the proximal policy is the current one (exact for
@@ -324,7 +331,7 @@ class TorchTrainer:
         """
         t0 = time.perf_counter()
         metrics = self.accumulate(batch)
-        metrics.update(self.optimizer_step())
+        metrics.update(self.optimizer_step(lr_scale))
         dt = time.perf_counter() - t0
         metrics.update(step=float(self.step), step_time_s=dt, tokens_per_s=metrics["tokens"] / dt)
         return metrics

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from earl.config import RunConfig, load_config, parse_overrides, to_dict
+from earl.config import AlgorithmConfig, RunConfig, load_config, lr_scale, parse_overrides, to_dict
 
 
 def test_defaults_are_valid() -> None:
@@ -54,6 +54,8 @@ def test_parse_overrides_nested() -> None:
     (["--max_policy_lag=-1"], ValueError, ["max_policy_lag", "synchronous"]),
     (["--eval_games=201"], ValueError, ["eval_games", "even"]),
     (["--model.hidden=48"], ValueError, ["model.hidden", "32"]),
+    (["--algorithm.lr_anneal_from=1.5"], ValueError, ["algorithm.lr_anneal_from", "[0, 1]"]),
+    (["--algorithm.lr_final=0"], ValueError, ["algorithm.lr_final", "fraction of lr"]),
 ])
 def test_bad_input_names_field_and_fix(overrides: list[str], exc: type[Exception],
                                        words: list[str]) -> None:
@@ -73,3 +75,11 @@ def test_missing_yaml_file_and_model_folder_without_config(tmp_path) -> None:
     bad.write_text("- 1\n- 2\n")
     with pytest.raises(TypeError, match="mapping"):
         load_config(bad)
+
+
+def test_lr_anneal_schedule() -> None:
+    a = AlgorithmConfig(lr_anneal_from=0.5, lr_final=0.1)
+    assert lr_scale(a, 0.0) == lr_scale(a, 0.5) == 1.0
+    assert lr_scale(a, 0.75) == pytest.approx(0.55)  # halfway down from 1.0 to 0.1
+    assert lr_scale(a, 1.0) == pytest.approx(0.1) == lr_scale(a, 1.3)  # past the limit: floor
+    assert lr_scale(AlgorithmConfig(lr_anneal_from=1.0), 1.0) == 1.0  # off

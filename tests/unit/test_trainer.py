@@ -88,6 +88,15 @@ def test_train_step_raises_logprob_of_positive_advantage_tokens(model_dir: Path)
     assert m["tokens"] == batch.num_tokens and m["samples"] == batch.num_samples
 
 
+def test_lr_scale_scales_one_step_and_leaves_the_schedule(model_dir: Path) -> None:
+    t = trainer(model_dir, lr=1e-3, warmup_steps=4)
+    before = [p.detach().clone() for p in t.module.parameters()]
+    assert t.train_step(make_batch(), lr_scale=0.5)["lr"] == pytest.approx(0.25e-3 * 0.5)
+    assert any(not torch.equal(a, p) for a, p in zip(before, t.module.parameters(), strict=True))
+    assert t.train_step(make_batch(1))["lr"] == pytest.approx(0.5e-3)  # warmup step 2, unscaled
+    assert t.optimizer.param_groups[0]["lr"] == pytest.approx(0.75e-3)  # the schedule's next
+
+
 def test_bf16_autocast_close_to_fp32(model_dir: Path) -> None:
     batch = make_batch(lengths=(20, 9))
     lp32 = trainer(model_dir).compute_logprobs(batch)
