@@ -22,7 +22,7 @@ from earl.engine import Responder
 from earl.envs.base import StepResult
 from earl.envs.tictactoe import TicTacToe, TicTacToeConfig
 
-__all__ = ["make_board_game_agent", "make_tictactoe_agent", "play_board_game", "sim_responder",
+__all__ = ["free_squares", "make_board_game_agent", "make_tictactoe_agent", "play_board_game", "sim_responder",
            "tictactoe_agent"]
 
 
@@ -80,7 +80,7 @@ def sim_responder(codec: ChatCodec, *, choices: Callable[[str], list[str]] | Non
         illegal_rate: probability of answering with an occupied/invalid square instead.
         tail_tokens: how much of the prompt to decode.
     """
-    pick = choices or _tictactoe_choices
+    pick = choices or free_squares
     encoded = {ch: codec.encode_text(ch) + [codec.end_id] for ch in "0123456789"}
 
     def respond(prompt_ids: list[int], rng: random.Random) -> list[int]:
@@ -92,6 +92,7 @@ def sim_responder(codec: ChatCodec, *, choices: Callable[[str], list[str]] | Non
     return respond
 
 
-def _tictactoe_choices(tail: str) -> list[str]:
+def free_squares(tail: str) -> list[str]:
+    """The free squares' digits on the last board in a decoded prompt tail (either style)."""
     board = tail.rsplit("<|im_end|>", 1)[0].split("\n")[-3:]
     return [ch for row in board for ch in row if ch in "123456789"]

@@ -16,18 +16,13 @@ from earl.critic import TabularCritic
 from earl.trajectory import Trajectory
 
 
-def _legal_digits(text: str) -> list[str]:
-    board = text.rsplit("<|im_end|>", 1)[0].split("\n")[-3:]
-    return [ch for row in board for ch in row if ch in "123456789"]
-
-
 async def warm_start_data(codec, n_games: int, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Random legal games in the exact token format of training, with soft targets.
 
     Targets per assistant turn: uniform over the legal digits, then 1.0 on the closing token.
     """
     from earl.agents.rollout import RolloutConfig, run_agent
-    from earl.agents.tictactoe import sim_responder
+    from earl.agents.tictactoe import free_squares, sim_responder
     from earl.engine import SamplingParams, SimConfig, SimEngine
     from earl.eval import make_agent
 
@@ -41,7 +36,7 @@ async def warm_start_data(codec, n_games: int, seed: int) -> tuple[list[np.ndarr
     for t in trajs:
         rows: list[tuple[int, int, float]] = []
         for start, end in t.turn_spans:
-            legal = _legal_digits(codec.decode(t.token_ids[max(0, start - 48):start]))
+            legal = free_squares(codec.decode(t.token_ids[max(0, start - 48):start]))
             if not legal or end - start < 2:
                 continue
             rows += [(start, digit_ids[d], 1.0 / len(legal)) for d in legal]

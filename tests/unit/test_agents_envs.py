@@ -167,3 +167,12 @@ def test_calc_agent_with_scripted_correct_model(codec: ChatCodec) -> None:
     assert not t.failed and len(t.turn_spans) == 2 and t.info["tool_calls"] == 1
     t = asyncio.run(run_agent(calc_agent, 5, engine=engine, codec=codec, config=cfg))
     assert t.failed and "Problem" in t.error
+
+
+def test_free_squares_read_the_last_board_in_either_style() -> None:
+    from earl.agents.tictactoe import free_squares
+
+    cells = "<|im_start|>user\n123\n456\n789<|im_end|>\n<|im_start|>assistant\n5<|im_end|>\n" \
+            "<|im_start|>user\naB3\n4e6\n789<|im_end|>\n<|im_start|>assistant\n"
+    assert free_squares(cells) == ["3", "4", "6", "7", "8", "9"]
+    assert free_squares("O took 2\nXO3\n456\n789<|im_end|>\n") == list("3456789")
