@@ -18,11 +18,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from earl.runtime import Actor, context, endpoint
 from earl.runtime.dock import Dock, WarehouseHost
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 __all__ = ["ReferenceActor", "ReferenceConfig", "ReferenceModel", "microbatches"]
 
@@ -103,13 +107,11 @@ class ReferenceModel:
                 ids[row, : len(seqs[i])] = torch.from_numpy(seqs[i])
                 mask[row, : len(seqs[i])] = 1
             with torch.inference_mode():
-                if masks is None:
-                    rows, cols = torch.nonzero(mask[:, 1:] > 0, as_tuple=True)
-                else:
-                    want = torch.zeros((len(group), width), dtype=torch.bool)
+                want = mask > 0  # the tokens to score: all, or the masked ones
+                if masks is not None:
                     for row, i in enumerate(group):
                         want[row, : len(seqs[i])] = torch.from_numpy(np.asarray(masks[i]) > 0)
-                    rows, cols = torch.nonzero(want[:, 1:], as_tuple=True)
+                rows, cols = torch.nonzero(want[:, 1:], as_tuple=True)
                 lp = self._score(ids, mask, rows, cols + 1).numpy()
             rows_np, cols_np = rows.numpy(), cols.numpy() + 1
             for row, i in enumerate(group):
@@ -120,7 +122,7 @@ class ReferenceModel:
             self.tokens_scored += int(mask.sum())
         return out
 
-    def _score(self, ids, mask, rows, cols):  # type: ignore[no-untyped-def]
+    def _score(self, ids: Tensor, mask: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
         """log p(ids[rows, cols] | ids[rows, :cols]); the LM head runs on those rows only."""
         hidden = self.model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
         logits = self.model.get_output_embeddings()(hidden[rows, cols - 1]).float()
