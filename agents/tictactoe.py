@@ -22,8 +22,8 @@ from earl.engine import Responder
 from earl.envs.base import StepResult
 from earl.envs.tictactoe import TicTacToe, TicTacToeConfig
 
-__all__ = ["free_squares", "make_board_game_agent", "make_tictactoe_agent", "play_board_game", "sim_responder",
-           "tictactoe_agent"]
+__all__ = ["free_squares", "make_board_game_agent", "make_tictactoe_agent", "play_board_game",
+           "sim_responder", "tictactoe_agent"]
 
 
 class _Game(Protocol):  # what play_board_game needs from an env

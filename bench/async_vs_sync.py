@@ -24,24 +24,17 @@ THRESHOLD = 0.9  # win+draw rate for `minutes_to_threshold`
 
 def tree_cpu_s() -> float:
     """CPU seconds (user + system) used so far by this process and all its descendants."""
-    tick = os.sysconf("SC_CLK_TCK")
-    parent: dict[int, int] = {}
-    used: dict[int, float] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                stat = open(f"/proc/{d}/stat").read()  # noqa: SIM115 (tiny read)
-            except OSError:
-                continue
-            f = stat.rsplit(")", 1)[1].split()
-            parent[int(d)], used[int(d)] = int(f[1]), (int(f[11]) + int(f[12])) / tick
-    mine, frontier = {os.getpid()}, [os.getpid()]
-    while frontier:
-        p = frontier.pop()
-        kids = [c for c, pp in parent.items() if pp == p and c not in mine]
-        mine.update(kids)
-        frontier += kids
-    return sum(used.get(p, 0.0) for p in mine)
+    import psutil
+
+    total = 0.0
+    me = psutil.Process()
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+        except psutil.NoSuchProcess:  # exited between the listing and the read
+            continue
+        total += t.user + t.system
+    return total
 
 
 def run_mode(lag: int, overrides: list[str], out: str) -> dict[str, object]:
@@ -68,8 +61,7 @@ def run_mode(lag: int, overrides: list[str], out: str) -> dict[str, object]:
     # Evals pause training in both modes (the same 200 games); without them: the pipeline alone.
     eval_s = sum(float(e.get("seconds", 0.0)) for e in res.evals
                  if ms and float(ms[0]["step"]) <= float(e["step"]) < float(ms[-1]["step"]))
-    thr = THRESHOLD
-    hit = [e["minutes"] for e in res.evals if e["win_draw_rate"] >= thr]
+    hit = [e["minutes"] for e in res.evals if e["win_draw_rate"] >= THRESHOLD]
     import statistics
 
     step_s = statistics.median(float(m["step_s"]) for m in ms) if ms else 0.0
@@ -82,7 +74,7 @@ def run_mode(lag: int, overrides: list[str], out: str) -> dict[str, object]:
             if train_s > eval_s else 0.0,
             "cores_used": round((marks[-1][1] - marks[0][1]) / (marks[-1][0] - marks[0][0]), 3)
             if len(marks) > 1 else None, "wall_s": round(wall, 1),
-            "threshold": thr, "minutes_to_threshold": hit[0] if hit else None,
+            "threshold": THRESHOLD, "minutes_to_threshold": hit[0] if hit else None,
             "final_win_draw": res.eval["win_draw_rate"],
             "mean_staleness": sum(float(m["staleness"]) for m in ms) / max(len(ms), 1)}
 
