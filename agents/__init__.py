@@ -10,16 +10,19 @@ the trajectory). `run_agent` runs one and returns its token-exact `Trajectory`:
         for _ in range(4):
             turn = await rollout.generate(messages, tools=[calculator])
             messages.append(turn.message)
-            if not turn.tool_calls:
-                break
+            if not turn.tool_calls:  # only a final answer scores, never a tool's output
+                return float(turn.content.strip() == str(problem.answer))
             for call in turn.tool_calls:
                 messages.append(await rollout.call_tool(call))
-        return float(str(problem.answer) in messages[-1]["content"])
+        return 0.0
 
     traj = await run_agent(agent, problem, engine=engine, codec=ChatCodec(tokenizer))
 
 Game loops: `earl.agents.tictactoe.tictactoe_agent`, `earl.agents.connect4.connect4_agent`;
 tool loops: `earl.agents.calc.calc_agent`, `earl.agents.calc.python_agent`.
+Agents written against the `openai` client: serve each session with
+`run_agent(..., endpoint=earl.agents.openai_server.OpenAIEndpoint())` (example:
+`earl.agents.openai_calc.agent`).
 """
 
 from earl.agents.chat import ChatCodec as ChatCodec

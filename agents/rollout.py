@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
 import operator
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from earl.agents.chat import ChatCodec, Message
 from earl.agents.tools import (
@@ -38,10 +38,15 @@ from earl.agents.tools import (
     as_toolbox,
     check_arguments,
     parse_tool_calls,
-    to_text,
 )
 from earl.engine import ContextLengthError, Engine, SamplingParams
-from earl.trajectory import Trajectory
+from earl.runtime.tools import run_local
+from earl.runtime.types import Trajectory
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI
+
+    from earl.agents.openai_server import OpenAIEndpoint, ServedSession
 
 __all__ = ["Agent", "AssistantTurn", "Rollout", "RolloutConfig", "run_agent"]
 
@@ -127,9 +132,33 @@ class Rollout:
         self._history: list[Message] = []
         self._generating = False
         self._last: Message | None = None
+        self.openai: ServedSession | None = None  # set by run_agent(endpoint=...)
+        self.segments: list[Trajectory] = []  # the endpoint session's other segments
         self._params = dataclasses.replace(
             self.config.sampling,
             stop_token_ids=sorted(set(self.config.sampling.stop_token_ids) | set(codec.stop_ids)))
+
+    @property
+    def base_url(self) -> str:
+        """OpenAI base URL of this session (`run_agent(..., endpoint=OpenAIEndpoint)`)."""
+        return self._served().base_url
+
+    @property
+    def api_key(self) -> str:
+        """The key the endpoint at `base_url` expects as `Authorization: Bearer <key>`."""
+        return self._served().api_key
+
+    def openai_client(self) -> AsyncOpenAI:
+        """A ready `openai.AsyncOpenAI` for `base_url`, on the endpoint's shared connection pool
+        (building one costs ~1.5 ms of CPU; one per session is kept)."""
+        return self._served().client()
+
+    def _served(self) -> ServedSession:
+        if self.openai is None:
+            raise RuntimeError("this rollout has no OpenAI endpoint: run the agent with "
+                               "run_agent(..., endpoint=ep) inside `async with "
+                               "earl.agents.openai_server.OpenAIEndpoint() as ep`")
+        return self.openai
 
     def _set_tools(self, tools: Sequence[Tool | Callable[..., object]] | dict[str, Tool] | None
                    ) -> list[dict[str, object]] | None:
@@ -271,19 +300,13 @@ class Rollout:
         problem = check_arguments(tool, call.arguments)
         if problem is not None:
             return False, problem
-        if self.executor is not None:
+        # Importable tools may go to the worker pool; a tool without a ref (a closure or bound
+        # method with per-session state, or where="local") runs here, in the session's process.
+        if self.executor is not None and tool.ref is not None:
             res = await self.executor.run(tool, call.arguments, timeout_s=timeout)
-            return res.ok, res.output
-        try:
-            async with asyncio.timeout(timeout):
-                value = tool.fn(**call.arguments)
-                if inspect.isawaitable(value):
-                    value = await value
-            return True, to_text(value)
-        except TimeoutError:
-            return False, f"{call.name} timed out after {timeout:g} s"
-        except Exception as exc:  # noqa: BLE001 - the tool's failure is the model's observation
-            return False, f"{call.name} raised {type(exc).__name__}: {exc}"
+        else:
+            res = await run_local(tool, call.arguments, timeout_s=timeout)
+        return res.ok, res.output
 
     def trajectory(self, *, reward: float | None, failed: bool = False,
                    error: str | None = None) -> Trajectory:
@@ -304,25 +327,45 @@ class Rollout:
 
 async def run_agent(agent: Agent, sample: object, *, engine: Engine, codec: ChatCodec,
                     config: RolloutConfig | None = None, executor: ToolRunner | None = None,
-                    sample_id: str | None = None, group_id: str | None = None) -> Trajectory:
+                    sample_id: str | None = None, group_id: str | None = None,
+                    endpoint: OpenAIEndpoint | None = None,
+                    segments: list[Trajectory] | None = None) -> Trajectory:
     """Run `agent(rollout, sample)` to completion and return its Trajectory.
 
     An agent that raises, times out (`config.agent_timeout_s`), returns a non-number, or leaves
     inconsistent turn rewards gives a trajectory with `failed=True`, `reward=None` and `error`.
+    With `endpoint`, the session is also served over HTTP (`rollout.base_url`); when its client
+    rewrote history, the returned Trajectory is the last segment and the earlier ones, with the
+    same reward and status, are appended to `segments` (see `earl.agents.openai_record`).
     """
     sid = sample_id or uuid.uuid4().hex
     rollout = Rollout(engine, codec, sample_id=sid, group_id=group_id or sid, config=config,
                       executor=executor)
+    if endpoint is not None:
+        rollout.openai = endpoint.serve(rollout)
+    traj = await _drive(agent, rollout, sample)
+    if segments is not None:
+        segments += [dataclasses.replace(s, reward=traj.reward, failed=traj.failed,
+                                         error=traj.error) for s in rollout.segments]
+    return traj
+
+
+async def _drive(agent: Agent, rollout: Rollout, sample: object) -> Trajectory:
     timeout = rollout.config.agent_timeout_s
     try:
         async with asyncio.timeout(timeout):
-            reward = await agent(rollout, sample)
+            try:
+                reward = await agent(rollout, sample)
+            finally:
+                if rollout.openai is not None:
+                    await rollout.openai.aclose()
         if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
             raise TypeError(f"agent returned {type(reward).__name__}; return a float reward "
                             "or None to reject the trajectory")
         return rollout.trajectory(reward=None if reward is None else float(reward))
-    except TimeoutError:
-        error = f"agent timed out after {timeout:g} s (RolloutConfig.agent_timeout_s)"
+    except TimeoutError as exc:  # the agent's own TimeoutError too, when no limit is set
+        error = (f"agent timed out after {timeout:g} s (RolloutConfig.agent_timeout_s)"
+                 if timeout is not None else f"TimeoutError: {exc}")
     except Exception as exc:  # noqa: BLE001 - any agent bug fails this trajectory only
         error = f"{type(exc).__name__}: {exc}"
     try:

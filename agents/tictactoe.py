@@ -16,14 +16,17 @@ import random
 from collections.abc import Callable
 from typing import Protocol
 
+import numpy as np
+
 from earl.agents.chat import ChatCodec
 from earl.agents.rollout import Agent, Rollout
 from earl.engine import Responder
 from earl.envs.base import StepResult
 from earl.envs.tictactoe import TicTacToe, TicTacToeConfig
+from earl.runtime.types import Trajectory
 
-__all__ = ["free_squares", "make_board_game_agent", "make_tictactoe_agent", "play_board_game",
-           "sim_responder", "tictactoe_agent"]
+__all__ = ["free_squares", "legal_move_targets", "make_board_game_agent",
+           "make_tictactoe_agent", "play_board_game", "sim_responder", "tictactoe_agent"]
 
 
 class _Game(Protocol):  # what play_board_game needs from an env
@@ -96,3 +99,18 @@ def free_squares(tail: str) -> list[str]:
     """The free squares' digits on the last board in a decoded prompt tail (either style)."""
     board = tail.rsplit("<|im_end|>", 1)[0].split("\n")[-3:]
     return [ch for row in board for ch in row if ch in "123456789"]
+
+
+def legal_move_targets(codec: ChatCodec, traj: Trajectory, legal_moves: Callable[[str], list[str]],
+                       *, lookback: int) -> np.ndarray | None:
+    """Warm-start targets for one game of a random legal player, as `(pos, token, weight)`
+    rows: at each move uniform over the legal moves (read from the last `lookback` tokens
+    before it), then 1.0 on the closing token. None when no move qualifies."""
+    rows: list[tuple[int, int, float]] = []
+    for start, end in traj.turn_spans:
+        legal = legal_moves(codec.decode(traj.token_ids[max(0, start - lookback):start]))
+        if not legal or end - start < 2:
+            continue
+        rows += [(start, codec.encode_text(d)[0], 1.0 / len(legal)) for d in legal]
+        rows.append((start + 1, codec.end_id, 1.0))
+    return np.asarray(rows, dtype=np.float64) if rows else None

@@ -10,89 +10,19 @@ This module does not run tools: that is `earl.agents.rollout` (in-process) or
 
 from __future__ import annotations
 
-import inspect
 import json
 import re
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol, TypeAlias
+
+from earl.runtime.types import JSONValue, Tool, ToolCall, ToolResult, ToolRunner, to_text
 
 __all__ = [
-    "Tool", "ToolCall", "ToolResult", "ToolRunner", "as_toolbox", "check_arguments",
+    "JSONValue", "Tool", "ToolCall", "ToolResult", "ToolRunner", "as_toolbox", "check_arguments",
     "parse_tool_calls", "to_text",
 ]
 
-JSONValue: TypeAlias = "None | bool | int | float | str | list[JSONValue] | dict[str, JSONValue]"
 _CALL_RE = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
-
-
-@dataclass(kw_only=True, slots=True)
-class ToolCall:
-    """One tool call parsed from the model's text.
-
-    Attributes:
-        name: the tool name ("" when it could not be read).
-        arguments: keyword arguments for the tool.
-        raw: the text inside the <tool_call> block.
-        error: why the call is malformed, or None when it is well formed.
-        id: position of the call in its turn ("call_0", ...).
-    """
-
-    name: str
-    arguments: dict[str, JSONValue] = field(default_factory=dict)
-    raw: str = ""
-    error: str | None = None
-    id: str = "call_0"
-
-    def to_message(self) -> dict[str, object]:
-        """The OpenAI/HF `tool_calls` entry for an assistant message."""
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
-
-
-@dataclass(kw_only=True, slots=True)
-class Tool:
-    """A callable the model may use.
-
-    Attributes:
-        name: the name the model calls it by.
-        fn: the function; sync or async, returns a string (other JSON values are dumped).
-        schema: the JSON schema handed to the chat template.
-        ref: "module:qualname" so a worker process can import it; None for local functions.
-    """
-
-    name: str
-    fn: Callable[..., object]
-    schema: dict[str, object]
-    ref: str | None = None
-
-    @classmethod
-    def from_function(cls, fn: Callable[..., object], name: str | None = None) -> Tool:
-        """Build a tool from a typed function with a Google-style docstring.
-
-        Raises:
-            TypeError: a parameter lacks a type hint or the docstring lacks an Args entry.
-        """
-        from transformers.utils import get_json_schema
-
-        if not callable(fn):
-            raise TypeError(f"tool must be a callable, got {type(fn).__name__}")
-        try:
-            schema = get_json_schema(fn)
-        except Exception as exc:  # transformers raises its own DocstringParsingException types
-            raise TypeError(f"cannot make a tool schema from {fn.__qualname__}: {exc}. Give every "
-                            "parameter a type hint and an `Args:` docstring entry") from exc
-        schema["function"].pop("return", None)  # type: ignore[union-attr]
-        if name is not None:
-            schema["function"]["name"] = name  # type: ignore[index]
-        qual = getattr(fn, "__qualname__", "")
-        ref = None if "<locals>" in qual else f"{fn.__module__}:{qual}"
-        return cls(name=name or fn.__name__, fn=fn, schema=schema, ref=ref)
-
-    @property
-    def is_async(self) -> bool:
-        return inspect.iscoroutinefunction(self.fn)
 
 
 _FROM_FUNCTION: weakref.WeakKeyDictionary[Callable[..., object], Tool] = weakref.WeakKeyDictionary()
@@ -197,40 +127,3 @@ def check_arguments(tool: Tool, arguments: dict[str, JSONValue]) -> str | None:
             return (f"{tool.name}() argument {key!r} must be of type {props[key].get('type')}, "
                     f"got {type(value).__name__}")
     return None
-
-
-@dataclass(kw_only=True, slots=True)
-class ToolResult:
-    """Outcome of running one tool call.
-
-    Attributes:
-        ok: the tool returned normally.
-        output: its text (or the error text when not ok).
-        error: short error kind when not ok ("timeout", "exception", "crashed", ...).
-        queued_s: time waiting for a worker.
-        run_s: time running on a worker.
-    """
-
-    ok: bool
-    output: str
-    error: str | None = None
-    queued_s: float = 0.0
-    run_s: float = 0.0
-
-
-class ToolRunner(Protocol):
-    """Where tool calls run: `earl.runtime.tools.ToolExecutor` implements this."""
-
-    async def run(self, tool: Tool, arguments: dict[str, JSONValue], *,
-                  timeout_s: float | None = None) -> ToolResult: ...
-
-
-def to_text(value: object) -> str:
-    """A tool's return value as text: str as is, other JSON values dumped, else TypeError."""
-    if isinstance(value, str):
-        return value
-    try:
-        return json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"tool returned {type(value).__name__}, which is not a string or JSON "
-                        "value; return a str") from exc

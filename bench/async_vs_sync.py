@@ -1,25 +1,48 @@
-"""Async (max_policy_lag > 0) vs synchronous (lag 0) `earl train`: same model, env, seed and
-wall budget. Prints one JSON object: trajectories/s, time to reach a win+draw threshold, final
-win+draw for each mode, and the async/sync ratios.
+"""Async (max_policy_lag > 0) vs the best synchronous (lag 0) `earl train`: same recipe, model,
+seed, steps and budget, each mode repeated, runs interleaved so machine drift hits every mode.
 
-    python bench/async_vs_sync.py            # 2 x ~5 min runs (default recipe, eval every 10)
-    python bench/async_vs_sync.py --quick    # < 60 s: throughput only, tiny budget, 20-game eval
+    python bench/async_vs_sync.py --json            # 7 runs of a 4.5-minute loop (~40 min)
+    python bench/async_vs_sync.py --json --quick    # 10 steps per run (~10-20 min on 2 cores)
+    python bench/async_vs_sync.py --workload agentic --json [--quick]
+
+`--workload agentic` (bench/_agentic_workload.py) is where asynchrony matters for the reason it
+matters in practice: multi-turn episodes with heavy-tailed turn counts whose every turn waits on
+a tool with real latency (the sandboxed `python` tool, a lognormal-latency lookup). A
+synchronous pipeline idles while its slowest trajectories wait; the async run (`--lag`, 4 by
+default here) keeps several batches in flight. Quality is the agent's mean reward on held-out
+tasks (greedy), `final_quality` in both objects.
+
+The sync baseline gets its best configuration: a sync phase (rollout, then reference and
+training) may use every core, so the first round runs it with 1 and with 2 threads per actor
+(`placement.threads_per_actor`), and the faster of the two is the baseline for the remaining
+repeats (a configuration 10x slower on a loaded machine would otherwise dominate the run time).
+The async run uses 1 thread per actor (its stages overlap instead). Throughput is the steady-state loop: trajectories
+(`batch_size` per step) from the end of the first step to the end of the last, timed by the
+run's own per-step log lines, so start-up, warm start and the final eval are not counted (they
+are the same in both modes); evals during the loop are off. Prints one JSON object:
+
+- ``sync`` / ``async``: the chosen configuration's ``trajectories_per_s`` (mean), its
+  ``trajectories_per_s_runs`` and ``spread`` ((max - min) / mean), ``cores_used`` (CPU seconds
+  of the whole process tree per wall second over the loop, mean), ``final_win_draw`` (mean of
+  the greedy 200-game final evals; the same eval in both modes) and the run details.
+- ``sync_candidates``: every sync configuration measured, by threads per actor (the losers
+  only in the first round).
+- ``throughput_ratio``: async / best sync trajectories/s; ``core_limit``: cores / the best sync
+  configuration's cores_used (the ratio a perfect overlap could reach if it only filled idle
+  cores); ``async_cores_used``: the async run's own core use.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import io
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
 from contextlib import redirect_stdout
-from pathlib import Path
-
-THRESHOLD = 0.9  # win+draw rate for `minutes_to_threshold`
 
 
 def tree_cpu_s() -> float:
@@ -37,95 +60,138 @@ def tree_cpu_s() -> float:
     return total
 
 
-def run_mode(lag: int, overrides: list[str], out: str) -> dict[str, object]:
+def run_once(lag: int, threads: int, overrides: list[str], out: str,
+             quality_key: str = "win_draw_rate") -> dict[str, object]:
+    """One `earl train` run; the loop's steady-state throughput and core use."""
     from earl.config import load_config
     from earl.run import train
 
-    cfg = load_config(None, [*overrides, f"--max_policy_lag={lag}", f"--output_dir={out}"])
+    cfg = load_config(None, [*overrides, f"--max_policy_lag={lag}", f"--output_dir={out}",
+                             f"--placement.threads_per_actor={threads}"])
     marks: list[tuple[float, float]] = []  # (wall, CPU of the whole process tree) per step
 
     def on_log(line: str) -> None:
-        if line.startswith("step "):
+        if line.startswith("step "):  # one progress line per trained step
             marks.append((time.perf_counter(), tree_cpu_s()))
 
     t0 = time.perf_counter()
     with redirect_stdout(io.StringIO()):
-        res = asyncio.run(train(cfg, log=on_log))
+        res = train(cfg, log=on_log)
     wall = time.perf_counter() - t0
-    from earl.observe import read_metrics
-
-    ms = read_metrics(Path(res.files["metrics"]))
-    # Steady state: from the end of the first step (pipeline filled) to the end of the last.
-    train_s = float(ms[-1]["wall_s"]) - float(ms[0]["wall_s"]) if len(ms) > 1 else 0.0
-    games = int(ms[-1]["games"]) - int(ms[0]["games"]) if len(ms) > 1 else 0
-    # Evals pause training in both modes (the same 200 games); without them: the pipeline alone.
-    eval_s = sum(float(e.get("seconds", 0.0)) for e in res.evals
-                 if ms and float(ms[0]["step"]) <= float(e["step"]) < float(ms[-1]["step"]))
-    hit = [e["minutes"] for e in res.evals if e["win_draw_rate"] >= THRESHOLD]
-    import statistics
-
-    step_s = statistics.median(float(m["step_s"]) for m in ms) if ms else 0.0
-    roll_s = statistics.median(float(m.get("rollout_s", 0.0)) for m in ms) if ms else 0.0
-    return {"max_policy_lag": lag, "steps": res.steps, "trajectories": games,
-            "step_s_median": round(step_s, 4), "rollout_s_median": round(roll_s, 4),
-            "trajectories_per_s": games / train_s if train_s else 0.0,
-            "loop_seconds": round(train_s, 2), "eval_seconds": round(eval_s, 2),
-            "trajectories_per_s_without_evals": games / (train_s - eval_s)
-            if train_s > eval_s else 0.0,
-            "cores_used": round((marks[-1][1] - marks[0][1]) / (marks[-1][0] - marks[0][0]), 3)
-            if len(marks) > 1 else None, "wall_s": round(wall, 1),
-            "threshold": THRESHOLD, "minutes_to_threshold": hit[0] if hit else None,
-            "final_win_draw": res.eval["win_draw_rate"],
-            "mean_staleness": sum(float(m["staleness"]) for m in ms) / max(len(ms), 1)}
+    if len(marks) < 2:
+        raise RuntimeError(f"{len(marks)} step lines logged in {wall:.0f} s (steps {res.steps}, "
+                           f"stopped by {getattr(res, 'stopped', '?')!r}); raise --steps or the "
+                           "time limit")
+    loop_s = marks[-1][0] - marks[0][0]
+    trajectories = (len(marks) - 1) * cfg.batch_size
+    return {"max_policy_lag": lag, "threads_per_actor": threads, "steps": len(marks),
+            "trajectories": trajectories, "loop_seconds": round(loop_s, 2),
+            "trajectories_per_s": round(trajectories / loop_s, 2),
+            "cores_used": round((marks[-1][1] - marks[0][1]) / loop_s, 3),
+            "final_win_draw": res.eval.get("win_draw_rate", float("nan")),
+            "final_quality": res.eval[quality_key], "wall_s": round(wall, 1)}
 
 
-def overlap_limit(sync: dict[str, object]) -> float | None:
-    """Upper bound of the async speed-up: a sync step is rollout then the rest (reference,
-    train, weight push); perfect overlap makes a step last as long as the longer part."""
-    step, roll = float(sync["step_s_median"]), float(sync["rollout_s_median"])  # type: ignore[arg-type]
-    if step <= 0 or roll <= 0:
-        return None
-    return round(step / max(roll, step - roll), 3)
+def summarize(runs: list[dict[str, object]]) -> dict[str, object]:
+    """Mean and spread over the repeats of one configuration."""
+    tps = [float(r["trajectories_per_s"]) for r in runs]  # type: ignore[arg-type]
+    mean = statistics.fmean(tps)
+    return {"max_policy_lag": runs[0]["max_policy_lag"],
+            "threads_per_actor": runs[0]["threads_per_actor"], "repeats": len(runs),
+            "trajectories_per_s": round(mean, 2), "trajectories_per_s_runs": tps,
+            "trajectories_per_s_stdev": round(statistics.stdev(tps), 2) if len(tps) > 1 else 0.0,
+            "spread": round((max(tps) - min(tps)) / mean, 3),
+            "cores_used": round(statistics.fmean(
+                float(r["cores_used"]) for r in runs), 3),  # type: ignore[arg-type]
+            "final_win_draw": round(statistics.fmean(
+                float(r["final_win_draw"]) for r in runs), 4),  # type: ignore[arg-type]
+            "final_win_draw_runs": [r["final_win_draw"] for r in runs],
+            "final_quality": round(statistics.fmean(
+                float(r["final_quality"]) for r in runs), 4),  # type: ignore[arg-type]
+            "final_quality_runs": [r["final_quality"] for r in runs],
+            "steps": [r["steps"] for r in runs], "wall_s": [r["wall_s"] for r in runs]}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--quick", action="store_true")
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="a short loop per run")
     p.add_argument("--json", action="store_true", help="(always JSON; kept for `earl bench`)")
-    p.add_argument("--lag", type=int, default=1, help="async run's max_policy_lag")
-    p.add_argument("--minutes", type=float, default=4.5, help="wall budget per mode")
-    a = p.parse_args()
+    p.add_argument("--workload", choices=("tictactoe", "agentic"), default="tictactoe")
+    p.add_argument("--lag", type=int, default=None,
+                   help="async run's max_policy_lag (default 1; 4 for --workload agentic)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per configuration (>= 1)")
+    p.add_argument("--minutes", type=float, default=4.5, help="loop budget per run (full mode)")
+    p.add_argument("--sync-threads", default="1,2",
+                   help="threads per actor tried for the sync baseline (the best one is used)")
+    a = p.parse_args(argv)
+    if a.repeats < 1:
+        p.error("--repeats must be >= 1")
+    if a.lag is None:
+        a.lag = 4 if a.workload == "agentic" else 1
+    if a.lag < 1:
+        p.error("--lag must be >= 1 (the async run)")
+    sync_threads = [int(x) for x in a.sync_threads.split(",")]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    # No evals inside the loop (they would pause it), so the target stop never fires and both
+    # modes run the same steps (quick) or the same loop budget (full); the final eval compares.
     if a.quick:
-        common = ["--steps=12", "--warm_start.steps=0", "--placement.reference=0",
-                  "--algorithm.kl_coef=0",
-                  "--batch_size=32", "--group_size=8",
-                  "--eval_games=20", "--eval_every=0", "--checkpoint_every=100",
-                  "--dump_trajectories=false", "--target_win_draw=0"]
+        common = ["--steps=10", "--time_limit_minutes=30", "--warm_start.steps=0",
+                  "--batch_size=32", "--group_size=8", "--eval_every=0", "--eval_games=20",
+                  "--seed=0"]
     else:
-        # Both modes run the whole budget (no early stop at a target), so final quality compares.
-        common = ["--steps=100000", f"--time_limit_minutes={a.minutes}", "--eval_every=10",
-                  "--target_win_draw=0", "--checkpoint_every=100000"]
+        common = ["--steps=100000", f"--time_limit_minutes={a.minutes}", "--eval_every=0",
+                  "--eval_games=200", "--seed=0"]
+    quality_key = "win_draw_rate"
+    tmp_tasks = tempfile.TemporaryDirectory(prefix="earl-agentic-")
+    if a.workload == "agentic":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from _agentic_workload import write_tasks
+
+        here = os.path.dirname(os.path.abspath(__file__))
+        train = write_tasks(os.path.join(tmp_tasks.name, "train.jsonl"), 512, seed=1)
+        held = write_tasks(os.path.join(tmp_tasks.name, "eval.jsonl"), 32, seed=2)
+        common = [f"--agent={here}/_agentic_workload.py:agent", f"--tasks={train}",
+                  f"--eval_tasks={held}", "--max_tokens=8", "--batch_size=32",
+                  "--group_size=4", "--eval_every=0", "--placement.reference=0",
+                  "--model.max_model_len=1024", "--warm_start.steps=0", "--seed=0",
+                  "--steps=8" if a.quick else "--steps=100000",
+                  "--time_limit_minutes=30" if a.quick else f"--time_limit_minutes={a.minutes}"]
+        quality_key = "reward"
+    configs = [(0, t) for t in sync_threads] + [(a.lag, 1)]
+    runs: dict[tuple[int, int], list[dict[str, object]]] = {c: [] for c in configs}
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
-        sync = run_mode(0, common, os.path.join(d, "sync"))
-        asyn = run_mode(a.lag, common, os.path.join(d, "async"))
-    out = {"bench": "async_vs_sync", "quick": a.quick, "sync": sync, "async": asyn,
-           "throughput_ratio": (asyn["trajectories_per_s"] / sync["trajectories_per_s"])
-           if sync["trajectories_per_s"] else None,
-           "throughput_ratio_without_evals": (asyn["trajectories_per_s_without_evals"]  # type: ignore[operator]
-                                              / sync["trajectories_per_s_without_evals"])
-           if sync["trajectories_per_s_without_evals"] else None,
-           "final_win_draw_delta": asyn["final_win_draw"] - sync["final_win_draw"],  # type: ignore[operator]
-           "overlap_limit": overlap_limit(sync),
-           "cores": os.cpu_count(),
-           "core_limit": round(os.cpu_count() / sync["cores_used"], 3)  # type: ignore[operator]
-           if sync["cores_used"] else None,
-           "note": "overlap_limit: the best async/sync ratio possible from the sync run's own "
-                   "stage times, (rollout + rest) / max(rollout, rest) per step, if rollout "
-                   "and training never slowed each other. core_limit: the best ratio if async "
-                   "kept every core busy with the sync run's CPU work per trajectory "
-                   "(cores / cores the sync run used)"}
+        for rep in range(a.repeats):  # interleaved: sync t1, sync t2, async, sync t1, ...
+            for lag, threads in configs:
+                r = run_once(lag, threads, common, os.path.join(d, f"lag{lag}-t{threads}-{rep}"),
+                             quality_key)
+                runs[(lag, threads)].append(r)
+                print(f"lag {lag} threads {threads} rep {rep}: {r['trajectories_per_s']} traj/s, "
+                      f"{r['cores_used']} cores ({time.perf_counter() - t0:.0f} s)",
+                      file=sys.stderr, flush=True)
+            if rep == 0:  # the faster sync configuration of round 0 goes on alone
+                best_t = max(sync_threads, key=lambda t: float(
+                    runs[(0, t)][0]["trajectories_per_s"]))  # type: ignore[arg-type]
+                configs = [(0, best_t), (a.lag, 1)]
+    cands = {t: summarize(runs[(0, t)]) for t in sync_threads}
+    best = cands[best_t]
+    asyn = summarize(runs[(a.lag, 1)])
+    cores = os.cpu_count() or 1
+    tmp_tasks.cleanup()
+    out = {"bench": "async_vs_sync", "workload": a.workload, "quick": a.quick,
+           "repeats": a.repeats, "quality_key": quality_key,
+           "sync": best, "async": asyn,
+           "sync_candidates": {str(t): s for t, s in cands.items()},
+           "throughput_ratio": round(float(asyn["trajectories_per_s"])  # type: ignore[arg-type]
+                                     / float(best["trajectories_per_s"]), 3),  # type: ignore[arg-type]
+           "final_win_draw_delta": round(float(asyn["final_win_draw"])  # type: ignore[arg-type]
+                                         - float(best["final_win_draw"]), 4),  # type: ignore[arg-type]
+           "final_quality_delta": round(float(asyn["final_quality"])  # type: ignore[arg-type]
+                                        - float(best["final_quality"]), 4),  # type: ignore[arg-type]
+           "async_cores_used": asyn["cores_used"], "cores": cores,
+           "core_limit": round(cores / float(best["cores_used"]), 3),  # type: ignore[arg-type]
+           "wall_s": round(time.perf_counter() - t0, 1)}
     print(json.dumps(out))
     return 0
 

@@ -6,13 +6,23 @@ Prints one JSON object:
 - ``memcpy_GBps``: single-thread copy of the transfer size into warm memory, best of reps (the
   physical limit; the transports below report medians, so the ratio is conservative).
 - ``transfer_GBps``: {shm, ucx, gloo, zmq} -> 256 MiB from one process to another, measured at
-  the receiver from "go" to the data being readable there (median of reps, warm buffers).
-- ``ray_handoff_GBps``: ray.put in one actor + ray.get in another (null without ray).
+  the receiver from "go" until it has *read every byte* (a uint64 checksum, verified against the
+  sender's), median of reps, warm buffers. Every transport pays the same receiver-side read, so
+  the figures compare: shm is one copy into the segment plus the consumer's read.
+- ``best_transport`` / ``best_vs_memcpy``: the fastest of those, as a fraction of memcpy.
+- ``zero_copy_handoff_GBps``: {shm}: the same transfer timed until the receiver holds read-only
+  views of the sender's segment, without reading them (a sender-side copy plus one message). Not
+  comparable with ``transfer_GBps``; it is what a consumer that reads only part of a frame pays.
+- ``ray_put_get_GBps``: ray.put in one actor + ray.get (zero-copy) and the same checksum in
+  another (null without ray).
 - ``layout``: experience (``bytes``, 1 GiB by default) held by 2 producer warehouses, consumed by a
-  DP=2 x TP=2 group. ``decentralized_s``: the dispatcher's plan -- each DP leader fetches its half
-  straight from the warehouses over shm and forwards it to its TP peer (same read-only pages). ``single_controller_s``:
-  the driver gathers everything, then scatters each DP half to both TP ranks (verl's path; the
-  driver even reuses a warm gather buffer, its best case). Driver peak RSS for each.
+  DP=2 x TP=2 group; every consumer checksums every byte of its slice inside the timed span.
+  ``decentralized_s``: the dispatcher's plan -- each DP leader fetches its half straight from the
+  warehouses over shm and forwards it to its TP peer (on one host the peer maps the same
+  read-only pages: no second copy). ``single_controller_s``: an emulation of a single controller
+  (verl's data path) at its best: the driver gathers everything over shm, copies it into warm
+  buffers of its own, then scatters each DP half to both TP ranks -- serial copies in one
+  process, no serialization (a real single controller also pickles). Driver peak RSS for each.
 """
 
 from __future__ import annotations
@@ -51,6 +61,19 @@ COLUMNS = ("input_ids", "loss_mask", "rollout_logprobs", "ref_logprobs", "advant
 BYTES_PER_TOKEN = 8 + 1 + 4 + 4 + 4 + 4
 
 
+def checksum(buf) -> int:  # type: ignore[no-untyped-def]
+    """Sum of `buf` read as little-endian uint64 words, plus any tail bytes, mod 2**64.
+
+    One read pass over every byte, at memory speed (a consumer's cheapest full touch).
+    """
+    nbytes = memoryview(buf).nbytes
+    if nbytes % 8 == 0:
+        return int(np.frombuffer(buf, np.uint64).sum())
+    words = np.frombuffer(buf, np.uint8)
+    head = nbytes // 8 * 8
+    return (int(words[:head].view(np.uint64).sum()) + int(words[head:].sum())) % (1 << 64)
+
+
 def memcpy_gbps(nbytes: int, reps: int) -> float:
     src = np.ones(nbytes, np.uint8)
     dst = np.ones(nbytes, np.uint8)
@@ -65,18 +88,28 @@ def memcpy_gbps(nbytes: int, reps: int) -> float:
 # -- point-to-point transports ------------------------------------------------------------------
 
 
+def _payload(nbytes: int) -> np.ndarray:
+    return np.arange(nbytes // 8, dtype=np.uint64).view(np.uint8)
+
+
 def _p2p_sender(address: str, nbytes: int, conn) -> None:
     sender = connect(address)
-    payload = np.ones(nbytes, np.uint8)
+    payload = _payload(nbytes)
     header, bufs = pack_arrays({"x": payload})
     while conn.recv() == "go":
         sender.send(header, bufs)
     sender.close()
 
 
-def transfer_gbps(name: str, nbytes: int, reps: int, warmup: int = 2) -> float | None:
+def transfer_gbps(
+    name: str, nbytes: int, reps: int, warmup: int = 2, *, touch: bool = True
+) -> float | None:
+    """Median GB/s from "go" to the receiver having read every byte (or, with ``touch=False``,
+    to it holding the frame -- for shm that is a zero-copy mapping nobody has read)."""
     if not available(name):
         return None
+    nbytes = nbytes // 8 * 8
+    expected = checksum(_payload(nbytes))
     receiver = get_transport(name).listen()
     parent, child_end = CTX.Pipe()
     child = CTX.Process(target=_p2p_sender, args=(receiver.address, nbytes, child_end))
@@ -87,8 +120,10 @@ def transfer_gbps(name: str, nbytes: int, reps: int, warmup: int = 2) -> float |
             t = time.perf_counter()
             parent.send("go")
             frame = receiver.recv(timeout=120)
+            got = sum(checksum(b) for b in frame.buffers) % (1 << 64) if touch else None
             times.append(time.perf_counter() - t)
             assert frame.nbytes == nbytes
+            assert got in (None, expected), f"{name}: checksum {got} != {expected}"
             frame.release()
         parent.send("stop")
         child.join(30)
@@ -99,11 +134,13 @@ def transfer_gbps(name: str, nbytes: int, reps: int, warmup: int = 2) -> float |
     return nbytes / statistics.median(times[warmup:]) / 1e9
 
 
-def ray_handoff_gbps(nbytes: int, reps: int) -> float | None:
+def ray_put_get_gbps(nbytes: int, reps: int) -> float | None:
     try:
         import ray
     except ImportError:
         return None
+    nbytes = nbytes // 8 * 8
+    expected = checksum(_payload(nbytes))
     tmp = tempfile.mkdtemp(prefix="earl-ray-")
     os.environ["HOME"] = tmp  # ray writes ~/.ray
     ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, log_to_driver=False,
@@ -113,7 +150,7 @@ def ray_handoff_gbps(nbytes: int, reps: int) -> float | None:
         @ray.remote(num_cpus=0)
         class Producer:
             def __init__(self, n: int) -> None:
-                self.a = np.ones(n, np.uint8)
+                self.a = _payload(n)
 
             def put(self):  # type: ignore[no-untyped-def]
                 t = time.time()
@@ -123,7 +160,7 @@ def ray_handoff_gbps(nbytes: int, reps: int) -> float | None:
         class Consumer:
             def get(self, refs) -> float:  # type: ignore[no-untyped-def]
                 x = ray.get(refs[0])
-                assert x.nbytes == nbytes
+                assert x.nbytes == nbytes and checksum(x) == expected
                 return time.time()
 
         p, c = Producer.remote(nbytes), Consumer.remote()
@@ -145,12 +182,9 @@ def _producer(name: str, n: int, seq_len: int, first: int, conn) -> None:
     """A warehouse shard answering fetch requests (the RPC a warehouse actor serves)."""
     wh = Warehouse(name)
     for i in range(first, first + n):
-        L = seq_len
-        wh.put(f"s{i}", {
-            "input_ids": np.full(L, i, np.int64), "loss_mask": np.ones(L, np.int8),
-            "rollout_logprobs": np.zeros(L, np.float32), "ref_logprobs": np.zeros(L, np.float32),
-            "advantages": np.ones(L, np.float32), "versions": np.zeros(L, np.int32),
-        }, group_id=f"g{i}")
+        sid = f"s{i}"
+        wh.put(sid, {c: np.full(seq_len, x) for c, x in _fill(sid).items()},
+               group_id=f"g{i}")
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     ctl = f"ipc://{tempfile.mkdtemp(prefix='earl-bench-')}/p"
     sock.bind(ctl)
@@ -180,13 +214,35 @@ def _request(ctl: str, op: FetchOp, reply: str) -> None:
     sock.close(0)
 
 
-def _check(batch, ids) -> int:  # what a trainer would notice: every sample, intact
+_FILL = {"input_ids": (np.int64, None), "loss_mask": (np.int8, 1),
+         "rollout_logprobs": (np.float32, -1.25), "ref_logprobs": (np.float32, -0.5),
+         "advantages": (np.float32, 1.0), "versions": (np.int32, 3)}
+
+
+def _fill(sid: str) -> dict[str, np.ndarray]:
+    """One element of the constant each column of sample `sid` holds (what producers write)."""
+    return {c: np.array(int(sid[1:]) if v is None else v, dt) for c, (dt, v) in _FILL.items()}
+
+
+def _word(x: np.ndarray) -> int:
+    """The uint64 word made of repeats of scalar `x`."""
+    return int(np.full(8 // x.itemsize, x, x.dtype).view(np.uint64)[0])
+
+
+_WORDS = {c: _word(np.array(v, dt)) for c, (dt, v) in _FILL.items() if v is not None}
+
+
+def _check(batch, ids) -> int:  # type: ignore[no-untyped-def]
+    """What a trainer would notice: every sample there, every byte read and intact."""
     assert len(batch) == len(ids)
-    nbytes = 0
+    nbytes = got = want = 0
     for sid in ids:
-        cols = batch[sid]
-        assert cols["input_ids"][-1] == int(sid[1:]) and cols["advantages"][0] == 1.0
-        nbytes += sum(a.nbytes for a in cols.values())
+        for col, a in batch[sid].items():
+            assert a.dtype == _FILL[col][0] and a.nbytes % 8 == 0
+            got += checksum(a)
+            want += _WORDS.get(col, int(sid[1:])) * (a.nbytes // 8)
+            nbytes += a.nbytes
+    assert got % (1 << 64) == want % (1 << 64), "a consumer read corrupted experience"
     return nbytes
 
 
@@ -343,6 +399,8 @@ def _layout_bench(total_bytes: int, reps: int, seq_len: int = 32768) -> dict[str
             "producers": 2, "layout": "DP=2xTP=2",
             "decentralized_s": round(d, 4), "single_controller_s": round(s, 4),
             "speedup": round(s / d, 2),
+            "decentralized_s_reps": [round(x, 4) for x in dec],
+            "single_controller_s_reps": [round(x, 4) for x in sc],
             # the driver's peak RSS: after start-up and planning, during each mode's runs
             "driver_peak_rss_MB": {"idle": round(rss0, 1), "decentralized": round(rss_dec, 1),
                                    "single_controller": round(rss_sc, 1)},
@@ -374,29 +432,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layout-mib", type=int, default=1024, help="experience for the layout run")
     ap.add_argument("--no-ray", action="store_true")
     args = ap.parse_args(argv)
-    reps = 2 if args.quick else 5
+    reps = 3 if args.quick else 7
     nbytes = args.size_mib * MiB
     t0 = time.perf_counter()
     out: dict[str, object] = {"size_bytes": nbytes}
     out["memcpy_GBps"] = round(memcpy_gbps(nbytes, reps), 2)
-    tr = {}
+    tr: dict[str, float | None] = {}
     for name in ("shm", "ucx", "gloo", "zmq"):
         v = transfer_gbps(name, nbytes, reps, warmup=1 if args.quick else 2)
         tr[name] = None if v is None else round(v, 2)
         _log(f"{name}: {tr[name]} GB/s ({time.perf_counter() - t0:.1f} s)")
     out["transfer_GBps"] = tr
-    best = max((v, k) for k, v in out["transfer_GBps"].items() if v is not None)  # type: ignore[union-attr]
+    zc = transfer_gbps("shm", nbytes, reps, warmup=1 if args.quick else 2, touch=False)
+    out["zero_copy_handoff_GBps"] = {"shm": None if zc is None else round(zc, 2)}
+    _log(f"shm zero-copy handoff: {zc} GB/s ({time.perf_counter() - t0:.1f} s)")
+    best = max((v, k) for k, v in tr.items() if v is not None)
     out["best_transport"] = best[1]
     out["best_vs_memcpy"] = round(best[0] / out["memcpy_GBps"], 3)  # type: ignore[operator]
     rh = None
     if not args.no_ray:
         try:
-            rh = ray_handoff_gbps(nbytes, reps)
+            rh = ray_put_get_gbps(nbytes, reps)
         except Exception as e:  # noqa: BLE001 -- ray installed but cannot start: report it
             out["ray_error"] = f"{type(e).__name__}: {e}"[:200]
-    out["ray_handoff_GBps"] = None if rh is None else round(rh, 2)
+    out["ray_put_get_GBps"] = None if rh is None else round(rh, 2)
     _log(f"ray: {rh} ({time.perf_counter() - t0:.1f} s)")
-    out["layout"] = layout_bench(args.layout_mib * MiB, 1 if args.quick else 3)
+    out["layout"] = layout_bench(args.layout_mib * MiB, 3 if args.quick else 5)
     out["cpus"] = os.cpu_count()
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(out))

@@ -1,22 +1,31 @@
-"""Rollout benchmark: vLLM raw speed vs the same work through the rollout actor and agent
-coroutines, and trainer -> serving weight-sync time.
+"""Rollout benchmark: agent coroutines through the rollout actor vs a batched reference doing
+the same token work, and trainer -> serving weight-sync time.
 
     python bench/rollout.py --json [--quick]
 
+Both paths do the same work: `sessions` conversations of `turns` turns, each turn exactly
+``max_tokens`` generated tokens (``min_tokens = max_tokens``: stop tokens cannot end a turn
+early), fixed sampling seeds, temperature 1, and the same prompt tokens (the chat template's first
+prompt, then each turn's tokens plus the end token and the next user message, never
+re-tokenized). The first user message differs between the paths only in one digit, so neither path
+reuses the other's prefix cache.
+
 Prints one JSON object with, per model ("tiny"; and "smollm2_135m" unless --quick):
-- ``raw_tok_s``: generated tokens/s of vLLM stepping a whole batch inside the rollout actor's
-  engine thread (`generate_batch`: no RPC, no asyncio per request) -- the physical reference.
-  Each turn's batch extends the last turn's prompts with the tokens generated, exactly the
-  prompts the agent loop sends (same prefill and prefix-cache work).
-- ``agent_loop_tok_s``: tokens/s when `sessions` agent coroutines in this process each run
-  `turns` multi-turn calls through `RolloutClient` -> RPC -> `RolloutActor` (each turn's prompt
-  extends the previous one, as an agent's does).
-- ``ratio``: agent_loop_tok_s / raw_tok_s (target >= 0.9).
+- ``agent_loop_tok_s``: generated tokens/s of `sessions` real agent coroutines (a multi-turn chat
+  agent: ``rollout.generate(messages)``, append the reply and the next user message) run
+  concurrently by `run_agent` with a `ChatCodec`, through `RolloutClient` -> RPC ->
+  `RolloutActor` (vLLM stepped in the actor's engine thread).
+- ``batched_ref_tok_s``: the batched reference: the same prompts as one batch per turn, stepped
+  inside the rollout actor's engine thread (`generate_batch`: no RPC or asyncio per request, no
+  agent code). Not a ceiling: a different schedule of the same work.
+- ``ratio``: agent_loop_tok_s / batched_ref_tok_s; ``agent_tokens`` == ``batched_ref_tokens``
+  and the prompt token totals are reported so the equality can be checked.
 - ``weight_sync_s``: median wall time of `WeightPublisher.push` (shm, drain mode) from a state
   dict in this process's memory (the trainer's) until the replica serves the new weights;
   ``weight_sync_first_s`` the first (cold) push; ``weight_memcpy_s`` the time one memcpy of the
   same bytes takes here (the physical limit); ``weight_load_s`` the engine's reload share.
-Top-level ``raw_tok_s``/``agent_loop_tok_s``/``ratio``/``weight_sync_s`` repeat the tiny model's.
+Top-level ``batched_ref_tok_s``/``agent_loop_tok_s``/``ratio``/``weight_sync_s`` repeat the tiny
+model's.
 
 ``--compare-engines`` adds ``engines``: the same concurrent token-id workload, in a fresh process
 each, through EARL's in-process engine (LLMEngine stepped in a thread) and through vLLM's
@@ -50,53 +59,100 @@ def _memcpy_s(nbytes: int) -> float:
     return time.perf_counter() - t
 
 
+SEED = 1234
+FOLLOW_UP = {"role": "user", "content": "Go on."}
+
+
+def _first_message(path: int, i: int, prompt_words: int) -> list[dict[str, object]]:
+    """Session `i`'s opening message; `path` (1 agents, 2 batched, 3 warm-up) changes one digit,
+    so the runs share no cached prefix but have prompts of the same length."""
+    rng = random.Random(i)
+    words = " ".join(rng.choice(("alpha", "beta", "gamma", "delta", "omega"))
+                     for _ in range(prompt_words))
+    return [{"role": "user", "content": f"Run {path}. Session {i:04d}: {words}"}]
+
+
+async def _agent_path(client: object, codec: object, *, sessions: int, turns: int,
+                      params: object, prompt_words: int, tag: str,
+                      path: int = 1) -> tuple[float, int, int]:
+    """`sessions` chat agents through `run_agent`: (seconds, generated tokens, prompt tokens)."""
+    from earl import RolloutConfig, run_agent
+
+    async def agent(rollout, sample) -> float:  # type: ignore[no-untyped-def]
+        messages = list(sample)
+        for _ in range(turns):
+            turn = await rollout.generate(messages)
+            messages += [turn.message, dict(FOLLOW_UP)]
+        return 0.0
+
+    cfg = RolloutConfig(sampling=params)  # type: ignore[arg-type]
+    t = time.perf_counter()
+    trajs = await asyncio.gather(*(
+        run_agent(agent, _first_message(path, i, prompt_words), engine=client,  # type: ignore[arg-type]
+                  codec=codec, config=cfg, sample_id=f"{tag}-{i}")  # type: ignore[arg-type]
+        for i in range(sessions)))
+    secs = time.perf_counter() - t
+    for tr in trajs:
+        assert not tr.failed, tr.error
+        assert len(tr.turn_spans) == turns, f"{len(tr.turn_spans)} turns, want {turns}"
+    gen = sum(sum(tr.loss_mask) for tr in trajs)
+    prompt = sum(a for tr in trajs for a, _ in tr.turn_spans)  # each turn's prompt length
+    return secs, gen, prompt
+
+
+async def _batched_path(group: object, codec: object, *, sessions: int, turns: int,
+                        params: object, prompt_words: int) -> tuple[float, int, int]:
+    """The batched reference: the agents' token work as one `generate_batch` per turn."""
+    batch = [codec.encode_prompt(_first_message(2, i, prompt_words))  # type: ignore[attr-defined]
+             for i in range(sessions)]
+    follow = codec.encode_continuation([FOLLOW_UP])  # type: ignore[attr-defined]
+    end = codec.end_id  # type: ignore[attr-defined]
+    gen = prompt = 0
+    t = time.perf_counter()
+    for _ in range(turns):
+        gens = await group[0].generate_batch.call_one(batch, params)  # type: ignore[index]
+        prompt += sum(len(p) for p in batch)
+        gen += sum(len(x.token_ids) for x in gens)
+        # as the agent's rollout does: close the turn with the end token, then the next message
+        batch = [p + x.token_ids + ([] if x.token_ids[-1:] == [end] else [end]) + follow
+                 for p, x in zip(batch, gens, strict=True)]
+    return time.perf_counter() - t, gen, prompt
+
+
 async def bench_model(rt: object, name: str, path: str, *, dtype: str, sessions: int, turns: int,
-                      max_tokens: int, prompt_len: int, vocab_hi: int, syncs: int,
+                      max_tokens: int, prompt_words: int, syncs: int,
                       cast: str | None) -> dict[str, float | int | str]:
     import torch
     from safetensors.torch import load_file
+    from transformers import AutoTokenizer
 
+    from earl import ChatCodec
     from earl.engine import SamplingParams
-    from earl.runtime.rollout import RolloutActor, RolloutClient
-    from earl.runtime.vllm_engine import EngineConfig
-    from earl.runtime.weights import WeightPublisher
+    from earl.stages.rollout import RolloutActor, RolloutClient
+    from earl.stages.vllm_engine import EngineConfig
+    from earl.stages.weights import WeightPublisher
 
     cfg = EngineConfig(model=path, dtype=dtype, max_model_len=2048, max_num_seqs=256)
     t0 = time.perf_counter()
     g = await rt.spawn(f"rollout-{name}", RolloutActor, asdict(cfg),  # type: ignore[attr-defined]
                        env={"OMP_NUM_THREADS": "1"})
     start_s = time.perf_counter() - t0
-    rng = random.Random(0)
-    prompts = [[1] + [rng.randrange(7, vocab_hi) for _ in range(prompt_len)]
-               for _ in range(sessions)]
-    params = SamplingParams(max_tokens=max_tokens, temperature=1.0)
-    await g[0].generate_batch.call_one(prompts[:4], params)  # warm-up
+    codec = ChatCodec(AutoTokenizer.from_pretrained(path))
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=1.0,
+                            seed=SEED, stop_token_ids=codec.stop_ids)
+    client = RolloutClient(g)
+    work = {"sessions": sessions, "turns": turns, "params": params, "prompt_words": prompt_words}
+    await _agent_path(client, codec, tag=f"{name}-warm", path=3,  # warm-up, its own prompts
+                      **{**work, "sessions": 4})
 
     s0 = await g[0].statistics.call_one()
-    t = time.perf_counter()
-    raw_tokens = 0
-    batch = [list(p) for p in prompts]
-    for _ in range(turns):  # each turn's prompt extends the last, as an agent's does
-        gens = await g[0].generate_batch.call_one(batch, params)
-        raw_tokens += sum(len(x.token_ids) for x in gens)
-        batch = [p + x.token_ids + [2, 1, 17] for p, x in zip(batch, gens, strict=True)]
-    raw_s = time.perf_counter() - t
+    ref_s, ref_tokens, ref_prompt = await _batched_path(g, codec, **work)  # type: ignore[arg-type]
     s1 = await g[0].statistics.call_one()
-
-    client = RolloutClient(g)
-
-    async def session(i: int) -> int:
-        prompt, n = list(prompts[i]), 0
-        for _ in range(turns):
-            gen = await client.generate(prompt, params, session_id=f"{name}-{i}")
-            n += len(gen.token_ids)
-            prompt += gen.token_ids + [2, 1, 17]  # close the turn, open the next one
-        return n
-
-    t = time.perf_counter()
-    agent_tokens = sum(await asyncio.gather(*(session(i) for i in range(sessions))))
-    agent_s = time.perf_counter() - t
+    agent_s, agent_tokens, agent_prompt = await _agent_path(
+        client, codec, tag=name, **work)  # type: ignore[arg-type]
     s2 = await g[0].statistics.call_one()
+    want = sessions * turns * max_tokens
+    assert agent_tokens == ref_tokens == want, (agent_tokens, ref_tokens, want)
 
     state = load_file(os.path.join(path, "model.safetensors"))
     pub = WeightPublisher(g, transport="shm", bucket_bytes=64 << 20,
@@ -105,21 +161,23 @@ async def bench_model(rt: object, name: str, path: str, *, dtype: str, sessions:
     for v in range(1, syncs + 1):
         results.append(await pub.push(state, version=v, mode="drain"))
     pub.close()
-    check = await g[0].generate.call_one(prompts[0], SamplingParams(max_tokens=2))
+    check = await g[0].generate.call_one([1, 2, 3], SamplingParams(max_tokens=2))
     assert check.versions == [syncs] * len(check.versions)
     warm = [r.seconds for r in results[1:]] or [results[0].seconds]
     await rt.stop(g)  # type: ignore[attr-defined]
-    raw_tok_s = raw_tokens / raw_s
+    ref_tok_s = ref_tokens / ref_s
     agent_tok_s = agent_tokens / agent_s
     return {
         "model": name, "dtype": dtype, "sessions": sessions, "turns": turns,
-        "max_tokens": max_tokens, "start_s": round(start_s, 2),
-        "raw_tokens": raw_tokens, "agent_tokens": agent_tokens,
-        "raw_tok_s": round(raw_tok_s, 1), "agent_loop_tok_s": round(agent_tok_s, 1),
-        "ratio": round(agent_tok_s / raw_tok_s, 3),
+        "max_tokens": max_tokens, "min_tokens": max_tokens, "seed": SEED,
+        "start_s": round(start_s, 2),
+        "batched_ref_tokens": ref_tokens, "agent_tokens": agent_tokens,
+        "batched_ref_prompt_tokens": ref_prompt, "agent_prompt_tokens": agent_prompt,
+        "batched_ref_tok_s": round(ref_tok_s, 1), "agent_loop_tok_s": round(agent_tok_s, 1),
+        "ratio": round(agent_tok_s / ref_tok_s, 3),
         # engine steps and the share of wall time the engine thread spent inside step()
-        "raw_steps": s1.steps - s0.steps, "agent_steps": s2.steps - s1.steps,
-        "raw_busy": round((s1.busy_s - s0.busy_s) / raw_s, 3),
+        "batched_ref_steps": s1.steps - s0.steps, "agent_steps": s2.steps - s1.steps,
+        "batched_ref_busy": round((s1.busy_s - s0.busy_s) / ref_s, 3),
         "agent_busy": round((s2.busy_s - s1.busy_s) / agent_s, 3),
         "weight_bytes": results[0].nbytes, "weight_buckets": results[0].buckets,
         "weight_sync_s": round(statistics.median(warm), 4),
@@ -140,7 +198,7 @@ async def engine_only(kind: str, sessions: int, turns: int) -> dict[str, float |
     prompts = [[1] + [rng.randrange(7, 263) for _ in range(32)] for _ in range(sessions)]
     t0 = time.perf_counter()
     if kind == "inproc":
-        from earl.runtime.vllm_engine import EngineConfig, VLLMEngine
+        from earl.stages.vllm_engine import EngineConfig, VLLMEngine
 
         eng = VLLMEngine(EngineConfig(model=path, dtype="float32"))
         await eng.start()
@@ -212,16 +270,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         tiny = await bench_model(
             rt, "tiny", str(default_model_dir()), dtype="float32",
             sessions=args.sessions, turns=2 if args.quick else 4,
-            max_tokens=64, prompt_len=32, vocab_hi=263, syncs=3 if args.quick else 5, cast=None)
+            max_tokens=64, prompt_words=6, syncs=3 if args.quick else 5, cast=None)
         out["tiny"] = tiny
-        for k in ("raw_tok_s", "agent_loop_tok_s", "ratio", "weight_sync_s"):
+        for k in ("batched_ref_tok_s", "agent_loop_tok_s", "ratio", "weight_sync_s"):
             out[k] = tiny[k]
         if not args.quick:
             from earl.models.smollm2 import smollm2_dir
 
             out["smollm2_135m"] = await bench_model(
                 rt, "smollm2", str(smollm2_dir()), dtype="bfloat16", sessions=16, turns=2,
-                max_tokens=32, prompt_len=32, vocab_hi=49000, syncs=3, cast="bfloat16")
+                max_tokens=32, prompt_words=6, syncs=3, cast="bfloat16")
     return out
 
 

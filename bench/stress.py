@@ -3,7 +3,7 @@
     python bench/stress.py --json [--quick]
 
 Prints one JSON object with three parts, all measured in this run:
-  scale:    `earl stress --sessions 10000 --env tictactoe` (sim engine): sessions completed/lost,
+  scale:    `earl stress --sessions 10000 --env tictactoe` (sim engine): sessions completed/failed,
             turns/s, peak RSS and overhead_us_per_turn (main-process CPU per turn, simulated
             engine time excluded); target <= 100 us.
   floor:    the same number of sessions/turns doing nothing but the asyncio wake-ups a turn
@@ -26,9 +26,14 @@ from typing import Any
 
 
 def _stress(args: list[str]) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-m", "earl.cli", "stress", "--json", *args],
-                         check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    # exit status 1 means some sessions failed: reported in the JSON, not an error here
+    res = subprocess.run([sys.executable, "-m", "earl.cli", "stress", "--json", *args],
+                         check=False, capture_output=True, text=True)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+    if res.returncode not in (0, 1) or not lines:
+        raise RuntimeError(f"earl stress {' '.join(args)} exited {res.returncode}: "
+                           f"{res.stderr[-2000:]}")
+    return json.loads(lines[-1])  # type: ignore[no-any-return]
 
 
 def _floor(sessions: int, turns_per_session: int) -> float:
@@ -49,11 +54,11 @@ def _floor(sessions: int, turns_per_session: int) -> float:
     return (time.process_time() - c0) / (sessions * turns_per_session) * 1e6
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--quick", action="store_true", help="2,000 sessions, smaller burst (< 60 s)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     n = 2000 if a.quick else 10000
     scale = _stress(["--sessions", str(n), "--env", "tictactoe"])
     turns = int(scale["turns"])
@@ -63,7 +68,7 @@ def main() -> int:
                   "--arrival", "burst", "--burst-size", "64", "--burst-interval-s", "2",
                   "--max-workers", "8", "--static-workers", "16", "--compare"])
     cmp = ex["compare"]
-    keep = ("sessions_completed", "sessions_failed", "sessions_lost", "turns", "turns_per_s",
+    keep = ("sessions_completed", "sessions_failed", "turns", "turns_per_s",
             "tokens_per_s", "wall_s", "peak_rss_mb", "overhead_us_per_turn",
             "engine_idle_fraction")
     res = {
@@ -72,8 +77,7 @@ def main() -> int:
         "floor_asyncio_us_per_turn": floor,
         "executor": cmp,
         "targets": {
-            "sessions_10000_none_lost": n == 10000 and scale["sessions_lost"] == 0
-            and scale["sessions_completed"] == n,
+            "sessions_10000_all_completed": n == 10000 and scale["sessions_completed"] == n,
             "overhead_us_per_turn_le_100": scale["overhead_us_per_turn"] <= 100,
             "act_2x_better": (cmp["act_mean_speedup"] or 0) >= 2,
             "workers_50pct_fewer": (cmp["worker_reduction"] or 0) >= 0.5,

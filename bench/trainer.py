@@ -52,8 +52,8 @@ def _bench_model(hidden: int, layers: int, rounds: int, seed: int, samples: int
 
     from earl.models.tiny import build_tiny_model
     from earl.packing import pack, packed_forward, plan_micro_batches, set_attention, token_logprobs
-    from earl.runtime.trainer_batch import TrainBatch
-    from earl.runtime.trainer_torch import TorchTrainer, TrainerConfig
+    from earl.stages.trainer_batch import TrainBatch
+    from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
 
     rng = random.Random(seed)
     lengths = [rng.randint(50, 400) for _ in range(samples)]
@@ -152,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
            "peak_gflops": models[main_key]["peak_gflops"],
            "varlen_vs_padded": models[main_key]["varlen_vs_padded"],
            "train_step_tok_s": models[main_key]["train_step_tok_s"],
-           "mfu": models[main_key]["mfu"], "models": models}
+           "mfu": models[main_key]["mfu"],
+           "mfu_basis": "relative to the fp32 matmul GFLOP/s measured in this run (peak_gflops), "
+                        "not to a datasheet peak",
+           "models": models}
     print(json.dumps(out))
     return 0
 

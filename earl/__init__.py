@@ -26,6 +26,13 @@ from earl.engine import Engine as Engine
 from earl.engine import Generation as Generation
 from earl.engine import SamplingParams as SamplingParams
 from earl.engine import SimEngine as SimEngine
+from earl.recipe import EvalSet as EvalSet
+from earl.recipe import IterTasks as IterTasks
+from earl.recipe import ListTasks as ListTasks
+from earl.recipe import Recipe as Recipe
+from earl.recipe import SeedTasks as SeedTasks
+from earl.run import RunResult as RunResult
+from earl.run import train as train
 from earl.runtime import Actor as Actor
 from earl.runtime import ActorDied as ActorDied
 from earl.runtime import ActorError as ActorError
@@ -34,13 +41,14 @@ from earl.runtime import RestartPolicy as RestartPolicy
 from earl.runtime import Runtime as Runtime
 from earl.runtime import RuntimeConfig as RuntimeConfig
 from earl.runtime import endpoint as endpoint
-from earl.trajectory import Trajectory as Trajectory
+from earl.runtime.types import Trajectory as Trajectory
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Actor", "ActorDied", "ActorError", "ActorGroup", "Agent", "AssistantTurn", "ChatCodec",
-    "ContextLengthError", "Engine", "Generation", "RestartPolicy", "Rollout", "RolloutConfig",
-    "Runtime", "RuntimeConfig", "SamplingParams", "SimEngine", "ToolCall", "Trajectory",
-    "endpoint", "run_agent",
+    "ContextLengthError", "Engine", "EvalSet", "Generation", "IterTasks", "ListTasks", "Recipe",
+    "RestartPolicy", "Rollout", "RolloutConfig", "RunResult", "Runtime", "RuntimeConfig",
+    "SamplingParams", "SeedTasks", "SimEngine", "ToolCall", "Trajectory", "endpoint",
+    "run_agent", "train",
 ]

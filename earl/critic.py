@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from earl.trajectory import Trajectory
+from earl.runtime.types import Trajectory
 
 
 def turn_actions(t: Trajectory) -> list[tuple[int, ...]]:

@@ -3,7 +3,7 @@
 An engine turns prompt token ids into generated token ids with their sampling log-probs and the
 policy version that produced each token. It knows nothing about chat templates, messages or tools:
 that is `earl.agents.rollout`. The real implementation is the vLLM rollout actor
-(`earl.runtime.rollout`); `SimEngine` here replaces the model with a scripted responder and a
+(`earl.stages.rollout`); `SimEngine` here replaces the model with a scripted responder and a
 prefill/decode time model so thousands of agent sessions can run in one process.
 """
 
@@ -15,8 +15,9 @@ import random
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+
+from earl.runtime.types import ContextLengthError, Engine, Generation, SamplingParams
 
 __all__ = [
     "ContextLengthError",
@@ -28,69 +29,6 @@ __all__ = [
     "SimEngine",
     "SimStatistics",
 ]
-
-
-@dataclass(kw_only=True, slots=True)
-class SamplingParams:
-    """How to sample one assistant turn.
-
-    Args:
-        max_tokens: cap on generated tokens for this call (the per-turn cap).
-        temperature: softmax temperature; 0 means greedy.
-        top_p: nucleus sampling mass.
-        top_k: keep the k most likely tokens; -1 keeps all.
-        stop_token_ids: generation stops after emitting any of these (the token is kept).
-        seed: per-request seed; None lets the engine pick.
-    """
-
-    max_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop_token_ids: list[int] = field(default_factory=list)
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-
-
-@dataclass(kw_only=True, slots=True)
-class Generation:
-    """One engine call's output.
-
-    Attributes:
-        token_ids: generated tokens, including the stop token when one was hit.
-        logprobs: sampling log-prob of each generated token.
-        versions: policy version that produced each generated token.
-        finish_reason: "stop" (stop token), "length" (max_tokens) or "abort".
-        prompt_tokens: length of the prompt the engine saw.
-    """
-
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    finish_reason: str
-    prompt_tokens: int
-
-
-@runtime_checkable
-class Engine(Protocol):
-    """What an agent's rollout needs from a generator."""
-
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, *,
-                       session_id: str | None = None) -> Generation: ...
-
-    @property
-    def policy_version(self) -> int: ...
-
-
-class ContextLengthError(ValueError):
-    """The prompt plus `max_tokens` exceeds the engine's context length."""
 
 
 # A responder plays the model in SimEngine: (prompt_ids, rng) -> token ids it "wants" to emit.
@@ -240,6 +178,17 @@ class SimEngine:
         key = f"{self.config.seed}/{session_id}/{n_prompt}".encode()
         return _SplitMix(zlib.crc32(key))
 
+    def _at_least(self, wanted: list[int], n: int, stops: set[int],
+                  rng: random.Random) -> list[int]:
+        """`wanted` with no stop token among its first `n` tokens, padded to `n` if shorter."""
+        head = wanted[:n] + [rng.randrange(self.config.vocab_size)
+                             for _ in range(n - len(wanted))]
+        for i, tok in enumerate(head):
+            while tok in stops and len(stops) < self.config.vocab_size:
+                tok = (tok + 1) % self.config.vocab_size
+            head[i] = tok
+        return head + wanted[n:]
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams, *,
                        session_id: str | None = None) -> Generation:
         c0 = time.process_time()
@@ -257,6 +206,9 @@ class SimEngine:
             wanted = [rng.randrange(cfg.vocab_size) for _ in range(rng.randint(1, params.max_tokens))]
             if stop:
                 wanted.append(stop[0])
+        if params.min_tokens:  # stop tokens cannot end a turn before min_tokens (vLLM masks them)
+            wanted = self._at_least(wanted, min(params.min_tokens, params.max_tokens),
+                                    set(params.stop_token_ids), rng)
         out, finish = wanted, "length"
         stops = params.stop_token_ids
         for i, tok in enumerate(wanted):

@@ -16,7 +16,7 @@ from earl.agents.rollout import RolloutConfig, run_agent
 from earl.agents.tictactoe import play_board_game
 from earl.engine import Engine, SamplingParams
 from earl.envs.tictactoe import TicTacToe, TicTacToeConfig
-from earl.trajectory import Trajectory
+from earl.runtime.types import Trajectory
 
 EVAL_SEED = 1_000_000_000  # even; eval games never share a seed with training games
 

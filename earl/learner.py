@@ -2,7 +2,7 @@
 
 `Learner` loads the HF model in its own process and minimises cross-entropy towards the uniform
 distribution over each turn's legal moves (soft targets), then writes the weights as an HF
-folder (tokenizer included) that the RL trainer (`earl.runtime.trainer.TrainerActor`), the
+folder (tokenizer included) that the RL trainer (`earl.stages.trainer.TrainerActor`), the
 reference and the rollout actors start from. It is not the RL trainer and it never sees rewards.
 """
 

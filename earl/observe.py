@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
-from earl.trajectory import Trajectory
+from earl.runtime.types import Trajectory
 
 
 class Metrics:
@@ -99,16 +99,21 @@ class Tracer:
 
 
 def progress_line(r: dict[str, float | int | str]) -> str:
-    """`step 12/200 | reward +0.41 | win 0.62 draw 0.08 | 3.1k tok/s | staleness 0.9 | 41 s`."""
+    """`step 12/200 | reward +0.41 | win 0.62 draw 0.08 | 3.1k tok/s | staleness 0.9 | 41 s`
+    (the outcome rates only where the episodes report an outcome)."""
+    rates = "".join(f"{name} {float(r[f'info/outcome={name}']):.2f} "
+                    for name in ("win", "draw") if f"info/outcome={name}" in r)
+    failed = f"failed {float(r['failed_rate']):.2f} | " if float(r.get("failed_rate", 0)) else ""
     return (f"step {r['step']}/{r['steps']} | reward {float(r['reward']):+.2f} | "
-            f"win {float(r['win_rate']):.2f} draw {float(r['draw_rate']):.2f} | "
-            f"{float(r['tokens_per_s']) / 1000:.1f}k tok/s | "
+            + (f"{rates.strip()} | " if rates else "") + failed
+            + f"{float(r['tokens_per_s']) / 1000:.1f}k tok/s | "
             f"staleness {float(r['staleness']):.1f} | {float(r['wall_s']):.0f} s")
 
 
 def write_plots(metrics: list[dict[str, float | int | str]],
-                evals: list[dict[str, float]], out_dir: Path) -> dict[str, str]:
-    """`reward.png` (reward, train win+draw, eval win+draw vs minutes) and `context.png`."""
+                evals: list[dict[str, float]], out_dir: Path, *, key: str = "reward",
+                title: str = "") -> dict[str, str]:
+    """`reward.png` (train reward and the eval metric `key` vs minutes) and `context.png`."""
     os.environ.setdefault("MPLBACKEND", "Agg")
     import matplotlib
 
@@ -121,16 +126,13 @@ def write_plots(metrics: list[dict[str, float | int | str]],
     if steps:
         t = [float(m["wall_s"]) / 60 for m in steps]
         ax.plot(t, [float(m["reward"]) for m in steps], label="mean reward (train)", alpha=0.6)
-        ax.plot(t, [float(m["win_rate"]) + float(m["draw_rate"]) for m in steps],
-                label="win+draw (train, sampled)", alpha=0.6)
+    evals = [e for e in evals if key in e and "minutes" in e]
     if evals:
-        ax.plot([e["minutes"] for e in evals], [e["win_draw_rate"] for e in evals], "o-",
-                label=f"win+draw (eval, {int(evals[-1].get('games', 0))} greedy games)",
-                color="black")
-    ax.axhline(0.9, ls="--", color="gray", lw=0.8)
+        ax.plot([e["minutes"] for e in evals], [e[key] for e in evals], "o-",
+                label=f"{key} (eval, greedy)", color="black")
     ax.set_xlabel("wall minutes")
     ax.set_ylabel("rate / reward")
-    ax.set_title("Tic-Tac-Toe vs random")
+    ax.set_title(title or "training")
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     paths["reward"] = str(out_dir / "reward.png")

@@ -12,7 +12,7 @@ The packed forward works for HF decoder-only models whose attention goes through
 ``"mask"``: transformers' own SDPA with a block-diagonal causal mask derived from the reset
     ``position_ids`` — compute is ``T^2``; kept as the reference and for comparison.
 
-This module knows nothing of losses or optimizers; see ``earl.runtime.trainer``.
+This module knows nothing of losses or optimizers; see ``earl.stages.trainer``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,29 @@
 """Arithmetic word problems and the `calculator` tool.
 
 `ArithmeticProblems(seed)` yields short word problems whose answer is an integer; the model may
-call `calculator` (a safe evaluator: numbers, + - * / // % **, parentheses, no names) and must end
-with the number. `score(text, answer)` reads the last integer in the model's final text.
+call `calculator` (a safe evaluator: numbers, + - * / // % **, parentheses; `evaluate` also binds
+names, e.g. a question's `quantities` a, b, c) and must end with the number. `score(text, answer)` reads the last integer in the model's final text.
+`CalcTasks` is the `calc` recipe's task family, sized for a tiny char-level model: six short
+one-operator templates, small numbers in the order the expression uses them, and disjoint "train" /
+"eval" splits (by expression); its tasks are plain dicts `{"question", "answer"}` and `write_jsonl`
+writes them for `earl train --tasks FILE.jsonl`.
 No tokens or engines here; `earl.agents.calc` is the agent loop.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
+import json
 import operator
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["ArithmeticProblems", "Problem", "calculator", "score"]
+__all__ = ["ArithmeticProblems", "CalcTasks", "Problem", "calculator", "evaluate", "quantities",
+           "score", "write_jsonl"]
 
 _OPS: dict[type[ast.AST], Callable[..., float | int]] = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
         ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
@@ -23,32 +31,38 @@ _OPS: dict[type[ast.AST], Callable[..., float | int]] = {ast.Add: operator.add, 
 _NUM = re.compile(r"-?\d+")
 
 
-def _eval(node: ast.AST) -> float | int:
+def _eval(node: ast.AST, names: dict[str, int]) -> float | int:
     if isinstance(node, ast.Expression):
-        return _eval(node.body)
+        return _eval(node.body, names)
     if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) \
             and not isinstance(node.value, bool):
         return node.value
+    if isinstance(node, ast.Name) and node.id in names:
+        return names[node.id]
     if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-        left, right = _eval(node.left), _eval(node.right)
+        left, right = _eval(node.left, names), _eval(node.right, names)
         if isinstance(node.op, ast.Pow) and (abs(right) > 64 or abs(left) > 10**6):
             raise ValueError("exponent too large")
         return _OPS[type(node.op)](left, right)
     if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
-        return _OPS[type(node.op)](_eval(node.operand))
-    raise ValueError(f"unsupported syntax: {type(node).__name__}")
+        return _OPS[type(node.op)](_eval(node.operand, names))
+    known = f"; known: {', '.join(names)}" if names else ""
+    what = f"unknown name {node.id!r}{known}" if isinstance(node, ast.Name) else \
+        f"unsupported syntax: {type(node).__name__}"
+    raise ValueError(what)
 
 
-def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression with + - * / // % ** and parentheses.
+def evaluate(expression: str, names: dict[str, int] | None = None) -> str:
+    """The value of an arithmetic expression (+ - * / // % ** and parentheses) as text, an
+    integral float as an int; `names` binds variables (e.g. a problem's quantities).
 
-    Args:
-        expression: The expression to evaluate, e.g. "3 * (4 + 5)".
+    Raises:
+        ValueError: too long, unparsable, an unknown name, division by zero, huge powers.
     """
     if len(expression) > 200:
         raise ValueError("expression longer than 200 characters")
     try:
-        value = _eval(ast.parse(expression, mode="eval"))
+        value = _eval(ast.parse(expression, mode="eval"), names or {})
     except SyntaxError as exc:
         raise ValueError(f"cannot parse {expression!r}: {exc.msg}") from None
     except ZeroDivisionError:
@@ -56,6 +70,21 @@ def calculator(expression: str) -> str:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return str(value)
+
+
+def calculator(expression: str) -> str:
+    """Evaluate arithmetic: + - * / // % ** ( ).
+
+    Args:
+        expression: e.g. 3*(4+5)
+    """
+    return evaluate(expression)
+
+
+def quantities(question: str) -> dict[str, int]:
+    """The question's numbers in order, named a, b, c, ... (what `calc_agent`'s calculator
+    binds, so the model can write "a*b+c")."""
+    return {chr(97 + i): int(n) for i, n in enumerate(re.findall(r"\d+", question)[:26])}
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,3 +129,73 @@ def score(text: str, answer: int) -> float:
     """1.0 if the last integer in `text` equals `answer`, else 0.0."""
     nums = _NUM.findall(text)
     return 1.0 if nums and int(nums[-1]) == answer else 0.0
+
+
+# The `calc` recipe's family: one operator per task, two wordings per operator ("more" +,
+# "loses"/"gives away" -, "bags of"/"boxes of" *), so no operator is a safe default and what
+# the policy must learn is which operator each wording means. Ranges per number keep answers
+# spread out (10..171), so guessing one without the calculator rarely pays.
+CALC_TEMPLATES = (
+    ("{n} has {a} {x}s and gets {b} more. How many {x}s?", "{a}+{b}",
+     ((10, 49), (10, 49))),
+    ("{n} had {a} {x}s and found {b} more. How many now?", "{a}+{b}",
+     ((10, 49), (10, 49))),
+    ("{n} has {a} {x}s and loses {b}. How many {x}s?", "{a}-{b}", ((40, 99), (10, 29))),
+    ("{n} had {a} {x}s and gave away {b}. How many now?", "{a}-{b}", ((40, 99), (10, 29))),
+    ("{n} buys {a} bags of {b} {x}s. How many {x}s?", "{a}*{b}", ((2, 9), (11, 19))),
+    ("{n} has {a} boxes of {b} {x}s. How many {x}s?", "{a}*{b}", ((2, 9), (11, 19))),
+)
+_CALC_NAMES = ("Ann", "Bob", "Cyd")
+_CALC_THINGS = ("pen", "egg", "cup")
+SPLITS = ("train", "eval")
+
+
+def _split_of(expression: str) -> str:
+    """"eval" for about 1 in 4 expressions (e.g. "7+5"), else "train" (stable)."""
+    digest = hashlib.sha256(expression.encode()).digest()
+    return "eval" if digest[0] % 4 == 0 else "train"
+
+
+class CalcTasks:
+    """Deterministic tasks of one split: `sample(k)` is the same dict for a given seed and k.
+
+    A task's split follows from its expression ("7+5"): no eval task's expression is the
+    expression of any train task, whatever the wording (names and objects never count as new).
+    Implements the `earl.recipe.TaskSource` protocol (`sample(k)`).
+
+    Args:
+        split: "train" or "eval".
+        seed: stream seed.
+    """
+
+    def __init__(self, split: str = "train", seed: int = 0) -> None:
+        if split not in SPLITS:
+            raise ValueError(f"CalcTasks split must be one of {SPLITS}, got {split!r}")
+        self.split, self.seed = split, seed
+
+    def sample(self, k: int) -> dict[str, object]:
+        rng = random.Random(f"calc:{self.split}:{self.seed}:{k}")
+        t = rng.randrange(len(CALC_TEMPLATES))
+        text, expr, ranges = CALC_TEMPLATES[t]
+        while True:  # numbers of this template, in this split, with a positive answer
+            nums = dict(zip("abc", (rng.randint(lo, hi) for lo, hi in ranges), strict=False))
+            expression = expr.format(**nums)
+            answer = int(calculator(expression))
+            if answer >= 1 and _split_of(expression) == self.split:
+                break
+        question = text.format(n=rng.choice(_CALC_NAMES), x=rng.choice(_CALC_THINGS), **nums)
+        return {"question": question, "answer": answer}
+
+    def take(self, n: int) -> list[dict[str, object]]:
+        """The first `n` samples."""
+        return [self.sample(k) for k in range(n)]
+
+
+def write_jsonl(path: str | Path, tasks: Iterable[dict[str, object]]) -> Path:
+    """Write one task per line (the format `earl train --tasks FILE.jsonl` reads)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", encoding="utf-8") as f:
+        for task in tasks:
+            f.write(json.dumps(task) + "\n")
+    return out

@@ -1,7 +1,8 @@
 """Connect Four (7 columns x 6 rows) against a scripted opponent, one column digit per move.
 
-The model plays X and answers with a column 1-7. Each observation re-renders the board top row
-first, "." for empty, with the column digits underneath. An unparseable move or a full column
+The model plays X and answers with a column 1-7 (`agent_first=False`: the opponent opens). Each
+observation names the opponent's reply and re-renders the board top row first, "." for empty,
+with the column digits underneath. An unparseable move or a full column
 loses. The "minimax" opponent searches a few plies for forced wins and blocks; "random" plays
 any open column. Plain synchronous code; `earl.agents.connect4` plays it.
 """
@@ -22,9 +23,15 @@ INTRO = "ConnectFour. You are X. Reply with a column digit 1-7.\n"
 
 @dataclass(kw_only=True, slots=True)
 class ConnectFourConfig(GameConfig):
-    """Rules and rewards (see `GameConfig`); `depth` is the minimax search depth in plies."""
+    """Rules and rewards (see `GameConfig`).
+
+    Args:
+        depth: the minimax opponent's search depth in plies.
+        agent_first: X moves first; otherwise the opponent opens.
+    """
 
     depth: int = 3
+    agent_first: bool = True
 
     def __post_init__(self) -> None:
         GameConfig.__post_init__(self)  # zero-arg super() fails in slotted dataclasses
@@ -101,6 +108,10 @@ class ConnectFour:
         self.rng = random.Random(seed)
         self.grid = [[" "] * COLS for _ in range(ROWS)]
         self.moves, self.done = 0, False
+        if not self.config.agent_first:
+            c = self._opponent()
+            self._drop(c, "O")
+            return f"{INTRO}O took {c + 1}\n{self.render()}"
         return INTRO + self.render()
 
     def _end(self, reward: float, outcome: str, illegal: int) -> StepResult:

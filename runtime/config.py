@@ -46,8 +46,11 @@ class RuntimeConfig:
         host: address actors bind for TCP. Local actors use unix sockets unless `tcp=True`.
             Anything but loopback requires `secret`.
         tcp: use TCP even for local actors (the ray launcher always uses TCP).
-        secret: shared secret; when set every frame carries an HMAC-SHA256 and frames that fail
-            it are dropped. Defaults to $EARL_RPC_SECRET if set.
+        secret: shared secret; when set every frame carries an HMAC-SHA256 and a peer must
+            prove it before it may send more than a small frame. Defaults to $EARL_RPC_SECRET
+            if set; over TCP (loopback included) a runtime without one draws a per-run secret
+            and hands it to its actors, so TCP is never unauthenticated. Unix sockets are
+            private to the user (mode 0600) and need none.
         max_message_bytes: largest frame accepted or sent (bigger data: earl.runtime.transport).
         run_dir: directory for sockets and logs (default: a fresh temp dir, removed on exit).
         connect_timeout_s: how long a connect or a spawn handshake may take.

@@ -14,7 +14,7 @@ import itertools
 from typing import Any
 
 from earl.runtime.errors import ActorDied, ActorError, BadCall
-from earl.runtime.frames import FrameProtocol, Kind
+from earl.runtime.frames import FrameProtocol, Kind, derive_key
 from earl.runtime.wire import WireError, decode, encode
 
 _STREAM_KINDS = (Kind.ITEM, Kind.END, Kind.ERR, Kind.REJECT)
@@ -74,6 +74,10 @@ class Connection(FrameProtocol):
         if kind == Kind.HELLO:
             self._on_hello(bytes(body))
             return
+        if kind == Kind.AUTH:  # its MAC verified: the actor holds our secret
+            if self.key is not None and not self.hello.done():
+                self.hello.set_result(None)
+            return
         fut = self.pending.pop(rid, None)
         if fut is None:
             q = self.streams.get(rid)
@@ -121,11 +125,21 @@ class Connection(FrameProtocol):
             self.hello.set_exception(ValueError(
                 f"actor {self.label} does not authenticate frames but this process has a secret"))
         else:
-            if nonce:
-                from earl.runtime.frames import derive_key
-                assert self.secret is not None
-                self.key = derive_key(self.secret, nonce)
-            self.hello.set_result(None)
+            if not nonce:
+                self.hello.set_result(None)
+                return
+            assert self.secret is not None
+            self.key = derive_key(self.secret, nonce)
+            self.send(Kind.AUTH, 0)  # the actor answers nothing big before this verifies
+            # `hello` resolves when the actor's own AUTH frame verifies (frame_received)
+
+    def drop(self, reason: str) -> None:
+        if not self.hello.done():
+            self.hello.set_exception(ValueError(
+                f"actor {self.label} failed the authentication handshake ({reason}): "
+                "this process and the actor do not share RuntimeConfig.secret"))
+        self.death_reason = f"connection dropped: {reason}"
+        super().drop(reason)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.mark_dead(self.death_reason or "connection lost"
@@ -174,7 +188,13 @@ async def connect(address: str, label: str, *, max_bytes: int, secret: bytes | N
                 _, conn = await loop.create_connection(factory, host.strip("[]"), int(port))
             else:
                 raise ValueError(f"bad actor address {address!r}: want unix:PATH or tcp:HOST:PORT")
-            await conn.hello
+            try:
+                await conn.hello
+            except BaseException:
+                conn.on_lost = None
+                if conn.transport is not None:
+                    conn.transport.close()
+                raise
     except (OSError, TimeoutError) as e:
         raise ActorDied(label, f"cannot connect to {address}: {type(e).__name__}: {e}") from None
     return conn

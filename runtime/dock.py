@@ -126,13 +126,13 @@ class IndexActor(Actor):
     @endpoint
     async def take(self, stage: str, columns: list[str], n: int, whole_groups: bool = True,
                    min_version: int | None = None, wait: bool = True,
-                   timeout_s: float | None = None) -> Lease:
+                   timeout_s: float | None = None, at_least: int | None = None) -> Lease:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         async with self.changed:
             while True:
                 try:
                     return self.ix.take(stage, columns, n, whole_groups=whole_groups,
-                                        min_version=min_version)
+                                        min_version=min_version, at_least=at_least)
                 except WouldBlock:
                     if not wait:
                         raise
@@ -296,29 +296,33 @@ class Dock:
         return self.index[index_rank_of(group_id, len(self.index))]
 
     async def take(self, stage: str, columns: Sequence[str], n: int, *, whole_groups: bool = True,
-                   min_version: int | None = None, timeout_s: float | None = None) -> Lease:
-        """Lease `n` samples with `columns` ready that `stage` has not consumed (awaits).
+                   min_version: int | None = None, timeout_s: float | None = None,
+                   at_least: int | None = None) -> Lease:
+        """Lease `n` samples with `columns` ready that `stage` has not consumed (awaits); with
+        `at_least`, whatever is ready from `at_least` up to `n`.
 
         With a sharded index, one lease comes from one shard (whole groups live on one shard):
         shards are tried in turn without waiting, then waited on in short slices.
         """
         args = (stage, list(columns), n, whole_groups, min_version)
         if len(self.index) == 1:
-            return await _local_errors(self.index.take.call_one(*args, True, timeout_s))
+            return await _local_errors(self.index.take.call_one(*args, True, timeout_s,
+                                                                 at_least=at_least))
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         start = next(self._rr)
         while True:
             for k in range(len(self.index)):
                 shard = self.index[(start + k) % len(self.index)]
                 with contextlib.suppress(WouldBlock):
-                    return await _local_errors(shard.take.call_one(*args, False, None))
+                    return await _local_errors(shard.take.call_one(*args, False, None,
+                                                                   at_least=at_least))
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise TimeoutError(f"no index shard had {n} samples ready for {stage!r}")
             with contextlib.suppress(TimeoutError):
                 shard = self.index[start % len(self.index)]
                 return await _local_errors(
-                    shard.take.call_one(*args, True, min(0.5, left or 0.5)))
+                    shard.take.call_one(*args, True, min(0.5, left or 0.5), at_least=at_least))
             start += 1
 
     def receiver(self) -> Receiver:

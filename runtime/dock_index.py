@@ -19,10 +19,9 @@ import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-CONTRACT_COLUMNS = (
-    "input_ids", "loss_mask", "rollout_logprobs", "versions", "ref_logprobs", "rewards",
-    "advantages", "values",
-)
+from earl.runtime.types import COLUMNS
+
+CONTRACT_COLUMNS = tuple(COLUMNS)  # the names a dock checks; dtypes in earl.runtime.types
 
 
 def index_rank_of(group_id: str, n_shards: int) -> int:
@@ -208,11 +207,14 @@ class DockIndex:
         *,
         whole_groups: bool = True,
         min_version: int | None = None,
+        at_least: int | None = None,
     ) -> Lease:
         """Lease `n` samples that have `columns` ready and `stage` has not consumed.
 
         With `whole_groups`, only complete groups are handed out, oldest first, and `n` must be
-        reachable exactly by whole groups. Raises WouldBlock when not enough are ready yet.
+        reachable exactly by whole groups. With `at_least`, any count from `at_least` up to
+        `n` is leased (what is ready now: a stage that consumes continuously). Raises
+        WouldBlock when not enough are ready yet.
         """
         if stage not in self.stages:
             raise ValueError(f"unknown stage {stage!r}; the dock's stages are {list(self.stages)}")
@@ -232,7 +234,9 @@ class DockIndex:
             )
 
         sizes = {self._samples[ids[0]].info.group_size for ids in self._groups.values()}
-        if whole_groups and len(sizes) == 1 and n % (g := sizes.pop()):
+        if at_least is not None and not 1 <= at_least <= n:
+            raise ValueError(f"at_least={at_least} must be in [1, n={n}]")
+        if whole_groups and at_least is None and len(sizes) == 1 and n % (g := sizes.pop()):
             raise ValueError(f"n={n} is not a multiple of the group size {g}; ask for whole "
                              "groups or pass whole_groups=False")
         chosen: list[_Entry] = []
@@ -248,7 +252,7 @@ class DockIndex:
         else:
             chosen = sorted((e for e in self._samples.values() if ready(e)), key=lambda e: e.seq)
             chosen = chosen[:n]
-        if len(chosen) < n:
+        if len(chosen) < (n if at_least is None else at_least):
             raise WouldBlock(f"{len(chosen)} of {n} samples ready for stage {stage!r}")
         lease = Lease(
             lease_id=next(self._lease_ids),

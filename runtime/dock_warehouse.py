@@ -16,17 +16,11 @@ import numpy as np
 
 from earl.runtime.dock_index import SampleInfo
 from earl.runtime.transport.base import Frame, pack_arrays, unpack_arrays
+from earl.runtime.types import COLUMNS
 
-DTYPES = {
-    "input_ids": np.int64,
-    "loss_mask": (np.int8, np.bool_),
-    "rollout_logprobs": np.float32,
-    "versions": np.int32,
-    "ref_logprobs": np.float32,
-    "rewards": np.float32,
-    "advantages": np.float32,
-    "values": np.float32,
-}
+# The dtypes a shard accepts per column (earl.runtime.types.COLUMNS; masks may also be bool).
+DTYPES: dict[str, object] = {k: np.dtype(v).type for k, v in COLUMNS.items()}
+DTYPES["loss_mask"] = (np.int8, np.bool_)
 
 
 @dataclass(frozen=True, slots=True)

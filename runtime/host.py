@@ -61,12 +61,14 @@ def _send(sock: socket.socket, msg: Any) -> None:
 
 
 async def _serve(spec: Any, sock: socket.socket) -> int:
+    from earl.runtime import registry
     from earl.runtime.actor import Actor
     from earl.runtime.config import RuntimeConfig
     from earl.runtime.launch import unpack_msg
     from earl.runtime.runtime import Runtime
     from earl.runtime.server import Server
 
+    registry.install(spec.refs, spec.roots)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -140,7 +142,31 @@ def main(argv: list[str] | None = None) -> int:
     _name_process(f"{spec.name}{spec.rank}")
     import uvloop
 
-    return uvloop.run(_serve(spec, sock))
+    async def serve_then_exit() -> int:
+        code = 1
+        try:
+            code = await _serve(spec, sock)
+        except BaseException:  # noqa: BLE001 - report it, then leave like any other exit
+            traceback.print_exc()
+        finally:
+            _exit_now(code)
+        return code  # pragma: no cover - _exit_now does not return
+
+    return uvloop.run(serve_then_exit())
+
+
+def _exit_now(code: int) -> None:
+    """Leave without the interpreter's slow teardown: joining worker threads (a transport
+    thread blocked on a socket read would hold the process until the supervisor's SIGKILL)
+    and finalizing torch/vLLM modules took 1-5 s per actor. Everything the actor owns is
+    closed by now; atexit handlers (cleanup of shm segments, run dirs) still run."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import msgpack
 
+from earl.runtime.slots import Slot
 from earl.runtime.wire import decode, encode, message
 
 _LEN = struct.Struct("<I")
@@ -43,6 +44,9 @@ class ActorSpec:
     secret: bytes | None
     max_message_bytes: int
     sys_path: list[str] = field(default_factory=list)
+    refs: list[str] = field(default_factory=list)  # earl.runtime.registry: callables it may name
+    roots: list[str] = field(default_factory=list)  # ... and paths it may write under
+    slot: Slot | None = None  # where the launcher places the process (runtime/slots.py)
 
 
 def _pack(obj: Any) -> bytes:

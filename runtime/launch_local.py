@@ -16,6 +16,7 @@ import sys
 
 from earl.runtime.errors import ActorDied, ActorError
 from earl.runtime.launch import ActorSpec, pack_msg, recv_msg
+from earl.runtime.slots import SlotBinding, bind_process
 
 
 def exit_reason(returncode: int | None) -> str:
@@ -39,6 +40,7 @@ class LocalProcess:
         self.pid = proc.pid
         self.address = ""
         self._exited: asyncio.Future[str] | None = None
+        self.binding: SlotBinding | None = None
 
     async def handshake(self, spec: ActorSpec) -> None:
         loop = asyncio.get_running_loop()
@@ -46,7 +48,8 @@ class LocalProcess:
         try:
             reply = await recv_msg(self.sock)
         except EOFError:
-            reason = exit_reason(await asyncio.to_thread(self.proc.wait))
+            rc = await asyncio.to_thread(self.proc.wait)
+            reason = (self.binding.exit_reason(rc) if self.binding else None) or exit_reason(rc)
             raise ActorDied(self.label, f"process {reason} before it was ready") from None
         if reply[0] == "ready":
             self.address = reply[1]
@@ -69,7 +72,9 @@ class LocalProcess:
             else:
                 loop.remove_reader(self.sock.fileno())
             if not fut.done():
-                fut.set_result(exit_reason(self.proc.wait()))
+                rc = self.proc.wait()
+                oom = self.binding.exit_reason(rc) if self.binding else None
+                fut.set_result(oom or exit_reason(rc))
 
         if fd >= 0:
             loop.add_reader(fd, done)
@@ -100,6 +105,7 @@ class LocalLauncher:
     async def launch(self, spec: ActorSpec, env: dict[str, str] | None) -> LocalProcess:
         parent, child = socket.socketpair()
         full_env = dict(os.environ)
+        full_env.update(spec.slot.env() if spec.slot else {})
         full_env.update(env or {})
         try:
             proc = subprocess.Popen(  # noqa: ASYNC220 (fork+exec, ~ms)
@@ -110,6 +116,8 @@ class LocalLauncher:
         parent.setblocking(False)
         handle = LocalProcess(proc, parent, f"{spec.name}[{spec.rank}]")
         try:
+            if spec.slot is not None:  # before the spec is sent: the actor has loaded nothing
+                handle.binding = bind_process(spec.slot, proc.pid)
             await handle.handshake(spec)
         except BaseException:
             handle.kill()

@@ -3,7 +3,8 @@
 Each actor group gets a Ray placement group with one bundle per rank; in each bundle a small
 Ray actor (`_Keeper`) starts the real actor process (`python -m earl.runtime.host`), relays the
 bootstrap handshake, and reports when the process exits. So a job can span Ray nodes, while every
-call goes over earl's own sockets (TCP, HMAC when a secret is set), never through Ray. The actor
+call goes over earl's own sockets (TCP, every frame HMAC'd with the run's secret, which reaches
+the process in its bootstrap spec through Ray's own channel), never through Ray. The actor
 process dies with its keeper (PR_SET_PDEATHSIG), and keepers die with the driver (Ray owns them).
 
 Ray is imported only when this launcher is used.

@@ -6,6 +6,12 @@ serves it on a socket in its run directory. Every actor process runs its own att
 and spawn other actors. All background work (request handlers, supervisors, deferred connects)
 runs in the runtime's task group; leaving the `async with` stops every group this runtime
 spawned and leaves no processes behind.
+
+Over TCP every frame is authenticated (HMAC-SHA256), loopback included: unless
+`RuntimeConfig.secret` is set, the root runtime draws a fresh per-run secret and hands it to
+every actor it spawns (in the bootstrap spec, never over TCP), along with the references and
+path roots the driver registered in `earl.runtime.registry`. The root also removes its run dir
+on exit and sweeps what killed runs left behind (`earl.runtime.cleanup`) when it starts and ends.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
+from earl.runtime import cleanup, registry
 from earl.runtime.actor import Actor, ActorGroup, _current
 from earl.runtime.config import RestartPolicy, RuntimeConfig
 from earl.runtime.conn import Connection, Pool
@@ -31,7 +38,9 @@ from earl.runtime.errors import ActorDied
 from earl.runtime.frames import Kind
 from earl.runtime.launch import ActorSpec, Launcher, make_launcher, pack_call
 from earl.runtime.server import Server
+from earl.runtime.slots import Slot, per_rank
 from earl.runtime.supervisor import GroupSupervisor
+from earl.runtime.transport.auth import set_run_secret
 from earl.runtime.wire import encode
 
 A = TypeVar("A", bound=Actor)
@@ -69,7 +78,14 @@ class Runtime:
         self.config = config
         self.directory_address = _directory
         self.directory: Directory | None = None
-        self.pool = Pool(max_bytes=config.max_message_bytes, secret=config.secret_bytes)
+        self.secret = config.secret_bytes
+        if self.secret is None and config.use_tcp:
+            if _directory is not None:
+                raise ValueError("an attached runtime over TCP needs the run's secret")
+            self.secret = os.urandom(32)  # per run; actors get it in their bootstrap spec
+        self.pool = Pool(max_bytes=config.max_message_bytes, secret=self.secret)
+        if self.secret is not None:  # data-plane receivers bound off loopback use it too
+            set_run_secret(self.secret)
         self.run_dir = ""
         self._own_run_dir = False
         self._tg: asyncio.TaskGroup | None = None
@@ -82,9 +98,11 @@ class Runtime:
     # ---- lifetime ----------------------------------------------------------------------
     async def __aenter__(self) -> Self:
         cfg = self.config
+        if self.directory_address is None:  # the root: sweep what SIGKILLed runs left
+            cleanup.sweep()
         if cfg.run_dir is None:
-            self.run_dir = tempfile.mkdtemp(prefix="earl-", dir="/tmp" if os.path.isdir("/tmp")
-                                            else None)
+            self.run_dir = tempfile.mkdtemp(prefix=cleanup.run_dir_prefix(),
+                                            dir="/tmp" if os.path.isdir("/tmp") else None)
             self._own_run_dir = True
         else:
             self.run_dir = cfg.run_dir
@@ -94,7 +112,7 @@ class Runtime:
         if self.directory_address is None:
             self.directory = Directory()
             self._dir_server = Server(self.directory, "directory", spawn=self.task,
-                                      max_bytes=cfg.max_message_bytes, secret=cfg.secret_bytes)
+                                      max_bytes=cfg.max_message_bytes, secret=self.secret)
             self.directory_address = await self._dir_server.start(self._bind("directory"))
         _current.append(self)
         return self
@@ -112,6 +130,8 @@ class Runtime:
             await self._tg.__aexit__(et, exc, tb)
             if self._own_run_dir:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
+            if self._dir_server is not None:  # the root: its actors are gone now
+                cleanup.sweep()
 
     async def shutdown(self) -> None:
         """Stop every group this runtime spawned, close sockets, cancel background tasks."""
@@ -180,10 +200,11 @@ class Runtime:
     # ---- spawning ----------------------------------------------------------------------
     async def spawn(self, name: str, cls: type[A], *args: Any, n: int = 1,
                     env: dict[str, str] | None = None, restart: RestartPolicy | None = None,
-                    **kwargs: Any) -> ActorGroup[A]:
+                    slot: Slot | list[Slot] | None = None, **kwargs: Any) -> ActorGroup[A]:
         """Start `n` processes, each running `cls(*args, **kwargs)`, as group `name`.
 
-        Returns once every actor has run `__init__` and `setup` and is serving.
+        Returns once every actor has run `__init__` and `setup` and is serving. `slot`: the
+        device slot (one per rank) each process and its children run in (local launcher).
 
         Raises:
             TypeError: `cls` is not an Actor subclass, or an argument cannot travel.
@@ -203,6 +224,9 @@ class Runtime:
         if old is not None and any(s != DEAD for s in old.status):
             raise ValueError(f"an actor group named {name!r} already exists: stop it or pick "
                              "another name")
+        slots = per_rank(slot, n)
+        if slot is not None and self.config.launcher != "local":
+            raise ValueError("slot= needs the local launcher (a slot is a cgroup on this host)")
         call = pack_call(args, kwargs)  # fails here, not in the child, if an argument can't travel
         if self._launcher is None:
             self._launcher = make_launcher(self.config.launcher, self.config.ray_address)
@@ -214,8 +238,10 @@ class Runtime:
             name=name, rank=r, world_size=n, cls_module=cls.__module__,
             cls_qualname=cls.__qualname__, main_file=main_file, call=call,
             bind=self._bind(name, r), directory=self.directory_address or "",
-            run_dir=self.run_dir, host=cfg.host, tcp=cfg.use_tcp, secret=cfg.secret_bytes,
-            max_message_bytes=cfg.max_message_bytes, sys_path=list(sys.path)) for r in range(n)]
+            run_dir=self.run_dir, host=cfg.host, tcp=cfg.use_tcp, secret=self.secret,
+            max_message_bytes=cfg.max_message_bytes, sys_path=list(sys.path), slot=slots[r],
+            refs=registry.registered(), roots=registry.allowed_roots())
+            for r in range(n)]
         sup = GroupSupervisor(self, self._launcher, specs, env, restart or RestartPolicy())
         self._groups[name] = sup
         try:

@@ -1,7 +1,9 @@
 """Run untrusted Python code in a contained child process (the `python` tool's backend).
 
 Each run gets: its own session/process group; rlimits on CPU time, address space, file size,
-open files and processes; a private temp dir as cwd; a scrubbed environment; and, where the OS
+open files and processes; a private temp dir as cwd; a scrubbed environment; its own IPC
+namespace wherever the kernel allows one (so SysV shared memory and message queues it creates
+vanish with its last process instead of outliving it in the host's namespace); and, where the OS
 allows (root, as in our containers), new mount and network namespaces, a chroot holding only
 the read-only interpreter and system libraries plus the temp dir, and a fresh unprivileged uid
 that is unique to the run (so RLIMIT_NPROC bounds fork bombs and every leftover process is
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 __all__ = ["SandboxLimits", "SandboxResult", "isolation_available", "run_python"]
 
 _CLONE_NEWNS, _CLONE_NEWNET, _CLONE_NEWUSER = 0x00020000, 0x40000000, 0x10000000
+_CLONE_NEWIPC = 0x08000000
 _MS_RDONLY, _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 1, 32, 4096, 16384, 1 << 18
 _PR_SET_PDEATHSIG = 1
 _UID_BASE = 1_000_000  # run uid = base + child pid: unique among live runs, never a real user
@@ -76,7 +79,7 @@ class SandboxResult:
     error: str | None  # "timeout", "exit 1", "killed by SIGXCPU", "output limit", ...
     truncated: bool
     elapsed_s: float
-    isolation: str  # "chroot+netns+uid" (root) or "rlimits+userns" (best effort otherwise)
+    isolation: str  # "chroot+netns+ipcns+uid" (root) or "rlimits+userns" (best effort otherwise)
 
     def text(self) -> str:
         """The tool observation: the output plus a one-line error note when it failed."""
@@ -94,7 +97,8 @@ def _userns_available() -> bool:
     """Whether an unprivileged user+network namespace can be created here (probed once)."""
     pid = os.fork()
     if pid == 0:
-        os._exit(0 if _libc().unshare(_CLONE_NEWUSER | _CLONE_NEWNET) == 0 else 1)
+        os._exit(0 if _libc().unshare(_CLONE_NEWUSER | _CLONE_NEWNET | _CLONE_NEWIPC) == 0
+                 else 1)
     return os.waitpid(pid, 0)[1] == 0
 
 
@@ -144,7 +148,7 @@ def _preexec(limits: SandboxLimits, root: str | None, work: str) -> None:
     mb = 1 << 20
     if root is not None:
         libc = _libc()
-        _check(libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET), "unshare")
+        _check(libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWIPC), "unshare")
         _check(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "make / private")
         for d in _system_dirs():
             if not os.path.islink(d):
@@ -161,8 +165,9 @@ def _preexec(limits: SandboxLimits, root: str | None, work: str) -> None:
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
-    else:  # unprivileged: a user namespace still buys an empty network namespace
-        _libc().unshare(_CLONE_NEWUSER | _CLONE_NEWNET)  # best effort: fails where user namespaces are off
+    else:  # unprivileged: a user namespace still buys empty network and IPC namespaces
+        # best effort: fails where user namespaces are off
+        _libc().unshare(_CLONE_NEWUSER | _CLONE_NEWNET | _CLONE_NEWIPC)
     # Die with the worker that started us (set after setuid, which clears it).
     _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
@@ -209,7 +214,7 @@ def run_python(code: str, limits: SandboxLimits | None = None, *,
     if isolated and not isolation_available():
         raise ValueError("full_isolation=True needs root on Linux; pass None to pick "
                          "what the OS allows")
-    base = tempfile.mkdtemp(prefix="earl-sandbox-")
+    base = tempfile.mkdtemp(prefix=f"earl-sandbox-{os.getpid()}-")  # pid: see runtime.cleanup
     work = os.path.join(base, "work")
     os.makedirs(work)
     root = os.path.join(base, "root") if isolated else None
@@ -263,5 +268,5 @@ def run_python(code: str, limits: SandboxLimits | None = None, *,
             error += f" (CPU limit {limits.cpu_s} s)"
     return SandboxResult(ok=error is None, output=text, returncode=rc, error=error,
                          truncated=truncated, elapsed_s=time.monotonic() - t0,
-                         isolation="chroot+netns+uid" if root
+                         isolation="chroot+netns+ipcns+uid" if root
                          else "rlimits+userns" if _userns_available() else "rlimits")

@@ -5,7 +5,8 @@ endpoint runs inline, an `async def` one runs as a task in the server's task gro
 caller owns), a generator endpoint streams ITEM frames (at most STREAM_WINDOW ahead of the consumer's
 CREDIT frames) and honours CANCEL. Bad requests (unknown
 endpoint, wrong arguments, undecodable body, oversized frame) are answered with REJECT and
-logged; the server keeps serving. Used by actor processes and by the root runtime's directory.
+logged; the server keeps serving. With a secret, at most `MAX_UNAUTHENTICATED` connections may
+be waiting to authenticate (a new one evicts the oldest), each for at most `AUTH_TIMEOUT_S`. Used by actor processes and by the root runtime's directory.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from earl.runtime.frames import STREAM_WINDOW, FrameProtocol, FrameTooLarge, Kin
 from earl.runtime.wire import WireError, decode, encode
 
 _REQUESTS = (Kind.CALL, Kind.ONEWAY, Kind.STREAM)
+MAX_UNAUTHENTICATED = 128  # connections per server that have not proved the secret yet
+AUTH_TIMEOUT_S = 10.0  # ... and how long each may take to do so
 
 
 def _error_body(e: BaseException, with_traceback: bool = True) -> bytes:
@@ -65,13 +68,31 @@ class _ServerConnection(FrameProtocol):
         self.server = server
         self.streams: dict[int, asyncio.Task[None]] = {}
         self.credits: dict[int, list[Any]] = {}  # rid -> [items allowed, Event]
+        self._auth_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        self.server.conns.add(self)
+        srv = self.server
+        if not self.authenticated:
+            if len(srv.unauthenticated) >= MAX_UNAUTHENTICATED:  # evict the oldest: a slow
+                # attacker cannot hold every slot, and honest peers authenticate within an RTT
+                oldest = next(iter(srv.unauthenticated))
+                oldest.drop(f"{MAX_UNAUTHENTICATED} connections waiting to authenticate; "
+                            "closing the oldest")
+                oldest.on_authenticated()
+            srv.unauthenticated[self] = None
+            self._auth_timer = asyncio.get_running_loop().call_later(
+                AUTH_TIMEOUT_S, self.drop, f"no authenticated frame within {AUTH_TIMEOUT_S:g} s")
+        srv.conns.add(self)
         self.send_hello()
 
+    def on_authenticated(self) -> None:
+        self.server.unauthenticated.pop(self, None)
+        if self._auth_timer is not None:
+            self._auth_timer.cancel()
+
     def connection_lost(self, exc: Exception | None) -> None:
+        self.on_authenticated()  # frees its unauthenticated slot, if it held one
         self.server.conns.discard(self)
         for task in self.streams.values():
             task.cancel()
@@ -110,6 +131,8 @@ class _ServerConnection(FrameProtocol):
             task = self.streams.pop(rid, None)
             if task is not None:
                 task.cancel()
+            return
+        if kind == Kind.AUTH:  # the client's proof of the secret; nothing to answer
             return
         if kind not in _REQUESTS:
             log.warning("%s: ignoring frame of kind %d", self.server.label, kind)
@@ -230,6 +253,7 @@ class Server:
         self.max_bytes = max_bytes
         self.secret = secret
         self.conns: set[_ServerConnection] = set()
+        self.unauthenticated: dict[_ServerConnection, None] = {}  # oldest first
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self, bind: str) -> str:

@@ -8,14 +8,18 @@ goes next so nothing starves. Each action has a timeout; a timed-out or cancelle
 worker is killed (its process group) and replaced. `StaticExecutor` is the baseline it is
 measured against (`earl.runtime.tools_static`): one fresh worker per session, held for the
 whole session.
-Tools must be importable module-level functions (`Tool.ref`); isolation of untrusted code is
-the `python` tool's job (`earl.runtime.sandbox`), not this module's.
+Only tools with a `Tool.ref` (importable module-level functions) run on workers. A tool without
+one (a closure or bound method keeping per-episode state, or `where="local"`) runs in the
+caller's process, on its event loop (`run_local`): its state stays with the session that made
+it. Isolation of untrusted code is the `python` tool's job (`earl.runtime.sandbox`), not this
+module's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import heapq
+import inspect
 import itertools
 import json
 import os
@@ -27,9 +31,9 @@ import weakref
 from dataclasses import dataclass
 from typing import Self
 
-from earl.agents.tools import JSONValue, Tool, ToolResult
+from earl.runtime.types import JSONValue, Tool, ToolResult, to_text
 
-__all__ = ["ExecutorConfig", "ExecutorStatistics", "ToolExecutor"]
+__all__ = ["ExecutorConfig", "ExecutorStatistics", "ToolExecutor", "run_local"]
 
 _HEADER = struct.Struct(">I")
 # Run as a script, not `-m earl.runtime...`: importing the actor runtime would slow every start.
@@ -201,6 +205,27 @@ def _timed_out(tool: Tool, timeout: float, queued: float, run: float) -> ToolRes
                       error="timeout", queued_s=queued, run_s=run)
 
 
+async def run_local(tool: Tool, arguments: dict[str, JSONValue], *,
+                    timeout_s: float) -> ToolResult:
+    """Run `tool` in this process (its state, e.g. a closure's, stays with the caller).
+
+    A sync tool runs on the event loop, so the timeout only interrupts async tools; failures
+    come back as a not-ok ToolResult, never as an exception.
+    """
+    t0 = time.monotonic()
+    try:
+        async with asyncio.timeout(timeout_s):
+            value = tool.fn(**arguments)
+            if inspect.isawaitable(value):
+                value = await value
+        return ToolResult(ok=True, output=to_text(value), run_s=time.monotonic() - t0)
+    except TimeoutError:
+        return _timed_out(tool, timeout_s, 0.0, time.monotonic() - t0)
+    except Exception as exc:  # noqa: BLE001 - the tool's failure is the model's observation
+        return ToolResult(ok=False, output=f"{tool.name} raised {type(exc).__name__}: {exc}",
+                          error="exception", run_s=time.monotonic() - t0)
+
+
 class ToolExecutor:
     """The elastic, action-level executor. Use as `async with ToolExecutor(cfg) as ex:`."""
 
@@ -250,10 +275,11 @@ class ToolExecutor:
 
     async def run(self, tool: Tool, arguments: dict[str, JSONValue], *,
                   timeout_s: float | None = None) -> ToolResult:
-        """Run one action on the pool; failures come back as a not-ok ToolResult."""
-        if tool.ref is None:
-            return _not_importable(tool)
+        """Run one action on the pool (a tool without a ref in this process, see
+        `run_local`); failures come back as a not-ok ToolResult."""
         timeout = self.config.default_timeout_s if timeout_s is None else timeout_s
+        if tool.ref is None:
+            return await run_local(tool, arguments, timeout_s=timeout)
         t0 = time.monotonic()
         t1 = t0
         try:

@@ -12,7 +12,6 @@ import asyncio
 import time
 from typing import Self
 
-from earl.agents.tools import JSONValue, Tool, ToolResult
 from earl.runtime.tools import (
     ExecutorConfig,
     ExecutorStatistics,
@@ -21,6 +20,7 @@ from earl.runtime.tools import (
     _timed_out,
     _Worker,
 )
+from earl.runtime.types import JSONValue, Tool, ToolResult
 
 __all__ = ["StaticExecutor"]
 

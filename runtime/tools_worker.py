@@ -10,7 +10,6 @@ no isolation of its own: untrusted code goes through `earl.runtime.sandbox`. Sta
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import json
 import os
@@ -23,20 +22,20 @@ _HEADER = struct.Struct(">I")
 
 
 def _resolve(ref: str, cache: dict[str, Callable[..., object]]) -> Callable[..., object]:
+    """The tool function `ref` names. Refs come only from the parent's `Tool` objects over this
+    private pipe, so registration is not required, but the registry's other checks apply:
+    never a denied module (os, subprocess, builtins, ...), only a public function defined in
+    the module the ref names."""
     fn = cache.get(ref)
     if fn is None:
-        module, _, qual = ref.partition(":")
-        obj: object = importlib.import_module(module)
-        for part in qual.split("."):
-            obj = getattr(obj, part)
-        if not callable(obj):
-            raise ValueError(f"{ref} is not callable")
-        fn = cache[ref] = obj
+        from earl.runtime import registry
+
+        fn = cache[ref] = registry.resolve(ref, what="tool", require_registration=False)
     return fn
 
 
 def _call(fn: Callable[..., object], args: dict[str, object]) -> dict[str, object]:
-    from earl.agents.tools import to_text
+    from earl.runtime.types import to_text
 
     t0 = time.perf_counter()
     try:
@@ -81,7 +80,7 @@ def main() -> None:
         req = json.loads(body)
         try:
             fn = _resolve(req["ref"], cache)
-        except (ImportError, AttributeError, ValueError) as exc:
+        except (ImportError, AttributeError, ValueError, PermissionError) as exc:
             reply = {"ok": False, "output": f"cannot import tool {req['ref']!r}: {exc}",
                      "error": "import", "run_s": 0.0}
         else:

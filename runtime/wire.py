@@ -7,6 +7,13 @@ with `@message` travel as typed records; tuples stay tuples; actor-group handles
 own ext record (see `register_ext`). Decoding only ever builds these known types: nothing from
 the network is unpickled or imported.
 
+Hostile bytes cannot crash the decoder: ext records (tuples, messages, arrays, handles) nest at
+most `MAX_DEPTH` levels on either end. Each level is one nested msgpack unpack whose C context
+takes ~40 KiB of stack, and ~200 levels overflow an 8 MiB stack (a segfault, not an exception),
+so the depth is counted before msgpack is entered again. Plain lists and maps nest inside one
+unpack, whose own stack limit raises an error; msgpack's `max_*_len` limits default to the body
+size, so no declared length can allocate more than the bytes received.
+
 This module knows nothing about sockets or framing (see `earl.runtime.frames`).
 
 Example:
@@ -35,6 +42,7 @@ import numpy as np
 __all__ = ["WireError", "decode", "encode", "message", "register_ext", "registered_messages"]
 
 EXT_NDARRAY, EXT_TENSOR, EXT_MESSAGE, EXT_TUPLE = 1, 2, 3, 4
+MAX_DEPTH = 32  # nested ext records (tuples, messages, ...) per value, on both ends
 T = TypeVar("T")
 
 
@@ -95,27 +103,42 @@ def _torch_dtypes() -> dict[str, Any]:
 _BASES: tuple[type, ...] = (int, float, str, bytes, list, dict, tuple)
 
 
+def _too_deep() -> WireError:
+    return WireError(f"value nests more than MAX_DEPTH={MAX_DEPTH} tuples/messages/handles inside"
+                     " each other: flatten it (e.g. a list of tuples instead of nested tuples)")
+
+
 class _Codec:
     """Packs one value; collects out-of-band buffers in `self.bufs` (event-loop thread only)."""
 
-    __slots__ = ("bufs",)
+    __slots__ = ("bufs", "depth")
 
     def __init__(self) -> None:
         self.bufs: list[Any] = []
+        self.depth = 0
+
+    def _ext(self, code: int, obj: Any) -> msgpack.ExtType:
+        if self.depth >= MAX_DEPTH:
+            raise _too_deep()
+        self.depth += 1
+        try:
+            return msgpack.ExtType(code, self.pack(obj))
+        finally:
+            self.depth -= 1
 
     def default(self, obj: Any) -> Any:
         cls = type(obj)
         if cls is tuple:
-            return msgpack.ExtType(EXT_TUPLE, self.pack(list(obj)))
+            return self._ext(EXT_TUPLE, list(obj))
         if cls is np.ndarray:
             return self._array(obj)
         fields = _FIELDS.get(cls)
         if fields is not None:
             name, names = fields
-            return msgpack.ExtType(EXT_MESSAGE, self.pack([name, [getattr(obj, f) for f in names]]))
+            return self._ext(EXT_MESSAGE, [name, [getattr(obj, f) for f in names]])
         ext = _EXT_ENCODERS.get(cls)
         if ext is not None:
-            return msgpack.ExtType(ext[0], self.pack(ext[1](obj)))
+            return self._ext(ext[0], ext[1](obj))
         if isinstance(obj, np.generic):
             return obj.item()
         if isinstance(obj, enum.Enum):
@@ -140,8 +163,7 @@ class _Codec:
             raise WireError(f"cannot send numpy array of dtype {arr.dtype}: use a plain dtype")
         arr = np.ascontiguousarray(arr)
         self.bufs.append(memoryview(arr).cast("B") if arr.size else b"")  # type: ignore[arg-type]
-        return msgpack.ExtType(EXT_NDARRAY, self.pack(
-            [arr.dtype.str, list(arr.shape), len(self.bufs) - 1]))
+        return self._ext(EXT_NDARRAY, [arr.dtype.str, list(arr.shape), len(self.bufs) - 1])
 
     def _tensor(self, t: Any) -> msgpack.ExtType:
         if t.device.type != "cpu":
@@ -151,7 +173,7 @@ class _Codec:
         raw = t.reshape(-1).view(sys.modules["torch"].uint8).numpy() if t.numel() else b""
         self.bufs.append(memoryview(raw).cast("B") if len(raw) else b"")
         dtype = str(t.dtype).removeprefix("torch.")
-        return msgpack.ExtType(EXT_TENSOR, self.pack([dtype, list(t.shape), len(self.bufs) - 1]))
+        return self._ext(EXT_TENSOR, [dtype, list(t.shape), len(self.bufs) - 1])
 
 
 def encode(obj: Any) -> tuple[bytes, list[Any]]:
@@ -169,6 +191,7 @@ def encode(obj: Any) -> tuple[bytes, list[Any]]:
             body = codec.pack(obj)
     except (TypeError, ValueError, OverflowError) as e:
         _reset_packer()
+        _TOP.depth = 0
         if isinstance(e, WireError):
             raise
         raise WireError(f"cannot encode value: {e}") from e
@@ -186,15 +209,27 @@ def _reset_packer() -> None:  # after an exception mid-pack, start clean
 
 
 class _Decoder:
-    __slots__ = ("bufs",)
+    """Decodes one value (a fresh one per value: `depth` counts the ext records being built)."""
+
+    __slots__ = ("bufs", "depth")
 
     def __init__(self, bufs: list[Any]) -> None:
         self.bufs = bufs
+        self.depth = 0
 
     def unpack(self, data: Any) -> Any:
         return msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False, strict_map_key=False)
 
     def ext_hook(self, code: int, data: bytes) -> Any:
+        if self.depth >= MAX_DEPTH:  # checked before msgpack recurses: deeper would segfault
+            raise _too_deep()
+        self.depth += 1
+        try:
+            return self._ext(code, data)
+        finally:
+            self.depth -= 1
+
+    def _ext(self, code: int, data: bytes) -> Any:
         if code == EXT_TUPLE:
             return tuple(self.unpack(data))
         if code == EXT_MESSAGE:
@@ -206,7 +241,10 @@ class _Decoder:
             return cls(**dict(zip(_FIELDS[cls][1], values, strict=True)))
         if code == EXT_NDARRAY:
             dtype, shape, idx = self.unpack(data)
-            return np.frombuffer(self._buf(idx), dtype=np.dtype(dtype)).reshape(shape)
+            dt = np.dtype(dtype)
+            if dt.hasobject or dt.fields is not None:
+                raise WireError(f"refusing numpy dtype {dtype!r}: only plain dtypes travel")
+            return np.frombuffer(self._buf(idx), dtype=dt).reshape(shape)
         if code == EXT_TENSOR:
             return self._tensor(*self.unpack(data))
         dec = _EXT_DECODERS.get(code)
@@ -227,11 +265,10 @@ class _Decoder:
             raise WireError(f"unsupported tensor dtype {dtype!r}")
         buf = self._buf(idx)
         if len(buf) == 0:
+            if 0 not in shape:  # an empty buffer must not turn into a huge allocation
+                raise WireError(f"tensor of shape {shape} has no data")
             return torch.empty(shape, dtype=td)
         return torch.frombuffer(buf, dtype=torch.uint8).view(td).reshape(shape)
-
-
-_NO_BUFS = _Decoder([])
 
 
 def decode(body: Any, bufs: list[Any] | None = None) -> Any:
@@ -241,7 +278,7 @@ def decode(body: Any, bufs: list[Any] | None = None) -> Any:
         WireError: the bytes are not msgpack, or name an unknown type or buffer.
     """
     try:
-        return (_Decoder(bufs) if bufs else _NO_BUFS).unpack(body)
+        return _Decoder(bufs or []).unpack(body)
     except WireError:
         raise
     except Exception as e:  # msgpack raises several unrelated types for malformed input

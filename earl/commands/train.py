@@ -1,10 +1,13 @@
 """`earl train`: run the asynchronous RL pipeline (default: tiny model, Tic-Tac-Toe, CPU).
 
     earl train                                  # the main job, ~10 minutes on 2 CPU cores
+    earl train --recipe calc                    # a shipped recipe: tictactoe | calc | connect4
+    earl train --agent my_agent.py:agent --tasks train.jsonl --eval-tasks eval.jsonl
     earl train --output-dir runs/a --json       # last stdout line: one JSON object
     earl train --config run.yaml --algorithm.lr=5e-4 --max_policy_lag=0
     earl train --output-dir runs/a --resume     # continue after a crash / SIGKILL
     earl train --trace                          # also write a Chrome/Perfetto trace
+    earl train --recipe connect4 --selector on  # re-plan layouts as contexts grow
 
 Any `--key.sub=value` not listed below overrides a field of `earl.config.RunConfig`.
 
@@ -26,13 +29,21 @@ import sys
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="earl train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="YAML file with RunConfig fields")
+    p.add_argument("--config", help="YAML file with RunConfig fields (a recipe file)")
+    p.add_argument("--recipe", help="a shipped recipe: tictactoe (default), calc, connect4")
+    p.add_argument("--agent", help="your agent coroutine, PATH.py:NAME or module:NAME")
+    p.add_argument("--tasks", help="JSONL file of training samples for --agent")
+    p.add_argument("--eval-tasks", help="JSONL file of held-out samples to evaluate on")
+    p.add_argument("--reward", help="a reward rule PATH.py:NAME, reward(sample, response) -> "
+                   "float, scoring the final answer instead of the agent's return")
     p.add_argument("--output-dir", help="where metrics, plots, checkpoints go "
                    "(default: runs/latest)")
     p.add_argument("--json", action="store_true", help="end with one JSON line of results")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     p.add_argument("--trace", action="store_true", help="write trace.json (Chrome/Perfetto)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--selector", help="on: the parallelism selector re-plans layouts and "
+                   "budgets before each rollout and training step (default: off)")
     args, rest = p.parse_known_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -40,32 +51,57 @@ def main(argv: list[str]) -> int:
     from earl.config import load_config
 
     overrides = list(rest)
-    if args.output_dir:
-        overrides.append(f"--output_dir={args.output_dir}")
+    for name in ("output_dir", "recipe", "agent", "tasks", "eval_tasks", "reward", "selector"):
+        if getattr(args, name):
+            overrides.append(f"--{name}={getattr(args, name)}")
     try:
         cfg = load_config(args.config, overrides)
     except (ValueError, TypeError) as exc:
-        print(f"earl train: {exc}", file=sys.stderr)
-        return 2
-    from earl.run import train
+        return _fail(args.json, f"earl train: {exc}", code=2)
+    from earl.run import run
 
     def log(line: str) -> None:
         if not args.quiet:
             print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
 
     try:
-        result = asyncio.run(train(cfg, resume=args.resume, trace=args.trace, log=log))
-    except ValueError as exc:
-        print(f"earl train: {exc}", file=sys.stderr)
-        return 2
-    ev = result.eval
-    summary = (f"eval: {ev['games']} games vs random, win {ev['win_rate']:.3f} draw "
-               f"{ev['draw_rate']:.3f} (win+draw {ev['win_draw_rate']:.3f}), illegal "
-               f"{ev['illegal_rate']:.3f}; {result.steps} steps in {result.wall_minutes:.1f} min; "
+        result = asyncio.run(run(cfg, resume=args.resume, trace=args.trace, log=log))
+    except (ValueError, TypeError) as exc:
+        return _fail(args.json, f"earl train: {exc}", code=2)
+    except KeyboardInterrupt:
+        return _fail(args.json, "earl train: interrupted; continue with "
+                     f"`earl train --output-dir {cfg.output_dir} --resume`", code=130)
+    except BaseException as exc:  # noqa: BLE001 - one clear line instead of a traceback
+        return _fail(args.json, f"earl train: the run stopped: {_cause(exc)}; continue with "
+                     f"`earl train --output-dir {cfg.output_dir} --resume`", code=1)
+    key = result.target_key
+    ev, ev0 = result.eval, result.eval_start
+    shown = f"{key} {ev[key]:.3f}" if key in ev else "no eval tasks"
+    start = f" (at start {ev0[key]:.3f})" if key in ev0 else ""
+    summary = (f"eval: {shown}{start}; {result.steps} steps in {result.wall_minutes:.1f} min; "
                f"plot {result.files['plot']}")
+    if result.failures:
+        top = max(result.failures, key=result.failures.__getitem__)
+        summary += (f"; {sum(result.failures.values())} episodes failed (most often: "
+                    f"{top})")
     if args.json:
         print(summary, file=sys.stderr)
         print(json.dumps(result.to_json()), flush=True)
     else:
         print(summary)
     return 0
+
+
+def _cause(exc: BaseException) -> str:
+    """The innermost error of an exception group, as one line."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _fail(as_json: bool, line: str, *, code: int) -> int:
+    print(line, file=sys.stderr, flush=True)
+    if as_json:
+        print(json.dumps({"error": line, "exit_code": code}), flush=True)
+    return code

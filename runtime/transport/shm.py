@@ -5,69 +5,50 @@ and sends a tiny descriptor over a ZMQ control socket; the receiver maps the seg
 and hands out views -- no second copy. `Frame.release()` returns the segment to the sender's pool,
 so steady-state transfers touch only warm pages (first touch of fresh memory costs ~10x a warm copy).
 
-Segments of a process that died without cleaning up are unlinked by `cleanup_leaked_segments`,
-which every new `ShmTransport` runs on start.
+Every sender and receiver still open when its process exits is closed then (atexit): its
+segments are unlinked and its ``earl-shm-<pid>-*`` control dir removed. Segments of a process
+that died without cleaning up (SIGKILL) are unlinked by `cleanup_leaked_segments`, which every
+new `ShmTransport` runs on start; `earl.runtime.cleanup.sweep` also removes its control dirs.
 
 Not here: cross-host transfer (see ucx.py / zmq.py) or GPU memory (torch_dist.py).
 """
 
 from __future__ import annotations
 
+import atexit
 import mmap
 import os
-import re
 import struct
 import tempfile
 import threading
 import time
 import uuid
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import zmq
 
+from earl.runtime.cleanup import SHM_DIR, cleanup_leaked_segments
 from earl.runtime.transport.base import Buffer, Frame, TransportError, as_bytes_view
 
-SHM_DIR = "/dev/shm"
 PREFIX = "earl-"
-_NAME_RE = re.compile(r"^earl-([0-9a-z]+)-(\d+)-(\d+)$")
 _ALIGN = 64
 _MIN_SEGMENT = 1 << 20
 
 
-def cleanup_leaked_segments(shm_dir: str = SHM_DIR) -> list[str]:
-    """Unlink EARL segments whose owning process is gone. Returns the names removed."""
-    removed: list[str] = []
-    try:
-        names = os.listdir(shm_dir)
-    except FileNotFoundError:
-        return removed
-    for name in names:
-        m = _NAME_RE.match(name)
-        if m is None or _pid_alive(int(m.group(2))):
-            continue
+_LIVE: weakref.WeakSet[ShmSender | ShmReceiver] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live() -> None:
+    """Close every sender and receiver this process still holds (segments, control dirs)."""
+    for end in list(_LIVE):
         try:
-            os.unlink(os.path.join(shm_dir, name))
-            removed.append(name)
-        except FileNotFoundError:
+            end.close()
+        except Exception:  # noqa: BLE001, S110 (exiting: best effort, the sweep is the backstop)
             pass
-    return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie child still "exists" but owns nothing any more
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _segment_size(nbytes: int) -> int:
@@ -147,6 +128,7 @@ class ShmSender:
         self._release_timeout_s = release_timeout_s
         self._max_free = max_free
         self._seq = 0
+        _LIVE.add(self)
 
     def send(self, header: bytes, buffers: Sequence[Buffer]) -> None:
         views = [as_bytes_view(b) for b in buffers]
@@ -266,7 +248,7 @@ class ShmReceiver:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._dir = tempfile.mkdtemp(prefix="earl-shm-")
+        self._dir = tempfile.mkdtemp(prefix=f"earl-shm-{os.getpid()}-")
         self._endpoint = f"ipc://{self._dir}/ctl"
         self._sock.bind(self._endpoint)
         self._shm_dir = shm_dir
@@ -274,6 +256,7 @@ class ShmReceiver:
         self._max_mapped = max_mapped
         self._lock = threading.Lock()  # guards the socket: release() may be another thread
         self._pending: deque[tuple[bytes, bytes]] = deque()
+        _LIVE.add(self)
 
     @property
     def address(self) -> str:
@@ -336,7 +319,8 @@ class ShmReceiver:
 
     def close(self) -> None:
         with self._lock:
-            self._flush_releases()
+            if not self._sock.closed:
+                self._flush_releases()
             self._sock.close(100)
         for mm in self._maps.values():
             _close_quietly(mm)

@@ -7,6 +7,11 @@ progress-thread mode halves throughput). Each frame is a small control message o
 many senders can feed one receiver. Receive buffers come from a size-keyed pool and are reused
 after `Frame.release()`.
 
+Network devices: loopback only (``UCX_NET_DEVICES=lo``) unless a `host` is configured; then UCX
+uses every device and each frame is authenticated: its control message carries a sequence
+number, the control message's HMAC (checked before the receiver allocates anything) and the
+payload's HMAC (checked before the frame is handed out), under the run's secret (see `auth`).
+
 Not here: the choice between UCX transports (UCX_TLS decides: sm, tcp, rc...).
 """
 
@@ -20,11 +25,14 @@ from functools import partial
 
 import numpy as np
 
+from earl.runtime.transport.auth import MAC_LEN, Mac, is_loopback, key_for
 from earl.runtime.transport.base import Buffer, BufferPool, Frame, TransportError, as_bytes_view
 
 _CTRL_TAG = 1
 _CTRL_BYTES = 64 * 1024
-_MAX_BUFS = (_CTRL_BYTES - 24) // 8
+_AUTH_BYTES = 8 + 2 * MAC_LEN  # seq, control MAC, payload MAC (authenticated channels only)
+_MAX_BUFS = (_CTRL_BYTES - 24 - _AUTH_BYTES) // 8
+_CHANNEL = b"ucx"
 
 
 def _ucx():  # type: ignore[no-untyped-def]
@@ -37,9 +45,11 @@ def _ucx():  # type: ignore[no-untyped-def]
     return ucx_api, Array
 
 
-def _worker():  # type: ignore[no-untyped-def]
+def _worker(loopback: bool):  # type: ignore[no-untyped-def]
     ucx_api, _ = _ucx()
-    ctx = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
+    config = {"NET_DEVICES": "lo"} if loopback else {}
+    ctx = ucx_api.UCXContext(config_dict=config,
+                             feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
     worker = ucx_api.UCXWorker(ctx)
     worker.init_blocking_progress_mode()
     return ctx, worker
@@ -60,11 +70,15 @@ def _wait(worker, requests, deadline: float | None) -> bool:  # type: ignore[no-
 
 
 class UcxSender:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, *, host: str = "127.0.0.1", secret: bytes | None = None,
+                 authenticate: bool | None = None) -> None:
         if not address.startswith("ucx://"):
             raise ValueError(f"address {address!r} is not a ucx:// address")
+        key = key_for(host, secret, "ucx", authenticate)
+        self._mac = None if key is None else Mac(key, _CHANNEL)
+        self._seq = 0
         ucx_api, self._Array = _ucx()
-        self._ctx, self._worker = _worker()
+        self._ctx, self._worker = _worker(is_loopback(host))
         remote = ucx_api.UCXAddress.create_from_buffer(bytes.fromhex(address[len("ucx://") :]))
         self._ep = ucx_api.UCXEndpoint.create_from_worker_address(self._worker, remote, False)
         self._api = ucx_api
@@ -90,6 +104,10 @@ class UcxSender:
         if len(sizes) > _MAX_BUFS:
             raise ValueError(f"ucx frames carry at most {_MAX_BUFS} buffers, got {len(sizes)}")
         ctrl = struct.pack(f"<QQI{len(sizes)}Q", self._tag, len(header), len(sizes), *sizes)
+        if self._mac is not None:
+            seq, self._seq = self._seq, self._seq + 1
+            ctrl += seq.to_bytes(8, "little")
+            ctrl += self._mac.digest(seq, [ctrl]) + self._mac.digest(seq, [header, *views])
         self._ctrl[: len(ctrl)] = np.frombuffer(ctrl, np.uint8)
         tag = self._api.UCXXTag
         reqs = [self._ep.tag_send(self._Array(self._ctrl[: len(ctrl)]), tag(_CTRL_TAG))]
@@ -107,10 +125,18 @@ class UcxSender:
 
 
 class UcxReceiver:
-    def __init__(self) -> None:
+    """Args: host: loopback (default) keeps UCX on the lo device; anything else uses every
+    device and authenticates frames with `secret` or the run's secret; authenticate: force or
+    skip that (None: off loopback only; both ends must agree)."""
+
+    def __init__(self, *, host: str = "127.0.0.1", secret: bytes | None = None,
+                 authenticate: bool | None = None) -> None:
+        key = key_for(host, secret, "ucx", authenticate)
+        self._mac = None if key is None else Mac(key, _CHANNEL)
+        self._last: dict[int, int] = {}  # sender tag -> last sequence number accepted
         ucx_api, self._Array = _ucx()
         self._api = ucx_api
-        self._ctx, self._worker = _worker()
+        self._ctx, self._worker = _worker(is_loopback(host))
         self._addr = self._worker.address.tobytes().hex()
         self._ctrl = np.zeros(_CTRL_BYTES, np.uint8)
         self._ctrl_req = None
@@ -129,7 +155,10 @@ class UcxReceiver:
             raise TimeoutError(f"no frame within {timeout} s")  # request stays posted
         self._ctrl_req = None
         sender_tag, hlen, n = struct.unpack_from("<QQI", self._ctrl.data)
+        if n > _MAX_BUFS:
+            raise TransportError(f"ucx control message declares {n} buffers; dropped")
         sizes = struct.unpack_from(f"<{n}Q", self._ctrl.data, 20)
+        seq = self._check_ctrl(sender_tag, 20 + 8 * n)  # before allocating what it declares
         header = np.empty(hlen, np.uint8)
         total = sum(sizes)
         buf = self._pool.take(total)
@@ -147,19 +176,43 @@ class UcxReceiver:
         for s in sizes:
             bufs.append(mv[off : off + s])
             off += s
+        if self._mac is not None:
+            end = 20 + 8 * n + 8 + MAC_LEN
+            try:
+                self._mac.check(seq, [header, *bufs], self._ctrl[end:end + MAC_LEN])
+            except TransportError:
+                self._pool.give(buf)
+                raise
 
         return Frame(header=header.tobytes(), buffers=bufs,
                      _on_release=partial(self._pool.give, buf))
+
+    def _check_ctrl(self, sender_tag: int, n: int) -> int:
+        """The control message's sequence number, once its MAC and order check out."""
+        if self._mac is None:
+            return 0
+        seq = int.from_bytes(self._ctrl[n:n + 8].tobytes(), "little")
+        self._mac.check(seq, [self._ctrl[:n + 8]], self._ctrl[n + 8:n + 8 + MAC_LEN])
+        if seq <= self._last.get(sender_tag, -1):
+            raise TransportError("ucx control message replayed; dropped")
+        self._last[sender_tag] = seq
+        return seq
 
     def close(self) -> None:
         self._pool.clear()
 
 
 class UcxTransport:
+    """Args: see `UcxReceiver` (the same options apply to both ends)."""
+
     name = "ucx"
 
+    def __init__(self, *, host: str = "127.0.0.1", secret: bytes | None = None,
+                 authenticate: bool | None = None) -> None:
+        self._opts = {"host": host, "secret": secret, "authenticate": authenticate}
+
     def listen(self) -> UcxReceiver:
-        return UcxReceiver()
+        return UcxReceiver(**self._opts)  # type: ignore[arg-type]
 
     def connect(self, address: str) -> UcxSender:
-        return UcxSender(address)
+        return UcxSender(address, **self._opts)  # type: ignore[arg-type]

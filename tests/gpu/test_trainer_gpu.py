@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from earl.models.tiny import build_tiny_model
-from earl.runtime.trainer_batch import TrainBatch
-from earl.runtime.trainer_torch import TorchTrainer, TrainerConfig
+from earl.stages.trainer_batch import TrainBatch
+from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -45,7 +45,7 @@ def test_torch_trainer_cuda_matches_cpu(model_dir: Path, dtype: str) -> None:
 
 def test_megatron_trainer_cuda_matches_torch(model_dir: Path) -> None:
     pytest.importorskip("megatron.core")
-    from earl.runtime.trainer_megatron import MegatronTrainer
+    from earl.stages.trainer_megatron import MegatronTrainer
 
     batch = make_batch()
     ref = TorchTrainer(TrainerConfig(model=str(model_dir), device="cuda"))

@@ -47,9 +47,13 @@ class Svc(Actor):
         return self.calls
 
 
+context_runtime: list[Runtime] = []
+
+
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def svc():
     async with Runtime(RuntimeConfig(max_message_bytes=LIMIT)) as rt:
+        context_runtime[:] = [rt]
         yield await rt.spawn("svc", Svc)
 
 
@@ -160,3 +164,31 @@ async def test_peer_disconnecting_mid_call(svc):
     assert await svc.slow.call_one(0.3) == "done"  # the abandoned calls finished harmlessly
     assert await svc.count.call_one() == before + 3
     await still_serving(svc)
+
+
+def _nested_tuples(depth: int) -> msgpack.ExtType:
+    data = msgpack.packb([1])
+    for _ in range(depth):
+        data = msgpack.packb([msgpack.ExtType(4, data)])
+    return msgpack.ExtType(4, data)
+
+
+async def test_deeply_nested_values_are_rejected_by_actors_and_the_directory(svc):
+    """The issue's probe: ~1 KB of 200 nested tuples segfaulted msgpack, killing the driver."""
+    rt = context_runtime[0]
+    for address, request in ((svc.addresses[0], ["add", [_nested_tuples(200)], {}]),
+                             (rt.directory_address, ["lookup", [_nested_tuples(200)], {}])):
+        body = msgpack.packb(request)
+        assert 900 < len(body) + 20 < 1100
+        raw = await Raw.open(address)
+        raw.send_frame(Kind.CALL, 9, body)
+        kind, rid, msg = await raw.recv()
+        assert (kind, rid) == (Kind.REJECT, 9) and "MAX_DEPTH" in msg
+        raw.close()
+    with pytest.raises(WireError, match="MAX_DEPTH"):  # the encoder refuses to send it
+        value: object = 1
+        for _ in range(200):
+            value = (value,)
+        svc.add.call_one(value)
+    await still_serving(svc)
+    assert await rt.dir_call("names") == ["svc"]  # the driver's directory serves on

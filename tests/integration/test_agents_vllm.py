@@ -36,7 +36,7 @@ async def test_tictactoe_on_vllm_is_token_exact() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from transformers import AutoTokenizer
 
-    from earl.runtime.vllm_engine import EngineConfig, VLLMEngine
+    from earl.stages.vllm_engine import EngineConfig, VLLMEngine
 
     path = default_model_dir()
     codec = ChatCodec(AutoTokenizer.from_pretrained(path))

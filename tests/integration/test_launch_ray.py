@@ -13,6 +13,7 @@ import pytest_asyncio
 from test_actor import Counter
 
 from earl.runtime import ActorDied, RestartPolicy, Runtime, RuntimeConfig
+from earl.runtime.conn import connect
 
 ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.ray, pytest.mark.asyncio(loop_scope="module")]
@@ -42,6 +43,9 @@ async def test_ray_placed_actors_talk_over_earl_sockets(rt):
     g = await rt.spawn("rc", Counter, 10, n=2, restart=RestartPolicy(max_restarts=1,
                                                                      backoff_s=0.0))
     assert all(a.startswith("tcp:127.0.0.1:") for a in g.addresses)
+    assert rt.secret is not None  # the per-run secret reached the Ray-placed processes
+    with pytest.raises(ValueError, match="requires a shared secret"):
+        await connect(g.addresses[0], "rc[0]", max_bytes=1 << 20, secret=None)
     assert await g.incr.call(1) == [11, 11]
     assert [x async for x in g[1].tokens.stream(3)] == [0, 1, 2]
     who = await g.whoami.call()

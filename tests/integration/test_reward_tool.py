@@ -14,8 +14,8 @@ async def test_reward_model_runs_as_an_executor_action(tmp_path: Path) -> None:
 
     from earl.agents.tools import Tool
     from earl.models.reward_model import score_text
-    from earl.runtime.reward import RewardModel, RewardModelConfig, build_tiny_reward_model
     from earl.runtime.tools import ExecutorConfig, ToolExecutor
+    from earl.stages.reward import RewardModel, RewardModelConfig, build_tiny_reward_model
 
     path = str(build_tiny_reward_model(tmp_path / "rm", layers=1))
     tool = Tool.from_function(score_text)

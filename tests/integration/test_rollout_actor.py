@@ -36,16 +36,18 @@ async def rt() -> AsyncIterator[object]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def group(rt) -> object:
-    from earl.runtime.rollout import RolloutActor
-    from earl.runtime.vllm_engine import EngineConfig
+    from earl.stages.rollout import RolloutActor
+    from earl.stages.vllm_engine import EngineConfig
 
-    cfg = asdict(EngineConfig(model=str(default_model_dir(**MODEL_A)), dtype="float32",
-                              max_model_len=256))
-    return await rt.spawn("rollout", RolloutActor, cfg, n=REPLICAS, env={"OMP_NUM_THREADS": "1"})
+    cfg = EngineConfig(model=str(default_model_dir(**MODEL_A)), dtype="float32",
+                       max_model_len=256, kv_cache_gb=0.125)
+    g = await rt.spawn("rollout", RolloutActor, cfg, n=REPLICAS, env={"OMP_NUM_THREADS": "1"})
+    assert await g[0].engine_config.call_one() == cfg  # a typed record both ways
+    return g
 
 
 async def test_generate_through_the_client(group) -> None:
-    from earl.runtime.rollout import RolloutClient
+    from earl.stages.rollout import RolloutClient
 
     client = RolloutClient(group)
     gens = await asyncio.gather(*(client.generate([1, 40 + i], GREEDY, session_id=f"s{i}")
@@ -57,7 +59,7 @@ async def test_generate_through_the_client(group) -> None:
 
 
 async def test_context_length_error_keeps_its_type(group) -> None:
-    from earl.runtime.rollout import RolloutClient
+    from earl.stages.rollout import RolloutClient
 
     with pytest.raises(ContextLengthError, match="max_model_len=256"):
         await RolloutClient(group).generate([1] * 250, GREEDY, session_id="long")
@@ -67,7 +69,7 @@ async def test_context_length_error_keeps_its_type(group) -> None:
 async def test_publisher_switches_every_replica(group, transport: str) -> None:
     from safetensors.torch import load_file
 
-    from earl.runtime.weights import WeightPublisher
+    from earl.stages.weights import WeightPublisher
 
     def path(kw: dict[str, float]) -> Path:
         return default_model_dir(**kw) / "model.safetensors"
@@ -94,12 +96,12 @@ async def test_reference_actor_scores_what_the_rollout_sampled(rt, group) -> Non
     import numpy as np
 
     from earl.runtime.dock import Dock, IndexActor, WarehouseActor
-    from earl.runtime.reference import ReferenceActor, ReferenceConfig
+    from earl.stages.reference import ReferenceActor, ReferenceConfig
 
     ix = await rt.spawn("dock", IndexActor, stages=["reference", "train"], capacity=16)
     store = await rt.spawn("store", WarehouseActor, "dock")
     ref = await rt.spawn("reference", ReferenceActor,
-                         asdict(ReferenceConfig(model=str(default_model_dir(**MODEL_A)))), "dock",
+                         ReferenceConfig(model=str(default_model_dir(**MODEL_A))), "dock",
                          env={"OMP_NUM_THREADS": "1"})
     gens = [await group[0].generate.call_one([1, 60 + i], SamplingParams(max_tokens=20, seed=i))
             for i in range(3)]
@@ -131,13 +133,15 @@ async def test_reference_actor_scores_what_the_rollout_sampled(rt, group) -> Non
 async def test_reward_actor_serves_rules_and_the_reward_model(rt, tmp_path) -> None:
     import numpy as np
 
-    from earl.runtime.reward import (
+    from earl.runtime import registry
+    from earl.stages.reward import (
         RewardActor,
         RewardModel,
         RewardModelConfig,
         build_tiny_reward_model,
     )
 
+    registry.register("earl.envs.arithmetic:score")  # the rule the actor may be asked to run
     cfg = RewardModelConfig(model=str(build_tiny_reward_model(tmp_path / "rm", layers=1)))
     rw = await rt.spawn("reward", RewardActor, asdict(cfg), env={"OMP_NUM_THREADS": "1"})
     got = await rw[0].rule.call_one("earl.envs.arithmetic:score",

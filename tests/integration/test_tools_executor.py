@@ -66,8 +66,8 @@ async def test_timeout_crash_and_bad_results_keep_the_pool_serving() -> None:
             """
             return "no"
 
-        r = await ex.run(Tool.from_function(local), {"x": 1})
-        assert not r.ok and "module-level" in r.output
+        r = await ex.run(Tool.from_function(local), {"x": 1})  # no ref: runs in-process
+        assert r.ok and r.output == "no"
         s = ex.statistics()
         assert s.timeouts == 1 and s.crashes == 1
 
@@ -213,3 +213,29 @@ async def test_python_agent_through_the_executor_and_sandbox() -> None:
     assert not traj.failed, traj.error
     assert traj.reward == 1.0 and traj.info["tool_calls"] == 1 and traj.info["tool_errors"] == 0
     assert traj.tool_time_s > 0
+
+
+async def test_stateful_tools_run_in_process_beside_the_pool() -> None:
+    """A closure (per-episode state) never reaches a worker, which could not import it: it runs
+    in the caller's process with its state; an importable tool still runs on a worker."""
+    seen: list[str] = []
+
+    def remember(text: str) -> str:
+        """Remember a word.
+
+        Args:
+            text: the word.
+        """
+        seen.append(text)
+        return f"{len(seen)} words, pid {os.getpid()}"
+
+    local = Tool.from_function(remember)
+    assert local.ref is None
+    async with ToolExecutor(ExecutorConfig(max_workers=1)) as ex:
+        a = await ex.run(local, {"text": "a"})
+        b = await ex.run(local, {"text": "b"})
+        assert a.ok and b.ok and b.output == f"2 words, pid {os.getpid()}"
+        assert ex.statistics().spawned == 0  # no worker was started for it
+        echo = await ex.run(ECHO, {"text": "x"})
+        assert echo.ok and echo.output == "x" and ex.statistics().spawned == 1
+    assert seen == ["a", "b"]

@@ -1,4 +1,5 @@
-"""TrainerActor through the real runtime: 2 FSDP ranks train, export and push weights."""
+"""TrainerActor through the real runtime: 2 FSDP ranks train, export and push weights (through
+one publisher kept for the trainer's life)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from earl.algorithms import LossConfig
 from earl.models.tiny import build_tiny_model
 from earl.runtime import Actor, ActorError, Runtime, endpoint
-from earl.runtime.trainer import TrainBatch, TrainerActor, free_dist_url
-from earl.runtime.trainer_torch import TorchTrainer, TrainerConfig
-from earl.runtime.weights import decode_bucket
+from earl.stages.trainer import TrainBatch, TrainerActor, free_dist_url
+from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
+from earl.stages.weights import decode_bucket
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -24,11 +26,13 @@ class WeightSink(Actor):
         self.staged: list[tuple[str, torch.Tensor]] = []
         self.receiver = None
         self.versions: list[int] = []
+        self.address_calls = 0
 
     @endpoint
     async def weights_address(self) -> str:
         from earl.runtime.transport import get_transport
 
+        self.address_calls += 1
         if self.receiver is None:
             self.receiver = get_transport("shm").listen()
         return str(self.receiver.address)
@@ -46,6 +50,11 @@ class WeightSink(Actor):
             frame.release()
         self.versions.append(version)
         return 0.0
+
+    @endpoint
+    async def connects(self) -> int:
+        """How often a publisher asked for the shm address (once per publisher)."""
+        return self.address_calls
 
     @endpoint
     async def received(self) -> tuple[list[int], list[tuple[str, torch.Tensor]]]:
@@ -76,8 +85,8 @@ async def test_trainer_actor_fsdp_group(model_dir: Path, tmp_path: Path) -> None
 
 
 async def _exercise(rt: Runtime, model_dir: Path, tmp_path: Path) -> None:
-    cfg = {"model": str(model_dir), "parallel": "fsdp", "dist_url": free_dist_url(),
-           "threads": 1, "lr": 1e-3, "loss": {"entropy_coef": 0.01}}
+    cfg = TrainerConfig(model=str(model_dir), parallel="fsdp", dist_url=free_dist_url(),
+                        threads=1, lr=1e-3, loss=LossConfig(entropy_coef=0.01))
     env = {"OMP_NUM_THREADS": "1"}
     trainers, sink = await asyncio.gather(
         rt.spawn("trainer", TrainerActor, cfg, n=2, env=env),
@@ -89,7 +98,8 @@ async def _exercise(rt: Runtime, model_dir: Path, tmp_path: Path) -> None:
     assert m0["loss"] == pytest.approx(m1["loss"]) and m0["samples"] == 4 and m0["step"] == 1
     assert await trainers.version.call() == [1, 1]
 
-    for transport in ("shm", "rpc"):
+    assert await trainers[1].trainer_config.call_one() == cfg  # a typed record both ways
+    for transport in ("shm", "shm", "rpc"):
         syncs = await trainers.push_weights.call(sink, version=7, transport=transport,
                                                  bucket_bytes=20_000)
         assert syncs[1] == {} and syncs[0]["version"] == 7 and syncs[0]["buckets"] > 1
@@ -99,6 +109,7 @@ async def _exercise(rt: Runtime, model_dir: Path, tmp_path: Path) -> None:
         assert [n for n, _ in got] == list(ours) and "lm_head.weight" not in ours
         for name, t in got:
             torch.testing.assert_close(t, ours[name])
+    assert await sink.connects.call_one() == 1  # two shm pushes, one publisher
 
     out, _ = await trainers.save_hf.call(str(tmp_path / "hf"))  # FSDP: every rank gathers
     lp = await asyncio.gather(*(trainers[r].compute_logprobs.call_one(shards[r]) for r in range(2)))
@@ -106,5 +117,5 @@ async def _exercise(rt: Runtime, model_dir: Path, tmp_path: Path) -> None:
     torch.testing.assert_close(torch.cat(lp), local.compute_logprobs(batch), atol=1e-5, rtol=1e-5)
 
     await trainers.close.call()
-    with pytest.raises(ActorError, match="loss.agg"):
-        await rt.spawn("bad_trainer", TrainerActor, {"model": str(model_dir), "loss": {"agg": "x"}})
+    with pytest.raises(ActorError, match="tp=2 does not divide world_size=1"):
+        await rt.spawn("bad_trainer", TrainerActor, TrainerConfig(model=str(model_dir), tp=2))

@@ -12,9 +12,9 @@ import torch
 
 from earl.algorithms import LossConfig
 from earl.models.tiny import build_tiny_model
-from earl.runtime.trainer_batch import TrainBatch
-from earl.runtime.trainer_dist import free_dist_url
-from earl.runtime.trainer_torch import TorchTrainer, TrainerConfig
+from earl.stages.trainer_batch import TrainBatch
+from earl.stages.trainer_dist import free_dist_url
+from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
 
 LOSS = {"agg": "seq-mean-token-mean", "kl_coef": 0.05, "entropy_coef": 0.01, "off_policy": "tis"}
 LENGTHS = (12, 40, 7, 25, 60, 18, 33)  # uneven shards: rank 0 gets 4 samples, rank 1 gets 3
@@ -61,8 +61,8 @@ def _worker(rank: int, model: str, url: str, out: str) -> None:
         t.load_checkpoint(Path(out) / f"ck_{parallel}")
         results[f"{parallel}_reloaded"] = {n: w.clone() for n, w in t.named_weights()}
     # megatron-core backend: parallel_state over the same 2-rank gloo group, torch DDP
-    from earl.runtime.trainer_megatron import MegatronTrainer
-    from earl.runtime.trainer_megatron_convert import mcore_to_hf
+    from earl.stages.trainer_megatron import MegatronTrainer
+    from earl.stages.trainer_megatron_convert import mcore_to_hf
 
     cfg = TrainerConfig(model=model, dist_url=url, micro_batch_tokens=40 if rank == 0 else 4096,
                         loss=LossConfig(**LOSS))

@@ -1,4 +1,5 @@
-"""Every transport between two real processes; shm pool reuse and crash cleanup in /dev/shm."""
+"""Every transport between two real processes; shm pool reuse and crash cleanup in /dev/shm;
+receivers bind loopback, and authenticated channels drop data without the secret."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import signal
 
 import numpy as np
+import psutil
 import pytest
 
 from earl.runtime.transport import (
@@ -30,8 +32,14 @@ def _payloads(i: int) -> dict[str, np.ndarray]:
     }
 
 
-def _send(address: str, n: int, q, done) -> None:  # runs in the child
-    sender = connect(address)
+SECRET = b"s" * 32
+AUTH = {"authenticate": True, "secret": SECRET}  # MAC'd as off-host traffic is, on loopback
+CASES = {"shm": {}, "zmq": {}, "zmq-tcp": {"local": False}, "zmq-tcp-auth": {"local": False, **AUTH},
+         "ucx": {}, "ucx-auth": AUTH, "gloo": {}, "gloo-auth": AUTH}
+
+
+def _send(address: str, n: int, q, done, options) -> None:  # runs in the child
+    sender = connect(address, **options)
     for rnd in range(2):
         for i in range(n):
             header, bufs = pack_arrays(_payloads(i), {"i": i})
@@ -46,14 +54,21 @@ def _send(address: str, n: int, q, done) -> None:  # runs in the child
     sender.close()
 
 
-@pytest.mark.parametrize("name", ["shm", "zmq", "ucx", "gloo"])
-def test_transport_moves_frames_between_processes(name):
-    if not available(name):
-        pytest.skip(f"{name} not installed")
-    receiver = get_transport(name).listen()
+def _listening_ips() -> set[str]:
+    return {c.laddr.ip for c in psutil.Process().net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_transport_moves_frames_between_processes(case):
+    name, options = case.split("-")[0], CASES[case]
+    assert available(name), f"{name} must import here: it is a required dependency"  # ucxx-cu12
+    before = _listening_ips()
+    receiver = get_transport(name, **options).listen()
     assert receiver.address.startswith(f"{name}://")
+    assert _listening_ips() <= before | {"127.0.0.1"}  # nothing bound beyond loopback
     q, done = CTX.Queue(), CTX.Queue()
-    child = CTX.Process(target=_send, args=(receiver.address, 5, q, done))
+    child = CTX.Process(target=_send, args=(receiver.address, 5, q, done, options))
     child.start()
     try:
         segments = []
@@ -119,3 +134,33 @@ def test_choose_by_locality_and_override():
         choose(same_host=True, prefer="tcp")
     with pytest.raises(ValueError, match="no known transport scheme"):
         connect("http://x")
+
+
+def _forge(address: str, secret: bytes) -> None:  # runs in the child
+    sender = connect(address, local=False, authenticate=True, secret=secret)
+    sender.send(b"forged" if secret != SECRET else b"genuine", [np.ones(8)])
+    sender.close()
+
+
+def test_authenticated_zmq_drops_data_without_the_secret():
+    receiver = get_transport("zmq", local=False, **AUTH).listen()
+    try:
+        for secret in (b"w" * 32, SECRET):
+            child = CTX.Process(target=_forge, args=(receiver.address, secret))
+            child.start()
+            child.join(60)
+        frame = receiver.recv(timeout=30)
+        assert frame.header == b"genuine"  # the forged frame was dropped, not handed out
+        with pytest.raises(TimeoutError):
+            receiver.recv(timeout=0.5)
+    finally:
+        receiver.close()
+
+
+def test_off_loopback_receivers_need_a_secret(monkeypatch):
+    from earl.runtime.transport import auth
+
+    monkeypatch.setattr(auth, "_run_secret", [None])
+    for name, options in (("zmq", {"local": False}), ("gloo", {}), ("ucx", {})):
+        with pytest.raises(ValueError, match="needs a secret"):
+            get_transport(name, host="0.0.0.0", **options).listen()  # refused before binding

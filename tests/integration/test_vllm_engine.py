@@ -35,7 +35,7 @@ def hf(paths: tuple[Path, Path]):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(paths: tuple[Path, Path]) -> AsyncIterator[object]:
-    from earl.runtime.vllm_engine import EngineConfig, VLLMEngine
+    from earl.stages.vllm_engine import EngineConfig, VLLMEngine
 
     eng = VLLMEngine(EngineConfig(model=str(paths[0]), dtype="float32", max_model_len=512))
     await eng.start()
@@ -99,7 +99,7 @@ async def test_generate_batch_matches_single_requests(engine) -> None:
 
 
 async def test_rollout_and_reference_logprobs_agree(engine, paths) -> None:
-    from earl.runtime.reference import ReferenceConfig, ReferenceModel
+    from earl.stages.reference import ReferenceConfig, ReferenceModel
 
     ref = ReferenceModel(ReferenceConfig(model=str(paths[0]), token_budget=256))
     params = SamplingParams(max_tokens=48, temperature=1.0, seed=3)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from earl.critic import TabularCritic, observation_keys, returns_to_go
-from earl.trajectory import Trajectory
+from earl.runtime.types import Trajectory
 
 
 def traj(obs: list[list[int]], sid: str = "s", moves: list[int] | None = None) -> Trajectory:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from earl.models.tiny import default_model_dir
-from earl.runtime.reference import ReferenceConfig, ReferenceModel, microbatches
+from earl.stages.reference import ReferenceConfig, ReferenceModel, microbatches
 
 
 def test_microbatches_respect_the_budget_longest_first() -> None:

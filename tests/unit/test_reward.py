@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from earl.runtime.reward import (
+from earl.stages.reward import (
     RewardModel,
     RewardModelConfig,
     build_tiny_reward_model,

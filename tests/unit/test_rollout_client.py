@@ -8,7 +8,7 @@ import pytest
 
 from earl.engine import ContextLengthError, Generation, SamplingParams
 from earl.runtime import ActorError
-from earl.runtime.rollout import RolloutClient
+from earl.stages.rollout import RolloutClient
 
 
 class _Endpoint:

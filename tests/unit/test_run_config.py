@@ -11,7 +11,8 @@ def test_defaults_are_valid() -> None:
     cfg = load_config()
     assert isinstance(cfg, RunConfig)
     assert cfg.batch_size % cfg.group_size == 0
-    assert cfg.env.name == "tictactoe"
+    assert cfg.recipe == "tictactoe" and cfg.algorithm.critic == "tabular"  # the recipe's
+    assert load_config(None, ["--recipe=calc"]).recipe == "calc"
 
 
 def test_yaml_then_overrides(tmp_path) -> None:
@@ -36,6 +37,8 @@ def test_parse_overrides_nested() -> None:
         parse_overrides(["steps=3"])
     with pytest.raises(ValueError, match="needs a value"):
         parse_overrides(["--steps"])
+    with pytest.raises(ValueError, match="--seed=VALUE"):  # a bare flag never eats the next
+        parse_overrides(["--seed", "--steps=3"])
 
 
 @pytest.mark.parametrize(("overrides", "exc", "words"), [
@@ -56,6 +59,17 @@ def test_parse_overrides_nested() -> None:
     (["--model.hidden=48"], ValueError, ["model.hidden", "32"]),
     (["--algorithm.lr_anneal_from=1.5"], ValueError, ["algorithm.lr_anneal_from", "[0, 1]"]),
     (["--algorithm.lr_final=0"], ValueError, ["algorithm.lr_final", "fraction of lr"]),
+    (["--algorithm.lr=.inf"], ValueError, ["algorithm.lr", "finite"]),
+    (["--algorithm.entropy_coef=.inf"], ValueError, ["algorithm.entropy_coef", "finite"]),
+    (["--algorithm.max_grad_norm=-1"], ValueError, ["algorithm.max_grad_norm", "> 0"]),
+    (["--algorithm.max_grad_norm=.nan"], ValueError, ["algorithm.max_grad_norm", "finite"]),
+    (["--warm_start.lr=-1"], ValueError, ["warm_start.lr", "> 0"]),
+    (["--eval_every=-5"], ValueError, ["eval_every", ">= 0"]),
+    (["--output_dir="], ValueError, ["output_dir", "folder"]),
+    (["--recipe=chess"], ValueError, ["recipe", "tictactoe", "agent"]),
+    (["--algorithm.off_policy=magic"], ValueError, ["algorithm.off_policy", "decoupled"]),
+    (["--agent=a.py:agent"], ValueError, ["tasks", "FILE.jsonl"]),
+    (["--tasks=t.jsonl", "--recipe=calc"], ValueError, ["agent", "PATH.py:NAME"]),
 ])
 def test_bad_input_names_field_and_fix(overrides: list[str], exc: type[Exception],
                                        words: list[str]) -> None:
@@ -83,3 +97,24 @@ def test_lr_anneal_schedule() -> None:
     assert lr_scale(a, 0.75) == pytest.approx(0.55)  # halfway down from 1.0 to 0.1
     assert lr_scale(a, 1.0) == pytest.approx(0.1) == lr_scale(a, 1.3)  # past the limit: floor
     assert lr_scale(AlgorithmConfig(lr_anneal_from=1.0), 1.0) == 1.0  # off
+
+
+def test_bad_files_name_file_and_line(tmp_path) -> None:
+    f = tmp_path / "bad.yaml"
+    f.write_text("steps: 3\nalgorithm: [lr\n")
+    with pytest.raises(ValueError, match=r"bad.yaml:\d+"):
+        load_config(f)
+    f.write_text("steps: !!python/object/apply:os.system ['true']\n")
+    with pytest.raises(ValueError, match="bad.yaml:1"):
+        load_config(f)
+    f.write_bytes(b"\x00\x01\x02binary")
+    with pytest.raises(ValueError, match="binary"):
+        load_config(f)
+    m = tmp_path / "m"
+    m.mkdir()
+    (m / "config.json").write_text("{broken")
+    with pytest.raises(ValueError, match="not a valid JSON"):
+        load_config(None, [f"--model.path={m}"])
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        load_config(None, [f"--output_dir={tmp_path / 'file'}"])

@@ -9,8 +9,8 @@ import torch
 
 from earl.algorithms import LossConfig
 from earl.models.tiny import build_tiny_model
-from earl.runtime.trainer_batch import TrainBatch
-from earl.runtime.trainer_torch import TorchTrainer, TrainerConfig
+from earl.stages.trainer_batch import TrainBatch
+from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from earl.models.tiny import build_tiny_model
-from earl.runtime.trainer_megatron_convert import QwenShape, hf_to_mcore, mcore_to_hf
-from earl.runtime.trainer_torch import TorchTrainer, TrainerConfig
+from earl.stages.trainer_megatron_convert import QwenShape, hf_to_mcore, mcore_to_hf
+from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
 
 pytest.importorskip("megatron.core")
 
@@ -34,7 +34,7 @@ def megatron(model_dir: Path) -> Iterator[object]:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from earl.runtime.trainer_megatron import MegatronTrainer
+    from earl.stages.trainer_megatron import MegatronTrainer
 
     trainer = MegatronTrainer(TrainerConfig(model=str(model_dir), threads=1, micro_batch_tokens=64))
     yield trainer

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from earl.engine import SamplingParams
-from earl.runtime.vllm_engine import EngineConfig, VLLMEngine
+from earl.stages.vllm_engine import EngineConfig, VLLMEngine
 
 
 class _FakeCore:

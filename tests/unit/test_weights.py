@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from earl.runtime.weights import decode_bucket, encode_bucket, iter_buckets, plan_buckets
+from earl.stages.weights import decode_bucket, encode_bucket, iter_buckets, plan_buckets
 
 
 def _state() -> dict[str, torch.Tensor]:

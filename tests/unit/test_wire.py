@@ -225,3 +225,59 @@ def test_hmac_frames_verify_and_tampering_or_replay_is_dropped():
 def test_frame_header_layout_is_stable():
     assert HEADER.size == 20
     assert struct.calcsize("<I") == 4
+
+
+def _nested_tuple_body(depth: int) -> bytes:
+    data = msgpack.packb([1])
+    for _ in range(depth):
+        data = msgpack.packb([msgpack.ExtType(wire.EXT_TUPLE, data)])
+    return data
+
+
+@pytest.mark.parametrize("depth", [wire.MAX_DEPTH + 1, 200, 5000])
+def test_deep_nesting_is_refused_on_both_ends_without_crashing(depth):
+    value: object = 1
+    for _ in range(depth):
+        value = (value,)
+    with pytest.raises(wire.WireError, match="MAX_DEPTH"):
+        wire.encode(value)
+    with pytest.raises(wire.WireError, match="MAX_DEPTH"):  # 200 segfaulted msgpack before
+        wire.decode(_nested_tuple_body(depth))
+    with pytest.raises(wire.WireError):  # plain lists: msgpack's own stack limit
+        wire.decode(b"\x91" * 5000 + b"\x01")
+    shallow = _nested_tuple_body(wire.MAX_DEPTH - 1)
+    assert wire.decode(shallow) is not None
+    assert wire.encode(wire.decode(shallow))  # what decodes also encodes
+
+
+def test_hostile_arrays_and_tensors_are_refused():
+    ext = msgpack.ExtType
+    for body in (msgpack.packb(ext(wire.EXT_NDARRAY, msgpack.packb(["|O", [2], 0]))),
+                 msgpack.packb(ext(wire.EXT_TENSOR, msgpack.packb(["float32", [1 << 30, 1 << 30],
+                                                                   0])))):
+        with pytest.raises(wire.WireError):
+            wire.decode(body, [bytearray(16) if b"|O" in body else bytearray()])
+    with pytest.raises(wire.WireError):  # a declared 4-billion-item array in a 9-byte body
+        wire.decode(b"\xdd\xff\xff\xff\xff\x01\x02\x03\x04")
+
+
+def test_unauthenticated_peer_cannot_declare_a_big_frame():
+    _, b = _pair(secret=b"s" * 16)
+    b.key = derive_key(b"s" * 16, b"n" * 16)
+    _feed(b, HEADER.pack(200 << 20, MAGIC, Kind.CALL, 0, 1, 10) + b"x" * 100, 4096)
+    assert b.transport.closed and b._big is None and not b.frames and not b.refused
+
+
+def test_first_bad_mac_closes_and_a_good_one_authenticates():
+    key = derive_key(b"s" * 16, b"n" * 16)
+    a, b = _pair(secret=b"s" * 16)
+    a.key = b.key = key
+    a.send(Kind.AUTH, 0)
+    a.send(Kind.CALL, 1, b"x" * 100_000)  # big is fine once the AUTH frame verified
+    _feed(b, _sent(a), 4096)
+    assert b.authenticated and [f[:2] for f in b.frames] == [(Kind.AUTH, 0), (Kind.CALL, 1)]
+    a2, c = _pair(secret=b"s" * 16)
+    a2.key, c.key = derive_key(b"w" * 16, b"n" * 16), key
+    a2.send(Kind.AUTH, 0)
+    _feed(c, _sent(a2), 4096)
+    assert c.transport.closed and not c.authenticated and not c.frames

@@ -1,0 +1,114 @@
+"""TRL's side of `bench/peers.py`: one `GRPOTrainer` run in its own process, one JSON line out.
+
+    python bench/_peers_trl.py '{"model": DIR, "train": FILE, "seconds": 60, ...}'
+
+The configuration is TRL's natural one on CPU: transformers generation (`use_vllm=False`), one
+process, every core for torch, fp32, plain GRPO (`beta=0`, clip 0.2, token-mean "dapo" loss,
+rewards centred per group without std scaling, one optimizer step per generation batch), constant
+LR, AdamW. The run stops through a callback once the process is `seconds` old (start-up
+counts, as in `earl train`'s `time_limit_minutes`). Afterwards the trained model is
+evaluated greedily on the task's eval prompts with the same reward rule. This script only runs
+TRL; the parent measures the process tree's memory and compares.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _peers_task
+
+
+def _reward_fn(prompts: list[Any], completions: list[Any], answer: list[str],
+               **_: Any) -> list[float]:
+    """TRL's reward signature around `_peers_task.reward` (conversational completions)."""
+    out = []
+    for comp, ans in zip(completions, answer, strict=True):
+        text = comp[0]["content"] if isinstance(comp, list) else str(comp)
+        out.append(_peers_task.reward({"answer": ans}, text))
+    return out
+
+
+def _greedy_eval(model: Any, tok: Any, max_tokens: int) -> dict[str, float]:
+    """Greedy answers to every eval prompt, scored like EARL's eval: mean reward, exact share."""
+    import torch
+
+    model.eval()
+    rewards = []
+    with torch.no_grad():
+        for s in _peers_task.eval_samples():
+            ids = tok.apply_chat_template([{"role": "user", "content": s["question"]}],
+                                          add_generation_prompt=True, return_tensors="pt",
+                                          return_dict=True)
+            gen = model.generate(**ids, do_sample=False, max_new_tokens=max_tokens,
+                                 pad_token_id=tok.pad_token_id)
+            text = tok.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+            rewards.append(_peers_task.reward(s, text))
+    n = len(rewards)
+    return {"episodes": float(n), "reward": sum(rewards) / n,
+            "accuracy": sum(r >= 1.0 for r in rewards) / n}
+
+
+def main(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Trains with TRL until `cfg["seconds"]` since process start (EARL's `time_limit_minutes`
+    rule); returns step times, rewards and the final eval."""
+    import psutil
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(int(cfg["threads"]))
+    tok = AutoTokenizer.from_pretrained(cfg["model"])
+    model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch.float32)
+    rows = [json.loads(x) for x in Path(cfg["train"]).read_text().splitlines() if x.strip()]
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["question"]}],
+                               "answer": r["answer"]} for r in rows])
+    steps: list[dict[str, float]] = []
+
+    class Clock(TrainerCallback):  # type: ignore[misc]
+        """Logs each step's end time and reward; stops the run at the wall budget."""
+
+        t0 = 0.0
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            Clock.t0 = time.perf_counter()
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None,
+                   **kw: Any) -> None:
+            if logs and "reward" in logs:
+                steps.append({"step": state.global_step, "t": time.perf_counter() - Clock.t0,
+                              "wall_s": time.time() - psutil.Process().create_time(),
+                              "reward": float(logs["reward"]),
+                              "gen_len": float(logs.get("completions/mean_length", 0.0))})
+            if time.time() - psutil.Process().create_time() >= cfg["seconds"]:
+                control.should_training_stop = True
+
+    args = GRPOConfig(
+        output_dir=cfg["out"], use_cpu=True, use_vllm=False, seed=int(cfg["seed"]),
+        per_device_train_batch_size=int(cfg["batch_size"]), num_generations=int(cfg["group_size"]),
+        steps_per_generation=1, num_iterations=1, max_completion_length=int(cfg["max_tokens"]),
+        temperature=float(cfg["temperature"]), top_p=1.0, beta=0.0, epsilon=float(cfg["clip"]),
+        loss_type="dapo", scale_rewards="none", learning_rate=float(cfg["lr"]),
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        optim="adamw_torch", max_steps=100_000, logging_steps=1, save_strategy="no",
+        report_to="none", bf16=False, disable_dropout=True, dataloader_num_workers=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=_reward_fn, args=args, train_dataset=data,
+                          processing_class=tok, callbacks=[Clock()])
+    trainer.train()
+    loop_s = time.perf_counter() - Clock.t0
+    final = _greedy_eval(trainer.model, tok, int(cfg["max_tokens"]))
+    return {"steps": steps, "loop_s": loop_s, "final_eval": final,
+            "wall_s": time.time() - psutil.Process().create_time(),
+            "batch_size": int(cfg["batch_size"])}
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    print(json.dumps(main(json.loads(sys.argv[1]))), flush=True)

@@ -1,0 +1,244 @@
+"""EARL vs TRL's `GRPOTrainer` on the same task, model and GRPO recipe, in one run.
+
+    python bench/peers.py --json            # 2 interleaved rounds, 240 s budget each
+    python bench/peers.py --json --quick    # 1 round, 120 s budget each
+
+Both sides train the same seeded tiny char-level Qwen2 (`earl.resolve.model_folder`, one folder
+loaded by both) from random weights on `bench/_peers_task.py` (single-turn "echo the digit",
+a graded rule reward), with plain GRPO: group size 8, 32 trajectories per optimizer step,
+temperature 1, at most 8 new tokens, clip 0.2, no KL, token-mean loss, group-centred rewards
+without std scaling, AdamW at a constant LR 1e-3, the same seed and the same wall budget: each
+side trains until its process is `--seconds` old (start-up included, EARL's
+`time_limit_minutes` rule), then runs its final eval. EARL runs through its public CLI (`earl train --agent --reward`, its default
+placement: vLLM rollout, producer and trainer actors, `max_policy_lag=1`); TRL through
+`bench/_peers_trl.py` with its natural CPU configuration (transformers generation, one process;
+torch with 1 thread by default: on this shared 2-core host 2 threads made `generate` ~20x
+slower, `--trl-threads 2` measures it). Each side runs in its own process tree, sides alternate, and the parent samples
+the tree's memory every 0.25 s.
+
+Prints one JSON object: ``earl`` and ``trl`` (means over rounds, plus per-round ``runs``):
+
+- ``trajectories_per_s``: steady-state loop rate, trajectories from the end of the first step
+  to the end of the last (start-up, the first step's warm-up and the final eval not counted);
+  ``trajectories_per_s_end_to_end``: all trajectories / the process's whole wall time.
+- ``tokens_per_s``: generated tokens per second over the same span (mean generated length x
+  trajectories/s; EARL's from its trajectory dump, TRL's from its `completions/mean_length`).
+- ``seconds_to_threshold``: process seconds (start-up included) until the mean training reward
+  of the last 5 steps reaches ``threshold`` (null if never).
+- ``final_eval``: greedy eval on the task's 40 eval prompts with the same rule (``reward``
+  mean, ``accuracy`` = share answered exactly). EARL's comes from its own final eval (vLLM,
+  greedy); TRL's from `generate(do_sample=False)` on the trained model.
+- ``cores_used``: CPU seconds of the whole tree / its wall seconds; ``trajectories_per_cpu_s``:
+  all trajectories / those CPU seconds. On a shared, loaded host a tree of several processes
+  gets more of the CPU than one process, so read the rates together with these.
+- ``peak_rss_mb``: peak of the summed RSS of the process and all its descendants (shared pages
+  counted once per process).
+
+Top level: ``ratio_trajectories_per_s`` and ``ratio_tokens_per_s`` (EARL / TRL),
+``quality_delta`` (EARL - TRL final eval reward), ``spread`` per side, the settings, and the
+machine's load average at the start and end (the machine is shared: figures are noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import _peers_task
+
+RECIPE: dict[str, Any] = {"batch_size": 32, "group_size": 8, "max_tokens": 8,
+                          "temperature": 1.0, "clip": 0.2, "lr": 1e-3, "seed": 0}
+WINDOW = 5  # steps in the moving mean of the training reward for the threshold
+
+
+def tree_rss_mb(pid: int) -> float:
+    """Summed RSS (MiB) of process `pid` and all its descendants; 0 once it is gone."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            continue
+    return total / 2**20
+
+
+def run_tree(cmd: list[str], env: dict[str, str], timeout: float
+             ) -> tuple[str, str, float, float]:
+    """Runs `cmd`, sampling its tree's RSS; returns stdout, stderr, the peak RSS in MiB and the
+    CPU seconds (user + system) of every descendant that was reaped (the whole tree)."""
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=str(HERE.parent))
+    peak = [0.0]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.25):
+            peak[0] = max(peak[0], tree_rss_mb(proc.pid))
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        done.set()
+        t.join()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[1:3]} exited {proc.returncode}:\n{err[-4000:]}")
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime
+    return out, err, peak[0], cpu
+
+
+def summarize(steps: list[dict[str, float]], batch: int, gen_len: float, wall_s: float,
+              cpu_s: float, threshold: float) -> dict[str, Any]:
+    """Rates and time to threshold from per-step records (`wall_s`, `reward`, in order)."""
+    if len(steps) < 3:
+        raise RuntimeError(f"only {len(steps)} training steps logged: raise the budget")
+    span = steps[-1]["wall_s"] - steps[0]["wall_s"]
+    traj_s = (len(steps) - 1) * batch / span
+    hit = None
+    for i in range(WINDOW - 1, len(steps)):
+        if statistics.fmean(s["reward"] for s in steps[i - WINDOW + 1:i + 1]) >= threshold:
+            hit = round(steps[i]["wall_s"], 1)
+            break
+    return {"trajectories_per_s": round(traj_s, 2), "tokens_per_s": round(traj_s * gen_len, 1),
+            "trajectories_per_s_end_to_end": round(len(steps) * batch / wall_s, 2),
+            "seconds_to_threshold": hit, "steps": len(steps), "gen_len_mean": round(gen_len, 2),
+            "final_train_reward": round(statistics.fmean(s["reward"] for s in steps[-WINDOW:]), 3),
+            "wall_s": round(wall_s, 1), "cpu_s": round(cpu_s, 1),
+            "cores_used": round(cpu_s / wall_s, 2),
+            "trajectories_per_cpu_s": round(len(steps) * batch / cpu_s, 2)}
+
+
+def run_earl(model: Path, train: Path, ev: Path, out: Path, seconds: float,
+             threshold: float) -> dict[str, Any]:
+    """One `earl train --agent ... --reward ...` run in its own process tree."""
+    r, task = RECIPE, HERE / "_peers_task.py"
+    cmd = [sys.executable, "-m", "earl.cli", "train", "--agent", f"{task}:agent",
+           "--reward", f"{task}:reward", "--tasks", str(train), "--eval-tasks", str(ev),
+           "--output-dir", str(out), "--json", "--steps=1000000",
+           f"--time_limit_minutes={seconds / 60}", f"--batch_size={r['batch_size']}",
+           f"--group_size={r['group_size']}", f"--max_tokens={r['max_tokens']}",
+           f"--seed={r['seed']}", f"--model.path={model}", "--eval_every=0",
+           f"--eval_games={len(_peers_task.eval_samples())}", "--placement.reference=0",
+           "--checkpoint_every=1000000", f"--algorithm.lr={r['lr']}",
+           f"--algorithm.temperature={r['temperature']}", f"--algorithm.clip={r['clip']}",
+           "--algorithm.kl_coef=0.0", "--algorithm.name=grpo"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    stdout, _, peak, cpu = run_tree(cmd, env, timeout=seconds + 600)
+    res = json.loads(stdout.strip().splitlines()[-1])
+    rows = [json.loads(x) for x in Path(res["metrics"]).read_text().splitlines() if x.strip()]
+    steps = [{"wall_s": float(m["wall_s"]), "reward": float(m["reward"])}
+             for m in rows if "reward" in m and "step" in m]
+    dump = [json.loads(x) for x in Path(res["trajectories"]).read_text().splitlines()]
+    gen_len = statistics.fmean(sum(d["loss_mask"]) for d in dump) if dump else 0.0
+    s = summarize(steps, RECIPE["batch_size"], gen_len, res["wall_minutes"] * 60, cpu, threshold)
+    ev_ = res["eval"]
+    return {**s, "peak_rss_mb": round(peak), "stopped": res.get("stopped"),
+            "final_eval": {"reward": round(ev_["reward"], 3),
+                           "accuracy": round(ev_.get("accuracy", 0.0), 3)}}
+
+
+def run_trl(model: Path, train: Path, out: Path, seconds: float, threshold: float,
+            threads: int) -> dict[str, Any]:
+    """One `GRPOTrainer` run (bench/_peers_trl.py) in its own process."""
+    cfg = {**RECIPE, "model": str(model), "train": str(train), "out": str(out),
+           "seconds": seconds, "threads": threads}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "OMP_NUM_THREADS": str(threads)}
+    stdout, _, peak, cpu = run_tree([sys.executable, str(HERE / "_peers_trl.py"), json.dumps(cfg)],
+                               env, timeout=seconds + 600)
+    res = json.loads(stdout.strip().splitlines()[-1])
+    steps = res["steps"]
+    gen_len = statistics.fmean(s["gen_len"] for s in steps) if steps else 0.0
+    s = summarize(steps, RECIPE["batch_size"], gen_len, res["wall_s"], cpu, threshold)
+    fe = res["final_eval"]
+    return {**s, "peak_rss_mb": round(peak),
+            "final_eval": {"reward": round(fe["reward"], 3), "accuracy": round(fe["accuracy"], 3)}}
+
+
+def _mean(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Means of the numeric figures over rounds; spread of trajectories/s; the runs."""
+    def m(key: str) -> float:
+        return round(statistics.fmean(r[key] for r in runs), 2)
+
+    tps = [r["trajectories_per_s"] for r in runs]
+    hits = [r["seconds_to_threshold"] for r in runs]
+    return {"trajectories_per_s": m("trajectories_per_s"), "tokens_per_s": m("tokens_per_s"),
+            "trajectories_per_s_end_to_end": m("trajectories_per_s_end_to_end"),
+            "cores_used": m("cores_used"), "trajectories_per_cpu_s": m("trajectories_per_cpu_s"),
+            "seconds_to_threshold": None if None in hits else round(statistics.fmean(hits), 1),
+            "final_eval": {k: round(statistics.fmean(r["final_eval"][k] for r in runs), 3)
+                           for k in ("reward", "accuracy")},
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
+            "spread": round((max(tps) - min(tps)) / statistics.fmean(tps), 3), "runs": runs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object (always on)")
+    ap.add_argument("--quick", action="store_true", help="1 round, 120 s budget")
+    ap.add_argument("--rounds", type=int, default=0, help="interleaved rounds (0 = default)")
+    ap.add_argument("--seconds", type=float, default=0.0, help="wall budget per run, from process start")
+    ap.add_argument("--threshold", type=float, default=0.3, help="training reward to reach")
+    ap.add_argument("--trl-threads", type=int, default=1,
+                    help="torch threads for TRL (1 is its fastest on this loaded 2-core host)")
+    a = ap.parse_args()
+    rounds = a.rounds or (1 if a.quick else 2)
+    seconds = a.seconds or (120.0 if a.quick else 240.0)
+    from earl.config import RunConfig
+    from earl.resolve import model_folder
+
+    load0 = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="earl_peers_") as tmp:
+        root = Path(tmp)
+        model = Path(model_folder(RunConfig(), root))
+        train, ev = _peers_task.write_data(root / "data", 4000, RECIPE["seed"])
+        earl_runs, trl_runs = [], []
+        for i in range(rounds):  # alternate sides, and which goes first, across rounds
+            order = ("earl", "trl") if i % 2 == 0 else ("trl", "earl")
+            for side in order:
+                if side == "earl":
+                    earl_runs.append(run_earl(model, train, ev, root / f"earl{i}", seconds,
+                                              a.threshold))
+                else:
+                    trl_runs.append(run_trl(model, train, root / f"trl{i}", seconds,
+                                            a.threshold, a.trl_threads))
+                print(f"[peers] round {i} {side} done", file=sys.stderr, flush=True)
+    e, t = _mean(earl_runs), _mean(trl_runs)
+    print(json.dumps({
+        "earl": e, "trl": t,
+        "ratio_trajectories_per_s": round(e["trajectories_per_s"] / t["trajectories_per_s"], 2),
+        "ratio_tokens_per_s": round(e["tokens_per_s"] / max(t["tokens_per_s"], 1e-9), 2),
+        "quality_delta": round(e["final_eval"]["reward"] - t["final_eval"]["reward"], 3),
+        "threshold": a.threshold, "rounds": rounds, "budget_s": seconds,
+        "recipe": RECIPE, "model": model.name, "trl_threads": a.trl_threads,
+        "loadavg_start": round(load0, 2), "loadavg_end": round(os.getloadavg()[0], 2),
+        "cpus": os.cpu_count()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,422 @@
+"""`earl chaos`: a live tiny training run with faults injected; prints one JSON line.
+
+    earl chaos --quick            # kills of rollout, producer, reference; a corrupt frame,
+                                  # delayed control messages, a full disk at checkpoint time
+    earl chaos                    # also kills the dock's index and the trainer (rewinds)
+    earl chaos --faults kill:producer,disk_full --steps 6 --seed 3
+
+Faults (each at a random point of a step, one at a time):
+  kill:<group>   SIGKILL of rank 0 of rollout | producer | reference | dock | trainer
+  corrupt_frame  random bytes and a length lie sent to a producer's socket
+  delay          the driver's control messages delayed 50-300 ms (30% of them) for 2 s
+  disk_full      the checkpoint folder (a tmpfs of its own) filled up before a checkpoint
+
+The JSON line: `faults_injected`, `recovered`, `samples_lost`, `samples_duplicated` (every
+sample produced is trained exactly once or accounted for as dropped with its reason, in
+`samples_dropped`), `policy_versions_monotone`, `steps_reached`, `orphans` (processes, shm
+segments, folders left), and the restarts per actor. Exit status 0 when every invariant held.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main"]
+
+QUICK = ["kill:producer", "corrupt_frame", "kill:rollout", "delay", "disk_full",
+         "kill:reference"]
+FULL = QUICK + ["kill:dock", "kill:trainer"]
+SMALL = ["--warm_start.steps=0", "--batch_size=8", "--group_size=4", "--eval_games=4",
+         "--eval_every=0", "--checkpoint_every=2", "--time_limit_minutes=30"]
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="earl chaos", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="the short fault list, fewer steps")
+    p.add_argument("--faults", help="comma-separated faults (default: by --quick)")
+    p.add_argument("--steps", type=int, help="training steps (default 7 quick, 12 full)")
+    p.add_argument("--seed", type=int, default=0, help="where in a step faults land")
+    p.add_argument("--output-dir", help="run folder (default: a temp dir, removed)")
+    p.add_argument("--verbose", action="store_true", help="progress and healing lines")
+    p.add_argument("--deadline", type=float, default=900.0,
+                   help="seconds after which the run counts as hung and is cancelled")
+    args = p.parse_args(argv)
+    faults = args.faults.split(",") if args.faults else (QUICK if args.quick else FULL)
+    for f in faults:
+        if f not in ("corrupt_frame", "delay", "disk_full") and not (
+                f.startswith("kill:") and f[5:] in ("rollout", "producer", "reference", "dock",
+                                                    "trainer")):
+            print(f"earl chaos: unknown fault {f!r} (see --help)", file=sys.stderr)
+            return 2
+    steps = args.steps or (7 if args.quick else 12)
+    for k, v in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"),
+                 ("TRANSFORMERS_VERBOSITY", "error")):
+        os.environ.setdefault(k, v)
+    with tempfile.TemporaryDirectory(prefix="earl-chaos-") as tmp:
+        out = Path(args.output_dir or tmp)
+        from earl.config import load_config
+
+        cfg = load_config(None, [*SMALL, f"--steps={steps}", f"--output_dir={out}"])
+        log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.verbose \
+            else (lambda line: None)
+        report = asyncio.run(run_chaos(cfg, faults, seed=args.seed, log=log,
+                                       deadline_s=args.deadline))
+    print(json.dumps(report), flush=True)
+    return 0 if report["ok"] else 1
+
+
+async def run_chaos(cfg: Any, faults: list[str], *, seed: int = 0, log: Any = print,
+                    deadline_s: float = 900.0) -> dict[str, Any]:
+    """Run `cfg` with `faults` injected; returns the report `earl chaos` prints. A run still
+    going after `deadline_s` counts as hung: its tasks' stacks go to stderr, and it is
+    cancelled."""
+    from earl.loop.healing import run_job
+    from earl.resolve import resolve_recipe
+    from earl.run import _Job
+    from earl.runtime import Runtime
+    from earl.runtime.dock import Dock
+
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    disk = _mount_tmpfs(out / "checkpoint", 24 << 20) if "disk_full" in faults else ""
+    recipe, ref = resolve_recipe(cfg)
+    t0 = time.perf_counter()
+    error, steps, left = "", 0, 0
+    try:
+        async with Runtime() as rt:
+            job = _Job(cfg, recipe, ref, rt, log=log, trace=True)
+            inj = Injector(job, rt, faults, seed=seed, disk=disk)
+            run = asyncio.ensure_future(run_job(job, False))
+            watchdog = asyncio.get_running_loop().call_later(deadline_s, _hung, run)
+            try:
+                result = await run
+                steps = result.steps
+                stats = await Dock(await rt.lookup("dock")).statistics()
+                left = stats.ready.get("train", 0)
+            except Exception as exc:  # noqa: BLE001 - reported in the JSON line
+                from earl.commands.train import _cause
+
+                error = _cause(exc)
+                steps = getattr(getattr(job, "state", None), "step", 0)
+            finally:
+                watchdog.cancel()
+                await inj.wait(120.0)
+            await inj._collect_pids()
+            pids = inj.pids
+    finally:
+        if disk:
+            _umount(out / "checkpoint")
+    ledger = job.healer.ledger.summary(left_in_dock=left)
+    orphans = _orphans(pids | {os.getpid()})
+    monotone = _versions_monotone(out, cfg.max_policy_lag)
+    recovered = (not error and steps == cfg.steps and len(inj.done) == len(faults)
+                 and all(f["recovered"] for f in inj.done))
+    report: dict[str, Any] = {
+        "faults_injected": len(inj.done), "recovered": recovered,
+        "samples_lost": ledger["samples_lost"],
+        "samples_duplicated": ledger["samples_duplicated"],
+        "policy_versions_monotone": monotone, "steps_reached": steps, "orphans": orphans,
+        "steps": cfg.steps, "faults": inj.done, "restarts": dict(job.healer.restarts),
+        "rewinds": job.healer.rewinds, "disk_full": disk or ("injected" if "disk_full" in
+                                                             faults else ""),
+        **{k: v for k, v in ledger.items() if k not in ("samples_lost", "samples_duplicated")},
+        "error": error, "wall_s": round(time.perf_counter() - t0, 1)}
+    report["ok"] = bool(recovered and not report["samples_lost"]
+                        and not report["samples_duplicated"] and monotone
+                        and not any(orphans.values()))
+    return report
+
+
+class Injector:
+    """Injects `faults`, spread over the steps: fault i is fired after step `plan[i]` is
+    logged, at a random point of the next step (a uniform fraction of the recent step time).
+    The step after must wait until it was fired, so a fast run cannot outrun its faults;
+    whether the run recovered is checked in the background."""
+
+    def __init__(self, job: Any, rt: Any, faults: list[str], *, seed: int, disk: str) -> None:
+        import random
+
+        self.job, self.rt, self.faults, self.disk = job, rt, faults, disk
+        self.rng = random.Random(seed)
+        self.done: list[dict[str, Any]] = []
+        self.pids: set[int] = set()
+        span = max(job.cfg.steps - 2, 1)
+        self.plan = [1 + (i * span) // max(len(faults), 1) for i in range(len(faults))]
+        self.fired = [asyncio.Event() for _ in faults]
+        self.settled = [asyncio.Event() for _ in faults]  # one fault at a time
+        self.tasks: list[asyncio.Task[None]] = []
+        self._last, self._dt, self._next = 0.0, 0.2, 0
+        observe = job._observe
+
+        async def gated(record: Any) -> None:
+            await observe(record)
+            await self._gate(int(record.version))
+
+        job._observe = gated  # the schedule calls it after every trained step
+
+    async def _gate(self, step: int) -> None:
+        now = time.perf_counter()
+        if self._last:
+            self._dt = 0.5 * self._dt + 0.5 * (now - self._last)
+        self._last = now
+        await self._collect_pids()
+        while self._next < len(self.faults) and self.plan[self._next] <= step:
+            i, self._next = self._next, self._next + 1
+            delay = self.rng.uniform(0.0, max(self._dt, 0.05))
+            self.tasks.append(asyncio.ensure_future(self._fire(i, step, delay)))
+        for i in range(self._next):
+            if self.plan[i] < step:
+                await self.fired[i].wait()
+
+    async def _collect_pids(self) -> None:
+        for name in ("rollout", "producer", "reference", "dock", "trainer"):
+            rec = await self.rt.dir_call("lookup", name)
+            if rec is not None:
+                self.pids.update(p for p in rec.pids if p)
+
+    async def _fire(self, i: int, step: int, delay: float) -> None:
+        if i > 0:
+            await self.settled[i - 1].wait()
+        await asyncio.sleep(delay)
+        fault = self.faults[i]
+        rec: dict[str, Any] = {"fault": fault, "after_step": step, "delay_s": round(delay, 3)}
+        t = time.perf_counter()
+        try:
+            rec.update(await self._inject(fault, self.fired[i]))
+        except Exception as exc:  # noqa: BLE001 - a fault that could not be injected
+            rec.update(recovered=False, note=f"not injected: {exc}")
+        finally:
+            self.fired[i].set()
+            self.settled[i].set()
+        rec["seconds"] = round(time.perf_counter() - t, 2)
+        self.done.append(rec)
+
+    async def wait(self, timeout: float) -> None:
+        """Let the recovery checks of fired faults finish (at most `timeout` s)."""
+        for ev in self.fired + self.settled:
+            ev.set()  # a fault not fired by now never will be
+        if self.tasks:
+            _, pending = await asyncio.wait(self.tasks, timeout=timeout)
+            for t in pending:
+                t.cancel()
+
+    async def _inject(self, fault: str, fired: asyncio.Event) -> dict[str, Any]:
+        healer = self.job.healer
+        if fault.startswith("kill:"):
+            name = fault[5:]
+            rec = await self.rt.dir_call("lookup", name)
+            pid = rec.pids[0]
+            before = (healer.restarts.get(name, 0), healer.rewinds)
+            os.kill(pid, 9)
+            fired.set()
+            ok = await _until(lambda: (healer.restarts.get(name, 0), healer.rewinds) != before
+                              and (name in ("trainer", "dock") or any(
+                                  e["event"] == "restart" and e["actor"] == name
+                                  and e.get("restarts", 0) > before[0]
+                                  for e in healer.events)), 300)
+            return {"pid": pid, "recovered": ok}
+        if fault == "corrupt_frame":
+            rec = await self.rt.dir_call("lookup", "producer")
+            pid, addr = rec.pids[0], rec.addresses[0]
+            await _corrupt(addr, self.rng)
+            fired.set()
+            await asyncio.sleep(0.5)
+            after = await self.rt.dir_call("lookup", "producer")
+            group = await self.rt.lookup("producer")
+            answers = isinstance(await group[0].state_dict.call_one(None), dict)
+            return {"pid": pid, "answers": answers,
+                    "recovered": after.pids[0] == pid and after.status[0] == "up" and answers}
+        if fault == "delay":
+            fired.set()
+            self.settled[self.faults.index("delay")].set()
+            n = await _delay_requests(2.0, self.rng)
+            return {"delayed": n, "recovered": True}
+        if fault == "disk_full":
+            return await self._disk_full(fired)
+        raise ValueError(fault)
+
+    async def _disk_full(self, fired: asyncio.Event) -> dict[str, Any]:
+        healer = self.job.healer
+        folder = Path(self.job.out) / "checkpoint"
+        filler = folder / ".filler"
+        before = len([e for e in healer.events if e["event"] == "checkpoint_failed"])
+        if self.disk:
+            _fill(filler)
+        else:  # no tmpfs (not root): the trainer's next save raises ENOSPC
+            import errno
+
+            save = self.job._save_trainer
+
+            async def full(path: str) -> None:
+                self.job._save_trainer = save
+                raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
+
+            self.job._save_trainer = full
+        fired.set()
+        self.settled[self.faults.index("disk_full")].set()
+        ok = await _until(lambda: len([e for e in healer.events
+                                       if e["event"] == "checkpoint_failed"]) > before, 300)
+        filler.unlink(missing_ok=True)
+        return {"recovered": ok, "mode": "tmpfs" if self.disk else "injected"}
+
+
+def _hung(run: asyncio.Future[Any]) -> None:
+    print("earl chaos: the run is hung; its tasks:", file=sys.stderr)
+    for t in asyncio.all_tasks():
+        t.print_stack(limit=6, file=sys.stderr)
+    run.cancel()
+
+
+async def _until(pred: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.1)
+    return True
+
+
+async def _corrupt(address: str, rng: Any) -> None:
+    """Random bytes, then a frame header whose length lies, to an actor's socket."""
+    kind, _, where = address.partition(":")
+    if kind == "unix":
+        _, writer = await asyncio.open_unix_connection(where)
+    else:
+        host, _, port = where.rpartition(":")
+        _, writer = await asyncio.open_connection(host, int(port))
+    try:  # the actor may hang up at the first bad byte: that is the expected outcome
+        writer.write(bytes(rng.getrandbits(8) for _ in range(256)))
+        writer.write((250 << 20).to_bytes(4, "little") + b"\x01" * 64)
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.close()
+        await writer.wait_closed()
+    except (ConnectionError, OSError):
+        pass
+
+
+async def _delay_requests(seconds: float, rng: Any) -> int:
+    """Delay 30% of the driver's control messages by 50-300 ms for `seconds`."""
+    from earl.runtime.conn import Connection
+
+    orig = Connection.request
+    count = 0
+
+    def request(self: Any, kind: int, body: bytes, bufs: list[Any]) -> Any:
+        nonlocal count
+        if rng.random() >= 0.3:
+            return orig(self, kind, body, bufs)
+        count += 1
+        loop = asyncio.get_running_loop()
+        outer = loop.create_future()
+
+        def send() -> None:
+            try:
+                inner = orig(self, kind, body, bufs)
+            except Exception as exc:  # noqa: BLE001
+                if not outer.done():
+                    outer.set_exception(exc)
+                return
+
+            def done(f: Any) -> None:
+                if outer.done():
+                    return
+                if f.cancelled():
+                    outer.cancel()
+                elif f.exception() is not None:
+                    outer.set_exception(f.exception())
+                else:
+                    outer.set_result(f.result())
+
+            inner.add_done_callback(done)
+
+        loop.call_later(rng.uniform(0.05, 0.3), send)
+        return outer
+
+    Connection.request = request  # type: ignore[method-assign]
+    try:
+        await asyncio.sleep(seconds)
+    finally:
+        Connection.request = orig  # type: ignore[method-assign]
+    return count
+
+
+def _mount_tmpfs(folder: Path, size: int) -> str:
+    """A tmpfs of `size` bytes at `folder` (root only); "" when it cannot be mounted."""
+    import subprocess
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        return ""
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                       capture_output=True, check=False)
+    return "tmpfs" if r.returncode == 0 else ""
+
+
+def _umount(folder: Path) -> None:
+    import subprocess
+
+    subprocess.run(["umount", "-l", str(folder)], capture_output=True, check=False)
+
+
+def _fill(path: Path) -> None:
+    """Write zeros to `path` until the file system is full."""
+    chunk = b"\0" * (1 << 20)
+    try:
+        with open(path, "wb") as f:
+            while True:
+                f.write(chunk)
+                f.flush()
+    except OSError:
+        pass
+
+
+def _orphans(pids: set[int]) -> dict[str, list[str]]:
+    """What the run left: live actor processes, and shm segments / folders named after any
+    process of the run (the driver and every actor pid seen)."""
+    import glob
+    import re
+
+    from earl.runtime.cleanup import pid_alive
+
+    procs = [str(p) for p in sorted(pids) if p != os.getpid() and pid_alive(p)]
+    shm, dirs = [], []
+    for path in glob.glob("/dev/shm/earl-*"):
+        m = re.match(r"^earl-[0-9a-z]+-(\d+)-\d+$", os.path.basename(path))
+        if m and int(m.group(1)) in pids:
+            shm.append(path)
+    for base in sorted({tempfile.gettempdir(), "/tmp"}):
+        for path in glob.glob(os.path.join(base, "earl-*")):
+            m = re.match(r"^earl-(?:shm-|zmq-|sandbox-)?(\d+)-", os.path.basename(path))
+            if m and int(m.group(1)) in pids:
+                dirs.append(path)
+    return {"processes": procs, "shm_segments": shm, "folders": dirs}
+
+
+def _versions_monotone(out: Path, lag: int) -> bool:
+    """Steps logged 1, 2, ... once each; within each dumped trajectory the policy versions of
+    its tokens never go down, and none is older than its batch allows (`max_policy_lag`)."""
+    metrics = out / "metrics.jsonl"
+    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines() if x.strip()] \
+        if metrics.is_file() else []
+    if steps != list(range(1, len(steps) + 1)):
+        return False
+    for path in out.glob("trajectories*.jsonl"):
+        for line in path.read_text().splitlines():
+            t = json.loads(line)
+            v = [x for x in t.get("versions", []) if x >= 0]
+            if any(b < a for a, b in itertools.pairwise(v)):
+                return False
+            if v and v[0] < t["step"] - 1 - lag:
+                return False
+    return True

@@ -1,0 +1,127 @@
+"""Consistent checkpoints: every part of one checkpoint is of the same step, or none is used.
+
+A checkpoint is a folder `checkpoint/step-NNNNNN/` holding the parts (the trainer's own
+folder, the producers' estimator states, the loop state), and `checkpoint/manifest.json`,
+written last and atomically, naming the folder and its step. A crash between parts leaves the
+previous manifest in force. `load` verifies each part's step against the manifest, and
+`trim_logs` cuts `metrics.jsonl` and the trajectory dumps back to the checkpoint so a resumed
+run does not count the replayed steps twice. Nothing here talks to actors: the caller hands
+in async callables that save and load the trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+from pathlib import Path
+
+from earl.loop.schedule import LoopState
+
+__all__ = ["CheckpointError", "CheckpointStore", "trim_logs"]
+
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing or its parts disagree."""
+
+
+def _write_json(path: Path, obj: object) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+class CheckpointStore:
+    """Saves and loads checkpoints under `root`.
+
+    Args:
+        root: the run's `checkpoint/` folder.
+        save_trainer: `async (folder) -> None`, writes the trainer's state into folder.
+        producer_states: `async (critic_batch) -> list of state dicts`, one per producer.
+    """
+
+    def __init__(self, root: Path, *, save_trainer: Callable[[str], Awaitable[None]],
+                 producer_states: Callable[[int | None], Awaitable[list[dict[str, object]]]],
+                 wall: Callable[[], float]) -> None:
+        self.root = root
+        self.save_trainer, self.producer_states, self.wall = save_trainer, producer_states, wall
+        root.mkdir(parents=True, exist_ok=True)
+
+    async def save(self, state: LoopState, critic_batch: int | None) -> None:
+        """Write every part of step `state.step`, then the manifest (last, atomic)."""
+        folder = self.root / f"step-{state.step:06d}"
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir()
+        await self.save_trainer(str(folder / "trainer"))
+        producers = await self.producer_states(critic_batch)
+        _write_json(folder / "producers.json", {"step": state.step, "states": producers})
+        d = asdict(state)
+        d["wall_before"] = self.wall()
+        _write_json(folder / "state.json", d)
+        _write_json(self.root / MANIFEST, {"step": state.step, "folder": folder.name,
+                                           "parts": ["trainer", "producers.json", "state.json"]})
+        for old in self.root.glob("step-*"):
+            if old != folder:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def manifest(self) -> dict[str, object]:
+        path = self.root / MANIFEST
+        if not path.is_file():
+            raise CheckpointError(f"--resume: no checkpoint manifest in {str(self.root)!r}; run "
+                                  "without --resume first (or point --output-dir at that run)")
+        try:
+            m = json.loads(path.read_text())
+            folder = self.root / str(m["folder"])
+            int(m["step"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"--resume: {path} is corrupt ({exc}); delete the checkpoint "
+                                  "folder and start again") from None
+        if not folder.is_dir():
+            raise CheckpointError(f"--resume: {path} names {folder.name}, which is missing")
+        return m  # type: ignore[no-any-return]
+
+    def load(self) -> tuple[LoopState, str, list[dict[str, object]]]:
+        """The loop state, the trainer's folder and the producer states of the checkpoint in
+        force, after checking every part is of the manifest's step.
+
+        Raises:
+            CheckpointError: no manifest, or a part of another step.
+        """
+        m = self.manifest()
+        step, folder = int(m["step"]), self.root / str(m["folder"])  # type: ignore[call-overload]
+        raw = json.loads((folder / "state.json").read_text())
+        prod = json.loads((folder / "producers.json").read_text())
+        for name, got in (("state.json", raw.get("step")), ("producers.json", prod.get("step"))):
+            if got != step:
+                raise CheckpointError(f"--resume: checkpoint part {name} is of step {got}, the "
+                                      f"manifest says {step}; the checkpoint is inconsistent")
+        raw["best"] = tuple(raw["best"])
+        state = LoopState(**raw)
+        return state, str(folder / "trainer"), list(prod["states"])
+
+
+def trim_logs(out: Path, step: int) -> None:
+    """Drop records of steps after `step` from the run's JSONL logs (replayed on resume)."""
+    for path in [out / "metrics.jsonl", *out.glob("trajectories*.jsonl")]:
+        if not path.is_file():
+            continue
+        kept = []
+        with open(path) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut by the crash
+                if int(rec.get("step", 0)) <= step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)

@@ -1,0 +1,346 @@
+"""Runs that heal themselves: restart limits, rebuilding a restarted actor, and rewinds.
+
+The runtime's supervisors restart a dead actor process under its `RestartPolicy`; this module
+is the driver's side of it. A `Healer` watches the directory for each restart of the rollout,
+producer and reference groups and rebuilds the new process' state before the loop uses it
+again:
+
+- rollout: the trainer's weights are pushed again at the current policy version (producers'
+  `HealingEngine` refuses generations from a replica that went back to older weights);
+- producer: its policy version and its critic (from the last checkpoint) are restored, its
+  dock shard is dropped from the index, and the groups it held are played again
+  (`Dock.take_lost`; the batch it was playing is re-played by `HealingProduction`);
+- reference: its shard is dropped the same way, the lost groups re-played, and its
+  `serve_dock` loop started again (`serve_reference`).
+
+The trainer and the dock's index hold state no other process has (optimizer, leases), so their
+death rewinds the run: every actor is stopped and the job resumes in-process from the last
+checkpoint (`run_job`). Each restart and rewind counts against `HealingConfig.max_restarts`,
+appears in the metrics (`restarts/<group>`) and in the trace. Past the limit the run stops with
+one clear line and `earl train --resume` continues it.
+
+Not here: the wrappers of the loop's parts (`earl.loop.healing_parts`), process supervision
+itself (`earl.runtime.supervisor`), or fault injection (`earl.commands.chaos`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from earl.runtime.config import RestartPolicy
+from earl.runtime.errors import ActorDied, ActorError
+
+if TYPE_CHECKING:
+    from earl.observe import Tracer
+    from earl.runtime.dock_index import Location, LostSample
+
+__all__ = ["HEALED", "REWOUND", "Healer", "HealingConfig", "HealingError", "Ledger",
+           "died_actor", "run_job"]
+
+HEALED = ("rollout", "producer", "reference")  # restarted in place, state rebuilt
+REWOUND = ("trainer", "dock")                    # the run resumes from the last checkpoint
+_DIED = re.compile(r"actor ([A-Za-z0-9_.-]+)\[(\d+)\] died")
+_SHARD = re.compile(r"warehouse ([A-Za-z0-9_.-]+):(\d+) failed")
+
+
+@dataclass(kw_only=True, slots=True)
+class HealingConfig:
+    """How far a run heals itself.
+
+    Attributes:
+        max_restarts: restarts per actor rank (rollout, producer, reference) and rewinds per
+            run (trainer, dock) before the run stops; 0 = the first death stops the run.
+        backoff_s: delay before a rank's first restart (doubles per restart, see RestartPolicy).
+        wait_s: how long a part waits for a restarted actor to be rebuilt.
+    """
+
+    max_restarts: int = 3
+    backoff_s: float = 0.2
+    wait_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+
+    def policy(self, group: str) -> RestartPolicy:
+        """The supervisor's policy for `group` (rewound groups are not restarted in place)."""
+        n = self.max_restarts if group in HEALED else 0
+        return RestartPolicy(max_restarts=n, backoff_s=self.backoff_s)
+
+
+class HealingError(RuntimeError):
+    """A fault the run could not heal (restart limit reached, actor gone for good)."""
+
+
+def died_actor(exc: BaseException) -> tuple[str, int] | None:
+    """(group, rank) of the actor whose death caused `exc`, if any.
+
+    Looks through exception groups, causes, remote errors (`ActorError` carrying an
+    `ActorDied` or a `DockFetchError` text) and `ActorDied` itself.
+    """
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, BaseExceptionGroup):
+            todo.extend(e.exceptions)
+            continue
+        text = ""
+        if isinstance(e, ActorDied):
+            text = f"actor {e.actor} died"
+        elif isinstance(e, ActorError):
+            text = e.remote_message if e.remote_type.endswith(("ActorDied", "DockFetchError")) \
+                else ""
+            if not text and e.remote_type.endswith("ExceptionGroup"):
+                text = e.remote_traceback  # e.g. a weight push whose replica died
+        elif type(e).__name__ == "DockFetchError":
+            text = str(e)
+        m = _SHARD.search(text) or _DIED.search(text)
+        if m:
+            return m.group(1), int(m.group(2))
+        for nxt in (e.__cause__, e.__context__):
+            if nxt is not None:
+                todo.append(nxt)
+    return None
+
+
+def batch_of(sample_id: str) -> int:
+    """The batch a dock sample id was produced for ("b000012-..." -> 12; -1 if none)."""
+    m = re.match(r"b(\d+)-", sample_id)
+    return int(m.group(1)) if m else -1
+
+
+@dataclass(kw_only=True, slots=True)
+class Ledger:
+    """Every sample produced, trained (acked), or dropped with its reason; for the invariants.
+
+    `trained` is a multiset (a list): a sample trained twice shows up as a duplicate.
+    """
+
+    produced: dict[str, str] = field(default_factory=dict)   # sample id -> group id
+    trained: list[tuple[str, str]] = field(default_factory=list)
+    dropped: dict[str, str] = field(default_factory=dict)    # sample id -> reason
+    rewound: int = 0                                         # discarded by rewinds
+
+    def add_produced(self, ids: list[str], group_ids: list[str]) -> None:
+        self.produced.update(zip(ids, group_ids, strict=True))
+
+    def add_trained(self, locations: tuple[Location, ...]) -> None:
+        self.trained += [(loc.sample_id, loc.group_id) for loc in locations]
+
+    def add_dropped(self, lost: list[LostSample], reason: str) -> None:
+        for x in lost:
+            self.produced.setdefault(x.sample_id, x.group_id)
+            self.dropped[x.sample_id] = reason
+
+    def rewind(self, step: int) -> None:
+        """Forget batches >= `step`: the trainer went back to a checkpoint of that step."""
+        keep = {s for s in self.produced if batch_of(s) < step}
+        self.rewound += len(self.produced) - len(keep)
+        self.produced = {s: g for s, g in self.produced.items() if s in keep}
+        self.trained = [t for t in self.trained if batch_of(t[0]) < step]
+        self.dropped = {s: r for s, r in self.dropped.items() if batch_of(s) < step}
+
+    def summary(self, left_in_dock: int = 0) -> dict[str, object]:
+        """`samples_lost`: produced, not trained, not dropped with a reason (nor still in the
+        dock); `samples_duplicated`: extra trainings of a sample, or of a group (a group
+        re-played after it was trained)."""
+        trained_ids = [s for s, _ in self.trained]
+        dup_samples = len(trained_ids) - len(set(trained_ids))
+        # a group trained from two different plays (ids of two attempts) is a duplicate
+        attempts: dict[str, set[str]] = {}
+        for s, g in self.trained:
+            attempts.setdefault(g, set()).add(s.rsplit("-", 1)[0])
+        dup_groups = sum(len(a) - 1 for a in attempts.values())
+        missing = set(self.produced) - set(trained_ids) - set(self.dropped)
+        reasons: dict[str, int] = {}
+        for r in self.dropped.values():
+            reasons[r] = reasons.get(r, 0) + 1
+        return {"samples_produced": len(self.produced), "samples_trained": len(trained_ids),
+                "samples_dropped": reasons, "samples_rewound": self.rewound,
+                "samples_lost": max(len(missing) - left_in_dock, 0),
+                "samples_duplicated": dup_samples + dup_groups}
+
+
+Rebuild = Callable[[int], Awaitable[None]]
+
+
+class Healer:
+    """The driver's bookkeeping of restarts: watchers, rebuild hooks, limits, metrics, trace."""
+
+    def __init__(self, config: HealingConfig, *, log: Callable[[str], None],
+                 tracer: Tracer | None = None) -> None:
+        self.config, self.log, self.tracer = config, log, tracer
+        self.restarts: dict[str, int] = {}
+        self.rewinds = 0
+        self.version = 0              # the policy version the rollout actors must serve
+        self.events: list[dict[str, object]] = []
+        self.ledger = Ledger()
+        self.rebuilds: dict[str, Rebuild] = {}
+        self._rebuilt: dict[tuple[str, int], int] = {}  # (group, rank) -> restarts rebuilt
+        self._stop = asyncio.Event()
+        self.stopping = False         # the run is ending: deaths now are not healed
+        self.stage: dict[str, str] = {}  # "group[rank]" -> the rebuild step in progress
+
+    # ---- records -------------------------------------------------------------------------
+    def note(self, what: str, group: str, **info: object) -> None:
+        """One healing event: counted, logged, traced."""
+        t = time.perf_counter()
+        self.events.append({"event": what, "actor": group, "t": t, **info})
+        if self.tracer is not None:
+            self.tracer.add(what, actor=group, start=t, end=t, **info)
+
+    def metrics(self) -> dict[str, float]:
+        """`restarts/<group>` for every group restarted so far, and `rewinds`."""
+        out = {f"restarts/{g}": float(n) for g, n in sorted(self.restarts.items())}
+        if self.rewinds:
+            out["rewinds"] = float(self.rewinds)
+        return out
+
+    # ---- watching restarts ---------------------------------------------------------------
+    async def watch(self, rt: Any, groups: dict[str, int]) -> None:
+        """Rebuild every restart of `groups` (name -> ranks) until `close`; run it as a task."""
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(self._watch_rank(rt, name, rank))
+                     for name, n in groups.items() for rank in range(n)]
+            await self._stop.wait()
+            for t in tasks:
+                t.cancel()
+
+    def close(self) -> None:
+        """End `watch` (the run is over or being rewound)."""
+        self._stop.set()
+
+    def reopen(self) -> None:
+        self._stop = asyncio.Event()
+        self._rebuilt.clear()
+        self.stopping = False
+
+    async def _watch_rank(self, rt: Any, name: str, rank: int) -> None:
+        seen = 0
+        while True:
+            if not await rt.dir_call("wait_status", name, rank, "up", 3600.0, seen + 1):
+                continue
+            rec = await rt.dir_call("lookup", name)
+            seen = rec.restarts[rank]
+            self.restarts[name] = self.restarts.get(name, 0) + 1
+            t0 = time.perf_counter()
+            self.log(f"healing: {name}[{rank}] restarted ({rec.reasons[rank] or 'died'}); "
+                     f"restart {seen}/{self.config.max_restarts}, rebuilding its state")
+            try:
+                if name in self.rebuilds:
+                    await self.rebuilds[name](rank)
+            except Exception as exc:  # noqa: BLE001 - a failed rebuild is reported, not fatal here
+                self.log(f"healing: rebuilding {name}[{rank}] failed: {exc}")
+                self.note("rebuild_failed", name, rank=rank, error=str(exc)[:200])
+            self.note("restart", name, rank=rank, restarts=seen,
+                      rebuild_s=round(time.perf_counter() - t0, 3))
+            self._rebuilt[(name, rank)] = seen
+
+    async def wait_rebuilt(self, rt: Any, name: str, rank: int) -> None:
+        """After a call to `name[rank]` failed with its death: wait until a restarted process
+        is up and rebuilt.
+
+        Raises:
+            HealingError: the actor is dead for good (restart limit) or not back in `wait_s`.
+        """
+        deadline = time.monotonic() + self.config.wait_s
+        while True:
+            rec = await rt.dir_call("lookup", name)
+            if rec is None or rank >= len(rec.status):
+                raise HealingError(f"{name}[{rank}] is gone")
+            if rec.status[rank] == "dead":
+                raise HealingError(
+                    f"{name}[{rank}] died and was not restarted ({rec.reasons[rank]}; restart "
+                    f"limit {self.config.max_restarts})")
+            if rec.status[rank] == "up" and rec.restarts[rank] > 0 \
+                    and self._rebuilt.get((name, rank), 0) >= rec.restarts[rank]:
+                return
+            if time.monotonic() > deadline:
+                where = self.stage.get(f"{name}[{rank}]", "")
+                raise HealingError(f"{name}[{rank}] was not back within {self.config.wait_s:g} s"
+                                   + (f" (rebuild stuck at: {where})" if where else ""))
+            await asyncio.sleep(0.05)
+
+    async def serve_reference(self, rt: Any, serve: Callable[[], Awaitable[object]]) -> None:
+        """Keep the reference's `serve_dock` loop running across its restarts, and across
+        a lease that failed because a producer's shard died under it (the lease expires; the
+        dock reports the lost groups, which are re-played)."""
+        retries = 0
+        while not self.stopping:
+            try:
+                await serve()
+                return
+            except Exception as exc:
+                who = died_actor(exc)
+                if self.stopping:
+                    return
+                if who is not None and who[0] in REWOUND:
+                    raise
+                if who is not None and who[0] == "reference":
+                    await self.wait_rebuilt(rt, *who)
+                    continue
+                retries += 1
+                if not isinstance(exc, ActorError) or retries > 50:
+                    raise
+                self.note("reference_retry", "reference", error=str(exc).splitlines()[0][:200])
+                await asyncio.sleep(0.2)
+
+    async def stop_reference(self, stop: Callable[[], Awaitable[object]]) -> None:
+        self.stopping = True
+        with contextlib.suppress(ActorDied, ActorError):
+            await stop()
+
+
+async def run_job(job: Any, resume: bool) -> Any:
+    """`job.run(resume)`, rewound from the last checkpoint when the trainer or the dock dies.
+
+    Raises:
+        HealingError: past the rewind limit (the original error is its cause).
+    """
+    from earl.loop.checkpoint import MANIFEST
+
+    healer: Healer = job.healer
+    while True:
+        try:
+            return await job.run(resume)
+        except Exception as exc:
+            who = died_actor(exc)
+            if who is None or who[0] not in REWOUND:
+                raise
+            healer.close()
+            if healer.rewinds >= healer.config.max_restarts:
+                raise HealingError(f"{who[0]}[{who[1]}] died and the run was already rewound "
+                                   f"{healer.rewinds} time(s) (limit "
+                                   f"{healer.config.max_restarts})") from exc
+            healer.rewinds += 1
+            healer.restarts[who[0]] = healer.restarts.get(who[0], 0) + 1
+            await _stop_actors(job)
+            manifest = job.out / "checkpoint" / MANIFEST
+            resume = manifest.is_file()
+            step = int(json.loads(manifest.read_text())["step"]) if resume else 0
+            healer.ledger.rewind(step)
+            healer.note("rewind", who[0], rank=who[1], to_step=step)
+            job.log(f"healing: {who[0]}[{who[1]}] died; restarting the run's actors from the "
+                    f"checkpoint of step {step} (rewind {healer.rewinds}/"
+                    f"{healer.config.max_restarts})")
+            healer.reopen()
+
+
+async def _stop_actors(job: Any) -> None:
+    """Stop every actor group of the job (the dead one included) before it starts again."""
+    if getattr(job, "metrics", None) is not None:
+        job.metrics.close()
+    for name in ("producer", "rollout", "reference", "dock", "trainer"):
+        with contextlib.suppress(KeyError):
+            await job.rt.stop(name)

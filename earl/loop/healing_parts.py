@@ -1,0 +1,352 @@
+"""The loop's parts, made to survive the death of the actors they call.
+
+Each wrapper implements the same protocol as the part it wraps (`earl.loop.schedule`) and
+retries what a restart makes safe to retry, after the `Healer` has rebuilt the restarted
+process:
+
+- `HealingProduction`: a producer that dies while playing a batch has its share re-played
+  (`ProducerActor.replay`, fresh sample ids); groups the dock reports lost (`take_lost`: a dead
+  producer's or reference's shard) are played again.
+- `HealingTraining`: a step whose fetch hit a dead shard is taken again once the lost groups are
+  re-played; a weight push that hit a dead rollout replica is pushed again. A `LedgerDock`
+  records which samples each acked lease trained.
+- `HealingEvaluation`: an evaluation interrupted by a producer's death is run again.
+- `SafeCheckpoints`: a checkpoint that fails (a full disk) is reported and skipped; the previous
+  manifest stays in force.
+- `HealingEngine` (inside producers): retries a generation whose rollout replica died, and
+  refuses tokens from a restarted replica still serving older weights than it was told.
+
+Not here: watching restarts and rewinds (`earl.loop.healing`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from earl.loop.healing import Healer, died_actor
+from earl.loop.producer import BatchResult, GroupTask, sample_id
+from earl.runtime.dock import Dock
+from earl.runtime.errors import ActorDied, ActorError
+
+if TYPE_CHECKING:
+    from earl.loop.parts import ActorEvaluation, ActorProduction, ActorTraining
+    from earl.loop.schedule import LoopState
+    from earl.runtime.dock_index import Lease
+    from earl.runtime.types import Generation, SamplingParams
+
+__all__ = ["HealingEngine", "HealingEvaluation", "HealingProduction", "HealingTraining",
+           "LedgerDock", "SafeCheckpoints"]
+
+
+class LedgerDock(Dock):
+    """A `Dock` client that records each acked lease's samples in the healer's ledger."""
+
+    healer: Healer | None = None
+
+    async def ack(self, lease: Lease) -> None:
+        await super().ack(lease)
+        if self.healer is not None:
+            self.healer.ledger.add_trained(lease.samples)
+
+
+class HealingProduction:
+    """`ActorProduction` that re-plays what a producer's death lost."""
+
+    def __init__(self, inner: ActorProduction, healer: Healer, rt: Any, dock: Dock) -> None:
+        self.inner, self.healer, self.rt, self.dock = inner, healer, rt, dock
+        self.playing: set[int] = set()
+        self._tags = itertools.count(1)
+        self._lock = asyncio.Lock()
+        self._pending: dict[str, tuple[int, GroupTask]] = {}  # group id -> (batch, task)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def play(self, batch: int, snapshot: bool) -> BatchResult:
+        groups = self.inner.groups(batch)
+        n = len(self.inner.producers)
+        shares = [groups[r::n] for r in range(n)]
+        self.playing.add(batch)
+        try:
+            with self.inner.tracer.span("play", actor="producer", step=batch + 1):
+                results = await asyncio.gather(*(self._share(r, batch, shares[r], snapshot)
+                                                 for r in range(n) if shares[r]))
+        finally:
+            self.playing.discard(batch)
+        return BatchResult(batch=batch, episodes=[e for r in results for e in r.episodes],
+                           samples=sum(r.samples for r in results),
+                           seconds=max(r.seconds for r in results))
+
+    async def _share(self, r: int, batch: int, share: list[GroupTask],
+                     snapshot: bool) -> BatchResult:
+        tag = ""
+        while True:
+            producer = self.inner.producers[r]
+            try:
+                if not tag:
+                    res = await producer.play.call_one(batch, share, snapshot)
+                else:
+                    res = await producer.replay.call_one(batch, share, tag, snapshot)
+            except Exception as exc:
+                who = died_actor(exc)
+                if who != ("producer", r) or self.healer.stopping:
+                    raise
+                self.healer.note("replay_share", "producer", rank=r, step=batch + 1)
+                await self.healer.wait_rebuilt(self.rt, "producer", r)
+                tag = f"x{next(self._tags)}"
+                continue
+            self._record(batch, share, res, tag, r)
+            return res
+
+    def _record(self, batch: int, share: list[GroupTask], res: BatchResult, tag: str,
+                rank: int) -> None:
+        # rows follow the group order (one per trajectory; self-imitation rows are extra)
+        gids = [g.group_id for g in share for _ in g.samples]
+        gids += [gids[-1]] * max(res.samples - len(gids), 0)
+        self.healer.ledger.add_produced([sample_id(batch, j, tag, rank)
+                                         for j in range(res.samples)],
+                                        gids[:res.samples])
+
+    async def states(self, batch: int | None) -> list[dict[str, object]]:
+        """Each producer's critic after `batch`; a restarted producer (which lost that
+        snapshot) gives its current one."""
+        out = []
+        for r in range(len(self.inner.producers)):
+            p = self.inner.producers[r]
+            try:
+                out.append(await p.state_dict.call_one(batch))
+            except ActorError as exc:
+                if not exc.remote_type.endswith("KeyError"):
+                    raise
+                out.append(await p.state_dict.call_one(None))
+        return out
+
+    async def pin_version(self, version: int) -> None:
+        await self.inner.pin_version(version)
+
+    async def note_version(self, version: int) -> None:
+        for r in range(len(self.inner.producers)):
+            try:
+                await self.inner.producers[r].note_version.call_one(version)
+            except ActorDied:  # a restarted producer gets the version in its rebuild
+                continue
+
+    async def rebuild(self, rank: int, state: dict[str, object] | None) -> None:
+        """A restarted producer: version, critic, its shard's lost groups played again."""
+        p, key = self.inner.producers[rank], f"producer[{rank}]"
+        self.healer.stage[key] = "note_version"
+        await p.note_version.call_one(self.healer.version)
+        if state is not None:
+            self.healer.stage[key] = "load_state_dict"
+            await p.load_state_dict.call_one(state)
+        self.healer.stage[key] = "drop_shard"
+        await self.dock.index.drop_shard.call(f"producer:{rank}")
+        self.healer.stage[key] = "reproduce_lost"
+        await self.reproduce_lost(f"shard producer:{rank} died")
+        self.healer.stage.pop(key, None)
+
+    async def reproduce_lost(self, reason: str) -> int:
+        """Play again every group the dock reports lost (except batches being re-played now);
+        returns the groups re-played."""
+        async with self._lock:
+            lost = await self.dock.take_lost()
+            self.healer.ledger.add_dropped(lost, f"{reason} (group re-played)")
+            gpb = self.inner.groups_per_batch
+            for gid in sorted({x.group_id for x in lost}):
+                cursor = int(gid[1:])
+                batch = cursor // gpb
+                if batch not in self.playing:
+                    self._pending[gid] = (batch, self.inner.groups(batch)[cursor % gpb])
+            done = 0
+            for gid, (batch, task) in list(self._pending.items()):
+                r = hash(gid) % len(self.inner.producers)
+                tag = f"x{next(self._tags)}"
+                self.healer.stage[f"producer[{r}]"] = f"replay of group {gid} (batch {batch})"
+                try:
+                    res = await self.inner.producers[r].replay.call_one(batch, [task], tag,
+                                                                        False)
+                except (ActorDied, ActorError) as exc:  # played at the next rebuild
+                    self.healer.log(f"healing: re-playing group {gid} failed ({exc}); later")
+                    continue
+                self._record(batch, [task], res, tag, r)
+                del self._pending[gid]
+                done += 1
+            if done:
+                self.healer.note("replay_groups", "producer", groups=done)
+            return done
+
+
+class HealingTraining:
+    """`ActorTraining` whose step and weight push survive a shard's or a replica's death."""
+
+    def __init__(self, inner: ActorTraining, healer: Healer, rt: Any,
+                 production: HealingProduction) -> None:
+        self.inner, self.healer, self.rt, self.production = inner, healer, rt, production
+        self._push = asyncio.Lock()
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        return self.inner.seconds
+
+    async def train(self, batch: int, samples: int, lr_scale: float) -> dict[str, float]:
+        while True:
+            try:
+                return await self.inner.train(batch, samples, lr_scale)
+            except Exception as exc:
+                who = died_actor(exc)
+                if who is None or who[0] not in ("producer", "reference") \
+                        or self.healer.stopping:
+                    raise
+                self.healer.note("retry_step", who[0], rank=who[1], step=batch + 1)
+                await self.healer.wait_rebuilt(self.rt, *who)
+                await self.production.reproduce_lost(f"shard {who[0]}:{who[1]} died in a fetch")
+
+    async def publish(self, version: int) -> None:
+        while True:
+            try:
+                async with self._push:
+                    await self.inner.publish(version)
+                    self.healer.version = version
+                return
+            except Exception as exc:
+                who = died_actor(exc)
+                if who is None or who[0] != "rollout":
+                    raise
+                await self.healer.wait_rebuilt(self.rt, *who)
+
+    async def repush(self, rank: int) -> None:
+        """A restarted rollout replica: push the current weights at the current version."""
+        self.inner.rollout = await self.rt.lookup("rollout")
+        async with self._push:
+            await self.inner.publish(self.healer.version)
+
+
+class HealingEvaluation:
+    """`ActorEvaluation` run again when a producer died during it."""
+
+    def __init__(self, inner: ActorEvaluation, healer: Healer, rt: Any) -> None:
+        self.inner, self.healer, self.rt = inner, healer, rt
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def evaluate(self, split: str, version: int) -> dict[str, float]:
+        while True:
+            try:
+                return await self.inner.evaluate(split, version)
+            except Exception as exc:
+                who = died_actor(exc)
+                if who is None or who[0] != "producer":
+                    raise
+                await self.healer.wait_rebuilt(self.rt, *who)
+
+
+class SafeCheckpoints:
+    """A checkpoint store whose failed saves (e.g. ENOSPC) leave the previous one in force."""
+
+    def __init__(self, inner: Any, healer: Healer) -> None:
+        self.inner, self.healer = inner, healer
+        self.failed: list[tuple[int, str]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def save(self, state: LoopState, critic_batch: int | None) -> None:
+        try:
+            await self.inner.save(state, critic_batch)
+        except (OSError, ActorError, ActorDied) as exc:
+            who = died_actor(exc)
+            if who is not None and who[0] != "producer":
+                raise  # the trainer's or the dock's death rewinds the run
+            why = str(exc).splitlines()[0][:300]
+            self.failed.append((state.step, why))
+            folder = Path(self.inner.root) / f"step-{state.step:06d}"
+            with contextlib.suppress(ValueError, OSError):
+                if self.inner.manifest().get("folder") != folder.name:
+                    shutil.rmtree(folder, ignore_errors=True)
+            self.healer.note("checkpoint_failed", "driver", step=state.step, error=why)
+            self.healer.log(f"healing: checkpoint at step {state.step} failed ({why}); the "
+                            "previous checkpoint stays in force, the run goes on")
+
+
+class HealingEngine:
+    """Wraps a producer's `RolloutClient`: a generation is retried when its replica died, and
+    refused when a restarted replica serves older weights than the producer was told."""
+
+    def __init__(self, client: Any, *, wait_s: float = 300.0) -> None:
+        self._client, self._wait_s = client, wait_s
+        self.retries = 0
+        self._pinned: int | None = None
+
+    def pin(self, version: int) -> None:
+        """Accept tokens from `version` on (the rollout was set back to it on purpose)."""
+        self._pinned = version
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, *,
+                       session_id: str | None = None) -> Generation:
+        deadline = time.monotonic() + self._wait_s
+        delay = 0.05
+        while True:
+            floor = self._client.policy_version if self._pinned is None else self._pinned
+            try:
+                gen: Generation = await self._client.generate(prompt_ids, params,
+                                                              session_id=session_id)
+                if not gen.versions or min(gen.versions) >= floor:
+                    return gen
+            except ActorDied:
+                if time.monotonic() > deadline:
+                    raise
+            if time.monotonic() > deadline:
+                raise ActorDied("rollout", f"no replica served version {floor} within "
+                                           f"{self._wait_s:g} s")
+            self.retries += 1
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 1.0)
+
+
+def last_producer_state(out: Path, rank: int) -> dict[str, object] | None:
+    """Producer `rank`'s critic state in the checkpoint in force (None: no checkpoint yet)."""
+    import json
+
+    from earl.loop.checkpoint import MANIFEST
+
+    manifest = out / "checkpoint" / MANIFEST
+    if not manifest.is_file():
+        return None
+    folder = out / "checkpoint" / json.loads(manifest.read_text())["folder"]
+    states = json.loads((folder / "producers.json").read_text())["states"]
+    return states[rank] if rank < len(states) else None
+
+
+def install(job: Any) -> None:
+    """Wrap a spawned job's parts and register the rebuild of each restartable group.
+
+    `job` has `healer`, `rt`, `out`, `production`, `training`, `evaluation` (earl.run._Job).
+    """
+    healer: Healer = job.healer
+    dock = LedgerDock(job.training.dock.index)
+    dock.healer = healer
+    job.training.dock = dock
+    production = HealingProduction(job.production, healer, job.rt, dock)
+    training = HealingTraining(job.training, healer, job.rt, production)
+    job.production, job.training = production, training
+    if job.evaluation is not None:
+        job.evaluation = HealingEvaluation(job.evaluation, healer, job.rt)
+
+    async def producer(rank: int) -> None:
+        await production.rebuild(rank, last_producer_state(job.out, rank))
+
+    async def reference(rank: int) -> None:
+        await dock.index.drop_shard.call(f"reference:{rank}")
+        await production.reproduce_lost(f"shard reference:{rank} died")
+
+    healer.rebuilds.update(rollout=training.repush, producer=producer, reference=reference)

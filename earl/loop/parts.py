@@ -1,0 +1,137 @@
+"""The schedule's parts over actor groups: production by producer actors, training by the
+trainer ranks, evaluation by the producers with greedy decoding.
+
+Each class implements one protocol of `earl.loop.schedule` and does one thing; the driver
+only moves metadata through them (task samples out, `Episode` records and metrics back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from earl.loop.episode import Episode
+from earl.loop.producer import BatchResult, GroupTask, ProducerActor
+from earl.observe import Tracer
+from earl.recipe import Metric, Recipe, TaskSource
+from earl.runtime import ActorGroup
+from earl.runtime.dock import Dock
+
+__all__ = ["ActorEvaluation", "ActorProduction", "ActorTraining"]
+
+
+class ActorProduction:
+    """Deals a batch's groups to the producer actors (round robin) and merges their results.
+
+    Group `g` of batch `b` has cursor `b * groups_per_batch + g`; its members play task
+    `cursor` (shared) or `cursor * group_size + i` (one task each), so a resumed run replays
+    exactly the tasks of the batches it had not trained."""
+
+    def __init__(self, producers: ActorGroup[ProducerActor], tasks: TaskSource, *,
+                 groups_per_batch: int, group_size: int, shared: bool,
+                 tracer: Tracer | None = None) -> None:
+        self.producers, self.tasks = producers, tasks
+        self.groups_per_batch, self.group_size, self.shared = groups_per_batch, group_size, shared
+        self.tracer = tracer or Tracer(False)
+
+    def groups(self, batch: int) -> list[GroupTask]:
+        out = []
+        for g in range(self.groups_per_batch):
+            cursor = batch * self.groups_per_batch + g
+            if self.shared:
+                samples = [self.tasks.sample(cursor)] * self.group_size
+            else:
+                samples = [self.tasks.sample(cursor * self.group_size + i)
+                           for i in range(self.group_size)]
+            out.append(GroupTask(group_id=f"g{cursor}", samples=samples))
+        return out
+
+    async def play(self, batch: int, snapshot: bool) -> BatchResult:
+        groups = self.groups(batch)
+        n = len(self.producers)
+        shares = [groups[r::n] for r in range(n)]
+        with self.tracer.span("play", actor="producer", step=batch + 1):
+            results = await asyncio.gather(*(
+                self.producers[r].play.call_one(batch, shares[r], snapshot)
+                for r in range(n) if shares[r]))
+        return BatchResult(batch=batch, episodes=[e for r in results for e in r.episodes],
+                           samples=sum(r.samples for r in results),
+                           seconds=max(r.seconds for r in results))
+
+    async def note_version(self, version: int) -> None:
+        await self.producers.note_version.call(version)
+
+    async def pin_version(self, version: int) -> None:
+        """The rollout now serves `version` on purpose (an earlier step's weights)."""
+        await self.producers.pin_version.call(version)
+
+    async def states(self, batch: int | None) -> list[dict[str, object]]:
+        return list(await self.producers.state_dict.call(batch))
+
+    async def load_states(self, states: Sequence[dict[str, object]]) -> None:
+        await asyncio.gather(*(self.producers[r].load_state_dict.call_one(s)
+                               for r, s in enumerate(states) if r < len(self.producers)))
+
+
+class ActorTraining:
+    """One optimizer step per batch on the dock's samples, then the weight push.
+
+    The driver leases the batch (metadata), the dispatcher plans it for the trainer's layout
+    (`earl.stages.trainer_feed`), and each DP replica's leader fetches its slice straight
+    from the producers' and the reference's shards."""
+
+    def __init__(self, trainer: ActorGroup[Any], rollout: ActorGroup[Any], dock: Dock,
+                 columns: list[str], tracer: Tracer | None = None) -> None:
+        self.trainer, self.rollout, self.dock, self.columns = trainer, rollout, dock, columns
+        self.tracer = tracer or Tracer(False)
+        self.seconds = {"train_s": 0.0, "sync_s": 0.0}  # of the last step, for the metrics
+        self.micro_batch_tokens: int | None = None  # the selector's budget (None: the trainer's)
+
+    async def train(self, batch: int, samples: int, lr_scale: float) -> dict[str, float]:
+        from earl.stages.trainer_feed import train_from_dock
+
+        t0 = time.perf_counter()
+        with self.tracer.span("train_step", actor="trainer", step=batch + 1):
+            metrics = await train_from_dock(self.trainer, self.dock, samples, self.columns,
+                                            lr_scale=lr_scale,
+                                            micro_batch_tokens=self.micro_batch_tokens)
+        self.seconds["train_s"] = time.perf_counter() - t0
+        return dict(metrics)
+
+    async def publish(self, version: int) -> None:
+        t0 = time.perf_counter()
+        with self.tracer.span("push_weights", actor="trainer", version=version):
+            await self.trainer.push_weights.call(self.rollout, version)
+        self.seconds["sync_s"] = time.perf_counter() - t0
+
+
+class ActorEvaluation:
+    """Greedy evaluation of held-out tasks on the producers; the recipe's metric scores it."""
+
+    def __init__(self, producers: ActorGroup[ProducerActor], recipe: Recipe, *, size: int,
+                 items: Sequence[object] = (), metric: Metric | None = None) -> None:
+        self.producers, self.recipe, self.size = producers, recipe, size
+        self.items = list(items)
+        self.metric = metric or recipe.metric
+        self.last: list[Episode] = []
+
+    def samples(self, split: str, version: int) -> list[object]:
+        if self.items:
+            return self.items
+        return self.recipe.eval.samples(split, version, self.size)
+
+    async def evaluate(self, split: str, version: int) -> dict[str, float]:
+        samples = self.samples(split, version)
+        n = len(self.producers)
+        idx = [list(range(r, len(samples), n)) for r in range(n)]
+        parts = await asyncio.gather(*(
+            self.producers[r].evaluate.call_one([samples[i] for i in idx[r]],
+                                                f"eval-{split}-{version}-{r}")
+            for r in range(n) if idx[r]))
+        by_index: dict[int, Episode] = {}
+        for r, eps in zip([r for r in range(n) if idx[r]], parts, strict=True):
+            by_index.update(zip(idx[r], eps, strict=True))
+        self.last = [by_index[i] for i in range(len(samples))]
+        return self.metric(self.last)

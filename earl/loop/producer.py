@@ -1,0 +1,299 @@
+"""Producer actors: they run the agent coroutines and keep the experience they make.
+
+A `ProducerActor` is a rollout worker process. It imports the user's agent by reference,
+plays the groups the driver assigns to it against the vLLM rollout actors (`RolloutClient`),
+turns the finished trajectories into training columns (`earl.loop.advantages`), and stores
+them in its own warehouse shard of the transfer dock. The reference and the trainer fetch the
+columns straight from this process; the driver only gets `Episode` metadata back.
+
+Not here: sampling tokens (the rollout actors), deciding when a batch may start (the
+staleness gate in the driver), or the loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from earl.loop.advantages import AdvantageConfig, Estimator
+from earl.loop.episode import Episode, episode_of
+from earl.runtime import Actor, context, endpoint
+from earl.runtime.dock import Dock, WarehouseHost
+from earl.runtime.types import Trajectory
+from earl.runtime.wire import message
+
+__all__ = ["BatchResult", "GroupTask", "ProducerActor", "ProducerConfig", "sample_id"]
+
+
+def sample_id(batch: int, j: int, tag: str = "", rank: int = 0) -> str:
+    """Dock id of row `j` of producer `rank`'s share of a batch's play ("" tag) or of a re-play
+    after a fault ("x1", ...); unique across producers."""
+    return f"b{batch:06d}-p{rank}-{tag + '-' if tag else ''}{j:04d}"
+
+message(AdvantageConfig)
+
+
+@message
+@dataclass(kw_only=True, slots=True)
+class ProducerConfig:
+    """What a producer needs (all plain data: it crosses the process boundary).
+
+    Attributes:
+        agent: the agent's reference, "module:name" or "/path/file.py:name".
+        model: HF folder whose tokenizer the chat codec uses.
+        rollout: name of the rollout actor group.
+        index: name of the dock's index actor.
+        max_tokens: per-turn generation cap; temperature: training sampling temperature.
+        max_total_tokens: per-trajectory cap (None: the engine's context length).
+        reward: a reward rule's reference ("" = the agent's own reward): `reward(sample,
+            response)` scores the final assistant text and replaces the agent's return.
+        dump: file rank 0 appends trajectories to ("" = none), for `earl inspect`; rank r
+            writes "<stem>.r.jsonl" beside it.
+    """
+
+    agent: str
+    model: str
+    rollout: str = "rollout"
+    index: str = "dock"
+    max_tokens: int = 64
+    temperature: float = 1.0
+    max_total_tokens: int | None = None
+    dump: str = ""
+    reward: str = ""
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+
+
+@message
+@dataclass(kw_only=True, slots=True)
+class GroupTask:
+    """One group to play: `samples[i]` is member i's task (equal for GRPO groups)."""
+
+    group_id: str
+    samples: list[object]
+
+
+@message
+@dataclass(kw_only=True, slots=True)
+class BatchResult:
+    """What the driver gets back for one batch: metadata only.
+
+    Attributes:
+        episodes: one per trajectory played, in group order.
+        samples: rows put in the dock (trajectories plus self-imitation samples).
+        seconds: wall time of the batch's play.
+    """
+
+    batch: int
+    episodes: list[Episode]
+    samples: int
+    seconds: float
+
+
+class ProducerActor(WarehouseHost, Actor):
+    """Plays groups with the agent, prepares their columns, keeps them in its dock shard."""
+
+    def __init__(self, config: ProducerConfig, version: int = 0) -> None:
+        self.config = config
+        self._version = version
+        self._order = asyncio.Condition()
+        self._next_put: int | None = None  # batches are prepared in order (critic updates)
+        self._snapshots: dict[int, dict[str, object]] = {}  # batch -> estimator state after it
+        # Rank 0 appends to `dump`, rank r to "<stem>.r.jsonl" (one writer per file).
+        dump = config.dump if self.rank == 0 or not config.dump else \
+            str(Path(config.dump).with_suffix(f".{self.rank}.jsonl"))
+        self._dump = open(dump, "a") if dump else None  # noqa: SIM115
+
+    async def setup(self) -> None:
+        from transformers import AutoTokenizer
+
+        from earl.agents.chat import ChatCodec
+        from earl.recipe import load_agent, load_reward
+        from earl.stages.rollout import RolloutClient
+
+        c = self.config
+        self.agent = load_agent(c.agent)
+        self.reward = load_reward(c.reward) if c.reward else None
+        self.codec = ChatCodec(AutoTokenizer.from_pretrained(c.model))
+        from earl.loop.healing_parts import HealingEngine
+
+        self.engine = HealingEngine(RolloutClient(await context().lookup(c.rollout)))
+        self.engine.note_version(self._version)
+        self.dock = Dock(await context().lookup(c.index), warehouse=self.warehouse)
+        from earl.agents.openai_server import OpenAIEndpoint
+
+        # Agents written against the OpenAI client reach the policy through this process's
+        # endpoint (loopback, per-run key); sessions of in-process agents never touch it.
+        self.openai = OpenAIEndpoint()
+        await self.openai.start()
+        self.estimator = Estimator(c.advantage)
+
+    def _rollout_config(self, temperature: float):  # -> RolloutConfig
+        from earl.agents.rollout import RolloutConfig
+        from earl.engine import SamplingParams
+
+        c = self.config
+        return RolloutConfig(sampling=SamplingParams(max_tokens=c.max_tokens,
+                                                     temperature=temperature,
+                                                     stop_token_ids=list(self.codec.stop_ids)),
+                             max_total_tokens=c.max_total_tokens)
+
+    async def _play(self, samples: list[object], ids: list[tuple[str, str]],
+                    temperature: float) -> list[Trajectory]:
+        from earl.agents.rollout import run_agent
+
+        cfg = self._rollout_config(temperature)
+
+        async def one(sample: object, sid: str, gid: str) -> list[Trajectory]:
+            earlier: list[Trajectory] = []  # segments of an OpenAI client that rewrote history
+            t = await run_agent(self.agent, sample, engine=self.engine, codec=self.codec,
+                                config=cfg, sample_id=sid, group_id=gid,
+                                endpoint=self.openai, segments=earlier)
+            if self.reward is not None and not t.failed:
+                self._apply_reward(t, sample)
+                for seg in earlier:
+                    seg.reward, seg.failed, seg.error = t.reward, t.failed, t.error
+            self.engine.end_session(sid)
+            return [*earlier, t]
+
+        played = await asyncio.gather(*(one(s, sid, gid)
+                                        for s, (sid, gid) in zip(samples, ids, strict=True)))
+        return [t for ts in played for t in ts]
+
+    @endpoint
+    async def play(self, batch: int, groups: list[GroupTask], snapshot: bool = False
+                   ) -> BatchResult:
+        """Play batch `batch`'s groups, prepare their columns and put them in this shard.
+
+        Batches are prepared in the order they are asked for (a critic learns from each), so
+        a batch whose games finish early waits for the previous one before its put. With
+        `snapshot`, the estimator's state right after this batch is kept for `state_dict`
+        (a checkpoint after training this batch must not see later batches)."""
+        t0 = time.perf_counter()
+        async with self._order:
+            if self._next_put is None:
+                self._next_put = batch
+        trajs = await self._play_groups(batch, groups, "")
+        seconds = time.perf_counter() - t0
+        async with self._order:
+            await self._order.wait_for(lambda: self._next_put == batch)
+        try:
+            n = await self._put(batch, trajs, "", snapshot)
+        finally:
+            async with self._order:
+                self._next_put = batch + 1
+                self._order.notify_all()
+        return BatchResult(batch=batch, episodes=[episode_of(t) for t in trajs], samples=n,
+                           seconds=seconds)
+
+    @endpoint
+    async def replay(self, batch: int, groups: list[GroupTask], tag: str,
+                     snapshot: bool = False) -> BatchResult:
+        """Play groups of batch `batch` again after a fault lost them (`earl.loop.healing`):
+        like `play`, outside the batch order, with sample ids tagged `tag`."""
+        t0 = time.perf_counter()
+        trajs = await self._play_groups(batch, groups, tag)
+        n = await self._put(batch, trajs, tag, snapshot)
+        return BatchResult(batch=batch, episodes=[episode_of(t) for t in trajs], samples=n,
+                           seconds=time.perf_counter() - t0)
+
+    async def _play_groups(self, batch: int, groups: list[GroupTask], tag: str
+                           ) -> list[Trajectory]:
+        samples = [s for g in groups for s in g.samples]
+        prefix = f"b{batch:06d}-{tag + '-' if tag else ''}"
+        ids = [(f"{prefix}{g.group_id}-{i}", g.group_id)
+               for g in groups for i in range(len(g.samples))]
+        return await self._play(samples, ids, self.config.temperature)
+
+    async def _put(self, batch: int, trajs: list[Trajectory], tag: str, snapshot: bool) -> int:
+        """Columns of `trajs` into this shard (whole groups); returns the rows put."""
+        rows, sources = self.estimator.columns(trajs)
+        if snapshot:
+            self._snapshots[batch] = self.estimator.state_dict()
+        sizes: dict[str, int] = {}
+        for i in sources:
+            sizes[trajs[i].group_id] = sizes.get(trajs[i].group_id, 0) + 1
+        await asyncio.gather(*(
+            self.dock.put(sample_id(batch, j, tag, self.rank), {k: v[j] for k, v in rows.items()},
+                          group_id=trajs[i].group_id, group_size=sizes[trajs[i].group_id])
+            for j, i in enumerate(sources)))
+        if self._dump is not None:
+            self._write_dump(batch + 1, trajs, rows["advantages"])
+        return len(sources)
+
+    @endpoint
+    async def evaluate(self, samples: list[object], prefix: str) -> list[Episode]:
+        """Play `samples` greedily (temperature 0); nothing goes to the dock."""
+        ids = [(f"{prefix}-{i}", f"{prefix}-{i}") for i in range(len(samples))]
+        return [episode_of(t) for t in await self._play(samples, ids, 0.0)]
+
+    @endpoint
+    async def use_rollout(self, name: str, version: int) -> None:
+        """Sample from the rollout group `name` again (the selector re-created it), which
+        serves policy `version`. Call only while no batch is playing."""
+        from earl.loop.healing_parts import HealingEngine
+        from earl.stages.rollout import RolloutClient
+
+        self.engine = HealingEngine(RolloutClient(await context().lookup(name)))
+        self.engine.note_version(version)
+
+    def _apply_reward(self, t: Trajectory, sample: object) -> None:
+        """Score the final assistant turn with the reward rule; a raising rule fails the
+        episode with the reason (the run goes on)."""
+        assert self.reward is not None
+        start, end = t.turn_spans[-1] if t.turn_spans else (0, 0)
+        ids = [i for i in t.token_ids[start:end] if i not in self.codec.stop_ids]
+        try:
+            value = self.reward(sample, self.codec.decode(ids))
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"returned {type(value).__name__}; return a float")
+            t.reward = float(value)
+        except Exception as exc:  # noqa: BLE001 - the rule's bug fails this episode only
+            t.failed, t.reward = True, None
+            t.error = f"reward rule {self.config.reward}: {type(exc).__name__}: {exc}"
+
+    @endpoint
+    async def pin_version(self, version: int) -> None:
+        """The rollout actors were set to serve `version` on purpose (model selection loaded
+        an earlier step's weights): its tokens are current, not stale."""
+        self.engine.pin(version)
+
+    @endpoint
+    async def note_version(self, version: int) -> None:
+        """The rollout actors now serve policy `version`."""
+        self.engine.note_version(version)
+
+    @endpoint
+    async def state_dict(self, batch: int | None = None) -> dict[str, object]:
+        """The estimator's state (the critic) after `batch` (a snapshot asked for in `play`),
+        or now (None), for checkpoints."""
+        if batch is None:
+            return self.estimator.state_dict()
+        if batch not in self._snapshots:
+            raise KeyError(f"no estimator snapshot after batch {batch}; pass snapshot=True to "
+                           "play() for batches that precede a checkpoint")
+        state = self._snapshots.pop(batch)
+        for b in [b for b in self._snapshots if b < batch]:
+            del self._snapshots[b]
+        return state
+
+    @endpoint
+    async def load_state_dict(self, state: dict[str, object]) -> None:
+        self.estimator.load_state_dict(state)
+
+    def _write_dump(self, step: int, trajs: list[Trajectory], advs: Sequence[np.ndarray]) -> None:
+        assert self._dump is not None
+        for t, adv in zip(trajs, advs, strict=False):
+            d = asdict(t)
+            d["step"] = step
+            mask = t.loss_mask
+            first = next((i for i, m in enumerate(mask) if m), None)
+            d["advantage"] = float(adv[first]) if first is not None else 0.0
+            self._dump.write(json.dumps(d) + "\n")
+        self._dump.flush()
+

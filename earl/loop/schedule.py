@@ -1,0 +1,222 @@
+"""The schedule of an RL run: which batch is produced, trained, evaluated, checkpointed when.
+
+`Schedule.run` drives four parts through small protocols, so it is unit-tested with fakes and
+no processes: `Production` plays a batch (its experience lands in the dock, metadata comes
+back), `Training` trains on the dock and publishes weights, `Evaluation` scores held-out
+tasks, `Checkpoints` saves consistent state. Production runs ahead of training by up to
+`max_policy_lag` batches (the `StalenessGate`); the trainer's lease on the dock waits for the
+reference's column, so a batch is never trained before it is scored. On a stop (steps, time,
+target metric) the batches already in flight are trained too, so the checkpoint's critic and
+the trainer agree on the step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from earl.loop.gate import StalenessGate
+from earl.loop.producer import BatchResult
+
+__all__ = ["Checkpoints", "Evaluation", "LoopState", "Production", "Schedule", "ScheduleConfig",
+           "Selection", "StepRecord", "Training"]
+
+
+class Production(Protocol):
+    async def play(self, batch: int, snapshot: bool) -> BatchResult: ...
+
+    async def note_version(self, version: int) -> None: ...
+
+
+class Training(Protocol):
+    async def train(self, batch: int, samples: int, lr_scale: float) -> dict[str, float]: ...
+
+    async def publish(self, version: int) -> None: ...
+
+
+class Evaluation(Protocol):
+    async def evaluate(self, split: str, version: int) -> dict[str, float]: ...
+
+
+class Checkpoints(Protocol):
+    async def save(self, state: LoopState, critic_batch: int | None) -> None: ...
+
+
+class Selection(Protocol):
+    """The parallelism selector (`earl.loop.selection`): decides and applies a plan on entry,
+    then holds the actors (no reconfiguration) while the wrapped stage runs."""
+
+    def rollout(self, batch: int) -> contextlib.AbstractAsyncContextManager[None]: ...
+
+    def train(self, batch: int, result: BatchResult
+              ) -> contextlib.AbstractAsyncContextManager[None]: ...
+
+    def using(self) -> contextlib.AbstractAsyncContextManager[None]: ...
+
+
+@dataclass(kw_only=True, slots=True)
+class ScheduleConfig:
+    """The loop's knobs (from `RunConfig`)."""
+
+    steps: int
+    max_policy_lag: int = 1
+    time_limit_s: float = float("inf")
+    eval_every: int = 0
+    checkpoint_every: int = 25
+    target: float = 0.0            # stop when the validation metric reaches it (0 = off)
+    target_key: str = "reward"
+
+
+@dataclass(kw_only=True, slots=True)
+class LoopState:
+    """What a checkpoint restores: the step (= policy version = data cursor) and history."""
+
+    step: int = 0
+    episodes: int = 0
+    wall_before: float = 0.0
+    evals: list[dict[str, float]] = field(default_factory=list)
+    best: tuple[int, float] = (-1, float("-inf"))   # (step, validation metric)
+    eval_start: dict[str, float] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)  # error text -> episodes
+
+
+@dataclass(kw_only=True, slots=True)
+class StepRecord:
+    """One trained step, for the observer (metrics, progress line, trace)."""
+
+    version: int
+    result: BatchResult
+    train: dict[str, float]
+    step_s: float
+    lr_scale: float
+
+
+class Schedule:
+    """Runs the loop; `observe` gets every step and `on_eval` every validation eval."""
+
+    def __init__(self, config: ScheduleConfig, *, production: Production, training: Training,
+                 evaluation: Evaluation | None, checkpoints: Checkpoints, state: LoopState,
+                 lr_scale: Callable[[float], float] = lambda progress: 1.0,
+                 observe: Callable[[StepRecord], Awaitable[None]] | None = None,
+                 on_eval: Callable[[dict[str, float]], Awaitable[None]] | None = None,
+                 clock: Callable[[], float] | None = None,
+                 selection: Selection | None = None) -> None:
+        self.config, self.state = config, state
+        self.production, self.training = production, training
+        self.evaluation, self.checkpoints = evaluation, checkpoints
+        self.lr_scale, self.observe, self.on_eval = lr_scale, observe, on_eval
+        t0 = time.perf_counter()
+        # `clock()` is the run's elapsed wall seconds, earlier (resumed) segments included.
+        self.clock = clock or (lambda: state.wall_before + time.perf_counter() - t0)
+        self.gate = StalenessGate(config.max_policy_lag, state.step)
+        self.stopped = ""
+        self.selection = selection  # None: the layout stays as spawned
+
+    def elapsed(self) -> float:
+        """Wall seconds of the run, earlier (resumed-from) segments included."""
+        return self.clock()
+
+    def _snapshot(self, batch: int) -> bool:
+        return (batch + 1) % self.config.checkpoint_every == 0
+
+    async def run(self) -> str:
+        """Train until a stop rule fires; returns why ("steps", "time_limit", "target")."""
+        c = self.config
+        loop = asyncio.get_running_loop()
+        played: dict[int, asyncio.Future[BatchResult]] = {}
+
+        def future(b: int) -> asyncio.Future[BatchResult]:
+            return played.setdefault(b, loop.create_future())
+
+        async def produce_one(b: int) -> None:
+            try:
+                async with (self.selection.rollout(b) if self.selection is not None
+                            else contextlib.nullcontext()):
+                    res = await self.production.play(b, self._snapshot(b))
+                future(b).set_result(res)
+            except BaseException as exc:
+                if not future(b).done():
+                    future(b).set_exception(exc)
+                raise
+
+        async def producer(tg: asyncio.TaskGroup) -> None:
+            for b in range(self.state.step, c.steps):
+                if not await self.gate.wait_may_start(b):
+                    return
+                future(b)  # registered before the task runs: `b in played` == started
+                tg.create_task(produce_one(b), name=f"play-{b}")
+
+        last = self.clock()
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(producer(tg), name="producer")
+            b = self.state.step
+            while b < c.steps:
+                last = await self._learn(b, await future(b), last)
+                b += 1
+                if stop := await self._after_step():
+                    self.stopped = stop
+                    break
+            else:
+                self.stopped = "steps"
+            await self.gate.close()
+            # Batches already started are finished and trained: their experience is in the
+            # dock and the critic has seen them, so the final checkpoint stays consistent.
+            while b in played:
+                last = await self._learn(b, await future(b), last)
+                b += 1
+        await self.checkpoints.save(self.state, None)
+        return self.stopped
+
+    async def _learn(self, b: int, res: BatchResult, last: float) -> float:
+        """Train on batch `b`, publish the weights as version b + 1, record the step."""
+        s = self.state
+        progress = max(self.elapsed() / self.config.time_limit_s, (b + 1) / self.config.steps)
+        scale = self.lr_scale(progress)
+        if res.samples == 0:
+            cut = sum(e.truncated and e.generated == 0 for e in res.episodes)
+            raise ValueError(f"batch {b}: no episode has a token to train on ({cut} of "
+                             f"{len(res.episodes)} were cut before the model generated one: "
+                             "the first prompt does not fit the context; raise "
+                             "model.max_model_len or shorten the prompt)")
+        async with (self.selection.train(b, res) if self.selection is not None
+                    else contextlib.nullcontext()):
+            metrics = await self.training.train(b, res.samples, scale)
+            await self.training.publish(b + 1)
+        await self.production.note_version(b + 1)
+        await self.gate.advance(b + 1)
+        s.step = b + 1
+        s.episodes += len(res.episodes)
+        for e in res.episodes:
+            if e.failed and e.error:
+                s.failures[e.error] = s.failures.get(e.error, 0) + 1
+        now = self.clock()
+        if self.observe is not None:
+            await self.observe(StepRecord(version=s.step, result=res, train=metrics,
+                                          step_s=now - last, lr_scale=scale))
+        if s.step % self.config.checkpoint_every == 0 and s.step < self.config.steps:
+            await self.checkpoints.save(s, b)
+        return now
+
+    async def _after_step(self) -> str:
+        """Validation eval when due; returns the stop reason, or "" to go on."""
+        c, s = self.config, self.state
+        if c.eval_every > 0 and self.evaluation is not None and s.step % c.eval_every == 0:
+            async with (self.selection.using() if self.selection is not None
+                        else contextlib.nullcontext()):
+                ev = await self.evaluation.evaluate("validation", s.step)
+            ev.update(step=float(s.step), minutes=self.elapsed() / 60)
+            s.evals.append(ev)
+            value = ev.get(c.target_key, float("-inf"))
+            if value > s.best[1]:
+                s.best = (s.step, value)
+            if self.on_eval is not None:
+                await self.on_eval(ev)
+            if c.target and value >= c.target:
+                return "target"
+        if self.elapsed() > c.time_limit_s:
+            return "time_limit"
+        return ""

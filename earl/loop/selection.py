@@ -1,0 +1,278 @@
+"""The parallelism selector inside the RL loop: decide before each stage, apply to live actors.
+
+`Selection` is the part `earl.loop.schedule.Schedule` calls when `--selector on`:
+`rollout(b)` wraps the play of batch b, `train(b, result)` its training step and weight push,
+`using()` anything else that talks to the rollout replicas (validation evals). Before a rollout
+the policy (`earl.runtime.selector.Policy`) decides with ``when="rollout"``, before training
+(experience preparation) with ``when="prep"``, from the live context-length statistics of the
+episodes (p50/p95/max and trend), the dock's queue depths and the slots' memory. Every decision
+becomes a metrics row (``selector/*`` keys) and a Perfetto instant event.
+
+A decided plan is turned into a `Setting` (what the live actors run) and applied through a
+`Reconfigurer`: the trainer's micro-batch token budget at once (nothing restarts); a new trainer
+layout or slots by re-creating the trainer group (resharded checkpoint, Adam state kept); a longer
+context or a new rollout layout by re-creating the vLLM replicas with the new ``max_model_len``
+and KV budget, the weights re-pushed at the current version. The rollout's context only grows (a
+restart to shrink it gains nothing). Re-creations wait until no play, push or eval is using the
+actors (a readers-writer lock): samples already played stay in the dock, which is not touched.
+
+Not here: the decision itself (`earl.runtime.selector.policy`), re-creating actors
+(`earl.stages.reconfigure`; `earl.loop.selection_actors` wires it to a run's actor groups).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from earl.loop.producer import BatchResult
+from earl.runtime.selector import ContextStats, ContextTracker, Decision, Plan, Policy
+
+__all__ = ["Reconfigurer", "Selection", "SelectionStatistics", "Setting", "setting_of"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Setting:
+    """What the live trainer and rollout actors run (the part of a plan the loop can apply).
+
+    Attributes:
+        trainer_tp / trainer_dp: the trainer group's layout (dp x tp ranks).
+        micro_batch_tokens: the trainer's micro-batch token budget.
+        rollout_tp / rollout_replicas: vLLM tensor-parallel degree and replica count.
+        max_model_len: the longest context the rollout replicas serve.
+        kv_tokens: KV-cache tokens per replica (at least `max_model_len`).
+        trainer_slots / rollout_slots: slot names each actor runs in (empty: no slots).
+    """
+
+    trainer_tp: int = 1
+    trainer_dp: int = 1
+    micro_batch_tokens: int
+    rollout_tp: int = 1
+    rollout_replicas: int = 1
+    max_model_len: int
+    kv_tokens: int
+    trainer_slots: tuple[str, ...] = ()
+    rollout_slots: tuple[str, ...] = ()
+
+    def trainer_key(self) -> tuple[object, ...]:
+        return (self.trainer_tp, self.trainer_dp, self.trainer_slots)
+
+    def rollout_key(self) -> tuple[object, ...]:
+        return (self.rollout_tp, self.rollout_replicas, self.rollout_slots, self.max_model_len)
+
+
+def setting_of(plan: Plan, current: Setting, *, max_context: int) -> Setting:
+    """The setting that runs `plan`, starting from `current`.
+
+    The rollout's ``max_model_len`` grows to the plan's context bucket (capped at `max_context`,
+    the model's positions) and never shrinks; its KV budget is the plan's, at least one context.
+    Actors the plan does not name keep their setting.
+    """
+    s = current
+    names = {a.actor for a in plan.actors}
+    if "trainer" in names:
+        t = plan.actor("trainer")
+        if t.parallel.pp != 1:
+            raise ValueError(f"selector plan gives the trainer {t.parallel}: the torch trainer "
+                             "runs dp x tp only; set PolicyConfig.pp_max=1")
+        s = replace(s, trainer_tp=t.parallel.tp, trainer_dp=t.parallel.dp,
+                    micro_batch_tokens=t.micro_batch_tokens, trainer_slots=t.slots)
+    if "rollout" in names:
+        r = plan.actor("rollout")
+        mml = min(max(current.max_model_len, plan.context_bucket), max_context)
+        s = replace(s, rollout_tp=r.parallel.tp, rollout_replicas=r.parallel.dp,
+                    rollout_slots=r.slots, max_model_len=mml,
+                    kv_tokens=max(r.micro_batch_tokens, mml))
+    return s
+
+
+class Reconfigurer(Protocol):
+    """Applies settings to the live actors (`earl.loop.selection_actors.ActorReconfigurer`)."""
+
+    async def set_micro_batch_tokens(self, tokens: int) -> None:
+        """The trainer's next steps use this micro-batch token budget (no restart)."""
+        ...
+
+    async def apply(self, old: Setting, new: Setting) -> dict[str, float]:
+        """Re-create the actors whose layout, slots or context changed; returns seconds by
+        phase, keyed "<actor>/<phase>_s" (e.g. "trainer/save_s", "rollout/spawn_s")."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class SelectionStatistics:
+    decisions: int = 0
+    reconfigurations: int = 0
+    budget_changes: int = 0
+    reconfig_seconds: dict[str, float] = field(default_factory=dict)  # phase -> total seconds
+
+
+class _SharedExclusive:
+    """Readers-writer lock, writers first: many plays/pushes/evals at once, or one change."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._readers = 0
+        self._writers = 0  # waiting or holding
+
+    @contextlib.asynccontextmanager
+    async def shared(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: self._writers == 0)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        async with self._cond:
+            self._writers += 1
+            await self._cond.wait_for(lambda: self._readers == 0)
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._writers -= 1
+                self._cond.notify_all()
+
+
+class Selection:
+    """Runs the policy before each rollout and training step and applies its plans.
+
+    Args:
+        policy: the selector policy (its `PolicyConfig.actors` names "trainer" and/or "rollout").
+        reconfigurer: applies settings to the actors.
+        setting: what the actors run at the start.
+        slots: slot name -> memory bytes now (`SlotPool.budgets`).
+        queues: the dock's queue depths per stage ("train", "reference").
+        max_context: the model's longest context (cap of the rollout's max_model_len).
+        record: gets each decision's metrics row and each reconfiguration's seconds.
+        trace: gets each decision (the run adds it to its Perfetto trace).
+        log: one line per applied change.
+        initial_context: the longest context assumed before any episode is measured (None:
+            half the starting window, i.e. the start fits; a run passes the model's positions:
+            plan for the worst case until measured, since growing later costs a vLLM start).
+    """
+
+    CUT = 0.7
+    GROW = 4.0
+
+    def __init__(self, policy: Policy, reconfigurer: Reconfigurer, *, setting: Setting,
+                 slots: Callable[[], Mapping[str, float]],
+                 queues: Callable[[], Awaitable[Mapping[str, int]]], max_context: int,
+                 record: Callable[[dict[str, float | int | str]], None] = lambda r: None,
+                 trace: Callable[[Decision], None] = lambda d: None,
+                 log: Callable[[str], None] = lambda line: None,
+                 initial_context: int | None = None) -> None:
+        self.policy, self.reconfigurer, self.setting = policy, reconfigurer, setting
+        self.slots, self.queues, self.max_context = slots, queues, max_context
+        self.record, self.trace, self.log = record, trace, log
+        self.tracker = ContextTracker()
+        c = setting.max_model_len // 2 if initial_context is None else initial_context
+        self.contexts = ContextStats(p50=c, p95=c, max=c)  # before any episode
+        self._lock = _SharedExclusive()
+        self._decide_lock = asyncio.Lock()
+        self._stats = SelectionStatistics()
+        self._played: dict[int, int] = {}  # batch -> the rollout window it was played with
+        self.decisions: list[Decision] = []
+
+    def statistics(self) -> SelectionStatistics:
+        return self._stats
+
+    def observe(self, result: BatchResult) -> ContextStats:
+        """Feed one batch's trajectory lengths (failed episodes included: they held memory).
+
+        A truncated trajectory within `CUT` of the window its batch was played with was most
+        likely cut by it (its next turn did not fit): its true length is unknown, so it counts
+        as needing `GROW` times that window (each re-creation costs a vLLM start: grow boldly).
+        """
+        window = self._played.pop(result.batch, self.setting.max_model_len)
+        lengths = [max(e.tokens, int(window * self.GROW))
+                   if e.truncated and e.tokens >= self.CUT * window else e.tokens
+                   for e in result.episodes if e.tokens > 0]
+        if lengths:
+            self.contexts = self.tracker.observe(lengths)
+        return self.contexts
+
+    @contextlib.asynccontextmanager
+    async def rollout(self, batch: int) -> AsyncIterator[None]:
+        """Decide (when="rollout") and apply, then hold the actors while batch `batch` plays."""
+        await self._decide_and_apply(batch, "rollout")
+        async with self._lock.shared():
+            self._played[batch] = self.setting.max_model_len
+            yield
+
+    @contextlib.asynccontextmanager
+    async def train(self, batch: int, result: BatchResult) -> AsyncIterator[None]:
+        """Observe batch `batch`'s contexts, decide (when="prep") and apply, then hold the
+        actors while it trains and its weights are pushed."""
+        self.observe(result)
+        await self._decide_and_apply(batch, "prep")
+        async with self._lock.shared():
+            yield
+
+    def using(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """Hold the actors (no re-creation meanwhile), e.g. for a validation eval."""
+        return self._lock.shared()
+
+    async def _decide_and_apply(self, batch: int, when: str) -> None:
+        async with self._decide_lock:  # one decision at a time (the policy has state)
+            queues = await self.queues()
+            d = self.policy.decide(step=batch, when=when, contexts=self.contexts,
+                                   slots=self.slots(), queue_depths=queues)
+            self.decisions.append(d)
+            self.trace(d)
+            row = d.record()
+            if d.shortfall is not None:
+                self.log(f"selector: {d.shortfall.message()}")
+            if d.plan.feasible:
+                new = setting_of(d.plan, self.setting, max_context=self.max_context)
+            else:  # nothing is predicted to fit: keep the layouts, grow the window, and train
+                # one context per micro-batch (the least memory without a new layout)
+                cur, top = self.setting, min(d.plan.context_bucket, self.max_context)
+                mml = max(cur.max_model_len, top)
+                new = replace(cur, max_model_len=mml, kv_tokens=max(cur.kv_tokens, mml),
+                              micro_batch_tokens=top)
+            times = await self._apply(new)
+            st = self._stats
+            row.update({**{f"selector/queue/{k}": v for k, v in queues.items()},
+                        "selector/reconfigurations": st.reconfigurations,
+                        "selector/reconfig_s": times.get("total_s", 0.0),
+                        **{f"selector/reconfig/{k}": v for k, v in times.items()},
+                        "selector/applied_max_model_len": self.setting.max_model_len,
+                        "selector/applied_micro_batch_tokens": self.setting.micro_batch_tokens})
+            self.record(row)
+
+    async def _apply(self, new: Setting) -> dict[str, float]:
+        old, st = self.setting, self._stats
+        times: dict[str, float] = {}
+        if new.trainer_key() != old.trainer_key() or new.rollout_key() != old.rollout_key():
+            async with self._lock.exclusive():
+                t0 = time.perf_counter()
+                times = await self.reconfigurer.apply(old, new)
+                times.setdefault("total_s", time.perf_counter() - t0)
+            if new.trainer_key() == old.trainer_key() and \
+                    new.micro_batch_tokens != old.micro_batch_tokens:  # the trainer was kept
+                await self.reconfigurer.set_micro_batch_tokens(new.micro_batch_tokens)
+            total = dict(st.reconfig_seconds)
+            for k, v in times.items():
+                total[k] = total.get(k, 0.0) + v
+            st = replace(st, reconfigurations=st.reconfigurations + 1, reconfig_seconds=total)
+            self.log(f"selector: reconfigured in {times['total_s']:.1f} s: trainer tp{new.trainer_tp}"
+                     f"/dp{new.trainer_dp} on {list(new.trainer_slots)}, rollout "
+                     f"tp{new.rollout_tp} x{new.rollout_replicas} max_model_len "
+                     f"{new.max_model_len}")
+        elif new.micro_batch_tokens != old.micro_batch_tokens:
+            await self.reconfigurer.set_micro_batch_tokens(new.micro_batch_tokens)
+            st = replace(st, budget_changes=st.budget_changes + 1)
+        self._stats = replace(st, decisions=st.decisions + 1)
+        self.setting = new
+        return times

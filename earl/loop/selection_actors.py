@@ -1,0 +1,303 @@
+"""The selector's `Reconfigurer` over a run's real actor groups, and how a run builds it.
+
+`ActorReconfigurer` applies a `Setting` (`earl.loop.selection`) to live actors: the trainer's
+micro-batch token budget by telling `ActorTraining` (the dispatcher plans the next step with
+it); a new trainer layout or slots with `reconfigure_trainer` (resharded checkpoint: parameters
+and Adam state kept); a new rollout layout, slots or context with `reconfigure_rollout` (new
+vLLM replicas with the new ``max_model_len`` and KV budget, the trainer's weights pushed at the
+current version), after which the producers sample from the new group. The actor that gives
+up slots is re-created first, so a slot is free before its new owner starts in it.
+
+`build_selection` makes the cost model of the run's model, the policy and the `Selection`.
+Not here: the decision (`earl.runtime.selector`), when to apply (`earl.loop.selection`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from earl.loop.selection import Selection, Setting
+from earl.runtime.dock import Dock
+from earl.runtime.layout import Layout
+from earl.runtime.selector import (
+    CostConfig,
+    CostModel,
+    Decision,
+    ModelShape,
+    Parallel,
+    Policy,
+    PolicyConfig,
+)
+from earl.runtime.slots import SlotPool
+
+__all__ = ["ActorReconfigurer", "actor_training", "build_selection", "cost_model_of", "queue_depths", "run_slots",
+           "selection_for_run", "slot_usage"]
+
+
+class ActorReconfigurer:
+    """Re-creates the trainer / rollout groups of a run (see module docstring).
+
+    Args:
+        rt: the run's `Runtime`.
+        handles: an object with mutable ``trainer``, ``rollout``, ``producers``, ``training``
+            attributes (the run's `_Job`); they are replaced by the new groups.
+        pool: the slot pool (None: actors run without slots).
+        env: environment of re-created actors.
+        checkpoint_dir: where resharding checkpoints go.
+        kv_bytes_per_token: the rollout's KV bytes per token (sizes its KV budget).
+        tracer: the run's `Tracer` (each re-creation is a span on the "selector" track).
+    """
+
+    def __init__(self, rt: Any, handles: Any, *, pool: SlotPool | None, env: dict[str, str],
+                 checkpoint_dir: Path, kv_bytes_per_token: float, tracer: Any = None) -> None:
+        self.rt, self.h, self.pool, self.env, self.tracer = rt, handles, pool, env, tracer
+        self.checkpoint_dir, self.kv_bytes = checkpoint_dir, kv_bytes_per_token
+        self._n = 0
+
+    @property
+    def training(self) -> Any:
+        """The run's `ActorTraining` (under any wrappers with an ``inner``, e.g. healing)."""
+        return actor_training(self.h.training)
+
+    async def set_micro_batch_tokens(self, tokens: int) -> None:
+        self.training.micro_batch_tokens = tokens
+
+    def kv_cache_gb(self, s: Setting) -> float:
+        """KV budget per replica: `kv_tokens` of KV, plus 16 MiB for vLLM's block rounding."""
+        return (s.kv_tokens * self.kv_bytes + (16 << 20)) / 2**30
+
+    def _slots(self, names: tuple[str, ...], owner: str) -> Any:
+        if self.pool is None or not names:
+            return None
+        return [self.pool.assign(n, owner) for n in names]
+
+    def _release(self, names: tuple[str, ...]) -> None:
+        if self.pool is not None:
+            for n in names:
+                self.pool.release(n)
+
+    async def apply(self, old: Setting, new: Setting) -> dict[str, float]:
+        if self.tracer is None:
+            return await self._apply(old, new)
+        with self.tracer.span("reconfigure", actor="selector"):
+            return await self._apply(old, new)
+
+    async def _apply(self, old: Setting, new: Setting) -> dict[str, float]:
+        from earl.stages.reconfigure import reconfigure_rollout, reconfigure_trainer
+
+        times: dict[str, float] = {}
+        steps: list[str] = []
+        if new.trainer_key() != old.trainer_key():
+            steps.append("trainer")
+        if new.rollout_key() != old.rollout_key():
+            steps.append("rollout")
+        # the actor giving up slots goes first, so its slots are free for the other
+        if len(steps) == 2 and len(new.rollout_slots) < len(old.rollout_slots):
+            steps.reverse()
+        for actor in steps:
+            self._n += 1
+            if actor == "trainer":
+                moved = tuple(n for n in old.trainer_slots if n not in new.trainer_slots)
+                # a slot can hold one rank: ranks beyond the slots run unplaced
+                ranks = new.trainer_tp * new.trainer_dp
+                group, t = await reconfigure_trainer(
+                    self.rt, self.h.trainer, Layout(dp=new.trainer_dp, tp=new.trainer_tp),
+                    checkpoint_dir=self.checkpoint_dir / f"reshard-{self._n}", env=self.env,
+                    slot=self._placed(new.trainer_slots, ranks, "trainer"),
+                    micro_batch_tokens=new.micro_batch_tokens)
+                self._release(moved)
+                self.h.trainer = group
+                self.training.trainer = group
+                self.training.micro_batch_tokens = new.micro_batch_tokens
+            else:
+                moved = tuple(n for n in old.rollout_slots if n not in new.rollout_slots)
+                version = await self.h.trainer[0].version.call_one()
+                group, t = await reconfigure_rollout(
+                    self.rt, self.h.rollout, tensor_parallel_size=new.rollout_tp,
+                    replicas=new.rollout_replicas, trainer=self.h.trainer, version=version,
+                    env=self.env,
+                    slot=self._placed(new.rollout_slots, new.rollout_replicas, "rollout"),
+                    max_model_len=new.max_model_len, kv_cache_gb=self.kv_cache_gb(new))
+                self._release(moved)
+                self.h.rollout = group
+                self.training.rollout = group
+                await self.h.producers.use_rollout.call(group.name, version)
+            for k, v in t.as_dict().items():
+                times[f"{actor}/{k}"] = times.get(f"{actor}/{k}", 0.0) + v
+        times["total_s"] = sum(v for k, v in times.items() if k.endswith("/total_s"))
+        return times
+
+    def _placed(self, names: tuple[str, ...], ranks: int, owner: str) -> Any:
+        """One slot per rank (the first `ranks` of `names`), or None without slots (or too
+        few). Slots the actor gains were released by their old owner first (see `apply`)."""
+        if self.pool is None or len(names) < ranks or ranks == 0:
+            return None
+        return self._slots(names[:ranks], owner)
+
+
+def actor_training(part: Any) -> Any:
+    """`part` without its wrappers (each keeps the wrapped part as ``inner``)."""
+    while hasattr(part, "inner"):
+        part = part.inner
+    return part
+
+
+def cost_model_of(model_dir: str, *, reserve_mib: float, dtype_bytes: int = 4,
+                  logit_bytes: float = 32.0, score_bytes: float = 8.0) -> CostModel:
+    """The cost model of the HF model in `model_dir`, fp32 on CPU, Adam's two moments, with
+    `reserve_mib` of per-process baseline (Python, torch, vLLM) that every slot pays before the
+    model's bytes.
+
+    Calibrated on this machine's trainer (the tiny model, contexts ~1,250 tokens): OOM-killed in
+    560 MiB at 10,240 and at 4,096 tokens per micro-batch, alive at 2,048 (>= 72 KB per token,
+    growing with the context): its attention keeps the scores (quadratic: `score_bytes` per
+    score per layer, "eager"), and the loss several vocabulary-sized fp32 tensors per token
+    (`logit_bytes` per vocabulary entry)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    params = _param_count(cfg)
+    shape = ModelShape.from_hf_config(cfg, params)
+    return CostModel(shape, CostConfig(weight_bytes=dtype_bytes, grad_bytes=dtype_bytes,
+                                       optimizer_bytes=2 * dtype_bytes, act_bytes=dtype_bytes,
+                                       kv_bytes=dtype_bytes, attention="eager",
+                                       score_bytes=score_bytes, logit_bytes=logit_bytes,
+                                       reserve_bytes=reserve_mib * 2**20))
+
+
+def _param_count(cfg: Mapping[str, Any]) -> int:
+    """Parameters of a Llama/Qwen2-style config (tied embeddings counted once)."""
+    h, n_layers, v = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
+    inter = int(cfg["intermediate_size"])
+    kv = int(cfg["num_key_value_heads"]) * (h // int(cfg["num_attention_heads"]))
+    layer = h * h * 2 + h * kv * 2 + 3 * h * inter + 2 * h + h + 2 * kv
+    emb = v * h * (1 if cfg.get("tie_word_embeddings", True) else 2)
+    return n_layers * layer + emb + h
+
+
+async def queue_depths(dock: Dock, stages: tuple[str, ...]) -> dict[str, int]:
+    """Samples in the dock not yet consumed by each stage (its backlog), and under "lost" the
+    samples the dock lost (awaiting re-production)."""
+    st = await dock.statistics()
+    return {**{s: max(0, st.samples - st.consumed.get(s, 0)) for s in stages}, "lost": st.lost}
+
+
+def build_selection(*, model_dir: str, cost: CostModel | None = None, setting: Setting,
+                    reconfigurer: ActorReconfigurer,
+                    slots: Callable[[], Mapping[str, float]], dock: Dock,
+                    stages: tuple[str, ...], max_context: int, reserve_mib: float = 600.0,
+                    bucket_base: int = 256, max_kv_tokens: int = 1 << 17, record: Any = None,
+                    trace: Any = None, log: Any = None,
+                    initial_context: int | None = None) -> Selection:
+    """The run's `Selection`: trainer and rollout split the slots (`colocated=False`), pp 1,
+    20% of each slot left free (vLLM's and torch's working buffers beyond the cost model's
+    count), a rollout replica's KV budget capped at `max_kv_tokens`."""
+    cost = cost or cost_model_of(model_dir, reserve_mib=reserve_mib)
+    policy = Policy(cost, PolicyConfig(actors={"rollout": "rollout", "trainer": "train"},
+                                       colocated=False, pp_max=1, bucket_base=bucket_base,
+                                       lookahead_steps=2, cooldown_steps=3, headroom=0.2,
+                                       max_kv_tokens=max_kv_tokens))
+
+    async def queues() -> Mapping[str, int]:
+        return await queue_depths(dock, stages)
+
+    kw: dict[str, Any] = {k: v for k, v in
+                          {"record": record, "trace": trace, "log": log}.items() if v is not None}
+    return Selection(policy, reconfigurer, setting=setting, slots=slots, queues=queues,
+                     max_context=max_context, initial_context=initial_context, **kw)
+
+
+def run_slots(placement: Any) -> SlotPool:
+    """A run's slot pool: "rollout<r>" per rollout replica, then "trainer<r>" per trainer rank,
+    each with `placement.slot_memory_mib` and one core (round robin over this process's)."""
+    import os
+
+    pool = SlotPool()
+    cores = sorted(os.sched_getaffinity(0))
+    names = [f"rollout{r}" for r in range(placement.rollout)] + \
+        [f"trainer{r}" for r in range(placement.trainer)]
+    for i, name in enumerate(names):
+        mib = placement.rollout_slot_memory_mib if name.startswith("rollout") else 0
+        pool.create(name, cores=(cores[i % len(cores)],),
+                    memory_mib=mib or placement.slot_memory_mib)
+    return pool
+
+
+def slot_usage(pool: SlotPool | None) -> dict[str, float]:
+    """Per slot: MiB charged now and the peak since it was made (cgroup slots only)."""
+    import os
+
+    out: dict[str, float] = {}
+    if pool is None:
+        return out
+    for name in pool.budgets():
+        d = pool[name].memory_cgroup
+        if d:
+            with open(os.path.join(d, "memory.max_usage_in_bytes")) as f:
+                out[f"selector/slot/{name}/peak_mib"] = int(f.read()) / 2**20
+            out[f"selector/slot/{name}/used_mib"] = pool.memory_used_mib(name) or 0.0
+    return out
+
+
+async def selection_for_run(job: Any) -> Selection:
+    """The `Selection` of an `earl.run._Job` (its config, actors, slots, metrics and trace).
+
+    Without slots (placement.slot_memory_mib = 0) the policy plans for one notional slot per
+    actor rank with the memory this machine has available now.
+    """
+    import time
+
+    import psutil
+
+    cfg, pl, pool = job.cfg, job.cfg.placement, job.pool
+    rollout_names = tuple(f"rollout{r}" for r in range(pl.rollout))
+    trainer_names = tuple(f"trainer{r}" for r in range(pl.trainer))
+    if pool is not None:
+        used = {n: pool.memory_used_mib(n) or 0.0 for n in rollout_names + trainer_names}
+        # What an actor's process holds before the model's working set (Python, torch, vLLM;
+        # the rollout's allocated KV cache is the cost model's): the cost model's reserve is
+        # the trainer's, and a slot whose process holds more offers that much less.
+        base = {n: used[n] - (pl.kv_cache_gb * 1024 if n.startswith("rollout") else 0.0)
+                for n in used}
+        reserve = max(base[n] for n in trainer_names)
+
+        def slots() -> Mapping[str, float]:
+            return {n: b - max(0.0, base.get(n, reserve) - reserve) * 2**20
+                    for n, b in pool.budgets().items()}
+    else:
+        reserve = 600.0
+        share = psutil.virtual_memory().available / (pl.rollout + pl.trainer)
+
+        def slots() -> Mapping[str, float]:
+            return {n: float(share) for n in rollout_names + trainer_names}
+    model_dir = str(job.start)
+    cost = cost_model_of(model_dir, reserve_mib=reserve)
+    kvb = cost.kv_bytes_per_token(Parallel())
+    positions = int(json.loads((Path(model_dir) / "config.json").read_text())
+                    .get("max_position_embeddings", cfg.model.max_model_len))
+    window = pl.context_window or cfg.model.max_model_len
+    setting = Setting(trainer_dp=pl.trainer, micro_batch_tokens=pl.micro_batch_tokens,
+                      rollout_replicas=pl.rollout, max_model_len=window,
+                      kv_tokens=int(pl.kv_cache_gb * 2**30 / kvb),
+                      trainer_slots=trainer_names, rollout_slots=rollout_names)
+    reconf = ActorReconfigurer(job.rt, job, pool=pool, env=job.env,
+                               checkpoint_dir=job.out / "reshard", kv_bytes_per_token=kvb,
+                               tracer=job.tracer)
+
+    def trace(d: Decision) -> None:
+        now = time.perf_counter()
+        job.tracer.add(f"selector: {'switch' if d.changed else 'keep'}", actor="selector",
+                       start=now, end=now, **d.trace_event(0.0)["args"])  # type: ignore[arg-type]
+
+    def record(row: dict[str, float | int | str]) -> None:
+        job.metrics.log({**row, **slot_usage(pool)})
+
+    stages = ("reference", "train") if pl.reference > 0 else ("train",)
+    job.log(f"selector on: slots {dict(slots())}, reserve {reserve:.0f} MiB/process, model "
+            f"positions {positions}, rollout window {window}")
+    return build_selection(model_dir=model_dir, cost=cost, setting=setting,
+                           reconfigurer=reconf, slots=slots,
+                           dock=actor_training(job.training).dock,
+                           stages=stages, max_context=positions, record=record,
+                           trace=trace, log=job.log, initial_context=positions)

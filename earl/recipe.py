@@ -1,0 +1,295 @@
+"""Recipes: what is specific to one task, on top of the general RL loop.
+
+A `Recipe` names an agent coroutine `async def agent(rollout, sample) -> float`, where its
+training samples come from (`TaskSource`), how it is evaluated (held-out samples and a metric),
+and optional extras (a supervised warm start, a critic, default config values). The loop
+(`earl.loop`) knows nothing about any task; the shipped recipes (`earl.recipes.<name>`) are
+written against the public API only, the same path a user's agent takes with
+`earl train --agent PATH.py:NAME --tasks FILE.jsonl`.
+
+Samples travel to producer actors over the wire, so they must be plain data (None, bool,
+numbers, str, lists and dicts of those). The agent must be importable by the producer process:
+a module-level function (`module:name` or `path/to/file.py:name`), not a closure.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import json
+import random
+import sys
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from earl.agents.chat import ChatCodec
+    from earl.loop.episode import Episode
+
+__all__ = [
+    "EvalSet", "IterTasks", "ListTasks", "Recipe", "SeedTasks", "TaskSource", "agent_ref",
+    "load_agent", "load_function", "load_jsonl", "load_recipe", "load_reward", "mean_reward",
+]
+
+Sample = object
+Metric = Callable[[list["Episode"]], dict[str, float]]
+# Warm start data: (token ids, soft-target rows (position, token, weight)) per transcript.
+WarmStartData = tuple[list[Any], list[Any]]
+WarmStart = Callable[["ChatCodec", int, int], Awaitable[WarmStartData]]
+RECIPES = ("tictactoe", "calc", "connect4")
+
+
+class TaskSource(Protocol):
+    """Training samples by cursor: `sample(k)` is deterministic, so a resumed run continues
+    exactly where it stopped (the cursor is part of the checkpoint)."""
+
+    def sample(self, k: int) -> Sample: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SeedTasks:
+    """An environment's seed generator: sample k is the integer `offset + k`."""
+
+    offset: int = 0
+
+    def sample(self, k: int) -> Sample:
+        return self.offset + k
+
+
+@dataclass(frozen=True, slots=True)
+class ListTasks:
+    """A finite list of samples, reshuffled every epoch with `seed` (a JSONL file's lines)."""
+
+    items: Sequence[Sample]
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.items:
+            raise ValueError("ListTasks needs at least one sample; the task list is empty")
+
+    def sample(self, k: int) -> Sample:
+        n = len(self.items)
+        epoch, i = divmod(k, n)
+        order = list(range(n))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return self.items[order[i]]
+
+
+class IterTasks:
+    """A Python iterable or generator of samples, consumed lazily and remembered, so the
+    cursor-addressed `sample(k)` works and a resume fast-forwards to its cursor."""
+
+    def __init__(self, items: Iterable[Sample]) -> None:
+        self._it: Iterator[Sample] = iter(items)
+        self._seen: list[Sample] = []
+
+    def sample(self, k: int) -> Sample:
+        while len(self._seen) <= k:
+            try:
+                self._seen.append(next(self._it))
+            except StopIteration:
+                if not self._seen:
+                    raise ValueError("the tasks iterable yielded no sample") from None
+                return self._seen[k % len(self._seen)]
+        return self._seen[k]
+
+
+@dataclass(frozen=True, slots=True)
+class EvalSet:
+    """Held-out samples. `samples(split, step, n)` gives the samples of one evaluation: split
+    is "start" (before RL), "validation" (every `eval_every` steps) or "final"; `make`
+    generates `n` of them (e.g. fresh game seeds), `items` is a fixed set used whole."""
+
+    items: Sequence[Sample] = ()
+    make: Callable[[str, int, int], Sequence[Sample]] | None = None
+
+    def samples(self, split: str, step: int, n: int) -> list[Sample]:
+        if self.make is not None:
+            return list(self.make(split, step, n))
+        return list(self.items)
+
+    def __bool__(self) -> bool:
+        return self.make is not None or bool(self.items)
+
+
+def mean_reward(episodes: list[Episode]) -> dict[str, float]:
+    """The default eval metric: mean reward (failed episodes score 0), the failure rate and
+    `accuracy` = share of episodes with reward >= 1."""
+    n = max(len(episodes), 1)
+    rewards = [0.0 if e.failed or e.reward is None else e.reward for e in episodes]
+    return {"episodes": float(len(episodes)), "reward": sum(rewards) / n,
+            "accuracy": sum(r >= 1.0 for r in rewards) / n,
+            "failed_rate": sum(e.failed for e in episodes) / n}
+
+
+@dataclass(kw_only=True, slots=True)
+class Recipe:
+    """One trainable task.
+
+    Attributes:
+        name: shown in logs and the result.
+        agent: `async def agent(rollout, sample) -> float`, defined at module level.
+        tasks: training samples by cursor.
+        eval: held-out samples (empty: evaluate on fresh training samples).
+        metric: episodes -> named scores; `target_key` is the one stop rules and model
+            selection read.
+        target_key: the metric the `target` stop rule compares against.
+        max_tokens: per-turn generation cap.
+        max_total_tokens: per-trajectory cap (prompt included), None = the model's context.
+        shared_group_task: a GRPO group's members share one sample (True) or each gets its
+            own (False: e.g. one seed per game with a critic).
+        failed_reward: the reward of an episode whose agent raised or timed out.
+        warm_start: optional supervised warm start data `(codec, n, seed) -> (ids, targets)`.
+        config: default values of `RunConfig` fields for this recipe (YAML-shaped nesting),
+            applied before the user's config file and overrides.
+    """
+
+    name: str
+    agent: Callable[..., Awaitable[float | None]]
+    tasks: TaskSource
+    eval: EvalSet = field(default_factory=EvalSet)
+    metric: Metric = mean_reward
+    target_key: str = "reward"
+    max_tokens: int = 64
+    max_total_tokens: int | None = None
+    shared_group_task: bool = True
+    failed_reward: float = 0.0
+    warm_start: WarmStart | None = None
+    config: dict[str, object] = field(default_factory=dict)
+
+
+def agent_ref(fn: Callable[..., object]) -> str:
+    """The "module:name" (or "file.py:name") a producer process imports `fn` by.
+
+    Raises:
+        TypeError: `fn` is not a coroutine function defined at module level.
+    """
+    if not inspect.iscoroutinefunction(fn):
+        raise TypeError(f"agent {getattr(fn, '__qualname__', fn)!r} must be an `async def` "
+                        "coroutine function: async def agent(rollout, sample) -> float")
+    qual = fn.__qualname__
+    if "<locals>" in qual or "." in qual:
+        raise TypeError(f"agent {qual!r} is not defined at module level; producer processes "
+                        "import it by name, so define it with `async def` at the top of a module")
+    module = fn.__module__
+    if module == "__main__":
+        path = getattr(sys.modules["__main__"], "__file__", None)
+        if not path:
+            raise TypeError(f"agent {qual!r} lives in an interactive __main__; put it in a file")
+        return f"{Path(path).resolve()}:{qual}"
+    return f"{module}:{qual}"
+
+
+def load_agent(ref: str) -> Callable[..., Awaitable[float | None]]:
+    """Import the agent `ref` ("path/to/file.py:NAME" or "package.module:NAME").
+
+    Raises:
+        ValueError: the file or module does not exist, or does not define NAME, or NAME is
+            not an `async def` function; the message names the file and the fix.
+    """
+    fn = load_function(ref, what="--agent")
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"--agent: {ref} is a {type(fn).__name__}, not an `async def` "
+                         "function; write `async def agent(rollout, sample) -> float`")
+    return fn  # type: ignore[return-value]
+
+
+def load_reward(ref: str) -> Callable[[object, str], float]:
+    """Import a reward rule `def reward(sample, response: str) -> float` by reference: it
+    scores the agent's final assistant text and replaces the reward the agent returned."""
+    fn = load_function(ref, what="--reward")
+    if inspect.iscoroutinefunction(fn) or len(inspect.signature(fn).parameters) != 2:
+        raise ValueError(f"--reward: {ref} must be a plain function of two arguments: "
+                         "def reward(sample, response: str) -> float")
+    return fn  # type: ignore[return-value]
+
+
+def load_function(ref: str, *, what: str) -> Callable[..., object]:
+    """Import NAME from "path/to/file.py:NAME" or "package.module:NAME".
+
+    Raises:
+        ValueError: the file or module does not exist or does not define a callable NAME.
+    """
+    path, sep, name = ref.rpartition(":")
+    if not sep or not path or not name:
+        raise ValueError(f"{what} {ref!r} must look like PATH.py:NAME or module:NAME")
+    if path.endswith(".py"):
+        file = Path(path).expanduser().resolve()
+        if not file.is_file():
+            raise ValueError(f"{what}: file {path!r} does not exist; pass PATH.py:NAME")
+        mod_name = f"earl_user_{abs(hash(str(file)))}"
+        module = sys.modules.get(mod_name)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(mod_name, file)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[mod_name] = module
+            try:
+                spec.loader.exec_module(module)
+            except Exception as exc:
+                del sys.modules[mod_name]
+                raise ValueError(f"{what}: importing {path!r} failed: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+        where = path
+    else:
+        try:
+            module = importlib.import_module(path)
+        except ImportError as exc:
+            raise ValueError(f"{what}: cannot import module {path!r} ({exc}); pass "
+                             "PATH.py:NAME for a file") from exc
+        where = f"module {path!r}"
+    fn = getattr(module, name, None)
+    if fn is None or not callable(fn):
+        defined = sorted(k for k, v in vars(module).items()
+                         if inspect.isfunction(v) and not k.startswith("_"))
+        raise ValueError(f"{what}: {where} does not define {name!r}; its functions: "
+                         f"{defined or 'none'}")
+    return fn  # type: ignore[no-any-return]
+
+
+def load_jsonl(path: str | Path, *, what: str = "--tasks") -> list[Sample]:
+    """Read one sample per line of a JSONL file (blank lines skipped).
+
+    Raises:
+        ValueError: the file is missing or empty, or a line is not valid JSON (names the line).
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{what}: file {str(p)!r} does not exist; pass a JSONL file with one "
+                         "JSON sample per line")
+    out: list[Sample] = []
+    with p.open(encoding="utf-8", errors="strict") as f:
+        try:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    out.append(json.loads(line, parse_constant=_no_constant))
+                except (json.JSONDecodeError, ValueError) as exc:
+                    raise ValueError(f"{what}: {p}:{lineno} is not valid JSON ({exc}); write "
+                                     "one JSON value per line, e.g. "
+                                     '{"question": "2+2?", "answer": 4}') from None
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{what}: {p} is not UTF-8 text ({exc.reason}); pass a JSONL file"
+                             ) from None
+    if not out:
+        raise ValueError(f"{what}: {p} holds no samples; write one JSON sample per line")
+    return out
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def load_recipe(name: str) -> Recipe:
+    """A shipped recipe by name (`earl train --recipe NAME`)."""
+    if name not in RECIPES:
+        raise ValueError(f"--recipe {name!r} unknown; choose one of {', '.join(RECIPES)} (or "
+                         "pass --agent PATH.py:NAME --tasks FILE.jsonl)")
+    module = importlib.import_module(f"earl.recipes.{name}")
+    recipe = module.recipe
+    assert isinstance(recipe, Recipe)
+    return recipe

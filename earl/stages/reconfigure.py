@@ -1,0 +1,154 @@
+"""Live reconfiguration of stage actors: re-create a group with a new parallel layout.
+
+`reconfigure_trainer` saves the trainer group's state with a resharding checkpoint (torch
+distributed checkpoint: every rank writes its shards), stops the group, spawns the same
+`TrainerConfig` with the new layout (``dp`` replicas x ``tp`` ranks), loads the checkpoint
+into the new shards (parameters *and* Adam moments, schedule and step: not reset) and, when
+given a rollout group, re-pushes the weights at the current policy version.
+`reconfigure_rollout` does the same for the vLLM replicas: a new tensor-parallel degree or
+replica count, then the trainer pushes the current weights into them.
+
+Both report seconds by phase (`ReconfigTimes`). Samples in flight stay in the dock: the dock
+index and warehouses are other actors, untouched here. This module does not decide *when* to
+reconfigure (the parallelism selector does) and does not drain producers: the caller stops
+calling the old group first.
+
+Example:
+    >>> trainer, times = await reconfigure_trainer(rt, trainer, Layout(dp=1, tp=2),
+    ...                                            checkpoint_dir=out / "reshard", rollout=rollout)
+    >>> times.total_s, times.save_s, times.load_s
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from earl.runtime import ActorGroup, Runtime
+from earl.runtime.layout import Layout
+from earl.stages.rollout import RolloutActor
+from earl.stages.trainer import TrainerActor
+from earl.stages.trainer_dist import free_dist_url
+
+__all__ = ["ReconfigTimes", "reconfigure_rollout", "reconfigure_trainer"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReconfigTimes:
+    """Seconds spent in each phase of one reconfiguration (0 for a phase that did not run)."""
+
+    save_s: float = 0.0
+    stop_s: float = 0.0
+    spawn_s: float = 0.0
+    load_s: float = 0.0
+    push_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.save_s + self.stop_s + self.spawn_s + self.load_s + self.push_s
+
+    def as_dict(self) -> dict[str, float]:
+        return {**dataclasses.asdict(self), "total_s": self.total_s}
+
+
+async def reconfigure_trainer(
+    rt: Runtime, group: ActorGroup[TrainerActor], new_layout: Layout, *,
+    checkpoint_dir: str | Path, env: dict[str, str] | None = None,
+    rollout: ActorGroup[RolloutActor] | None = None, version: int | None = None,
+    slot: Any = None, **changes: Any,
+) -> tuple[ActorGroup[TrainerActor], ReconfigTimes]:
+    """Re-create the trainer `group` with `new_layout`, its state resharded, not reset.
+
+    Args:
+        rt: the runtime that spawned `group`.
+        group: the live trainer group (nothing else may be calling it).
+        new_layout: ``dp`` x ``tp`` of the new group (``pp`` and ``cp`` must be 1). With
+            ``tp > 1`` and ``dp > 1`` the data-parallel mode becomes FSDP2.
+        checkpoint_dir: where the resharding checkpoint is written (kept afterwards).
+        env: environment of the new actor processes.
+        rollout: push the weights to this rollout group once loaded (phase ``push_s``).
+        version: the policy version to tag that push with (default: the trainer's step).
+        slot: the new ranks' device slots (`Runtime.spawn`'s ``slot=``: one per rank).
+        changes: other `TrainerConfig` fields to change (e.g. ``micro_batch_tokens``, the
+            micro-batch token budget the dispatcher plans with).
+
+    Returns:
+        (the new group, under the same name; seconds by phase).
+
+    Raises:
+        ValueError: a layout the torch trainer cannot run.
+    """
+    if new_layout.pp != 1 or new_layout.cp != 1:
+        raise ValueError(f"reconfigure_trainer: layout {new_layout} has pp/cp > 1; the torch "
+                         "trainer runs dp x tp only")
+    cfg = await group[0].trainer_config.call_one()
+    parallel = "fsdp" if new_layout.tp > 1 and new_layout.dp > 1 else cfg.parallel
+    new_cfg = dataclasses.replace(
+        cfg, tp=new_layout.tp, parallel=parallel,
+        dist_url=free_dist_url() if new_layout.world_size > 1 else None, **changes)
+    path = str(checkpoint_dir)
+    t0 = time.perf_counter()
+    await group.save_checkpoint.call(path)
+    t1 = time.perf_counter()
+    await group.close.call()
+    await rt.stop(group)
+    t2 = time.perf_counter()
+    new = await rt.spawn(group.name, TrainerActor, new_cfg, n=new_layout.world_size, env=env,
+                         slot=slot)
+    t3 = time.perf_counter()
+    steps = await new.load_checkpoint.call(path)
+    t4 = time.perf_counter()
+    t5 = t4
+    if rollout is not None:
+        await new.push_weights.call(rollout, steps[0] if version is None else version)
+        t5 = time.perf_counter()
+    return new, ReconfigTimes(save_s=t1 - t0, stop_s=t2 - t1, spawn_s=t3 - t2, load_s=t4 - t3,
+                              push_s=t5 - t4)
+
+
+async def reconfigure_rollout(
+    rt: Runtime, group: ActorGroup[RolloutActor], *, tensor_parallel_size: int,
+    replicas: int | None = None, trainer: ActorGroup[TrainerActor] | None = None,
+    version: int | None = None, env: dict[str, str] | None = None,
+    slot: Any = None, **changes: Any,
+) -> tuple[ActorGroup[RolloutActor], ReconfigTimes]:
+    """Re-create the rollout `group` with a new TP degree (and replica count), then have
+    `trainer` push the current weights into it at the current policy version.
+
+    Args:
+        rt: the runtime that spawned `group`.
+        group: the live rollout group (in-flight requests on it are aborted: let the agents'
+            sessions finish first, or retry them on the new group).
+        tensor_parallel_size: vLLM workers per replica.
+        replicas: replica count (default: unchanged).
+        trainer: the trainer group whose weights the new replicas load (phase ``push_s``);
+            without it the replicas serve the weights in their config's model folder.
+        version: the policy version to tag the weights with (default: the trainer's step,
+            else the old replicas' version).
+        env: environment of the new actor processes.
+        slot: the new replicas' device slots (`Runtime.spawn`'s ``slot=``: one per replica).
+        changes: other `EngineConfig` fields to change (e.g. ``kv_cache_gb``, ``max_model_len``).
+
+    Returns:
+        (the new group, under the same name; seconds by phase, ``save_s`` and ``load_s`` 0).
+    """
+    cfg = await group[0].engine_config.call_one()
+    new_cfg = dataclasses.replace(cfg, tensor_parallel_size=tensor_parallel_size, **changes)
+    n = len(group) if replicas is None else replicas
+    if version is None:
+        version = (await trainer[0].version.call_one() if trainer is not None
+                   else await group[0].policy_version.call_one())
+    t0 = time.perf_counter()
+    await group.close.call()
+    await rt.stop(group)
+    t1 = time.perf_counter()
+    new = await rt.spawn(group.name, RolloutActor, new_cfg, version, n=n, env=env, slot=slot)
+    t2 = time.perf_counter()
+    t3 = t2
+    if trainer is not None:
+        await trainer.push_weights.call(new, version)
+        t3 = time.perf_counter()
+    return new, ReconfigTimes(stop_s=t1 - t0, spawn_s=t2 - t1, push_s=t3 - t2)

@@ -1,0 +1,266 @@
+"""`TrainerActor`: the policy trainer as an actor group (one actor per rank of its layout).
+
+A thin wrapper over `TorchTrainer` (``backend="torch"``) or `MegatronTrainer`
+(``backend="megatron"``, CUDA only): each endpoint runs the blocking torch work in a thread, one
+call at a time, so collectives across ranks stay in order. The group's ranks form
+``Layout(dp=n // config.tp, tp=config.tp)``. Its data path is the dispatcher's: the driver leases
+samples and plans them (`earl.stages.trainer_feed.train_from_dock`), every rank gets the plan
+(`train_planned`), each DP replica's leader fetches only its slice straight from the warehouses
+and forwards it to its TP peers. With FSDP or TP, every endpoint that touches the weights (all
+but ``version``, ``trainer_config``, ``layout``) is a collective: calling it on one rank only hangs.
+Weights go to the rollout through one `WeightPublisher` kept for the trainer's life.
+
+Example:
+    >>> cfg = TrainerConfig(model=path, tp=2, dist_url=free_dist_url())
+    >>> g = await rt.spawn("trainer", TrainerActor, cfg, n=2)
+    >>> metrics = await train_from_dock(g, dock, 64, ["input_ids", "loss_mask", "advantages"])
+    >>> await g.push_weights.call(rollout_group, version=1)   # every rank (FSDP/TP gathers)
+
+It does not build batches or decide when to sync: the run loop does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+import torch
+
+from earl.algorithms.objective import LossConfig
+from earl.runtime import Actor, ActorGroup, endpoint, registry, wire
+from earl.runtime.dispatch import DispatchPlan, FetchOp, ReplicaPlan, receive_replica
+from earl.runtime.dispatch import forward as forward_frames
+from earl.runtime.layout import Layout
+from earl.stages.trainer_batch import TrainBatch
+from earl.stages.trainer_dist import free_dist_url
+from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
+
+__all__ = ["TorchTrainer", "TrainBatch", "TrainerActor", "TrainerConfig", "free_dist_url"]
+
+if TYPE_CHECKING:
+    from earl.runtime.dock import Dock
+    from earl.runtime.transport import Frame, Sender
+    from earl.stages.weights import WeightPublisher
+
+# Typed configs and plans travel to trainer ranks as records (decoded after this import).
+for _cls in (TrainerConfig, LossConfig, Layout, FetchOp, ReplicaPlan, DispatchPlan):
+    wire.message(_cls)
+
+R = TypeVar("R")
+
+
+class TrainerActor(Actor):
+    """One trainer rank.
+
+    Args:
+        config: the recipe; ``config.tp`` must divide the group size.
+        backend: ``"torch"`` (CPU or CUDA) or ``"megatron"`` (megatron-core, CUDA).
+    """
+
+    def __init__(self, config: TrainerConfig,
+                 backend: Literal["torch", "megatron"] = "torch") -> None:
+        if not isinstance(config, TrainerConfig):
+            raise TypeError(f"TrainerActor config must be a TrainerConfig, got "
+                            f"{type(config).__name__}")
+        if backend not in ("torch", "megatron"):
+            raise ValueError(f"TrainerActor backend must be 'torch' or 'megatron', got {backend!r}")
+        self.config = config
+        self.backend = backend
+        self.trainer: TorchTrainer | None = None
+        self._lock = asyncio.Lock()
+        self._dock: Dock | None = None  # made on first use
+        self._peers: dict[int, Sender] = {}  # this replica's other ranks (leader only)
+        self._publisher: WeightPublisher | None = None  # one per trainer life (and rollout group)
+        self._publisher_key: tuple[object, ...] = ()
+
+    async def setup(self) -> None:
+        def build() -> TorchTrainer:
+            if self.backend == "megatron":
+                from earl.stages.trainer_megatron import MegatronTrainer
+
+                return MegatronTrainer(self.config, rank=self.rank,  # type: ignore[return-value]
+                                       world_size=self.world_size)
+            return TorchTrainer(self.config, rank=self.rank, world_size=self.world_size)
+
+        self.trainer = await asyncio.to_thread(build)
+
+    async def _run(self, fn: Callable[[TorchTrainer], R]) -> R:
+        assert self.trainer is not None
+        trainer = self.trainer
+        async with self._lock:
+            return await asyncio.to_thread(fn, trainer)
+
+    @endpoint
+    async def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on this rank's shard; metrics are global (all ranks)."""
+        return await self._run(lambda t: t.train_step(batch))
+
+    @endpoint
+    async def train_planned(self, plan: DispatchPlan, index: str = "dock",
+                            lr_scale: float = 1.0, timeout_s: float = 120.0) -> dict[str, float]:
+        """One optimizer step on this rank's slice of a dispatch plan (call on every rank).
+
+        The leader of each DP replica fetches the replica's samples straight from the
+        warehouses (`Dock.fetch_replica`) and forwards the frames to its TP peers (on one host,
+        the same read-only shm pages); the micro-batches are the plan's. The caller acks the
+        lease (`earl.stages.trainer_feed.train_from_dock` does all of it).
+        """
+        replica = plan.for_rank(self.rank)
+        batch = await self._fetch_planned(plan, index, timeout_s)
+        pos = {sid: i for i, sid in enumerate(replica.sample_ids)}
+        micro = [[pos[sid] for sid in mb] for mb in replica.micro_batches]
+        metrics = await self._run(lambda t: t.train_step(batch, lr_scale, micro))
+        for r in replica.ranks:  # peers have read the forwarded pages by now: free them
+            wait = getattr(self._peers.get(r), "wait_released", None)
+            if wait is not None:
+                await asyncio.to_thread(wait, timeout_s)
+        return metrics
+
+    async def _fetch_planned(self, plan: DispatchPlan, index: str,
+                             timeout_s: float) -> TrainBatch:
+        from earl.runtime import context
+        from earl.runtime.dock import Dock
+        from earl.runtime.transport import connect
+
+        if self._dock is None:
+            self._dock = Dock(await context().lookup(index))
+        replica = plan.for_rank(self.rank)
+        frames: list[Frame]
+        if plan.is_leader(self.rank):
+            data, frames = await self._dock.fetch_replica(plan, self.rank, timeout_s=timeout_s)
+            peers = [r for r in replica.ranks if r != self.rank]
+            if peers:
+                group = await context().lookup(self.name)
+                for r in peers:
+                    if r not in self._peers:
+                        self._peers[r] = connect(await group[r].data_address.call_one(index))
+                forward_frames(frames, [self._peers[r] for r in peers])
+        else:
+            receiver = self._dock.receiver()
+            data, frames = await asyncio.to_thread(receive_replica, receiver,
+                                                   len(replica.fetches), timeout_s=timeout_s)
+        try:
+            return TrainBatch.from_samples([data[sid] for sid in replica.sample_ids])  # copies
+        finally:
+            for f in frames:
+                f.release()
+
+    @endpoint
+    async def data_address(self, index: str = "dock") -> str:
+        """Address where this rank receives its replica's data (from the warehouses, or
+        forwarded by its replica leader); `index` names the dock's index group."""
+        from earl.runtime import context
+        from earl.runtime.dock import Dock
+
+        if self._dock is None:
+            self._dock = Dock(await context().lookup(index))
+        return str(self._dock.receiver().address)
+
+    @endpoint
+    async def accumulate(self, batch: TrainBatch) -> dict[str, float]:
+        """Forward/backward into the gradients without stepping (for several mini-batches)."""
+        return await self._run(lambda t: t.accumulate(batch))
+
+    @endpoint
+    async def optimizer_step(self) -> dict[str, float]:
+        return await self._run(lambda t: t.optimizer_step())
+
+    @endpoint
+    async def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Per-token log-probs ``[T]`` of this rank's shard under the current weights."""
+        return await self._run(lambda t: t.compute_logprobs(batch))
+
+    @endpoint
+    async def trainer_config(self) -> TrainerConfig:
+        """The recipe this rank was built with (what `earl.stages.reconfigure` re-spawns)."""
+        return self.config
+
+    @endpoint
+    async def layout(self) -> Layout:
+        """This group's parallel layout (``dp`` replicas of ``tp`` ranks)."""
+        return Layout(dp=self.world_size // self.config.tp, tp=self.config.tp)
+
+    @endpoint
+    async def version(self) -> int:
+        """Optimizer steps taken (the policy version the trainer holds)."""
+        assert self.trainer is not None
+        return self.trainer.step
+
+    @endpoint
+    async def push_weights(self, rollout: ActorGroup[Any], version: int | None = None,
+                           transport: Literal["shm", "rpc"] = "shm",
+                           bucket_bytes: int = 64 << 20) -> dict[str, float]:
+        """Send the current weights to every replica of ``rollout`` (call on all ranks).
+
+        Rank 0 sends; other ranks only take part in FSDP's / TP's gathers. Rank 0 keeps one
+        `WeightPublisher` (its connections and warm buffers) for as long as it pushes to the
+        same rollout group with the same settings. Returns the `WeightSync` numbers (seconds,
+        bytes, buckets, load_s, version) on rank 0, ``{}`` elsewhere.
+        """
+        assert self.trainer is not None
+        ver = self.trainer.step if version is None else version
+        if self.rank != 0 and not self.trainer.collective_weights:
+            return {}
+        named = await self._run(lambda t: list(t.named_weights()))
+        if self.rank != 0:
+            return {}
+        publisher = self._publisher_for(rollout, transport, bucket_bytes)
+        try:
+            sync = await publisher.push(named, version=ver)
+        except BaseException:
+            self._close_publisher()  # reconnect next time (e.g. a replica was restarted)
+            raise
+        return {k: float(v) for k, v in asdict(sync).items()}
+
+    def _publisher_for(self, rollout: ActorGroup[Any], transport: Literal["shm", "rpc"],
+                       bucket_bytes: int) -> WeightPublisher:
+        from earl.stages.weights import WeightPublisher
+
+        key = (rollout.name, tuple(rollout.addresses), transport, bucket_bytes)
+        if self._publisher is None or key != self._publisher_key:
+            self._close_publisher()
+            self._publisher = WeightPublisher(rollout, transport=transport,
+                                              bucket_bytes=bucket_bytes)
+            self._publisher_key = key
+        return self._publisher
+
+    def _close_publisher(self) -> None:
+        if self._publisher is not None:
+            self._publisher.close()
+        self._publisher, self._publisher_key = None, ()
+
+    @endpoint
+    async def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """All weights with HF names (small models; big ones go through ``push_weights``)."""
+        return await self._run(lambda t: list(t.named_weights()))
+
+    @endpoint
+    async def save_hf(self, path: str) -> str:
+        """Export an HF folder at `path` (under an allowed root: `earl.runtime.registry`)."""
+        registry.check_path(path, what="TrainerActor.save_hf path")
+        return str(await self._run(lambda t: t.save_hf(path)))
+
+    @endpoint
+    async def save_checkpoint(self, path: str) -> None:
+        registry.check_path(path, what="TrainerActor.save_checkpoint path")
+        await self._run(lambda t: t.save_checkpoint(path))
+
+    @endpoint
+    async def load_checkpoint(self, path: str) -> int:
+        """Restore a checkpoint; returns the restored step."""
+        registry.check_path(path, what="TrainerActor.load_checkpoint path")
+        await self._run(lambda t: t.load_checkpoint(path))
+        assert self.trainer is not None
+        return self.trainer.step
+
+    @endpoint
+    async def close(self) -> None:
+        self._close_publisher()
+        for sender in self._peers.values():
+            sender.close()
+        self._peers.clear()
+        if self._dock is not None:
+            self._dock.close()
+        await self._run(lambda t: t.close())

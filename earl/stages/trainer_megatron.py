@@ -1,0 +1,177 @@
+"""`MegatronTrainer`: the `TorchTrainer` interface over a megatron-core ``GPTModel``.
+
+Same endpoints and semantics as the torch backend (packed micro-batches, global-denominator
+gradient accumulation, AdamW, clipping, bf16 autocast, HF-named weight export, checkpoints);
+only the model differs: an HF Qwen2/Llama folder is converted into a megatron-core GPTModel
+(local layer spec, no Transformer Engine) and back (`trainer_megatron_convert`). Data
+parallelism is torch DDP; tensor/pipeline parallel sizes are 1 in this version.
+
+What megatron-core 0.16.1 does on CPU (measured): ``parallel_state`` over gloo and GPTModel
+construction work as is; forward/backward work once two hard-coded CUDA calls are bypassed —
+RoPE moving ``inv_freq`` to ``torch.cuda.current_device()`` and the CUDA RNG tracker fork
+around attention dropout (dropout is 0 here). ``_cpu_compat`` does that for the duration of a
+forward on CPU only. Megatron's own DDP, distributed optimizer and dist_checkpointing need CUDA
+and are not used.
+
+Packed samples attend through a block-diagonal causal mask. RoPE positions run on across the
+packed row (megatron derives them from the row length, not from position ids); attention
+scores depend only on position differences, so the result equals per-sample positions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from earl.packing import Packed
+from earl.stages import trainer_dist as tdist
+from earl.stages.trainer_dist import free_dist_url
+from earl.stages.trainer_megatron_convert import QwenShape, hf_to_mcore, mcore_to_hf
+from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+__all__ = ["MegatronTrainer", "build_gpt_model", "init_megatron_parallel"]
+
+
+def init_megatron_parallel(rank: int, world_size: int, url: str | None,
+                           device: torch.device) -> None:
+    """Join a process group (even of size 1, megatron needs one) and init ``parallel_state``."""
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if world_size > 1 and url is None:
+            raise ValueError("TrainerConfig.dist_url is needed with world_size > 1 "
+                             "(earl.stages.trainer_dist.free_dist_url())")
+        dist.init_process_group(backend, init_method=url or free_dist_url(), rank=rank,
+                                world_size=world_size)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
+                                                 pipeline_model_parallel_size=1)
+
+
+def build_gpt_model(hf_config: PretrainedConfig, *, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """An empty megatron-core GPTModel shaped like an HF Qwen2/Llama config (local spec)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    c = hf_config
+    if getattr(c, "hidden_act", "silu") != "silu":
+        raise ValueError(f"megatron backend supports silu MLPs, the model uses {c.hidden_act!r}")
+    rope = (getattr(c, "rope_parameters", None) or {}).get("rope_theta") \
+        or getattr(c, "rope_theta", 10000.0)
+    shape = QwenShape.from_hf_config(c)
+    qkv_bias = getattr(c, "model_type", "") == "qwen2" or bool(getattr(c, "attention_bias", False))
+    tcfg = TransformerConfig(
+        num_layers=shape.layers, hidden_size=c.hidden_size, num_attention_heads=shape.heads,
+        num_query_groups=shape.kv_heads, kv_channels=shape.head_dim,
+        ffn_hidden_size=c.intermediate_size, normalization="RMSNorm",
+        layernorm_epsilon=c.rms_norm_eps, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=qkv_bias,
+        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype,
+        use_cpu_initialization=True, bias_activation_fusion=False, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+    return GPTModel(
+        config=tcfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=c.vocab_size, max_sequence_length=c.max_position_embeddings,
+        position_embedding_type="rope", rotary_base=int(float(rope or 10000.0)),
+        share_embeddings_and_output_weights=shape.tied, pre_process=True, post_process=True,
+    )
+
+
+@contextlib.contextmanager
+def _cpu_compat(device: torch.device) -> Iterator[None]:
+    """Bypass megatron-core's two hard-coded CUDA calls while running on CPU (see module doc)."""
+    if device.type != "cpu":
+        yield
+        return
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    saved_device, saved_fork = torch.cuda.current_device, tracker.fork
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+    tracker.fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = saved_device  # type: ignore[assignment]
+        tracker.fork = saved_fork  # type: ignore[method-assign]
+
+
+def packed_causal_mask(packed: Packed) -> Tensor:
+    """``[1, 1, T, T]`` bool mask, True where attention is *not* allowed (megatron convention)."""
+    sid = packed.seq_ids
+    t = sid.numel()
+    causal = torch.ones(t, t, dtype=torch.bool, device=sid.device).tril()
+    allowed = causal & (sid[:, None] == sid[None, :])
+    return ~allowed[None, None]
+
+
+class MegatronTrainer(TorchTrainer):
+    """`TorchTrainer` with a megatron-core GPTModel inside (``parallel`` must be ``"ddp"``)."""
+
+    def __init__(self, config: TrainerConfig, *, rank: int = 0, world_size: int = 1) -> None:
+        if world_size > 1 and config.parallel != "ddp":
+            raise ValueError("the megatron backend supports TrainerConfig.parallel='ddp' only")
+        if config.tp != 1:
+            raise ValueError("the megatron backend runs TrainerConfig.tp=1 only (its CPU path "
+                             "is pinned to TP=PP=1); use backend='torch' for tensor parallel")
+        super().__init__(config, rank=rank, world_size=world_size)
+
+    def _load_model(self) -> nn.Module:
+        from safetensors.torch import load_file
+        from transformers import AutoConfig
+
+        init_megatron_parallel(self.rank, self.world_size, self.config.dist_url, self.device)
+        self.hf_config = AutoConfig.from_pretrained(self.config.model)
+        self.shape = QwenShape.from_hf_config(self.hf_config)
+        files = _model_files(self.config.model)
+        hf_state: dict[str, Tensor] = {}
+        for f in files:
+            hf_state.update(load_file(str(f)))
+        model = build_gpt_model(self.hf_config)
+        missing, unexpected = model.load_state_dict(hf_to_mcore(hf_state, self.shape), strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise ValueError(f"HF -> megatron conversion of {self.config.model} left missing="
+                             f"{missing[:5]} unexpected={unexpected[:5]}")
+        return model.to(self.device)
+
+    def _wrap_model(self, module: nn.Module) -> nn.Module:
+        return tdist.wrap_model(module, "ddp", self.device)
+
+    def _forward(self, packed: Packed, keep: Tensor | None = None) -> Tensor:
+        with _cpu_compat(self.device):
+            logits = self.model(packed.input_ids[None], packed.position_ids[None],
+                                attention_mask=packed_causal_mask(packed))
+        return logits[0] if keep is None else logits[0, keep]
+
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """HF-named weights converted from the megatron model (tied ``lm_head`` left out)."""
+        mc = {k: v.detach() for k, v in self.module.state_dict().items()
+              if not k.endswith("_extra_state")}
+        yield from mcore_to_hf(mc, self.shape).items()
+
+    def _hf_for_saving(self) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(self.hf_config)
+
+
+def _model_files(folder: str) -> list[Path]:
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"TrainerConfig.model={folder!r} has no *.safetensors weights")
+    return files

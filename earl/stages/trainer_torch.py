@@ -1,0 +1,433 @@
+"""`TorchTrainer`: the policy's optimizer loop in plain torch, usable in-process or in an actor.
+
+Loads an HF causal LM folder, computes per-token log-probs, and does optimizer steps on
+`TrainBatch`es: token-budget micro-batches with sequence packing, gradient accumulation, AdamW,
+gradient clipping, fp32 or bf16 autocast, DDP or FSDP2 across ranks. It exports weights with HF
+names for the rollout side and saves/loads checkpoints (model, optimizer, schedule, RNG).
+
+It does not compute advantages, talk to the dock or decide when to sync weights (the run loop
+does); the actor wrapper is `earl.stages.trainer.TrainerActor`.
+
+Example:
+    >>> t = TorchTrainer(TrainerConfig(model="/path/to/hf_folder", lr=1e-4))
+    >>> metrics = t.train_step(batch)            # one optimizer step
+    >>> for name, tensor in t.named_weights(): ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from earl.algorithms.aggregation import aggregation_denominator
+from earl.algorithms.objective import LossConfig, policy_objective
+from earl.packing import (
+    AttnMode,
+    Packed,
+    pack,
+    packed_forward,
+    plan_micro_batches,
+    scored_positions,
+    set_attention,
+    token_entropy,
+    token_logprobs,
+)
+from earl.stages import trainer_dist as tdist
+from earl.stages.trainer_batch import MicroBatch, TrainBatch
+
+__all__ = ["TorchTrainer", "TrainerConfig"]
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    """The torch trainer's recipe (placement — how many ranks — is the caller's business).
+
+    Attributes:
+        model: HF model folder (config.json + safetensors).
+        lr: AdamW learning rate (after warmup).
+        weight_decay, betas, adam_eps: AdamW settings.
+        warmup_steps: linear LR warmup from 0 over this many steps.
+        grad_clip: max global grad norm (0 = no clipping).
+        dtype: ``"float32"``, or ``"bfloat16"`` (bf16 autocast, fp32 master weights).
+        micro_batch_tokens: token budget of one packed forward/backward.
+        attention: ``"varlen"`` (per-sample causal SDPA) or ``"mask"`` (block-diagonal mask).
+        temperature: the rollout's sampling temperature; log-probs use ``logits / temperature``.
+        parallel: ``"ddp"`` or ``"fsdp"`` (FSDP2) across data-parallel replicas.
+        tp: tensor-parallel degree (DTensor plans on every decoder layer); the ranks form
+            ``world_size // tp`` data-parallel replicas of ``tp`` ranks each (TP fastest, as in
+            `earl.runtime.layout.Layout`). TP with more than one replica needs ``"fsdp"``.
+        dist_url: rendezvous address shared by all ranks (``trainer_dist.free_dist_url()``).
+        device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
+        threads: torch intra-op threads on CPU (None: leave as is).
+        seed: torch seed for anything random in the trainer.
+        log_entropy: compute the policy entropy metric even when ``loss.entropy_coef`` is 0.
+        loss: the objective (see `earl.algorithms.LossConfig`).
+    """
+
+    model: str
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    micro_batch_tokens: int = 4096
+    attention: AttnMode = "varlen"
+    temperature: float = 1.0
+    parallel: tdist.Parallel = "ddp"
+    tp: int = 1
+    dist_url: str | None = None
+    device: str = "auto"
+    threads: int | None = None
+    seed: int = 0
+    log_entropy: bool = True
+    loss: LossConfig = field(default_factory=LossConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.loss, dict):
+            self.loss = LossConfig(**self.loss)
+        self.betas = (float(self.betas[0]), float(self.betas[1]))
+        if self.lr <= 0:
+            raise ValueError(f"TrainerConfig.lr must be > 0, got {self.lr}")
+        if self.grad_clip < 0:
+            raise ValueError(f"TrainerConfig.grad_clip must be >= 0 (0 = off), got {self.grad_clip}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"TrainerConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.micro_batch_tokens < 1:
+            raise ValueError(f"TrainerConfig.micro_batch_tokens must be >= 1, got "
+                             f"{self.micro_batch_tokens}")
+        if self.attention not in ("varlen", "mask"):
+            raise ValueError(f"TrainerConfig.attention must be 'varlen' or 'mask', got "
+                             f"{self.attention!r}")
+        if self.parallel not in ("ddp", "fsdp"):
+            raise ValueError(f"TrainerConfig.parallel must be 'ddp' or 'fsdp', got {self.parallel!r}")
+        if self.tp < 1:
+            raise ValueError(f"TrainerConfig.tp must be >= 1, got {self.tp}")
+        if self.temperature <= 0:
+            raise ValueError(f"TrainerConfig.temperature must be > 0, got {self.temperature}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"TrainerConfig.device must be 'auto', 'cpu' or 'cuda', got "
+                             f"{self.device!r}")
+
+
+class TorchTrainer:
+    """Policy model + AdamW on one data-parallel rank.
+
+    Args:
+        config: the recipe.
+        rank: this rank (0-based) among ``world_size`` trainer ranks.
+        world_size: number of trainer ranks (``dp * config.tp``); > 1 joins a process group
+            at ``config.dist_url`` (all ranks must construct their trainer concurrently).
+    """
+
+    def __init__(self, config: TrainerConfig, *, rank: int = 0, world_size: int = 1) -> None:
+        self.config = config
+        self.rank, self.world_size = rank, world_size
+        if not Path(config.model, "config.json").is_file():
+            raise ValueError(f"TrainerConfig.model={config.model!r} is not an HF model folder "
+                             "(no config.json); build one with earl.models.tiny.build_tiny_model")
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        want_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+        self.device = torch.device("cuda", torch.cuda.current_device()) if want_cuda else torch.device("cpu")
+        if world_size % config.tp:
+            raise ValueError(f"TrainerConfig.tp={config.tp} does not divide world_size="
+                             f"{world_size}: spawn dp * tp trainer ranks")
+        self.tp, self.dp_size = config.tp, world_size // config.tp
+        self.distributed = tdist.init_distributed(rank, world_size, config.dist_url, self.device)
+        self.mesh = tdist.build_mesh(world_size, config.tp, self.device) if self.distributed else None
+        self.dp_group = tdist.dp_group(self.mesh)  # reductions over data: DP ranks only
+        torch.manual_seed(config.seed)
+        self.module: nn.Module = self._load_model()  # the unwrapped model
+        self.model = self._wrap_model(self.module) if self.distributed else self.module
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=config.lr, betas=config.betas, eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+            foreach=False if config.tp > 1 else None,  # foreach cannot mix DTensor and Tensor
+        )
+        warm = config.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0
+        )
+        self.step = 0  # optimizer steps taken = the policy version this trainer holds
+
+    # ------------------------------------------------------------------ backend hooks
+
+    def _load_model(self) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(self.config.model, dtype=torch.float32)
+        hf.to(self.device)  # type: ignore[arg-type]
+        set_attention(hf, self.config.attention)
+        self._tied = set(getattr(hf, "all_tied_weights_keys", {}) or {})
+        return hf
+
+    def _wrap_model(self, module: nn.Module) -> nn.Module:
+        return tdist.wrap_model(module, self.config.parallel, self.device, self.mesh)
+
+    def _forward(self, packed: Packed, keep: Tensor | None = None) -> Tensor:
+        """Logits ``[T, V]`` of a packed row already on the device (rows ``keep`` only)."""
+        return packed_forward(self.model, packed, keep)
+
+    # ------------------------------------------------------------------ forward
+
+    def _autocast(self) -> contextlib.AbstractContextManager[None]:
+        if self.config.dtype == "bfloat16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _logits(self, packed: Packed, keep: Tensor | None = None) -> Tensor:
+        on_dev = Packed(
+            input_ids=packed.input_ids.to(self.device),
+            position_ids=packed.position_ids.to(self.device),
+            seq_ids=packed.seq_ids.to(self.device),
+            cu_seqlens=packed.cu_seqlens,  # stays on CPU: the varlen loop reads its bounds
+            max_seqlen=packed.max_seqlen,
+        )
+        with self._autocast():
+            logits = self._forward(on_dev, None if keep is None else keep.to(self.device))
+        logits = logits.float()
+        if self.config.temperature != 1.0:
+            logits = logits / self.config.temperature
+        return logits
+
+    def _plan(self, batch: TrainBatch,
+              micro_batches: list[list[int]] | None = None) -> list[list[int] | None]:
+        """Local micro-batches (``micro_batches``, e.g. from the dispatcher's plan, or packed to
+        ``micro_batch_tokens``), padded with ``None`` so every rank runs the same number."""
+        if micro_batches is None:
+            micro_batches = plan_micro_batches(batch.lengths.tolist(),
+                                               self.config.micro_batch_tokens)
+        plan: list[list[int] | None] = [list(mb) if mb else None for mb in micro_batches]
+        count = int(tdist.all_reduce(torch.tensor([len(plan)]), "max", group=self.dp_group)[0])
+        return plan + [None] * (count - len(plan))
+
+    def _dummy_forward(self) -> Tensor:
+        """A 1-token forward with zero loss, keeping DDP/FSDP collectives in lockstep."""
+        logits = self._logits(pack([torch.zeros(1, dtype=torch.long)]))
+        return logits.sum() * 0.0
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch) -> Tensor:
+        """Per-token log-probs ``[T]`` of ``batch`` under the current weights (0 at sample starts).
+
+        With world_size > 1 every rank must call this (FSDP gathers parameters), each with its
+        own shard of samples. Store the result as ``batch.old_logprobs`` for decoupled PPO/TIS
+        when a batch is reused for several optimizer steps.
+        """
+        out = torch.zeros(batch.num_tokens)
+        cu = batch.cu_seqlens.tolist()
+        for mb in self._plan(batch):
+            if mb is None:
+                self._dummy_forward()
+                continue
+            packed = batch.select(mb).packed
+            lp = token_logprobs(self._logits(packed), packed).cpu()
+            offs = packed.cu_seqlens.tolist()
+            for j, i in enumerate(mb):
+                out[cu[i]:cu[i + 1]] = lp[offs[j]:offs[j + 1]]
+        return out
+
+    # ------------------------------------------------------------------ training
+
+    def accumulate(self, batch: TrainBatch,
+                   micro_batches: list[list[int]] | None = None) -> dict[str, float]:
+        """Forward/backward ``batch`` into the gradients (no optimizer step).
+
+        The loss of every micro-batch is normalised by the *global* (all micro-batches, all
+        DP ranks) aggregation denominator, so the accumulated gradient equals that of one big
+        batch, whatever the micro-batching or the layout. TP ranks of one replica get the same
+        ``batch``; ``micro_batches`` (indices into it; an empty one runs a padding forward)
+        overrides the ``micro_batch_tokens`` packing.
+
+        Returns:
+            Step-level means of the loss terms (``loss``, ``pg_loss``, ``clip_frac``, ``kl``,
+            ``entropy``, ...) plus ``tokens``, ``loss_tokens``, ``samples``, ``micro_batches``.
+        """
+        cfg = self.config.loss
+        self.model.train()
+        plan = [None if mb is None else batch.select(mb)
+                for mb in self._plan(batch, micro_batches)]
+        local = torch.zeros(4, dtype=torch.float64)
+        for sub in plan:
+            if sub is not None:
+                local[0] += aggregation_denominator(sub.loss_mask, cfg.agg, sub.packed.seq_ids)
+        local[1] = batch.num_tokens
+        local[2] = float(batch.loss_mask.sum())
+        local[3] = batch.num_samples
+        totals = tdist.all_reduce(local.clone(), group=self.dp_group)
+        denom = float(totals[0])
+        scale = float(self.dp_size)  # DDP/FSDP average gradients over DP ranks
+        sums: dict[str, Tensor] = {}
+        want_entropy = cfg.entropy_coef > 0 or self.config.log_entropy
+        for k, sub in enumerate(plan):
+            last = k == len(plan) - 1
+            no_sync = getattr(self.model, "no_sync", None)  # DDP: all-reduce on the last only
+            sync = contextlib.nullcontext() if last or no_sync is None else no_sync()
+            with sync:
+                if sub is None:
+                    self._dummy_forward().backward()
+                    continue
+                loss, metrics = self._micro_loss(sub, denom, want_entropy)
+                (loss * scale).backward()
+            for name, v in metrics.items():
+                sums[name] = sums.get(name, torch.zeros((), dtype=torch.float64)) + v.double().cpu()
+        # a rank may have run only padding micro-batches: report the names the config implies
+        names = _metric_names(cfg, want_entropy, batch)
+        assert set(sums) <= set(names), (sorted(sums), names)
+        zero = torch.zeros((), dtype=torch.float64)
+        vec = tdist.all_reduce(torch.stack([sums.get(n, zero) for n in names]),
+                               group=self.dp_group)
+        out = {n: float(v) for n, v in zip(names, vec, strict=True)}
+        out.update(tokens=float(totals[1]), loss_tokens=float(totals[2]),
+                   samples=float(totals[3]), micro_batches=float(len(plan)))
+        return out
+
+    def _micro_loss(
+        self, sub: MicroBatch, denom: float, want_entropy: bool
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        dev = self.device
+        # Every loss term is masked: the LM head runs only where a trained token is predicted.
+        at = scored_positions(sub.packed, sub.loss_mask).to(dev)
+        logits = self._logits(sub.packed, keep=at - 1)
+        logprobs = token_logprobs(logits, sub.packed, at)
+        entropy = None
+        if want_entropy:
+            if self.config.loss.entropy_coef > 0:
+                entropy = token_entropy(logits, sub.packed, at)
+            else:
+                with torch.no_grad():
+                    entropy = token_entropy(logits, sub.packed, at)
+
+        def opt(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.to(dev)
+
+        return policy_objective(
+            self.config.loss,
+            logprobs=logprobs,
+            advantages=sub.advantages.to(dev),
+            mask=sub.loss_mask.to(dev),
+            seq_ids=sub.packed.seq_ids.to(dev),
+            old_logprobs=opt(sub.old_logprobs),
+            rollout_logprobs=opt(sub.rollout_logprobs),
+            ref_logprobs=opt(sub.ref_logprobs),
+            entropy=entropy,
+            denom=denom,
+        )
+
+    def optimizer_step(self, lr_scale: float = 1.0) -> dict[str, float]:
+        """Clip, step AdamW and the LR schedule, zero the gradients; returns grad_norm and lr.
+
+        `lr_scale` multiplies this step's scheduled LR (the caller's annealing, e.g. over a
+        wall-clock budget); the schedule itself is unchanged, so checkpoints do not hold it.
+        """
+        scheduled = [float(g["lr"]) for g in self.optimizer.param_groups]
+        for g, lr0 in zip(self.optimizer.param_groups, scheduled, strict=True):
+            g["lr"] = lr0 * lr_scale
+        lr = scheduled[0] * lr_scale
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
+        if self.tp > 1:  # DTensor and plain gradients side by side
+            norm = tdist.clip_grad_norm(params, max_norm)
+        else:
+            norm = tdist.full_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        return {"grad_norm": float(norm), "lr": lr}
+
+    def train_step(self, batch: TrainBatch, lr_scale: float = 1.0,
+                   micro_batches: list[list[int]] | None = None) -> dict[str, float]:
+        """One optimizer step on ``batch`` (this rank's shard); returns step metrics.
+
+        When ``batch.old_logprobs`` is None, the proximal policy is the current one (exact for
+        the first update after the weights the batch should be compared against).
+        """
+        t0 = time.perf_counter()
+        metrics = self.accumulate(batch, micro_batches)
+        metrics.update(self.optimizer_step(lr_scale))
+        dt = time.perf_counter() - t0
+        metrics.update(step=float(self.step), step_time_s=dt, tokens_per_s=metrics["tokens"] / dt)
+        return metrics
+
+    # ------------------------------------------------------------------ weights
+
+    @property
+    def collective_weights(self) -> bool:
+        """Whether reading full weights is a collective (FSDP or TP: every rank must join)."""
+        return self.distributed and (self.config.parallel == "fsdp" or self.tp > 1)
+
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """``(HF name, tensor)`` of every weight, tied duplicates (``lm_head``) left out.
+
+        Under FSDP this gathers each tensor: every rank must iterate it fully.
+        """
+        for name, t in tdist.named_full_params(self.model):
+            if name not in self._tied:
+                yield name, t.detach()
+
+    def weight_buckets(self, bucket_bytes: int = 64 << 20) -> Iterator[list[tuple[str, Tensor]]]:
+        """``named_weights`` grouped into lists of about ``bucket_bytes`` (for weight sync)."""
+        from earl.stages.weights import iter_buckets
+
+        yield from iter_buckets(self.named_weights(), bucket_bytes)
+
+    def save_hf(self, out_dir: str | Path) -> Path:
+        """Write an HF folder (weights, config, and the source folder's tokenizer files)."""
+        import shutil
+
+        out = Path(out_dir)
+        state = dict(self.named_weights())
+        if self.rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            self._hf_for_saving().save_pretrained(out, state_dict=state)  # type: ignore[operator]
+            for f in Path(self.config.model).iterdir():
+                if f.is_file() and ("token" in f.name or f.name.endswith((".jinja", ".txt"))):
+                    shutil.copy2(f, out / f.name)
+        return out
+
+    def _hf_for_saving(self) -> nn.Module:
+        return self.module
+
+    def save_checkpoint(self, path: str | Path) -> None:
+        """Save model, optimizer, schedule, step and this rank's RNG under folder ``path``."""
+        from earl.stages.trainer_ckpt import save_checkpoint
+
+        save_checkpoint(self, Path(path))
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Restore what ``save_checkpoint`` wrote, at any layout (parameters and optimizer
+        state are resharded to this trainer's)."""
+        from earl.stages.trainer_ckpt import load_checkpoint
+
+        load_checkpoint(self, Path(path))
+
+    def close(self) -> None:
+        """Leave the process group (if this trainer joined one)."""
+        import torch.distributed as dist
+
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+        self.distributed = False
+
+
+def _metric_names(cfg: LossConfig, want_entropy: bool, batch: TrainBatch) -> list[str]:
+    """The loss-term metrics ``policy_objective`` reports for this config and batch columns."""
+    agreed = {"loss", "pg_loss", "clip_frac", "approx_kl_old"}
+    if cfg.off_policy != "none":
+        agreed.add("is_weight")
+    if batch.ref_logprobs is not None:
+        agreed.add("kl")
+    if want_entropy:
+        agreed.add("entropy")
+    return sorted(agreed)

@@ -1,0 +1,442 @@
+"""The selector policy: which layout each actor gets for the contexts coming next.
+
+Run before each Rollout and each Experience Preparation step. Inputs: the live context-length
+statistics (`ContextStats`: p50/p95/max and trend), the dock's queue depths per stage, and the
+memory of each device slot. It plans for the context expected `lookahead_steps` ahead, rounded
+up to a bucket (half-octaves: 1K, 1.5K, 2K, 3K, 4K, ...), and for every actor picks the
+feasible (TP, PP, DP, recompute) with the most tokens/s (the cost model's roofline, replaced
+by measured profiles where they exist), with its largest micro-batch token budget. With `colocated=False` the slots are also split between the
+actors so the slowest stage (weighted by its queue backlog) is as fast as possible: slots move
+from one actor to another.
+
+Hysteresis, so a noisy context does not thrash the layout: the bucket rises at once (else OOM)
+but falls only after `patience` decisions well below it; a faster plan replaces a feasible one
+only if it is `switch_gain` better for `patience` decisions in a row and `cooldown_steps` have
+passed; an infeasible current plan is replaced at once. When no configuration will fit the
+contexts projected within `warn_steps`, the decision carries a `Shortfall` with the minimum
+resources, before it is needed.
+
+Not here: applying a plan (the loop re-creates actors), measuring (`profile`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from earl.runtime.selector.cost import CostModel, Parallel, Stage
+from earl.runtime.selector.plan import (
+    ActorPlan,
+    ContextStats,
+    Decision,
+    Plan,
+    SelectorStatistics,
+    Shortfall,
+)
+
+
+class Measured(Protocol):
+    """What the policy asks of profiles (`profile.ProfileTable` implements it)."""
+
+    def tokens_per_s(self, stage: Stage, par: Parallel, context: int) -> float | None: ...
+
+    def memory_scale(self, stage: Stage) -> float: ...
+
+
+@dataclass(kw_only=True, slots=True)
+class PolicyConfig:
+    """Knobs of the selector policy.
+
+    Args:
+        actors: actor name -> stage it runs ("rollout", "reference", "train").
+        colocated: every actor uses every slot in turn (verl/EARL hybrid engine); False: the
+            slots are split between the actors.
+        tp_max: largest TP degree (devices per node). pp_max: largest PP degree.
+        headroom: fraction of each slot's memory left free.
+        bucket_base: smallest context bucket (tokens); buckets double from there.
+        lookahead_steps: plan for the context projected this many steps ahead.
+        warn_steps: look this many steps further for contexts nothing can fit.
+        switch_gain: a feasible plan is replaced only by one at least this much faster...
+        patience: ...for this many decisions in a row (also: bucket shrink confirmations).
+        down_margin: the bucket shrinks only when the need is this far below the next lower
+            bucket.
+        cooldown_steps: steps between two voluntary switches.
+        max_micro_batch_tokens: cap on the train/reference micro-batch budget.
+        max_kv_tokens: cap on a rollout replica's KV-cache budget.
+        queue_target: dock queue depth counted as one unit of extra demand on a stage
+            (0: ignore queue depths).
+    """
+
+    actors: dict[str, Stage] = field(default_factory=lambda: {
+        "rollout": "rollout", "reference": "reference", "trainer": "train"})
+    colocated: bool = False
+    tp_max: int = 8
+    pp_max: int = 8
+    headroom: float = 0.1
+    bucket_base: int = 1024
+    lookahead_steps: int = 2
+    warn_steps: int = 8
+    switch_gain: float = 0.1
+    patience: int = 2
+    down_margin: float = 0.15
+    cooldown_steps: int = 3
+    max_micro_batch_tokens: int = 65536
+    max_kv_tokens: int = 1 << 20
+    queue_target: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.actors:
+            raise ValueError("PolicyConfig.actors must name at least one actor")
+        for name, stage in self.actors.items():
+            if stage not in ("rollout", "reference", "train"):
+                raise ValueError(f"PolicyConfig.actors[{name!r}] = {stage!r}: use 'rollout', "
+                                 "'reference' or 'train'")
+        if not 0 <= self.headroom < 1:
+            raise ValueError(f"PolicyConfig.headroom must be in [0, 1), got {self.headroom}")
+        for k in ("tp_max", "pp_max", "bucket_base", "patience"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"PolicyConfig.{k} must be >= 1, got {getattr(self, k)}")
+
+
+def _pow2_upto(n: int) -> list[int]:
+    out, v = [], 1
+    while v <= n:
+        out.append(v)
+        v *= 2
+    return out
+
+
+@dataclass(slots=True)
+class _State:
+    plan: Plan | None = None
+    bucket: int = 0
+    last_switch: int = -(10**9)
+    better_streak: int = 0
+    low_needs: list[int] = field(default_factory=list)
+    stats: SelectorStatistics = field(default_factory=SelectorStatistics)
+
+
+class Policy:
+    """Decides plans; keeps the current one between decisions (see module docstring).
+
+    Args:
+        cost: the cost model of the trained model.
+        config: policy knobs.
+        measured: profiles that override the cost model's tokens/s and scale its bytes.
+    """
+
+    def __init__(self, cost: CostModel, config: PolicyConfig | None = None, *,
+                 measured: Measured | None = None) -> None:
+        self.cost = cost
+        self.config = config or PolicyConfig()
+        self.measured = measured
+        self._s = _State()
+
+    @property
+    def plan(self) -> Plan | None:
+        return self._s.plan
+
+    def statistics(self) -> SelectorStatistics:
+        return self._s.stats
+
+    # ---- evaluation of one actor in one layout ------------------------------------------
+    def evaluate(self, actor: str, par: Parallel, slots: tuple[str, ...], context: int,
+                 capacity: float) -> ActorPlan | None:
+        """The actor's plan in layout `par` at `context`, or None if it does not fit."""
+        stage = self.config.actors[actor]
+        scale = self.measured.memory_scale(stage) if self.measured else 1.0
+        usable = capacity * (1 - self.config.headroom) / scale
+        mb = self.cost.max_micro_batch_tokens(stage, par, context, usable)
+        if mb == 0:
+            return None
+        cap = self.config.max_kv_tokens if stage == "rollout" else \
+            self.config.max_micro_batch_tokens
+        mb = max(context, min(mb, cap // context * context))
+        key = "kv_tokens" if stage == "rollout" else "micro_batch_tokens"
+        mem = self.cost.memory(stage, par, seq_len=context, **{key: mb}).total * scale
+        tps = self.measured.tokens_per_s(stage, par, context) if self.measured else None
+        if tps is None:
+            tps = self.cost.tokens_per_s(stage, par, context, batch_tokens=mb)
+        return ActorPlan(actor=actor, stage=stage, parallel=par, micro_batch_tokens=mb,
+                         slots=slots, predicted_bytes=mem, tokens_per_s=tps)
+
+    def best(self, actor: str, slots: tuple[str, ...], context: int,
+             capacity: float) -> ActorPlan | None:
+        """The fastest feasible layout of `actor` on exactly `slots`, or None."""
+        found: ActorPlan | None = None
+        for par in self.layouts(self.config.actors[actor], len(slots)):
+            p = self.evaluate(actor, par, slots, context, capacity)
+            if p is not None and (found is None or p.tokens_per_s > found.tokens_per_s):
+                found = p
+        return found
+
+    def layouts(self, stage: Stage, n: int) -> list[Parallel]:
+        """Every layout of `stage` on `n` devices (rollout: TP x DP only; train: with and
+        without activation recomputation)."""
+        c, out = self.config, []
+        for tp in _pow2_upto(min(c.tp_max, n)):
+            pp_max = 1 if stage == "rollout" else min(c.pp_max, n // tp)
+            for pp in _pow2_upto(pp_max):
+                if n % (tp * pp) == 0:
+                    for rc in ((False, True) if stage == "train" else (False,)):
+                        out.append(Parallel(tp=tp, pp=pp, dp=n // (tp * pp), recompute=rc))
+        return out
+
+    def candidate(self, context: int, slots: Mapping[str, float],
+                  queues: Mapping[str, int] | None = None) -> Plan | None:
+        """The best plan at `context` over `slots` (name -> bytes), or None if none fits."""
+        names = tuple(sorted(slots))
+        cap = min(slots.values())
+        actors = list(self.config.actors)
+        if self.config.colocated:
+            plans = [self.best(a, names, context, cap) for a in actors]
+            if any(p is None for p in plans):
+                return None
+            return Plan(actors=tuple(p for p in plans if p is not None), context_bucket=context)
+        return self._split(actors, names, context, cap, queues or {})
+
+    def _split(self, actors: list[str], names: tuple[str, ...], context: int, cap: float,
+               queues: Mapping[str, int]) -> Plan | None:
+        n = len(names)
+        if n < len(actors):
+            return None
+        gran = 1
+        while n // gran > 64:
+            gran *= 2
+        counts = list(range(gran, n + 1, gran))
+        # best plan of each actor per slot count (slot names fixed later)
+        table = {a: {k: self.best(a, names[:k], context, cap) for k in counts} for a in actors}
+        demand = self._demand(queues)
+        best_split: tuple[float, list[int]] | None = None
+
+        def walk(i: int, left: int, chosen: list[int], worst: float) -> None:
+            nonlocal best_split
+            if i == len(actors) - 1:
+                p = table[actors[i]].get(left)
+                if p is None:
+                    return
+                score = min(worst, p.tokens_per_s / demand[actors[i]])
+                if best_split is None or score > best_split[0]:
+                    best_split = (score, [*chosen, left])
+                return
+            for k in counts:
+                rest = left - k
+                if rest < gran * (len(actors) - i - 1):
+                    break
+                p = table[actors[i]][k]
+                if p is not None:
+                    walk(i + 1, rest, [*chosen, k],
+                         min(worst, p.tokens_per_s / demand[actors[i]]))
+
+        walk(0, n, [], float("inf"))
+        if best_split is None:
+            return None
+        plans, start = [], 0
+        for a, k in zip(actors, best_split[1], strict=True):
+            p = table[a][k]
+            assert p is not None
+            plans.append(replace(p, slots=names[start:start + k]))
+            start += k
+        return Plan(actors=tuple(plans), context_bucket=context)
+
+    def _demand(self, queues: Mapping[str, int] | None) -> dict[str, float]:
+        """Per actor: 1 + its stage's dock backlog in units of `queue_target`."""
+        qt, q = self.config.queue_target, queues or {}
+        return {a: 1.0 + (q.get(stage, 0) / qt if qt else 0.0)
+                for a, stage in self.config.actors.items()}
+
+    def score(self, plan: Plan, queues: Mapping[str, int] | None = None) -> float:
+        """The slowest actor's tokens/s, each divided by its backlog demand."""
+        d = self._demand(queues)
+        return min((a.tokens_per_s / d[a.actor] for a in plan.actors), default=0.0)
+
+    # ---- buckets ------------------------------------------------------------------------
+    def bucket_of(self, tokens: int) -> int:
+        """The smallest bucket >= `tokens`: base x 1, 1.5, 2, 3, 4, 6, 8, ... (half-octaves)."""
+        b = self.config.bucket_base
+        while True:
+            for v in (b, b * 3 // 2):
+                if v >= tokens:
+                    return v
+            b *= 2
+
+    def _buckets_upto(self, top: int) -> list[int]:
+        out, b = [], self.config.bucket_base
+        while b <= top:
+            out += [b, b * 3 // 2]
+            b *= 2
+        return out
+
+    def _bucket(self, need: int) -> int:
+        s, c = self._s, self.config
+        up = self.bucket_of(need)
+        if up >= s.bucket:
+            s.low_needs.clear()
+            return up
+        below = max((v for v in self._buckets_upto(s.bucket) if v < s.bucket), default=0)
+        if need >= below * (1 - c.down_margin):  # not well inside the bucket below
+            s.low_needs.clear()
+            return s.bucket
+        s.low_needs.append(need)
+        if len(s.low_needs) < c.patience:
+            return s.bucket
+        top = max(s.low_needs)  # shrink only to what all the recent steps needed
+        s.low_needs.clear()
+        return self.bucket_of(top)
+
+    # ---- the decision -------------------------------------------------------------------
+    def decide(self, *, step: int, when: str, contexts: ContextStats,
+               slots: Mapping[str, float], queue_depths: Mapping[str, int] | None = None
+               ) -> Decision:
+        """Choose the plan for the coming stage.
+
+        Args:
+            step: the RL step about to run.
+            when: "rollout" or "prep" (only labels the decision).
+            contexts: live context statistics (`ContextTracker.observe`).
+            slots: slot name -> memory bytes available to an actor there.
+            queue_depths: samples waiting per stage in the dock.
+
+        Raises:
+            ValueError: no slots.
+        """
+        if not slots:
+            raise ValueError("Policy.decide: slots is empty; pass slot name -> memory bytes")
+        s, c = self._s, self.config
+        need = contexts.projected(c.lookahead_steps)
+        bucket = self._bucket(need)
+        cand = self.candidate(bucket, slots, queue_depths)
+        cur = self._reevaluate(s.plan, bucket, slots)
+        changed, reason = False, ""
+        if cand is None:
+            plan = cur if cur is not None else self._fallback(bucket, slots)
+            plan = replace(plan, feasible=False)
+            reason = (f"no configuration fits context {bucket} (max {contexts.max}, trend "
+                      f"{contexts.trend:+.0f}/step) on {len(slots)} slot(s) of "
+                      f"{min(slots.values()) / 2**30:.1f} GiB")
+            changed = s.plan is None or plan.layouts() != s.plan.layouts()
+        elif cur is None:
+            plan, changed = cand, True
+            if s.plan is None:
+                why = "first plan"
+            elif not s.plan.feasible:
+                why = f"a configuration fits again at context {bucket}"
+            elif any(n not in slots for a in s.plan.actors for n in a.slots):
+                why = "the slots changed"
+            else:
+                why = (f"current layout cannot hold context {bucket} (max {contexts.max}, "
+                       f"trend {contexts.trend:+.0f}/step)")
+            reason = f"{why}: {self._summary(cand)}"
+        else:
+            gain = self.score(cand, queue_depths) / max(self.score(cur, queue_depths), 1e-9) - 1
+            if cand.layouts() != cur.layouts() and gain >= c.switch_gain:
+                s.better_streak += 1
+                ready = s.better_streak >= c.patience and step - s.last_switch >= c.cooldown_steps
+                if ready:
+                    plan, changed = cand, True
+                    reason = (f"{gain:+.0%} faster (tokens/s) at context {bucket}: "
+                              f"{self._summary(cand)}")
+                else:
+                    plan = cur
+                    reason = (f"kept: a plan {gain:+.0%} faster seen {s.better_streak}/"
+                              f"{c.patience} time(s), {step - s.last_switch} step(s) since the "
+                              "last switch")
+            else:
+                s.better_streak = 0
+                plan = cur
+                reason = f"kept: best within {c.switch_gain:.0%} at context {bucket}"
+        if changed:
+            s.better_streak = 0
+            s.last_switch = step
+        s.plan, s.bucket = plan, bucket
+        shortfall = self._shortfall(step, contexts, slots)
+        st = s.stats
+        s.stats = SelectorStatistics(
+            decisions=st.decisions + 1, switches=st.switches + int(changed),
+            kept=st.kept + int(not changed), infeasible=st.infeasible + int(not plan.feasible),
+            shortfalls_reported=st.shortfalls_reported + int(shortfall is not None),
+            last_reason=reason,
+            switch_steps=st.switch_steps + ((step,) if changed else ()))
+        return Decision(step=step, when=when, plan=plan, changed=changed, reason=reason,
+                        context=contexts, shortfall=shortfall)
+
+    def _summary(self, plan: Plan) -> str:
+        return "; ".join(a.describe() for a in plan.actors)
+
+    def _reevaluate(self, plan: Plan | None, bucket: int,
+                    slots: Mapping[str, float]) -> Plan | None:
+        """The current layouts at the new bucket, or None if one no longer fits / lost slots."""
+        if plan is None or not plan.feasible:
+            return None
+        out = []
+        for a in plan.actors:
+            if any(n not in slots for n in a.slots):
+                return None
+            p = self.evaluate(a.actor, a.parallel, a.slots, bucket,
+                              min(slots[n] for n in a.slots))
+            if p is None:
+                return None
+            out.append(p)
+        return Plan(actors=tuple(out), context_bucket=bucket)
+
+    def _fallback(self, bucket: int, slots: Mapping[str, float]) -> Plan:
+        """Nothing fits: the layout with the most TP on every slot (least memory per device)."""
+        names = tuple(sorted(slots))
+        tp = min(self.config.tp_max, len(names))
+        tp = _pow2_upto(tp)[-1]
+        pp = _pow2_upto(min(self.config.pp_max, len(names) // tp))[-1]
+        actors = []
+        for a, stage in self.config.actors.items():
+            par = Parallel(tp=tp, pp=1 if stage == "rollout" else pp,
+                           dp=len(names) // (tp * (1 if stage == "rollout" else pp)),
+                           recompute=stage == "train")
+            mem = self.cost.memory(stage, par, seq_len=bucket).total
+            actors.append(ActorPlan(actor=a, stage=stage, parallel=par, micro_batch_tokens=bucket,
+                                    slots=names, predicted_bytes=mem, tokens_per_s=0.0))
+        return Plan(actors=tuple(actors), context_bucket=bucket, feasible=False)
+
+    def _shortfall(self, step: int, contexts: ContextStats,
+                   slots: Mapping[str, float]) -> Shortfall | None:
+        c = self.config
+        fits: dict[int, bool] = {}
+        for k in range(c.warn_steps + 1):
+            ctx = self.bucket_of(contexts.projected(c.lookahead_steps + k))
+            if ctx not in fits:
+                fits[ctx] = self.candidate(ctx, slots) is not None
+            if fits[ctx]:
+                continue
+            cap = min(slots.values())
+            n = len(slots)
+            min_devices = 0
+            for mult in (2, 4, 8, 16, 32, 64):
+                more = {f"x{i}": cap for i in range(n * mult)}
+                if self.candidate(ctx, more) is not None:
+                    min_devices = n * mult
+                    break
+            return Shortfall(stage=self._stage_short(ctx, n, cap), context=ctx,
+                             at_step=step + c.lookahead_steps + k,
+                             steps_ahead=c.lookahead_steps + k, min_devices=min_devices,
+                             min_device_bytes=self._min_bytes(ctx, n, cap))
+        return None
+
+    def _min_bytes(self, ctx: int, n: int, cap: float) -> float:
+        """The least memory per device (within 64x of `cap`) with which `n` devices fit `ctx`
+        (bisection on the log scale; inf if even 64x does not)."""
+        def fits(c: float) -> bool:
+            return self.candidate(ctx, {f"x{i}": c for i in range(n)}) is not None
+
+        lo, hi = cap, cap * 64
+        if not fits(hi):
+            return float("inf")
+        while hi / lo > 1.01:
+            mid = (lo * hi) ** 0.5
+            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+        return hi
+
+    def _stage_short(self, ctx: int, n: int, cap: float) -> Stage:
+        """The first stage that cannot fit `ctx` alone on all `n` devices (else "train")."""
+        for a, stage in self.config.actors.items():
+            if self.best(a, tuple(f"x{i}" for i in range(n)), ctx, cap) is None:
+                return stage
+        return "train"

@@ -1,0 +1,186 @@
+"""Profiler: measured tokens/s and peak memory per (stage, layout, context bucket) on this machine.
+
+The caller passes a `StepFn` that runs one real step of a stage (a model's forward, or forward
+and backward) on `micro_batch_seqs` sequences of `context` tokens and returns the tokens it
+processed; the runtime imports no model, so the model arrives as that callable. Peak memory is
+the growth of the process's resident set during the step (`VmHWM`, reset through
+`/proc/self/clear_refs`; glibc is told to return big blocks to the OS so freed activations do
+not hide the next step's) on CPU, and `torch.cuda.max_memory_allocated` on a GPU. Each point is
+printed next to the cost model's prediction for the same step (`CostModel.memory` minus the
+weights, which are resident before the step).
+
+`Profiler.ensure` measures a bucket the first time the run reaches it (the loop calls it before
+the stage runs); `ProfileTable` serves the points to the policy (`policy.Measured`).
+Not here: the decision (`policy`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from earl.runtime.selector.cost import CostModel, Parallel, Stage
+
+StepFn = Callable[[int, int], int]  # (context, micro_batch_seqs) -> tokens processed
+_M_MMAP_THRESHOLD = -3
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise OSError(f"{key} not in /proc/self/status")
+
+
+def _libc() -> ctypes.CDLL | None:
+    with contextlib.suppress(OSError):
+        return ctypes.CDLL("libc.so.6")
+    return None
+
+
+class PeakMeter:
+    """Peak bytes allocated by a callable: CPU resident-set growth, or CUDA allocator peak."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = device
+        self._libc = _libc()
+        if device == "cpu" and self._libc is not None:
+            # a fixed threshold (the default one grows after frees) returns blocks >= 128 KiB
+            # to the OS when freed, so the resident set follows live tensors
+            self._libc.mallopt(_M_MMAP_THRESHOLD, 128 << 10)
+
+    def measure(self, fn: Callable[[], int]) -> tuple[int, float, int]:
+        """Run `fn`; return (its result, seconds, peak bytes above the level before it).
+
+        Raises:
+            OSError: no /proc (not Linux) on CPU.
+        """
+        gc.collect()
+        if self.device != "cpu":
+            import torch
+
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            out = fn()
+            torch.cuda.synchronize()
+            return out, time.perf_counter() - t0, torch.cuda.max_memory_allocated() - base
+        if self._libc is not None:
+            self._libc.malloc_trim(0)
+        base = _status_kib("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident set
+        t0 = time.perf_counter()
+        out = fn()
+        dt = time.perf_counter() - t0
+        return out, dt, (_status_kib("VmHWM") - base) << 10
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProfilePoint:
+    """One measured point and the cost model's prediction for it."""
+
+    stage: Stage
+    layout: str
+    bucket: int
+    micro_batch_seqs: int
+    tokens_per_s: float
+    measured_bytes: int
+    predicted_bytes: float
+
+    @property
+    def error(self) -> float:
+        """predicted / measured - 1."""
+        return self.predicted_bytes / max(self.measured_bytes, 1) - 1
+
+    def line(self) -> str:
+        return (f"{self.stage:9s} {self.layout:18s} ctx {self.bucket:6d} x{self.micro_batch_seqs}: "
+                f"{self.tokens_per_s:10,.0f} tok/s  memory predicted "
+                f"{self.predicted_bytes / 2**20:8.1f} MiB measured "
+                f"{self.measured_bytes / 2**20:8.1f} MiB ({self.error:+.0%})")
+
+
+class ProfileTable:
+    """Measured points by (stage, layout, bucket); what the policy reads (`policy.Measured`)."""
+
+    def __init__(self, buckets: tuple[int, ...]) -> None:
+        if not buckets or list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"ProfileTable buckets must be increasing, got {buckets}")
+        self.buckets = buckets
+        self.points: dict[tuple[Stage, str, int], ProfilePoint] = {}
+
+    def bucket_of(self, context: int) -> int:
+        """The smallest bucket >= context (the largest if context is beyond all)."""
+        return next((b for b in self.buckets if b >= context), self.buckets[-1])
+
+    def add(self, p: ProfilePoint) -> None:
+        self.points[(p.stage, p.layout, p.bucket)] = p
+
+    def tokens_per_s(self, stage: Stage, par: Parallel, context: int) -> float | None:
+        p = self.points.get((stage, str(par), self.bucket_of(context)))
+        return p.tokens_per_s if p is not None else None
+
+    def memory_scale(self, stage: Stage) -> float:
+        """How much more than predicted the worst measured point of `stage` used (>= 1: the
+        policy only ever corrects towards safety)."""
+        ratios = [p.measured_bytes / p.predicted_bytes for (s, _, _), p in self.points.items()
+                  if s == stage and p.predicted_bytes > 0]
+        return max([1.0, *ratios])
+
+
+class Profiler:
+    """Measures points with real steps and keeps them in `table`.
+
+    Args:
+        cost: the cost model whose predictions are printed beside each point.
+        buckets: context buckets (tokens).
+        device: "cpu" or "cuda".
+        repeats: measured runs per point after one warm-up; the best time and the largest
+            peak are kept.
+        log: where each point's line goes (default: print).
+    """
+
+    def __init__(self, cost: CostModel, buckets: tuple[int, ...], *, device: str = "cpu",
+                 repeats: int = 2, log: Callable[[str], None] = print) -> None:
+        self.cost = cost
+        self.table = ProfileTable(buckets)
+        self.meter = PeakMeter(device)
+        self.repeats = repeats
+        self.log = log
+
+    def predicted(self, stage: Stage, par: Parallel, context: int, seqs: int) -> float:
+        """Bytes the step adds on top of resident weights (activations, gradients, KV)."""
+        m = self.cost.memory(stage, par, seq_len=context, micro_batch_tokens=context * seqs,
+                             kv_tokens=context * seqs)
+        return m.total - m.weights - m.optimizer - m.reserve
+
+    def profile(self, stage: Stage, par: Parallel, bucket: int, fn: StepFn, *,
+                micro_batch_seqs: int = 1) -> ProfilePoint:
+        """Measure one point (one warm-up, then `repeats` runs) and log it."""
+        fn(bucket, micro_batch_seqs)
+        best_t, peak, tokens = float("inf"), 0, 0
+        for _ in range(self.repeats):
+            tokens, dt, used = self.meter.measure(lambda: fn(bucket, micro_batch_seqs))
+            best_t, peak = min(best_t, dt), max(peak, used)
+        point = ProfilePoint(stage=stage, layout=str(par), bucket=bucket,
+                             micro_batch_seqs=micro_batch_seqs, tokens_per_s=tokens / best_t,
+                             measured_bytes=peak,
+                             predicted_bytes=self.predicted(stage, par, bucket, micro_batch_seqs))
+        self.table.add(point)
+        self.log(point.line())
+        return point
+
+    def ensure(self, stage: Stage, par: Parallel, context: int, fn: StepFn, *,
+               micro_batch_seqs: int = 1) -> ProfilePoint | None:
+        """Profile `context`'s bucket if this (stage, layout) has not measured it yet; the
+        new point, or None when it was known."""
+        bucket = self.table.bucket_of(context)
+        if (stage, str(par), bucket) in self.table.points:
+            return None
+        return self.profile(stage, par, bucket, fn, micro_batch_seqs=micro_batch_seqs)

@@ -1,0 +1,404 @@
+"""Device slots: the runtime's unit of placement, with limits the operating system enforces.
+
+A slot is a GPU where there is one, and on CPU a set of cores plus a memory budget. On Linux
+with writable cgroup v1 controllers (root on these machines) the budget is a memory cgroup
+(`memory.limit_in_bytes`: the kernel's OOM killer ends a process that exceeds it, the way a GPU
+OOM ends a CUDA job) and the cores a cpuset cgroup; otherwise the fallback is
+`sched_setaffinity` plus `RLIMIT_AS` (allocation fails with MemoryError instead of a kill),
+and a slot says plainly which of them hold (`Slot.memory_enforcement`, `cpu_enforcement`).
+
+    pool = SlotPool()                                   # detects what is enforceable
+    s = pool.create("roll0", cores=(0,), memory_mib=2048)
+    g = await rt.spawn("rollout", Rollout, slot=pool.assign("roll0", "rollout"))
+    ...                                                  # the actor and its children live in s
+    await rt.stop(g); pool.release("roll0")              # slots move: release, then assign
+    pool.close()                                         # removes the cgroups (also at exit)
+
+An actor that dies of the slot's OOM killer is reported as `ActorDied("... out of memory in slot
+roll0 (limit 2048 MiB)")`. Not here: deciding which actor gets which slot (the selector, in
+`earl.runtime.selector`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import resource
+import signal
+from dataclasses import dataclass
+from typing import Literal, Self
+
+from earl.runtime.wire import message
+
+MEMORY_ROOT = "/sys/fs/cgroup/memory"
+CPUSET_ROOT = "/sys/fs/cgroup/cpuset"
+MemoryEnforcement = Literal["cgroup", "rlimit", "device", "none"]
+CpuEnforcement = Literal["cpuset", "affinity", "none"]
+
+
+@message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Slot:
+    """One place an actor runs (travels inside the spawn spec; made by `SlotPool.create`).
+
+    Attributes:
+        name: unique within its pool.
+        cores: CPU cores the actor may run on (empty: no restriction).
+        memory_mib: memory budget of the actor and its children (None: none).
+        gpu: GPU index (sets CUDA_VISIBLE_DEVICES in the actor), or None on CPU.
+        memory_cgroup / cpuset_cgroup: cgroup v1 directories ("" when not used).
+        memory_enforcement: "cgroup" (kernel OOM killer), "rlimit" (RLIMIT_AS, allocation fails),
+            "device" (a GPU slot: `memory_mib` is the GPU's memory, which CUDA's OOM enforces)
+            or "none" (limits NOT enforced: the budget is only advisory).
+        cpu_enforcement: "cpuset", "affinity" (sched_setaffinity) or "none".
+    """
+
+    name: str
+    cores: tuple[int, ...] = ()
+    memory_mib: int | None = None
+    gpu: int | None = None
+    memory_cgroup: str = ""
+    cpuset_cgroup: str = ""
+    memory_enforcement: MemoryEnforcement = "none"
+    cpu_enforcement: CpuEnforcement = "none"
+
+    @property
+    def limits_enforced(self) -> bool:
+        """True when the OS enforces every limit this slot declares."""
+        mem_ok = self.memory_mib is None or self.memory_enforcement != "none"
+        cpu_ok = not self.cores or self.cpu_enforcement != "none"
+        return mem_ok and cpu_ok
+
+    def env(self) -> dict[str, str]:
+        """Environment variables an actor in this slot needs (GPU visibility, thread count)."""
+        out: dict[str, str] = {}
+        if self.gpu is not None:
+            out["CUDA_VISIBLE_DEVICES"] = str(self.gpu)
+        if self.cores:
+            out["OMP_NUM_THREADS"] = str(len(self.cores))
+        return out
+
+
+def detect_gpus() -> int:
+    """NVIDIA GPUs the driver shows on this host (0 when there is none or no driver)."""
+    with contextlib.suppress(OSError):
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    return 0
+
+
+def per_rank(slot: Slot | list[Slot] | tuple[Slot, ...] | None, n: int) -> list[Slot | None]:
+    """The slot of each of `n` ranks: one slot for a single rank, or one slot per rank.
+
+    Raises:
+        ValueError: the number of slots does not match `n`, or one slot is given to n > 1 ranks.
+    """
+    if slot is None:
+        return [None] * n
+    if isinstance(slot, Slot):
+        if n != 1:
+            raise ValueError(f"slot=: one slot ({slot.name!r}) for {n} ranks; pass a list of "
+                             f"{n} slots (one per rank)")
+        return [slot]
+    if len(slot) != n:
+        raise ValueError(f"slot=: {len(slot)} slots for {n} ranks; pass exactly one per rank")
+    return list(slot)
+
+
+def _read_int(path: str, key: str | None = None) -> int:
+    with open(path) as f:
+        text = f.read()
+    if key is None:
+        return int(text.split()[0])
+    for line in text.splitlines():
+        k, _, v = line.partition(" ")
+        if k == key:
+            return int(v)
+    return 0
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+class SlotBinding:
+    """A process placed in a slot (made by `bind_process`); explains the process's death."""
+
+    def __init__(self, slot: Slot, pid: int) -> None:
+        self.slot = slot
+        self.pid = pid
+        self._oom_kills = self._kills()
+        self._failcnt = self._fails()
+
+    def _kills(self) -> int:
+        if not self.slot.memory_cgroup:
+            return 0
+        with contextlib.suppress(OSError, ValueError):
+            return _read_int(os.path.join(self.slot.memory_cgroup, "memory.oom_control"),
+                             "oom_kill")
+        return 0
+
+    def _fails(self) -> int:
+        if not self.slot.memory_cgroup:
+            return 0
+        with contextlib.suppress(OSError, ValueError):
+            return _read_int(os.path.join(self.slot.memory_cgroup, "memory.failcnt"))
+        return 0
+
+    def exit_reason(self, returncode: int | None) -> str | None:
+        """"out of memory in slot NAME (limit N MiB)" if the slot's OOM killer ended the
+        process (SIGKILL while the cgroup's oom_kill counter, or failing that its failcnt,
+        went up since the process was placed); None otherwise."""
+        if returncode != -signal.SIGKILL or not self.slot.memory_cgroup:
+            return None
+        if self._kills() > self._oom_kills or (self._kills() == 0 and self._fails() > self._failcnt):
+            return f"out of memory in slot {self.slot.name} (limit {self.slot.memory_mib} MiB)"
+        return None
+
+
+def bind_process(slot: Slot, pid: int) -> SlotBinding:
+    """Place process `pid` (a freshly started actor, before it loads anything) in `slot`; its
+    children inherit the placement.
+
+    Raises:
+        OSError: the cgroup or the affinity could not be applied.
+    """
+    if slot.memory_enforcement == "cgroup":
+        _write(os.path.join(slot.memory_cgroup, "cgroup.procs"), str(pid))
+    elif slot.memory_enforcement == "rlimit" and slot.memory_mib is not None:
+        limit = slot.memory_mib << 20
+        resource.prlimit(pid, resource.RLIMIT_AS, (limit, limit))
+    if slot.cpu_enforcement == "cpuset":
+        _write(os.path.join(slot.cpuset_cgroup, "cgroup.procs"), str(pid))
+    elif slot.cpu_enforcement == "affinity":
+        os.sched_setaffinity(pid, slot.cores)
+    return SlotBinding(slot, pid)
+
+
+def _own_cgroup(controller: str) -> str:
+    """This process's cgroup v1 path for `controller` ("" if not found)."""
+    with contextlib.suppress(OSError), open("/proc/self/cgroup") as f:
+        for line in f:
+            _, ctrls, path = line.rstrip("\n").split(":", 2)
+            if controller in ctrls.split(","):
+                return path
+    return ""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class SlotPoolStatistics:
+    slots: int
+    assigned: dict[str, str]  # slot name -> owner
+    memory_enforcement: MemoryEnforcement
+    cpu_enforcement: CpuEnforcement
+
+
+class SlotPool:
+    """Creates slots, hands them to actors (assign/release) and removes their cgroups at close.
+
+    Args:
+        use_cgroups: False forces the fallback (affinity + RLIMIT_AS); None detects.
+        memory_root / cpuset_root: the cgroup v1 mount points.
+    """
+
+    def __init__(self, *, use_cgroups: bool | None = None, memory_root: str = MEMORY_ROOT,
+                 cpuset_root: str = CPUSET_ROOT) -> None:
+        self._slots: dict[str, Slot] = {}
+        self._owner: dict[str, str] = {}
+        self._dirs: list[str] = []  # cgroup directories we made, parents first
+        tag = f"earl-{os.getpid()}"
+        self._mem_base = self._cpu_base = ""
+        if use_cgroups is not False:
+            self._mem_base = self._make_base(memory_root, "memory", tag)
+            self._cpu_base = self._make_base(cpuset_root, "cpuset", tag)
+        self.memory_enforcement: MemoryEnforcement = "cgroup" if self._mem_base else "rlimit"
+        self.cpu_enforcement: CpuEnforcement = ("cpuset" if self._cpu_base else
+                                                "affinity" if hasattr(os, "sched_setaffinity")
+                                                else "none")
+        atexit.register(self.close)
+
+    def _make_base(self, root: str, controller: str, tag: str) -> str:
+        parent = os.path.join(root, _own_cgroup(controller).lstrip("/"))
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            return ""
+        _sweep_stale(parent)
+        base = os.path.join(parent, tag)
+        try:
+            os.makedirs(base, exist_ok=True)
+            if controller == "cpuset":  # every cpuset level needs cpus and mems before tasks
+                for f in ("cpuset.cpus", "cpuset.mems"):
+                    with open(os.path.join(parent, f)) as src:
+                        _write(os.path.join(base, f), src.read().strip())
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.rmdir(base)
+            return ""
+        self._dirs.append(base)
+        return base
+
+    def create(self, name: str, *, cores: tuple[int, ...] | list[int] = (),
+               memory_mib: int | None = None, gpu: int | None = None) -> Slot:
+        """Make a slot (its cgroups too, when enforceable).
+
+        Args:
+            name: letters, digits, '-' or '_'.
+            cores: CPU cores (a cpuset, or affinity in the fallback).
+            memory_mib: the budget: host memory on CPU (a memory cgroup), the GPU's memory
+                for a GPU slot (enforced by the device itself).
+            gpu: GPU index (`detect_gpus()` says how many there are).
+
+        Raises:
+            ValueError: bad name, a name in use, cores this machine lacks, memory_mib < 16.
+        """
+        if not name or not name.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"slot name must be letters, digits, '-' or '_', got {name!r}")
+        if name in self._slots:
+            raise ValueError(f"a slot named {name!r} exists already")
+        ncpu = os.cpu_count() or 1
+        cores = tuple(sorted(set(cores)))
+        if any(c < 0 or c >= ncpu for c in cores):
+            raise ValueError(f"slot {name!r}: cores {cores} outside this machine's 0-{ncpu - 1}")
+        if memory_mib is not None and memory_mib < 16:
+            raise ValueError(f"slot {name!r}: memory_mib must be >= 16, got {memory_mib}")
+        mem_dir = cpu_dir = ""
+        mem_enf: MemoryEnforcement = "none"
+        cpu_enf: CpuEnforcement = "none"
+        if memory_mib is not None and gpu is not None:
+            mem_enf = "device"
+        elif memory_mib is not None:
+            mem_enf = self.memory_enforcement
+            if self._mem_base:
+                mem_dir = self._mkdir(self._mem_base, name)
+                limit = str(memory_mib << 20)
+                _write(os.path.join(mem_dir, "memory.limit_in_bytes"), limit)
+                with contextlib.suppress(OSError):  # no swap accounting: nothing to cap
+                    _write(os.path.join(mem_dir, "memory.memsw.limit_in_bytes"), limit)
+        if cores:
+            cpu_enf = self.cpu_enforcement
+            if self._cpu_base:
+                cpu_dir = self._mkdir(self._cpu_base, name)
+                _write(os.path.join(cpu_dir, "cpuset.cpus"), ",".join(map(str, cores)))
+                with open(os.path.join(self._cpu_base, "cpuset.mems")) as f:
+                    _write(os.path.join(cpu_dir, "cpuset.mems"), f.read().strip())
+        slot = Slot(name=name, cores=cores, memory_mib=memory_mib, gpu=gpu,
+                    memory_cgroup=mem_dir, cpuset_cgroup=cpu_dir, memory_enforcement=mem_enf,
+                    cpu_enforcement=cpu_enf)
+        self._slots[name] = slot
+        return slot
+
+    def _mkdir(self, base: str, name: str) -> str:
+        path = os.path.join(base, name)
+        os.makedirs(path, exist_ok=True)
+        self._dirs.append(path)
+        return path
+
+    def __getitem__(self, name: str) -> Slot:
+        try:
+            return self._slots[name]
+        except KeyError:
+            raise KeyError(f"no slot named {name!r}; slots: {', '.join(self._slots)}") from None
+
+    def assign(self, name: str, owner: str) -> Slot:
+        """Give slot `name` to `owner` (an actor group name) and return it for `spawn(slot=)`.
+
+        Raises:
+            ValueError: the slot belongs to another owner (release it first).
+        """
+        slot = self[name]
+        held = self._owner.get(name)
+        if held is not None and held != owner:
+            raise ValueError(f"slot {name!r} is assigned to {held!r}: stop that actor and "
+                             f"release the slot before assigning it to {owner!r}")
+        self._owner[name] = owner
+        return slot
+
+    def release(self, name: str) -> None:
+        """Take slot `name` back. Its processes must be gone (stop the actor first).
+
+        Raises:
+            ValueError: processes still run in the slot.
+        """
+        live = self.pids(name)
+        if live:
+            raise ValueError(f"slot {name!r} still runs pids {live}: stop its actor before "
+                             "releasing the slot")
+        self._owner.pop(name, None)
+
+    def owner(self, name: str) -> str | None:
+        return self._owner.get(self[name].name)
+
+    def pids(self, name: str) -> list[int]:
+        """Processes now in the slot (cgroup slots only; [] otherwise)."""
+        slot = self[name]
+        d = slot.memory_cgroup or slot.cpuset_cgroup
+        if not d:
+            return []
+        with open(os.path.join(d, "cgroup.procs")) as f:
+            return [int(p) for p in f.read().split()]
+
+    def budgets(self) -> dict[str, float]:
+        """Slot name -> memory budget in bytes, for the slots that have one (the selector's
+        `slots` input)."""
+        return {n: float(s.memory_mib << 20) for n, s in self._slots.items()
+                if s.memory_mib is not None}
+
+    def memory_used_mib(self, name: str) -> float | None:
+        """Memory charged to the slot now (cgroup slots; None otherwise)."""
+        d = self[name].memory_cgroup
+        return _read_int(os.path.join(d, "memory.usage_in_bytes")) / 2**20 if d else None
+
+    def statistics(self) -> SlotPoolStatistics:
+        return SlotPoolStatistics(slots=len(self._slots), assigned=dict(self._owner),
+                                  memory_enforcement=self.memory_enforcement,
+                                  cpu_enforcement=self.cpu_enforcement)
+
+    def close(self) -> None:
+        """Remove every cgroup this pool made; leftover processes move to the parent group."""
+        for d in reversed(self._dirs):
+            _remove_cgroup(d)
+        self._dirs.clear()
+        self._slots.clear()
+        self._owner.clear()
+        atexit.unregister(self.close)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _remove_cgroup(d: str) -> None:
+    if not os.path.isdir(d):
+        return
+    for child in os.listdir(d):
+        if os.path.isdir(os.path.join(d, child)):
+            _remove_cgroup(os.path.join(d, child))
+    with contextlib.suppress(OSError):
+        with open(os.path.join(d, "cgroup.procs")) as f:
+            pids = f.read().split()
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                _write(os.path.join(os.path.dirname(d), "cgroup.procs"), pid)
+    with contextlib.suppress(OSError):
+        os.rmdir(d)
+
+
+def _sweep_stale(parent: str) -> None:
+    """Remove `earl-PID` groups left by pools whose process died without closing them."""
+    with contextlib.suppress(OSError):
+        for entry in os.listdir(parent):
+            if (entry.startswith("earl-") and entry[5:].isdigit()
+                    and not _pid_alive(int(entry[5:]))):
+                _remove_cgroup(os.path.join(parent, entry))

@@ -1,0 +1,57 @@
+"""`bench/peers.py --json --quick` (slow tier): EARL and TRL's GRPOTrainer side by side. Checks
+the JSON schema and the invariants that tie the figures together: both sides ran several steps
+under the same budget (each process at least `budget_s` old at the stop), the ratios are the
+quotients of the reported rates, tokens/s is trajectories/s times a generated length within
+`max_tokens`, the eval's exact-answer share cannot exceed its mean reward, and the whole-tree
+memory sampling saw the processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1200)]
+ROOT = Path(__file__).resolve().parents[2]
+KEYS = {"trajectories_per_s", "tokens_per_s", "seconds_to_threshold", "final_eval",
+        "peak_rss_mb"}
+
+
+def test_bench_peers_quick() -> None:
+    pytest.importorskip("trl", reason="TRL is the peer: pip install 'earl[peers]' (trl==1.16.0)")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "peers.py"), "--json", "--quick"],
+                       capture_output=True, text=True, timeout=1100, env=env, check=False,
+                       cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    earl, trl = res["earl"], res["trl"]
+    max_tokens, batch = res["recipe"]["max_tokens"], res["recipe"]["batch_size"]
+    for side in (earl, trl):
+        assert KEYS <= set(side)
+        assert len(side["runs"]) == res["rounds"] == 1
+        run = side["runs"][0]
+        assert run["steps"] >= 3
+        assert run["wall_s"] >= res["budget_s"]  # trained until the shared budget, then stopped
+        assert 1.0 <= run["gen_len_mean"] <= max_tokens
+        assert run["tokens_per_s"] == pytest.approx(
+            run["trajectories_per_s"] * run["gen_len_mean"], rel=0.01)
+        # end-to-end counts every step over the whole process wall time
+        assert run["trajectories_per_s_end_to_end"] == pytest.approx(
+            run["steps"] * batch / run["wall_s"], rel=0.02)
+        ev = side["final_eval"]
+        assert set(ev) == {"reward", "accuracy"} and ev["accuracy"] <= ev["reward"] + 1e-9
+        hit = side["seconds_to_threshold"]
+        assert hit is None or hit <= run["wall_s"]
+        assert side["peak_rss_mb"] > 150  # a Python process with torch loaded, at least
+    assert earl["runs"][0]["stopped"] == "time_limit"
+    assert res["ratio_trajectories_per_s"] == pytest.approx(
+        earl["trajectories_per_s"] / trl["trajectories_per_s"], rel=0.02)
+    assert res["ratio_tokens_per_s"] == pytest.approx(
+        earl["tokens_per_s"] / trl["tokens_per_s"], rel=0.02)
+    assert res["quality_delta"] == pytest.approx(
+        earl["final_eval"]["reward"] - trl["final_eval"]["reward"], abs=2e-3)

@@ -1,0 +1,48 @@
+"""Re-creating the rollout at a new tensor-parallel degree: the trainer pushes its weights into
+the new replicas at the current policy version (`earl.stages.reconfigure.reconfigure_rollout`)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from earl.engine import SamplingParams
+from earl.models.tiny import default_model_dir
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.asyncio, pytest.mark.timeout(300)]
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
+PROMPT = [1, 50, 51, 52]
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+async def test_rollout_goes_tp1_to_tp2_with_the_trainers_weights() -> None:
+    from earl.runtime import Runtime
+    from earl.stages.reconfigure import reconfigure_rollout
+    from earl.stages.rollout import RolloutActor
+    from earl.stages.trainer import TrainerActor, TrainerConfig
+    from earl.stages.vllm_engine import EngineConfig
+
+    served, trained = default_model_dir(init_std=0.2, seed=0), default_model_dir(init_std=0.2,
+                                                                                 seed=1)
+    async with Runtime() as rt:
+        rollout, trainer = await asyncio.gather(
+            rt.spawn("rollout", RolloutActor,
+                     EngineConfig(model=str(served), dtype="float32", max_model_len=256,
+                                  kv_cache_gb=0.125), n=1, env=ENV),
+            rt.spawn("trainer", TrainerActor, TrainerConfig(model=str(trained), threads=1),
+                     env=ENV))
+        before = await rollout[0].generate.call_one(PROMPT, GREEDY)
+        await trainer.push_weights.call(rollout, 5)
+        tp1 = await rollout[0].generate.call_one(PROMPT, GREEDY)
+        assert tp1.token_ids != before.token_ids and set(tp1.versions) == {5}
+
+        rollout, times = await reconfigure_rollout(rt, rollout, tensor_parallel_size=2,
+                                                   trainer=trainer, version=5, env=ENV)
+        cfg = await rollout[0].engine_config.call_one()
+        assert cfg.tensor_parallel_size == 2 and cfg.model == str(served)
+        tp2 = await rollout[0].generate.call_one(PROMPT, GREEDY)
+        assert tp2.token_ids == tp1.token_ids and set(tp2.versions) == {5}
+        assert min(times.stop_s, times.spawn_s, times.push_s) > 0 and times.save_s == 0
+        await trainer.close.call()

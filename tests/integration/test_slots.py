@@ -1,0 +1,187 @@
+"""Device slots on CPU: real cgroup limits on real actor processes (runtime/slots.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from earl.runtime import Actor, ActorDied, Runtime, endpoint
+from earl.runtime.slots import SlotPool
+
+
+class Hog(Actor):
+    """Allocates and touches memory on request; reports where it runs."""
+
+    def __init__(self) -> None:
+        self.held: list[bytes] = []
+
+    @endpoint
+    async def hog(self, mib: int) -> int:
+        for _ in range(mib // 8):
+            self.held.append(b"\x01" * (8 << 20))  # written, so every page is really charged
+        return len(self.held) * 8
+
+    @endpoint
+    async def where(self) -> dict[str, object]:
+        groups = Path("/proc/self/cgroup").read_text()
+        return {"pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0)),
+                "cgroups": groups, "omp": os.environ.get("OMP_NUM_THREADS", "")}
+
+
+def _pool() -> SlotPool:
+    pool = SlotPool()
+    if pool.memory_enforcement != "cgroup" or pool.cpu_enforcement != "cpuset":
+        pool.close()
+        pytest.skip("cgroup v1 memory/cpuset not writable here (slots fall back to rlimit/affinity)")
+    return pool
+
+
+@pytest.mark.timeout(90)
+async def test_memory_hog_is_oom_killed_in_its_slot_and_the_run_survives() -> None:
+    with _pool() as pool:
+        pool.create("hogslot", cores=(0,), memory_mib=200)
+        async with Runtime() as rt:
+            bystander = await rt.spawn("bystander", Hog)
+            hog = await rt.spawn("hog", Hog, slot=pool.assign("hogslot", "hog"))
+            assert await hog.hog.call_one(64) == 64  # well inside the budget
+            with pytest.raises(ActorDied):  # the call in flight fails at once...
+                await hog.hog.call_one(400)
+            await rt.wait_status(hog, "dead", timeout=10)
+            oom = r"hog\[0\] died: pid \d+ out of memory in slot hogslot \(limit 200 MiB\)"
+            with pytest.raises(ActorDied, match=oom):  # ...and the death is reported as an OOM
+                await hog.hog.call_one(1)
+            assert await bystander.hog.call_one(256) == 256  # unlimited neighbour: fine
+            await rt.stop(hog)
+            # the slot moves to another actor; the new one starts with a clean budget
+            pool.release("hogslot")
+            other = await rt.spawn("other", Hog, slot=pool.assign("hogslot", "other"))
+            assert await other.hog.call_one(64) == 64
+            assert pool.budgets() == {"hogslot": 200 * 2**20}
+            used = pool.memory_used_mib("hogslot")
+            assert used is not None and 64 <= used <= 200
+            with pytest.raises(ValueError, match="still runs pids"):
+                pool.release("hogslot")
+        mem_dir = pool["hogslot"].memory_cgroup
+    assert not os.path.exists(mem_dir)  # cgroups removed at close
+
+
+@pytest.mark.timeout(60)
+async def test_actor_affinity_equals_its_slot_cores() -> None:
+    with _pool() as pool:
+        ncpu = os.cpu_count() or 1
+        core = ncpu - 1
+        slot = pool.create("pinned", cores=(core,), memory_mib=512)
+        async with Runtime() as rt:
+            g = await rt.spawn("pinned", Hog, slot=pool.assign("pinned", "pinned"))
+            info = await g.where.call_one()
+            assert info["cores"] == [core]
+            assert slot.cpuset_cgroup.split("/sys/fs/cgroup/cpuset", 1)[1] in str(info["cgroups"])
+            assert info["omp"] == "1"
+            assert pool.pids("pinned") == [info["pid"]]
+
+
+@pytest.mark.timeout(60)
+async def test_fallback_pins_with_affinity_and_says_limits_are_rlimit() -> None:
+    with SlotPool(use_cgroups=False) as pool:
+        slot = pool.create("fb", cores=(0,), memory_mib=4096)
+        assert (slot.memory_enforcement, slot.cpu_enforcement) == ("rlimit", "affinity")
+        async with Runtime() as rt:
+            g = await rt.spawn("fb", Hog, slot=slot)
+            assert (await g.where.call_one())["cores"] == [0]
+
+
+def test_groups_left_by_a_dead_pool_are_swept() -> None:
+    _pool().close()  # skips where cgroups are not writable
+    own = Path("/proc/self/cgroup").read_text()
+    mem = next(line.split(":", 2)[2] for line in own.splitlines()
+               if "memory" in line.split(":")[1].split(","))
+    stale = os.path.join("/sys/fs/cgroup/memory", mem.lstrip("/"), "earl-999999999")
+    os.makedirs(stale, exist_ok=True)  # as if pool of pid 999999999 crashed
+    SlotPool().close()
+    assert not os.path.exists(stale)
+
+
+class TinyTrainer(Actor):
+    """A real forward+backward of a 4-layer Qwen2 (fp32, SDPA) inside whatever slot it is in."""
+
+    def __init__(self) -> None:
+        import torch
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        torch.manual_seed(0)
+        cfg = Qwen2Config(hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                          num_key_value_heads=2, intermediate_size=384, vocab_size=320,
+                          max_position_embeddings=4096, attn_implementation="sdpa")
+        self.model = Qwen2ForCausalLM(cfg).float().train()
+        self.params = sum(p.numel() for p in self.model.parameters())
+
+    @endpoint
+    async def step(self, context: int, seqs: int) -> int:
+        import torch
+
+        ids = torch.randint(0, 320, (seqs, context))
+        self.model(input_ids=ids, labels=ids).loss.backward()
+        self.model.zero_grad(set_to_none=True)
+        return ids.numel()
+
+    @endpoint
+    async def n_params(self) -> int:
+        return self.params
+
+
+def _peak_mib(pool: SlotPool, name: str) -> float:
+    d = pool[name].memory_cgroup
+    return int(Path(d, "memory.max_usage_in_bytes").read_text()) / 2**20
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+async def test_the_policys_micro_batch_fits_a_real_slot_and_three_times_it_is_killed() -> None:
+    from earl.runtime.selector import (
+        ContextTracker,
+        CostConfig,
+        CostModel,
+        ModelShape,
+        Policy,
+        PolicyConfig,
+    )
+
+    with _pool() as pool:
+        pool.create("train0", cores=(0,), memory_mib=1024)
+        async with Runtime() as rt:
+            g = await rt.spawn("trainer", TinyTrainer, slot=pool.assign("train0", "trainer"))
+            await g.step.call_one(64, 1)  # allocator and autograd warmed up
+            idle = pool.memory_used_mib("train0")
+            assert idle is not None
+            shape = ModelShape(hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384,
+                               vocab=320, params=await g.n_params.call_one())
+            cost = CostModel(shape, CostConfig(weight_bytes=0, grad_bytes=4, act_bytes=4,
+                                               optimizer_bytes=0, logit_bytes=8,
+                                               reserve_bytes=idle * 2**20))
+            policy = Policy(cost, PolicyConfig(actors={"trainer": "train"}, colocated=True,
+                                               tp_max=1, pp_max=1, headroom=0.2))
+            d = policy.decide(step=0, when="prep", contexts=ContextTracker().observe([2048]),
+                              slots=pool.budgets())
+            mb = d.plan.actor("trainer").micro_batch_tokens
+            seqs = mb // 2048
+            assert seqs >= 2, d.reason  # the budget is not trivial
+            assert await g.step.call_one(2048, seqs) == mb  # the plan's budget runs...
+            peak = _peak_mib(pool, "train0")
+            print(f"slot 1024 MiB: idle {idle:.0f} MiB, plan {seqs} x 2048 tokens, predicted "
+                  f"{d.plan.actor('trainer').predicted_bytes / 2**20:.0f} MiB, peak {peak:.0f} MiB")
+            assert peak <= 1024
+            with pytest.raises(ActorDied):  # ...three times it does not
+                await g.step.call_one(2048, 3 * seqs)
+            await rt.wait_status(g, "dead", timeout=10)
+            with pytest.raises(ActorDied, match="out of memory in slot train0"):
+                await g.step.call_one(64, 1)
+
+
+def test_a_gpu_slot_sets_device_visibility_and_leaves_host_memory_alone() -> None:
+    with SlotPool(use_cgroups=False) as pool:
+        s = pool.create("gpu0", gpu=0, memory_mib=80 * 1024, cores=(0,))
+        assert s.memory_enforcement == "device" and not s.memory_cgroup
+        assert s.env() == {"CUDA_VISIBLE_DEVICES": "0", "OMP_NUM_THREADS": "1"}
+        assert s.limits_enforced

@@ -1,0 +1,149 @@
+"""A user's own agent, outside the project, trained through the public path: `earl train
+--agent PATH.py:NAME --tasks FILE.jsonl` and `earl.train(agent=..., tasks=...)`. Bad input is a
+clear error naming the file, line and fix, before any actor starts; an agent that raises in
+some episodes does not stop the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+AGENT = textwrap.dedent('''
+    """A word game the project does not ship: say the word backwards, with a hint tool that
+    keeps per-episode state (how many hints were used)."""
+
+    async def agent(rollout, sample) -> float:
+        hints = []
+
+        def hint(position: int) -> str:
+            """Reveal one letter of the reversed word.
+
+            Args:
+                position: which letter, from 0.
+            """
+            hints.append(position)
+            return sample["word"][::-1][position % len(sample["word"])]
+
+        messages = [{"role": "user", "content": "Reverse: " + sample["word"]}]
+        for _ in range(3):
+            turn = await rollout.generate(messages, tools=[hint])
+            messages.append(turn.message)
+            if not turn.tool_calls:
+                if sample["word"] == "boom":
+                    raise RuntimeError("the environment crashed on boom")
+                rollout.info["hints"] = len(hints)
+                return float(turn.content.strip() == sample["word"][::-1])
+            for call in turn.tool_calls:
+                messages.append(await rollout.call_tool(call))
+        return 0.0
+''')
+
+
+def _earl(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, "-m", "earl.cli", *args], capture_output=True,
+                          text=True, timeout=500, env=env, check=False, cwd=cwd)
+
+
+@pytest.fixture
+def user_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "user"
+    d.mkdir()
+    (d / "wordgame.py").write_text(AGENT)
+    (d / "rules.py").write_text("def quarter(sample, response):\n    return 0.25\n")
+    words = ["cat", "dog", "boom", "sun", "map", "red", "boom", "owl"]
+    (d / "train.jsonl").write_text("".join(json.dumps({"word": w}) + "\n" for w in words))
+    (d / "eval.jsonl").write_text("".join(json.dumps({"word": w}) + "\n"
+                                          for w in ["hat", "pen", "boom", "ice"]))
+    return d
+
+
+def test_train_a_users_agent_from_the_cli(user_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    p = _earl("train", "--agent", f"{user_dir / 'wordgame.py'}:agent",
+              "--tasks", str(user_dir / "train.jsonl"),
+              "--eval-tasks", str(user_dir / "eval.jsonl"), "--output-dir", str(out),
+              "--json", "--steps=2", "--batch_size=8", "--group_size=4", "--max_tokens=12",
+              "--placement.reference=0", "--model.max_model_len=1024",
+              "--reward", f"{user_dir / 'rules.py'}:quarter", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["steps"] == 2 and res["policy_version"] == 2 and res["recipe"] == "agent"
+    for key in ("eval", "eval_start"):
+        assert res[key]["episodes"] == 4.0
+        assert res[key]["failed_rate"] == pytest.approx(0.25)  # "boom" raises: failed, counted
+        assert res[key]["reward"] == pytest.approx(0.25 * 3 / 4)  # the rule scored the rest
+    assert any("the environment crashed on boom" in k for k in res["failed_episodes"])
+    dump = [json.loads(x) for x in Path(res["trajectories"]).read_text().splitlines()]
+    assert len(dump) == 16 and all(len(d["loss_mask"]) == len(d["token_ids"]) for d in dump)
+    assert "episodes failed" in p.stderr
+
+
+def test_bad_agent_and_tasks_fail_before_any_actor(user_dir: Path, tmp_path: Path) -> None:
+    tasks = str(user_dir / "train.jsonl")
+    cases = [
+        (["--agent", str(user_dir / "missing.py") + ":agent", "--tasks", tasks],
+         ["missing.py", "does not exist"]),
+        (["--agent", str(user_dir / "wordgame.py") + ":nope", "--tasks", tasks],
+         ["does not define 'nope'", "agent"]),
+        (["--agent", str(user_dir / "wordgame.py") + ":agent"], ["tasks", "FILE.jsonl"]),
+    ]
+    bad = user_dir / "bad.jsonl"
+    bad.write_text('{"word": "ok"}\n{"word": oops}\n')
+    cases.append((["--agent", str(user_dir / "wordgame.py") + ":agent", "--tasks", str(bad)],
+                  ["bad.jsonl:2", "not valid JSON"]))
+    for args, words in cases:
+        t0 = time.perf_counter()
+        p = _earl("train", *args, "--output-dir", str(tmp_path / "x"), "--json")
+        assert p.returncode == 2, (args, p.stderr[-2000:])
+        for w in words:
+            assert w in p.stderr, (w, p.stderr[-2000:])
+        assert json.loads(p.stdout.strip().splitlines()[-1])["exit_code"] == 2
+        assert time.perf_counter() - t0 < 60  # no actor was started (no vLLM load)
+        assert not (tmp_path / "x" / "checkpoint").exists()
+
+
+def test_earl_train_from_python(user_dir: Path, tmp_path: Path) -> None:
+    code = textwrap.dedent(f'''
+        import json, sys
+        sys.path.insert(0, {str(user_dir)!r})
+        import earl
+        from wordgame import agent
+        words = ({{"word": w}} for w in ["cat", "dog", "sun", "map"] * 10)  # a generator
+        res = earl.train(agent=agent, tasks=words, steps=1, batch_size=8, group_size=4,
+                         max_tokens=8, model={{"max_model_len": 1024}},
+                         output_dir={str(tmp_path / 'py')!r},
+                         placement={{"reference": 0}}, log=lambda s: None)
+        print(json.dumps(res.to_json()))
+    ''')
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=500, env={**os.environ, "HF_HUB_OFFLINE": "1"}, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["steps"] == 1 and res["episodes"] == 8 and res["eval"] == {}
+
+
+@pytest.mark.slow
+def test_train_an_openai_client_agent(tmp_path: Path) -> None:
+    """An agent written only against the `openai` client trains through the same path: each
+    producer serves its sessions at an OpenAI-compatible endpoint that records tokens."""
+    root = Path(__file__).resolve().parents[2]
+    p = _earl("train", "--agent", f"{root / 'agents' / 'openai_calc.py'}:agent",
+              "--tasks", str(root / "envs" / "data" / "calc_train.jsonl"),
+              "--output-dir", str(tmp_path / "run"), "--json", "--steps=2", "--batch_size=8",
+              "--group_size=4", "--max_tokens=24", "--placement.reference=0",
+              "--model.max_model_len=1024", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["steps"] == 2 and res["episodes"] >= 16 and not res["failed_episodes"]
+    dump = [json.loads(x) for x in Path(res["trajectories"]).read_text().splitlines()]
+    assert dump and all(sum(d["loss_mask"]) > 0 for d in dump)  # recorded token-exactly

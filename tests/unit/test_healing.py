@@ -1,0 +1,261 @@
+"""Healing logic without processes: which actor a failure names, the sample ledger, restart
+limits, the producer-side engine guard, failed checkpoints, re-played shares and lost groups."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from earl.loop.healing import (
+    Healer,
+    HealingConfig,
+    HealingError,
+    Ledger,
+    died_actor,
+)
+from earl.loop.healing_parts import HealingEngine, HealingProduction, SafeCheckpoints
+from earl.loop.producer import BatchResult, GroupTask
+from earl.loop.schedule import LoopState
+from earl.runtime.dock_index import Location, LostSample
+from earl.runtime.errors import ActorDied, ActorError
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_died_actor_finds_the_dead_actor_through_groups_and_remote_errors() -> None:
+    assert died_actor(ActorDied("producer[1]", "pid 3 killed by SIGKILL")) == ("producer", 1)
+    remote = ActorError("producer[0]", "earl.runtime.errors.ActorDied",
+                        "actor rollout[0] died: connection lost")
+    assert died_actor(ExceptionGroup("x", [ValueError("a"), remote])) == ("rollout", 0)
+    fetch = ActorError("trainer[0]", "earl.runtime.dock.DockFetchError",
+                       "warehouse reference:0 failed during fetch (lease 3 released): boom")
+    assert died_actor(fetch) == ("reference", 0)
+    try:
+        try:
+            raise ActorDied("dock[0]", "gone")
+        except ActorDied as e:
+            raise RuntimeError("wrapped") from e
+    except RuntimeError as e:
+        assert died_actor(e) == ("dock", 0)
+    assert died_actor(ActorError("trainer[0]", "builtins.ValueError", "actor x[0] died")) is None
+    assert died_actor(ValueError("nothing")) is None
+
+
+def test_restart_policy_per_group_and_limit_validation() -> None:
+    c = HealingConfig(max_restarts=2)
+    assert c.policy("rollout").max_restarts == 2 and c.policy("producer").max_restarts == 2
+    assert c.policy("trainer").max_restarts == 0  # rewound, not restarted in place
+    with pytest.raises(ValueError, match="max_restarts"):
+        HealingConfig(max_restarts=-1)
+
+
+def _loc(sid: str, gid: str) -> Location:
+    return Location(sample_id=sid, group_id=gid, length=4, version=0, columns={})
+
+
+def test_ledger_counts_lost_duplicated_dropped_and_rewinds() -> None:
+    led = Ledger()
+    led.add_produced(["b000000-0000", "b000000-0001", "b000001-0000"], ["g0", "g0", "g1"])
+    led.add_trained((_loc("b000000-0000", "g0"), _loc("b000000-0001", "g0")))
+    s = led.summary()
+    assert s["samples_lost"] == 1 and s["samples_duplicated"] == 0
+    assert led.summary(left_in_dock=1)["samples_lost"] == 0
+    led.add_dropped([LostSample("b000001-0000", "g1", ("input_ids",))], "shard died")
+    assert led.summary()["samples_lost"] == 0
+    assert led.summary()["samples_dropped"] == {"shard died": 1}
+    # the same group trained from a second play is a duplicate, as is a sample trained twice
+    led.add_produced(["b000001-x1-0000"], ["g1"])
+    led.add_trained((_loc("b000001-x1-0000", "g1"), _loc("b000000-0000", "g0")))
+    assert led.summary()["samples_duplicated"] == 1
+    led.add_trained((_loc("b000001-0000", "g1"),))
+    assert led.summary()["samples_duplicated"] == 2
+    led.rewind(1)  # the trainer went back to step 1: batch 1 is played and trained again
+    assert led.summary()["samples_rewound"] == 2
+    assert {s for s, _ in led.trained} == {"b000000-0000", "b000000-0001"}
+
+
+@dataclass
+class _Gen:
+    versions: list[int]
+
+
+@dataclass
+class _Client:
+    """A rollout client whose replica dies once, then serves old weights once."""
+
+    script: list[Any]
+    policy_version: int = 3
+    calls: int = 0
+
+    async def generate(self, prompt_ids: list[int], params: Any, *,
+                       session_id: str | None = None) -> _Gen:
+        self.calls += 1
+        item = self.script.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def note_version(self, v: int) -> None:
+        self.policy_version = max(self.policy_version, v)
+
+
+async def test_engine_retries_a_dead_replica_and_refuses_older_weights() -> None:
+    client = _Client([ActorDied("rollout[0]", "killed"), _Gen([0, 0]), _Gen([3, 3])])
+    eng = HealingEngine(client, wait_s=10)
+    gen = await eng.generate([1, 2], None, session_id="s")
+    assert gen.versions == [3, 3] and client.calls == 3 and eng.retries == 2
+    eng.note_version(5)  # delegated to the client
+    assert client.policy_version == 5
+
+
+async def test_engine_gives_up_after_wait_s() -> None:
+    client = _Client([ActorDied("rollout[0]", "x")] * 100)
+    with pytest.raises(ActorDied):
+        await HealingEngine(client, wait_s=0.0).generate([1], None)
+
+
+@dataclass
+class _Store:
+    root: Path
+    fail: BaseException | None = None
+    saved: list[int] = field(default_factory=list)
+
+    async def save(self, state: LoopState, critic_batch: int | None) -> None:
+        (self.root / f"step-{state.step:06d}").mkdir(parents=True, exist_ok=True)
+        if self.fail is not None:
+            raise self.fail
+        self.saved.append(state.step)
+
+    def manifest(self) -> dict[str, object]:
+        return {"step": 2, "folder": "step-000002"}
+
+
+async def test_failed_checkpoint_is_skipped_and_its_partial_folder_removed(
+        tmp_path: Path) -> None:
+    lines: list[str] = []
+    healer = Healer(HealingConfig(), log=lines.append)
+    store = _Store(tmp_path, fail=OSError(errno.ENOSPC, "No space left on device"))
+    safe = SafeCheckpoints(store, healer)
+    await safe.save(LoopState(step=4), None)
+    assert not (tmp_path / "step-000004").exists()
+    assert safe.failed[0][0] == 4 and "No space left" in lines[-1]
+    assert healer.events[-1]["event"] == "checkpoint_failed"
+    store.fail = ActorDied("trainer[0]", "killed")  # a trainer death is not skipped: rewind
+    with pytest.raises(ActorDied):
+        await safe.save(LoopState(step=6), None)
+
+
+class _Handle:
+    def __init__(self, owner: _Producers, rank: int) -> None:
+        self.owner, self.rank = owner, rank
+        self.play = _Ep(self, "play")
+        self.replay = _Ep(self, "replay")
+        self.note_version = _Ep(self, "note_version")
+
+
+class _Ep:
+    def __init__(self, h: _Handle, name: str) -> None:
+        self.h, self.name = h, name
+
+    async def call_one(self, *args: Any) -> Any:
+        o = self.h.owner
+        o.calls.append((self.name, self.h.rank, args))
+        if o.die_next:
+            o.die_next -= 1
+            raise ActorDied(f"producer[{self.h.rank}]", "killed")
+        if self.name == "note_version":
+            return None
+        groups = args[1]
+        return BatchResult(batch=args[0], episodes=[], samples=sum(len(g.samples)
+                                                                   for g in groups), seconds=0)
+
+
+class _Producers:
+    def __init__(self, n: int) -> None:
+        self.handles = [_Handle(self, r) for r in range(n)]
+        self.calls: list[tuple[str, int, tuple[Any, ...]]] = []
+        self.die_next = 0
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+    def __getitem__(self, r: int) -> _Handle:
+        return self.handles[r]
+
+
+class _Production:
+    def __init__(self, n: int) -> None:
+        from earl.observe import Tracer
+
+        self.producers = _Producers(n)
+        self.groups_per_batch = 2
+        self.tracer = Tracer(False)
+
+    def groups(self, batch: int) -> list[GroupTask]:
+        return [GroupTask(group_id=f"g{batch * 2 + g}", samples=[0, 1]) for g in range(2)]
+
+
+class _Dock:
+    def __init__(self, lost: list[LostSample]) -> None:
+        self.lost = lost
+
+    async def take_lost(self) -> list[LostSample]:
+        out, self.lost = self.lost, []
+        return out
+
+
+class _Rt:
+    async def dir_call(self, method: str, name: str, *a: Any) -> Any:
+        @dataclass
+        class Rec:
+            status: list[str]
+            restarts: list[int]
+            reasons: list[str]
+        return Rec(["up", "up"], [1, 1], ["", ""])
+
+
+async def test_a_producer_death_replays_its_share_with_fresh_ids() -> None:
+    healer = Healer(HealingConfig(), log=lambda s: None)
+    healer._rebuilt[("producer", 0)] = 1  # the restart is rebuilt
+    inner = _Production(1)
+    inner.producers.die_next = 1
+    prod = HealingProduction(inner, healer, _Rt(), _Dock([]))  # type: ignore[arg-type]
+    res = await asyncio.wait_for(prod.play(3, False), 5)
+    assert res.samples == 4
+    assert [c[0] for c in inner.producers.calls] == ["play", "replay"]
+    tag = inner.producers.calls[1][2][2]
+    assert sorted(healer.ledger.produced) == [f"b000003-p0-{tag}-{j:04d}" for j in range(4)]
+
+
+async def test_lost_groups_are_replayed_except_the_batch_being_replayed() -> None:
+    healer = Healer(HealingConfig(), log=lambda s: None)
+    inner = _Production(2)
+    lost = [LostSample("b000001-0000", "g2", ()), LostSample("b000001-0001", "g2", ()),
+            LostSample("b000002-0000", "g4", ())]
+    prod = HealingProduction(inner, healer, _Rt(), _Dock(lost))  # type: ignore[arg-type]
+    prod.playing.add(2)  # batch 2's share is being re-played by `play`
+    assert await prod.reproduce_lost("shard producer:0 died") == 1
+    replays = [c for c in inner.producers.calls if c[0] == "replay"]
+    assert len(replays) == 1 and replays[0][2][0] == 1
+    assert [g.group_id for g in replays[0][2][1]] == ["g2"]
+    assert set(healer.ledger.dropped) == {"b000001-0000", "b000001-0001", "b000002-0000"}
+
+
+async def test_wait_rebuilt_names_a_dead_actor_and_the_limit() -> None:
+    class DeadRt:
+        async def dir_call(self, method: str, name: str, *a: Any) -> Any:
+            @dataclass
+            class Rec:
+                status: list[str]
+                restarts: list[int]
+                reasons: list[str]
+            return Rec(["dead"], [2], ["pid 9 killed by SIGKILL"])
+
+    healer = Healer(HealingConfig(max_restarts=2), log=lambda s: None)
+    with pytest.raises(HealingError, match=r"producer\[0\].*restart limit 2"):
+        await healer.wait_rebuilt(DeadRt(), "producer", 0)

@@ -1,0 +1,261 @@
+"""earl.loop.selection with a fake reconfigurer and the real policy, no processes: the rollout's
+context grows before the contexts reach it, the trainer's budget follows the contexts without a
+restart, re-creations never overlap a play, decisions become selector/* rows and trace events,
+and the Schedule calls the selection around every stage."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from earl.loop.episode import Episode
+from earl.loop.producer import BatchResult
+from earl.loop.schedule import LoopState, Schedule, ScheduleConfig
+from earl.loop.selection import Selection, Setting, setting_of
+from earl.runtime.selector import (
+    ActorPlan,
+    CostConfig,
+    CostModel,
+    Decision,
+    ModelShape,
+    Parallel,
+    Plan,
+    Policy,
+    PolicyConfig,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+MIB = 2**20
+SHAPE = ModelShape(hidden=64, layers=2, heads=2, kv_heads=2, intermediate=192, vocab=512,
+                   params=120_000)
+COST = CostModel(SHAPE, CostConfig(weight_bytes=4, grad_bytes=4, optimizer_bytes=8, act_bytes=4,
+                                   kv_bytes=4, logit_bytes=8, reserve_bytes=400 * MIB))
+SLOTS = {"rollout0": 480.0 * MIB, "trainer0": 480.0 * MIB}
+
+
+class FakeReconfigurer:
+    def __init__(self) -> None:
+        self.applied: list[tuple[Setting, Setting]] = []
+        self.budgets: list[int] = []
+        self.busy = 0  # plays in flight, set by the fake production
+
+    async def set_micro_batch_tokens(self, tokens: int) -> None:
+        self.budgets.append(tokens)
+
+    async def apply(self, old: Setting, new: Setting) -> dict[str, float]:
+        assert self.busy == 0, "re-created an actor while a play was using it"
+        await asyncio.sleep(0.001)
+        self.applied.append((old, new))
+        return {"rollout/spawn_s": 0.5, "trainer/save_s": 0.25}
+
+
+def _result(batch: int, lengths: list[int]) -> BatchResult:
+    eps = [Episode(sample_id=f"b{batch}-{i}", group_id="g", reward=0.0, tokens=n)
+           for i, n in enumerate(lengths)]
+    return BatchResult(batch=batch, episodes=eps, samples=len(eps), seconds=0.0)
+
+
+def _selection(reconf: FakeReconfigurer, rows: list[dict[str, float | int | str]],
+               events: list[Decision], *, window: int = 512,
+               mb: int = 1 << 16) -> Selection:
+    policy = Policy(COST, PolicyConfig(actors={"rollout": "rollout", "trainer": "train"},
+                                       pp_max=1, bucket_base=256))
+    setting = Setting(micro_batch_tokens=mb, max_model_len=window, kv_tokens=window,
+                      rollout_slots=("rollout0",), trainer_slots=("trainer0",))
+
+    async def queues() -> dict[str, int]:
+        return {"train": 8}
+
+    return Selection(policy, reconf, setting=setting, slots=lambda: SLOTS, queues=queues,
+                     max_context=4096, record=rows.append, trace=events.append)
+
+
+def test_growing_contexts_grow_the_rollout_window_ahead_and_shrink_the_budget() -> None:
+    reconf, rows, events = FakeReconfigurer(), [], []
+    sel = _selection(reconf, rows, events)
+
+    async def main() -> None:
+        for b in range(12):
+            async with sel.rollout(b):
+                pass
+            lengths = [150 + 110 * b + 7 * i for i in range(16)]  # grows ~110 tokens a step
+            async with sel.train(b, _result(b, lengths)):
+                pass
+            # the window set now covers this batch's longest trajectory, and the next one's
+            assert sel.setting.max_model_len >= max(lengths) + 110
+
+    asyncio.run(main())
+    assert reconf.applied, "the window never grew"
+    grown = [new.max_model_len for _, new in reconf.applied]
+    assert grown == sorted(grown) and grown[-1] > 512
+    # the micro-batch budget followed the contexts down without a restart
+    assert reconf.budgets and min(reconf.budgets) < 1 << 16
+    assert sel.statistics().reconfigurations == len(reconf.applied)
+    assert sel.statistics().reconfig_seconds["rollout/spawn_s"] == 0.5 * len(reconf.applied)
+    assert len(rows) == len(events) == 24
+    assert {r["selector/when"] for r in rows} == {"rollout", "prep"}
+    for key in ("selector/context_p50", "selector/context_p95", "selector/context_max",
+                "selector/context_trend", "selector/reason", "selector/trainer/tp",
+                "selector/rollout/micro_batch_tokens", "selector/applied_max_model_len",
+                "selector/reconfig_s"):
+        assert key in rows[-1]
+    assert any(float(r["selector/reconfig_s"]) > 0 for r in rows)
+
+
+def test_steady_contexts_do_not_reconfigure() -> None:
+    reconf, rows, events = FakeReconfigurer(), [], []
+    sel = _selection(reconf, rows, events, window=1024)
+
+    async def main() -> None:
+        for b in range(10):
+            async with sel.rollout(b):
+                pass
+            async with sel.train(b, _result(b, [300 + (b % 2) * 40] * 8)):
+                pass
+
+    asyncio.run(main())
+    assert reconf.applied == []
+    assert sel.setting.max_model_len == 1024  # never shrinks
+
+
+def test_a_reconfiguration_waits_for_the_play_in_flight() -> None:
+    reconf, rows, events = FakeReconfigurer(), [], []
+    sel = _selection(reconf, rows, events, window=256)
+    order: list[str] = []
+
+    async def play(b: int, hold: asyncio.Event) -> None:
+        async with sel.rollout(b):
+            reconf.busy += 1
+            order.append(f"play{b}")
+            await hold.wait()
+            reconf.busy -= 1
+            order.append(f"done{b}")
+
+    async def main() -> None:
+        hold = asyncio.Event()
+        first = asyncio.create_task(play(0, hold))
+        await asyncio.sleep(0.01)
+        sel.observe(_result(0, [900, 1000, 1100]))  # contexts jumped past the 256 window
+        second = asyncio.create_task(play(1, asyncio.Event()))
+        await asyncio.sleep(0.01)
+        assert reconf.applied == []  # still waiting for play 0
+        hold.set()
+        await first
+        await asyncio.sleep(0.01)
+        assert len(reconf.applied) == 1
+        second.cancel()
+
+    asyncio.run(main())
+    assert order[:2] == ["play0", "done0"]
+
+
+def test_setting_of_caps_and_keeps_the_window() -> None:
+    cur = Setting(micro_batch_tokens=4096, max_model_len=1024, kv_tokens=1024)
+
+    def plan(bucket: int, tp: int = 1, pp: int = 1) -> Plan:
+        return Plan(context_bucket=bucket, actors=(
+            ActorPlan(actor="rollout", stage="rollout", parallel=Parallel(), slots=("a",),
+                      micro_batch_tokens=bucket * 2, predicted_bytes=0, tokens_per_s=1),
+            ActorPlan(actor="trainer", stage="train", parallel=Parallel(tp=tp, pp=pp),
+                      slots=("b", "c")[:tp * pp], micro_batch_tokens=bucket,
+                      predicted_bytes=0, tokens_per_s=1)))
+
+    assert setting_of(plan(512), cur, max_context=2048).max_model_len == 1024  # no shrink
+    s = setting_of(plan(3072, tp=2), cur, max_context=2048)
+    assert (s.max_model_len, s.kv_tokens, s.trainer_tp, s.trainer_slots) == \
+        (2048, 6144, 2, ("b", "c"))
+    with pytest.raises(ValueError, match="pp_max=1"):
+        setting_of(plan(512, pp=2), cur, max_context=2048)
+
+
+class _Prod:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    async def play(self, batch: int, snapshot: bool) -> BatchResult:
+        self.log.append(f"play{batch}")
+        return _result(batch, [100 + 50 * batch] * 4)
+
+    async def note_version(self, version: int) -> None:
+        pass
+
+
+class _Train:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    async def train(self, batch: int, samples: int, lr_scale: float) -> dict[str, float]:
+        self.log.append(f"train{batch}")
+        return {}
+
+    async def publish(self, version: int) -> None:
+        self.log.append(f"publish{version}")
+
+
+class _Ckpt:
+    async def save(self, state: LoopState, critic_batch: int | None) -> None:
+        pass
+
+
+def test_schedule_calls_the_selection_around_each_stage() -> None:
+    log: list[str] = []
+    reconf, rows, events = FakeReconfigurer(), [], []
+    sel = _selection(reconf, rows, events)
+    orig_rollout, orig_train = sel.rollout, sel.train
+
+    def rollout(b: int):  # type: ignore[no-untyped-def]
+        log.append(f"decide-rollout{b}")
+        return orig_rollout(b)
+
+    def train(b: int, res: BatchResult):  # type: ignore[no-untyped-def]
+        log.append(f"decide-prep{b}")
+        return orig_train(b, res)
+
+    sel.rollout, sel.train = rollout, train  # type: ignore[method-assign]
+    sched = Schedule(ScheduleConfig(steps=3, max_policy_lag=0), production=_Prod(log),
+                     training=_Train(log), evaluation=None, checkpoints=_Ckpt(),
+                     state=LoopState(), selection=sel)
+    asyncio.run(sched.run())
+    for b in range(3):
+        assert log.index(f"decide-rollout{b}") < log.index(f"play{b}")
+        assert log.index(f"play{b}") < log.index(f"decide-prep{b}") < log.index(f"train{b}")
+    assert [r["selector/when"] for r in rows] == ["rollout", "prep"] * 3
+
+
+def test_trajectories_cut_by_the_window_count_as_longer() -> None:
+    reconf, rows, events = FakeReconfigurer(), [], []
+    sel = _selection(reconf, rows, events, window=512)
+    res = _result(0, [200, 300, 500])
+    res.episodes[2].truncated = True  # cut at the window: needs more than 512
+    assert sel.observe(res).max == 2048
+    res.episodes[0].truncated = True  # cut by a per-turn cap, far from the window
+    assert sel.observe(res).p50 == 300
+
+
+def test_an_infeasible_plan_grows_the_window_keeps_layouts_and_reports() -> None:
+    reconf, rows = FakeReconfigurer(), []
+    policy = Policy(COST, PolicyConfig(actors={"rollout": "rollout", "trainer": "train"},
+                                       pp_max=1, bucket_base=256))
+    setting = Setting(micro_batch_tokens=1 << 16, max_model_len=256, kv_tokens=256,
+                      rollout_slots=("rollout0",), trainer_slots=("trainer0",))
+
+    async def queues() -> dict[str, int]:
+        return {}
+
+    tight = {"rollout0": 401.0 * MIB, "trainer0": 401.0 * MIB}  # the reserve alone is 400
+    sel = Selection(policy, reconf, setting=setting, slots=lambda: tight, queues=queues,
+                    max_context=4096, record=rows.append, initial_context=1000)
+
+    async def main() -> None:
+        async with sel.rollout(0):
+            pass
+
+    asyncio.run(main())
+    assert rows[0]["selector/feasible"] == 0 and rows[0]["selector/shortfall"]
+    s = sel.setting
+    assert s.max_model_len == 1024 and s.micro_batch_tokens == 1024
+    # the rollout was re-created, the trainer kept: its budget still reached it
+    assert len(reconf.applied) == 1 and reconf.budgets == [1024]
+    assert (s.trainer_tp, s.trainer_slots, s.rollout_slots) == (1, ("trainer0",), ("rollout0",))

@@ -1,0 +1,98 @@
+"""The selector's cost model: formulas, the EARL paper's figures, the simulator's verdicts."""
+
+from __future__ import annotations
+
+import pytest
+
+from earl.runtime.selector.cost import (
+    GB,
+    CostConfig,
+    CostModel,
+    ModelShape,
+    Parallel,
+    paper_points,
+)
+from earl.runtime.selector.simulate import SimConfig, calibration, run
+
+L70 = ModelShape.llama31_70b()
+
+
+def test_paper_figures_for_llama_70b_within_15_percent() -> None:
+    got = paper_points()
+    assert got[4096] == pytest.approx(97, rel=0.15)
+    assert got[8192] == pytest.approx(354, rel=0.15)
+    assert all(abs(c["error"]) <= 0.15 for c in calibration().values())
+
+
+def test_kv_bytes_per_token_is_layers_kvheads_headdim_two_dtype() -> None:
+    m = CostModel(L70)
+    assert m.kv_bytes_per_token(Parallel()) == 80 * 8 * 128 * 2 * 2
+    assert m.kv_bytes_per_token(Parallel(tp=8)) == 80 * 8 * 128 * 2 * 2 / 8
+    # beyond kv_heads, TP replicates KV heads: no further saving
+    assert m.kv_bytes_per_token(Parallel(tp=16)) == m.kv_bytes_per_token(Parallel(tp=8))
+
+
+def test_training_state_splits_over_tp_pp_and_optimizer_over_dp() -> None:
+    m = CostModel(L70)
+    a = m.memory("train", Parallel(tp=2, pp=2, dp=1), seq_len=1024)
+    b = m.memory("train", Parallel(tp=2, pp=2, dp=4), seq_len=1024)
+    assert a.weights == pytest.approx(L70.params * 2 / 4)
+    assert a.grads == pytest.approx(L70.params * 4 / 4)
+    assert b.optimizer == pytest.approx(a.optimizer / 4)
+    assert b.weights == a.weights
+
+
+def test_activations_eager_quadratic_flash_linear_recompute_smaller() -> None:
+    eager = CostModel(L70, CostConfig(attention="eager"))
+    flash = CostModel(L70, CostConfig(attention="flash"))
+    par = Parallel(tp=8)
+    assert eager.activation_bytes(8192, 8192, par) > 3 * eager.activation_bytes(4096, 4096, par)
+    assert flash.activation_bytes(8192, 8192, par) == pytest.approx(
+        2 * flash.activation_bytes(4096, 4096, par))
+    rc = Parallel(tp=8, recompute=True)
+    assert flash.activation_bytes(8192, 8192, rc) < flash.activation_bytes(8192, 8192, par) / 5
+
+
+def test_rollout_memory_grows_with_resident_kv_tokens() -> None:
+    m = CostModel(L70)
+    par = Parallel(tp=4)
+    small = m.memory("rollout", par, seq_len=4096).total
+    big = m.memory("rollout", par, seq_len=4096, kv_tokens=40960).total
+    assert big - small == pytest.approx(m.kv_bytes_per_token(par) * (40960 - 4096))
+
+
+def test_max_micro_batch_fits_and_the_next_sequence_does_not() -> None:
+    m = CostModel(L70, CostConfig(attention="flash"))
+    par = Parallel(tp=8, pp=4, dp=2)
+    cap = 80 * GB
+    mb = m.max_micro_batch_tokens("train", par, 4096, cap)
+    assert mb >= 4096 and mb % 4096 == 0
+    assert m.memory("train", par, seq_len=4096, micro_batch_tokens=mb).total <= cap
+    assert m.memory("train", par, seq_len=4096, micro_batch_tokens=mb + 4096).total > cap
+    assert m.max_micro_batch_tokens("train", Parallel(), 4096, cap) == 0  # 70B on one GPU
+
+
+def test_bad_shape_names_the_field() -> None:
+    with pytest.raises(ValueError, match="ModelShape.heads"):
+        ModelShape(hidden=64, layers=2, heads=0, kv_heads=1, intermediate=128, vocab=10,
+                   params=1)
+    with pytest.raises(ValueError, match="Parallel.tp"):
+        Parallel(tp=0)
+
+
+def test_simulator_static_layouts_oom_and_the_selector_does_not() -> None:
+    r = run(SimConfig(gpus=64, steps=20))
+    assert r["oom_static"] is True and r["oom_avoided"] > 0
+    assert r["oom_selector"] is False
+    assert r["throughput_ratio_vs_best_static"] >= 0.95
+    assert r["reconfigurations"] >= 1
+
+
+def test_shape_from_a_hugging_face_config() -> None:
+    cfg = {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "intermediate_size": 384, "vocab_size": 320}
+    s = ModelShape.from_hf_config(cfg, params=800_000)
+    assert (s.hidden, s.layers, s.kv_heads, s.head_dim) == (128, 4, 2, 32)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        ModelShape.from_hf_config({k: v for k, v in cfg.items()
+                                   if k != "num_key_value_heads"}, params=1)

@@ -1,0 +1,171 @@
+"""The selector policy on synthetic context traces (runtime/selector/policy.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from earl.runtime.selector.cost import CostConfig, CostModel, ModelShape
+from earl.runtime.selector.plan import ContextTracker, Decision
+from earl.runtime.selector.policy import Policy, PolicyConfig
+
+GB = 1e9
+MODEL = CostModel(ModelShape.llama31_8b(), CostConfig(attention="flash"))
+
+
+def slots(n: int = 16, cap: float = 80 * GB) -> dict[str, float]:
+    return {f"s{i:02d}": cap for i in range(n)}
+
+
+def replay(policy: Policy, maxima: list[int], pool: dict[str, float]) -> list[Decision]:
+    """Decide before Experience Preparation of each step (its lengths are known then)."""
+    tracker, out = ContextTracker(), []
+    for step, top in enumerate(maxima):
+        stats = tracker.observe([top // 2, top * 4 // 5, top])
+        out.append(policy.decide(step=step, when="prep", contexts=stats, slots=pool))
+    return out
+
+
+def assert_holds(policy: Policy, decisions: list[Decision], maxima: list[int],
+                 pool: dict[str, float]) -> None:
+    """No OOM: every actor's layout holds that step's longest context on its slots."""
+    for d, top in zip(decisions, maxima, strict=True):
+        assert d.plan.feasible, d.reason
+        assert d.plan.context_bucket >= top
+        for a in d.plan.actors:
+            assert policy.evaluate(a.actor, a.parallel, a.slots, top, pool[a.slots[0]]), \
+                (d.step, a.describe())
+        used = [s for a in d.plan.actors for s in a.slots]
+        if not policy.config.colocated:
+            assert len(used) == len(set(used)) <= len(pool)  # split: no slot given twice
+
+
+def test_steady_growth_adapts_without_oom() -> None:
+    maxima = [int(2048 * 32 ** (i / 29)) for i in range(30)]  # 2K -> 64K
+    policy, pool = Policy(MODEL), slots()
+    ds = replay(policy, maxima, pool)
+    assert_holds(policy, ds, maxima, pool)
+    st = policy.statistics()
+    assert st.switches >= 3  # the layout really changes as contexts grow
+    assert st.switches <= len({d.plan.context_bucket for d in ds})  # at most once per bucket
+    trainer = [d.plan.actor("trainer") for d in ds]
+    assert trainer[-1].parallel.recompute or trainer[-1].parallel.tp > trainer[0].parallel.tp
+    assert all("cannot hold" in d.reason or "faster" in d.reason or d.step == 0
+               for d in ds if d.changed)
+
+
+def test_spike_raises_the_bucket_at_once_and_lowers_it_only_after_patience() -> None:
+    maxima = [4000] * 6 + [20000] + [4000] * 10
+    cfg = PolicyConfig(patience=3)
+    policy, pool = Policy(MODEL, cfg), slots()
+    ds = replay(policy, maxima, pool)
+    assert_holds(policy, ds, maxima, pool)
+    buckets = [d.plan.context_bucket for d in ds]
+    assert buckets[6] >= 20000
+    assert buckets[7] == buckets[6]  # the next step does not drop straight back
+    assert buckets[-1] < 20000  # ...but the spike does not stay planned for ever
+    assert policy.statistics().switches <= 4
+
+
+def test_shrinking_contexts_return_to_a_faster_plan() -> None:
+    maxima = [int(65536 / 32 ** (i / 24)) for i in range(25)]  # 64K -> 2K
+    policy, pool = Policy(MODEL), slots()
+    ds = replay(policy, maxima, pool)
+    assert_holds(policy, ds, maxima, pool)
+    buckets = [d.plan.context_bucket for d in ds]
+    assert buckets == sorted(buckets, reverse=True)  # never back up
+    assert ds[-1].plan.tokens_per_s > 2 * ds[0].plan.tokens_per_s
+    assert policy.statistics().switches >= 2
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_oscillation_around_a_bucket_boundary_does_not_thrash(colocated: bool) -> None:
+    maxima = [4000, 4200] * 20  # around the 4096 bucket edge
+    policy, pool = Policy(MODEL, PolicyConfig(colocated=colocated)), slots()
+    ds = replay(policy, maxima, pool)
+    assert_holds(policy, ds, maxima, pool)
+    assert policy.statistics().switches <= 2
+    assert len({d.plan.context_bucket for d in ds[2:]}) == 1
+
+
+def test_noisy_gain_near_the_switch_threshold_needs_patience() -> None:
+    policy = Policy(MODEL, PolicyConfig(patience=3, cooldown_steps=0))
+    tracker, pool = ContextTracker(), slots()
+    # contexts alternating between two buckets whose best plans differ: the bucket stays up
+    ds = [policy.decide(step=i, when="rollout", contexts=tracker.observe([8000 if i % 2 else 3000]),
+                        slots=pool) for i in range(20)]
+    assert sum(d.changed for d in ds) <= 2
+
+
+def test_infeasible_context_is_reported_before_it_is_needed() -> None:
+    maxima = [int(4096 * 1.25 ** i) for i in range(25)]  # grows past what 4 slots hold
+    pool = slots(8)
+    policy = Policy(MODEL, PolicyConfig(warn_steps=6))
+    ds = replay(policy, maxima, pool)
+    first_short = next(d for d in ds if d.shortfall is not None)
+    first_bad = next(d for d in ds if not d.plan.feasible)
+    assert first_short.plan.feasible and first_short.step < first_bad.step
+    sf = first_short.shortfall
+    assert sf is not None and sf.at_step > first_short.step
+    assert sf.min_device_bytes > 80 * GB or sf.min_devices > 8
+    assert "cannot fit" in sf.message() and str(sf.context) in sf.message()
+    assert "no configuration fits" in first_bad.reason
+    assert policy.statistics().infeasible >= 1
+
+
+def test_a_deep_training_queue_moves_slots_to_the_trainer() -> None:
+    tracker = ContextTracker()
+    stats = tracker.observe([4096, 3000, 2000])
+    cfg = {"queue_target": 8}
+    calm = Policy(MODEL, PolicyConfig(**cfg)).decide(
+        step=0, when="prep", contexts=stats, slots=slots(), queue_depths={"train": 0})
+    busy = Policy(MODEL, PolicyConfig(**cfg)).decide(
+        step=0, when="prep", contexts=stats, slots=slots(), queue_depths={"train": 64})
+    assert len(busy.plan.actor("trainer").slots) > len(calm.plan.actor("trainer").slots)
+
+
+def test_decision_records_for_metrics_and_trace() -> None:
+    d = replay(Policy(MODEL), [4096, 5000], slots())[-1]
+    rec = d.record()
+    assert rec["selector/trainer/tp"] == d.plan.actor("trainer").parallel.tp
+    assert rec["selector/reason"] == d.reason
+    assert all(isinstance(v, (int, float, str)) for v in rec.values())
+    ev = d.trace_event(1234.0)
+    assert ev["ph"] == "i" and ev["ts"] == 1234.0
+    json.dumps(ev)
+
+
+def test_context_tracker_statistics_and_trend() -> None:
+    tr = ContextTracker(window=4)
+    for top in (1000, 1100, 1200, 1300):
+        st = tr.observe(list(range(1, top + 1)))
+    assert st.max == 1300 and 640 <= st.p50 <= 660 and st.p95 >= 1230
+    assert st.trend == pytest.approx(100, rel=0.01)
+    assert st.projected(3) == 1600
+
+
+def test_bad_config_names_the_field() -> None:
+    with pytest.raises(ValueError, match=r"actors\['x'\]"):
+        PolicyConfig(actors={"x": "generate"})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="headroom"):
+        PolicyConfig(headroom=1.5)
+    with pytest.raises(ValueError, match="at least one"):
+        ContextTracker().observe([])
+
+
+def test_a_lasting_backlog_moves_slots_live_after_patience_and_a_lost_slot_replans() -> None:
+    policy = Policy(MODEL, PolicyConfig(queue_target=8, patience=2, cooldown_steps=0))
+    tracker, pool = ContextTracker(), slots()
+    stats = tracker.observe([4096, 3000])
+    first = policy.decide(step=0, when="prep", contexts=stats, slots=pool)
+    before = len(first.plan.actor("trainer").slots)
+    ds = [policy.decide(step=i, when="prep", contexts=stats, slots=pool,
+                        queue_depths={"train": 64}) for i in range(1, 4)]
+    assert not ds[0].changed  # one deep queue is not enough
+    moved = next(d for d in ds if d.changed)
+    assert len(moved.plan.actor("trainer").slots) > before
+    smaller = dict(list(pool.items())[:-2])  # two slots gone (e.g. a host lost)
+    d = policy.decide(step=5, when="prep", contexts=stats, slots=smaller)
+    assert d.changed and "slots changed" in d.reason
+    assert all(n in smaller for a in d.plan.actors for n in a.slots)
