@@ -25,8 +25,6 @@ import asyncio
 import concurrent.futures
 import functools
 import itertools
-import logging
-import os
 import queue
 import tempfile
 import threading
@@ -37,6 +35,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar
 
 from earl.engine import ContextLengthError, Generation, SamplingParams
+from earl.stages.vllm_build import (
+    EngineConfig,
+    build_llm_engine,
+    reload_worker,
+    save_safetensors,
+    tmp_root,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -46,60 +51,6 @@ __all__ = ["EngineConfig", "RolloutStatistics", "UpdateMode", "VLLMEngine", "VLL
 T = TypeVar("T")
 UpdateMode = Literal["drain", "inflight"]
 Weights = Mapping[str, "torch.Tensor"] | Iterable[tuple[str, "torch.Tensor"]]
-
-
-@dataclass(kw_only=True, slots=True)
-class EngineConfig:
-    """What vLLM serves and how big it may get.
-
-    Args:
-        model: path of an HF folder (e.g. `earl.models.tiny.default_model_dir()`).
-        max_model_len: prompt + generated tokens limit; longer calls raise ContextLengthError.
-        dtype: "auto", "float32" or "bfloat16". vLLM resolves "auto" to bfloat16 on CPU even
-            for a float32 checkpoint (the tiny model's), while the trainer and the reference
-            compute in float32: sampling log-probs then carry bf16 rounding against the
-            trainer's (the off-policy ratio sees it); pass "float32" to match them.
-        kv_cache_gb: KV-cache budget per tensor-parallel worker, in GiB (fractions allowed;
-            vLLM's ``kv_cache_memory_bytes``, which the legacy ``VLLM_CPU_KVCACHE_SPACE``
-            variable would override, so it is cleared). vLLM refuses requests beyond it.
-        max_num_seqs: most sequences decoded together (continuous batching width).
-        threads: torch/OpenMP threads of the engine thread (vLLM freezes it after start).
-        seed: engine seed (per-request seeds come from SamplingParams.seed).
-        logprobs_mode: "processed_logprobs" = log-probs of the distribution actually sampled
-            (after temperature/top-k/top-p); "raw_logprobs" = of the model's plain softmax.
-        tensor_parallel_size: vLLM workers sharding the model. 1 runs the model in the engine
-            thread; > 1 starts that many worker processes (``distributed_executor_backend="mp"``),
-            each bound to its own cores (see ``cpu_bind``).
-        cpu_bind: ``VLLM_CPU_OMP_THREADS_BIND`` for tensor_parallel_size > 1, one core list per
-            worker separated by ``|`` (e.g. ``"0|1"``). None: this process's allowed cores
-            split evenly (vLLM's automatic binding asserts on a one-NUMA-node host).
-    """
-
-    model: str
-    max_model_len: int = 2048
-    dtype: str = "auto"
-    kv_cache_gb: float = 1.0
-    max_num_seqs: int = 256
-    threads: int = 1
-    seed: int = 0
-    logprobs_mode: str = "processed_logprobs"
-    enable_prefix_caching: bool = True
-    tensor_parallel_size: int = 1
-    cpu_bind: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise ValueError("EngineConfig.tensor_parallel_size must be >= 1, got "
-                             f"{self.tensor_parallel_size}")
-        if self.kv_cache_gb <= 0:
-            raise ValueError(f"EngineConfig.kv_cache_gb must be > 0, got {self.kv_cache_gb}")
-        if self.max_model_len < 2:
-            raise ValueError(f"EngineConfig.max_model_len must be >= 2, got {self.max_model_len}")
-        if self.threads < 1:
-            raise ValueError(f"EngineConfig.threads must be >= 1, got {self.threads}")
-        if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
-            raise ValueError("EngineConfig.logprobs_mode must be 'processed_logprobs' or "
-                             f"'raw_logprobs', got {self.logprobs_mode!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -386,14 +337,14 @@ class VLLMEngine:
         t0 = time.perf_counter()
         if self.config.tensor_parallel_size == 1:  # the worker is in this process: pass tensors
             eng.collective_rpc(functools.partial(  # type: ignore[attr-defined]
-                _reload_worker, items=items, path=path, tied=self._tied))
+                reload_worker, items=items, path=path, tied=self._tied))
         else:  # worker processes read a safetensors file (on tmpfs where there is one)
-            with tempfile.TemporaryDirectory(prefix="earl-weights-", dir=_tmp_root()) as tmp:
+            with tempfile.TemporaryDirectory(prefix="earl-weights-", dir=tmp_root()) as tmp:
                 if items is not None:
-                    _save_safetensors(items, Path(tmp) / "model.safetensors")
+                    save_safetensors(items, Path(tmp) / "model.safetensors")
                     path = tmp
                 eng.collective_rpc(functools.partial(  # type: ignore[attr-defined]
-                    _reload_worker, items=None, path=path, tied=self._tied))
+                    reload_worker, items=None, path=path, tied=self._tied))
         eng.reset_prefix_cache(reset_running_requests=preempt)  # type: ignore[attr-defined]
         self._version = version  # steps from now on run the new weights
         return time.perf_counter() - t0
@@ -417,41 +368,7 @@ class VLLMEngine:
 
     # ---- the engine thread -----------------------------------------------------------------
     def _build(self) -> object:
-        import torch
-
-        cfg = self.config
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        # vLLM logs to stdout by default; keep stdout for the program (e.g. bench JSON).
-        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
-        tp = cfg.tensor_parallel_size
-        if tp > 1:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_bind or cpu_binding(tp)
-            os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
-        torch.set_num_threads(cfg.threads)  # before vLLM turns set_num_threads into a no-op
-        from vllm import EngineArgs
-        from vllm.v1.engine.llm_engine import LLMEngine
-
-        args = EngineArgs(model=cfg.model, dtype=cfg.dtype, max_model_len=cfg.max_model_len,  # type: ignore[arg-type]
-                          enforce_eager=True, seed=cfg.seed, max_num_seqs=cfg.max_num_seqs,
-                          logprobs_mode=cfg.logprobs_mode,  # type: ignore[arg-type]
-                          enable_prefix_caching=cfg.enable_prefix_caching,
-                          # vLLM 0.32 on CPU crashes when a seeded request's prefill is split
-                          # across steps ("CPU Generator does not use offset"): no chunking.
-                          enable_chunked_prefill=False,
-                          max_num_batched_tokens=max(cfg.max_model_len, 2048),
-                          async_scheduling=False, disable_log_stats=True,
-                          kv_cache_memory_bytes=int(cfg.kv_cache_gb * (1 << 30)),
-                          tensor_parallel_size=tp,
-                          distributed_executor_backend="mp" if tp > 1 else None)
-        eng = LLMEngine.from_engine_args(args, enable_multiprocessing=False)
-        # Every weight reload warns "Failed to load weights" for layers with nothing to load
-        # (rotary buffers; a tied lm_head, which `_load` re-ties): expected, so silenced once,
-        # after vLLM has configured its loggers.
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(
-            logging.ERROR)
-        self._tied = bool(getattr(eng.model_config.hf_config, "tie_word_embeddings", False))
+        eng, self._tied = build_llm_engine(self.config)
         return eng
 
     def _run(self, ready: concurrent.futures.Future[None]) -> None:
@@ -508,43 +425,3 @@ class VLLMEngine:
 
 
 VLLMRollout = VLLMEngine  # the name the issue uses for the engine core
-
-
-def cpu_binding(tp: int) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of `tp` workers an equal share of this
-    process's allowed cores, e.g. ``"0|1"`` for 2 workers on cores {0, 1}.
-
-    Raises:
-        ValueError: fewer allowed cores than workers.
-    """
-    cores = sorted(os.sched_getaffinity(0))
-    per = len(cores) // tp
-    if per < 1:
-        raise ValueError(f"EngineConfig.tensor_parallel_size={tp} needs >= {tp} cores; this "
-                         f"process may use {len(cores)} ({cores}): lower it or set cpu_bind")
-    return "|".join(",".join(map(str, cores[k * per:(k + 1) * per])) for k in range(tp))
-
-
-def _reload_worker(worker: Any, *, items: Iterable[tuple[str, torch.Tensor]] | None,
-                   path: str | None, tied: bool) -> None:
-    """Runs on every vLLM worker (module level, so the mp executor pickles it by name)."""
-    if items is not None:
-        worker.reload_weights(weights_iterator=iter(items))
-    else:
-        worker.reload_weights(weights_path=path)
-    if tied:  # vLLM reloads embed_tokens only; lm_head must point at it again
-        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-        model = worker.model_runner.get_model()
-        model.lm_head.weight = model.model.embed_tokens.weight
-        dispatch_cpu_unquantized_gemm(model.lm_head, remove_weight=False)
-
-
-def _tmp_root() -> str | None:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-
-
-def _save_safetensors(items: Iterable[tuple[str, torch.Tensor]], file: Path) -> None:
-    from safetensors.torch import save_file
-
-    save_file({name: t.detach().contiguous() for name, t in items}, str(file))

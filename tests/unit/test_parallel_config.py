@@ -10,7 +10,7 @@ from earl.runtime import wire
 from earl.runtime.dock_index import DockIndex, SampleInfo
 from earl.runtime.layout import Layout
 from earl.stages import trainer as _trainer  # noqa: F401  (registers the typed records)
-from earl.stages import vllm_engine
+from earl.stages import vllm_build
 from earl.stages.reconfigure import ReconfigTimes
 from earl.stages.trainer_feed import plan_for
 from earl.stages.trainer_torch import TrainerConfig
@@ -36,12 +36,12 @@ def test_bad_parallel_settings_name_the_field() -> None:
 
 
 def test_cpu_binding_splits_the_allowed_cores(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(vllm_engine.os, "sched_getaffinity", lambda pid: {0, 1})
-    assert vllm_engine.cpu_binding(2) == "0|1"
-    monkeypatch.setattr(vllm_engine.os, "sched_getaffinity", lambda pid: {4, 5, 6, 7, 9})
-    assert vllm_engine.cpu_binding(2) == "4,5|6,7"
+    monkeypatch.setattr(vllm_build.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert vllm_build.cpu_binding(2) == "0|1"
+    monkeypatch.setattr(vllm_build.os, "sched_getaffinity", lambda pid: {4, 5, 6, 7, 9})
+    assert vllm_build.cpu_binding(2) == "4,5|6,7"
     with pytest.raises(ValueError, match="tensor_parallel_size=8 needs >= 8 cores"):
-        vllm_engine.cpu_binding(8)
+        vllm_build.cpu_binding(8)
 
 
 def test_plan_for_the_trainer_layout_within_the_budget_or_the_longest_sample() -> None:
