@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 from earl.runtime.errors import ActorDied, ActorError, BadCall
@@ -31,6 +32,7 @@ class Connection(FrameProtocol):
         self.dead: ActorDied | None = None
         self.death_reason: str | None = None
         self.on_lost: Any = None  # called once with this connection when it dies
+        self.calls_lost = 0  # calls and streams in flight when the connection was lost
         self._rid = itertools.count(1)
         self.loop = asyncio.get_running_loop()
         self.hello: asyncio.Future[None] = self.loop.create_future()
@@ -142,6 +144,9 @@ class Connection(FrameProtocol):
         super().drop(reason)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        # Replies still owed when the line went down are lost: the pool's owner may then treat
+        # a process that still runs as dead (`Pool.on_broken`).
+        self.calls_lost = len(self.pending) + len(self.streams)
         self.mark_dead(self.death_reason or "connection lost"
                        + (f" ({type(exc).__name__}: {exc})" if exc else ""))
 
@@ -209,6 +214,8 @@ class Pool:
         self.conns: dict[str, Connection] = {}
         self.dead: dict[str, ActorDied] = {}
         self._opening: dict[str, asyncio.Future[Connection]] = {}
+        # called with the address of a connection lost with calls in flight (set by the runtime)
+        self.on_broken: Callable[[str], None] | None = None
 
     def get_nowait(self, address: str) -> Connection | None:
         conn = self.conns.get(address)
@@ -249,6 +256,8 @@ class Pool:
             del self.conns[address]
         assert conn.dead is not None
         self.dead.setdefault(address, conn.dead)
+        if conn.calls_lost and self.on_broken is not None:
+            self.on_broken(address)
 
     def mark_dead(self, address: str, label: str, reason: str) -> None:
         """The owner learned the actor at `address` died: fail its calls now, remember it."""

@@ -35,7 +35,7 @@ from earl.runtime.conn import Connection, Pool
 from earl.runtime.directory import DEAD, UP, Directory, GroupRecord
 from earl.runtime.endpoint import endpoints_of
 from earl.runtime.errors import ActorDied
-from earl.runtime.frames import Kind
+from earl.runtime.frames import Kind, log
 from earl.runtime.launch import ActorSpec, Launcher, make_launcher, pack_call
 from earl.runtime.server import Server
 from earl.runtime.slots import Slot, per_rank
@@ -46,6 +46,7 @@ from earl.runtime.wire import encode
 A = TypeVar("A", bound=Actor)
 T = TypeVar("T")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+BROKEN_GRACE_S = 0.5  # a dying process closes its sockets a moment before it is reaped
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +85,7 @@ class Runtime:
                 raise ValueError("an attached runtime over TCP needs the run's secret")
             self.secret = os.urandom(32)  # per run; actors get it in their bootstrap spec
         self.pool = Pool(max_bytes=config.max_message_bytes, secret=self.secret)
+        self.pool.on_broken = self._broken
         if self.secret is not None:  # data-plane receivers bound off loopback use it too
             set_run_secret(self.secret)
         self.run_dir = ""
@@ -271,6 +273,39 @@ class Runtime:
             raise KeyError(f"this runtime did not spawn a live group named {name!r}")
         await sup.stop()
         await self.dir_call("remove", name)
+
+    def _broken(self, address: str) -> None:
+        """The connection to `address` was lost with calls in flight. If that is one of this
+        runtime's actors and its process still runs a moment later (a real death closes the
+        line first and is reported by the supervisor), the replies it owes are gone: it is
+        killed and restarted like any dead actor, never silently reconnected to."""
+        for name, sup in self._groups.items():
+            for rank, h in enumerate(sup.handles):
+                if h is not None and h.address == address:
+                    def check(name: str = name, rank: int = rank, pid: int = h.pid) -> None:
+                        if name in self._groups and self.kill(name, rank, pid):
+                            log.warning("lost the connection to %s[%d] with calls in flight; "
+                                        "killed pid %s, it restarts under its policy", name,
+                                        rank, pid)
+
+                    asyncio.get_running_loop().call_later(BROKEN_GRACE_S, check)
+                    return
+
+    def kill(self, name: str, rank: int, pid: int) -> bool:
+        """SIGKILL `name[rank]` if it is still process `pid`: a process the caller can no
+        longer trust (e.g. its connection was lost with calls in flight) is treated as dead,
+        and restarted under its group's policy like any other death.
+
+        Returns:
+            False when that process is already gone or was replaced (nothing to do).
+
+        Raises:
+            KeyError: this runtime did not spawn a live group named `name`.
+        """
+        sup = self._groups.get(name)
+        if sup is None:
+            raise KeyError(f"this runtime did not spawn a live group named {name!r}")
+        return sup.kill(rank, pid)
 
     async def wait_status(self, group: ActorGroup[Any] | str, status: str = UP, *,
                           min_restarts: int = 0, timeout: float = 60.0) -> None:

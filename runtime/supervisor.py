@@ -38,6 +38,7 @@ class GroupSupervisor:
         self.restarts = [0] * len(specs)
         self.stopping = False
         self._watchers: list[asyncio.Task[None]] = []
+        self._exited: set[int] = set()  # pids whose exit the watchers have seen
 
     async def start(self) -> None:
         """Launch every rank concurrently; on any failure stop the others and raise."""
@@ -68,6 +69,7 @@ class GroupSupervisor:
             handle = self.handles[rank]
             assert handle is not None
             reason = await handle.wait_exit()
+            self._exited.add(handle.pid)
             if self.stopping:
                 return
             reason = f"pid {handle.pid} {reason}"
@@ -91,6 +93,15 @@ class GroupSupervisor:
                 await self.rt.dir_call("update", self.name, rank, DEAD, reason=why)
                 return
             await self.rt.dir_call("update", self.name, rank, UP, handle.address, handle.pid)
+
+    def kill(self, rank: int, pid: int) -> bool:
+        """SIGKILL `rank` if it still runs as `pid` (its watcher then restarts it, within the
+        policy, as after any death); False when that process is already gone or replaced."""
+        handle = self.handles[rank]
+        if self.stopping or handle is None or handle.pid != pid or pid in self._exited:
+            return False
+        handle.kill()
+        return True
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stop every rank: ask nicely, SIGKILL whatever is still alive after `grace_s`."""

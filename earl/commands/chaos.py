@@ -2,11 +2,15 @@
 
     earl chaos --quick            # kills of rollout, producer, reference; a corrupt frame,
                                   # delayed control messages, a full disk at checkpoint time
-    earl chaos                    # also kills the dock's index and the trainer (rewinds)
+    earl chaos                    # also kills the dock's index and the trainer (rewinds),
+                                  # and drops calls to a producer and to the reference
     earl chaos --faults kill:producer,disk_full --steps 6 --seed 3
 
 Faults (each at a random point of a step, one at a time):
   kill:<group>   SIGKILL of rank 0 of rollout | producer | reference | dock | trainer
+  drop:<group>   the driver's connection to rank 0 of producer | reference cut while
+                 calls are in flight: their messages are lost, so the runtime treats the live
+                 process as dead (killed, restarted, its state rebuilt)
   corrupt_frame  random bytes and a length lie sent to a producer's socket
   delay          the driver's control messages delayed 50-300 ms (30% of them) for 2 s
   disk_full      the checkpoint folder (a tmpfs of its own) filled up before a checkpoint
@@ -34,7 +38,7 @@ __all__ = ["main"]
 
 QUICK = ["kill:producer", "corrupt_frame", "kill:rollout", "delay", "disk_full",
          "kill:reference"]
-FULL = QUICK + ["kill:dock", "kill:trainer"]
+FULL = QUICK + ["kill:dock", "kill:trainer", "drop:producer", "drop:reference"]
 SMALL = ["--warm_start.steps=0", "--batch_size=8", "--group_size=4", "--eval_games=4",
          "--eval_every=0", "--checkpoint_every=2", "--time_limit_minutes=30"]
 
@@ -55,7 +59,8 @@ def main(argv: list[str]) -> int:
     for f in faults:
         if f not in ("corrupt_frame", "delay", "disk_full") and not (
                 f.startswith("kill:") and f[5:] in ("rollout", "producer", "reference", "dock",
-                                                    "trainer")):
+                                                    "trainer")) and not (
+                f.startswith("drop:") and f[5:] in ("producer", "reference")):
             print(f"earl chaos: unknown fault {f!r} (see --help)", file=sys.stderr)
             return 2
     steps = args.steps or (7 if args.quick else 12)
@@ -175,8 +180,11 @@ class Injector:
             delay = self.rng.uniform(0.0, max(self._dt, 0.05))
             self.tasks.append(asyncio.ensure_future(self._fire(i, step, delay)))
         for i in range(self._next):
-            if self.plan[i] < step:
-                await self.fired[i].wait()
+            if not self.faults[i].startswith("drop:"):
+                if self.plan[i] < step:
+                    await self.fired[i].wait()
+            elif self.plan[i] + 1 < step:  # a drop needs calls in flight: one more step runs,
+                await self.settled[i].wait()  # then the run waits until the actor is back
 
     async def _collect_pids(self) -> None:
         for name in ("rollout", "producer", "reference", "dock", "trainer"):
@@ -225,6 +233,8 @@ class Injector:
                                   and e.get("restarts", 0) > before[0]
                                   for e in healer.events)), 300)
             return {"pid": pid, "recovered": ok}
+        if fault.startswith("drop:"):
+            return await self._drop(fault[5:], fired)
         if fault == "corrupt_frame":
             rec = await self.rt.dir_call("lookup", "producer")
             pid, addr = rec.pids[0], rec.addresses[0]
@@ -244,6 +254,32 @@ class Injector:
         if fault == "disk_full":
             return await self._disk_full(fired)
         raise ValueError(fault)
+
+    async def _drop(self, name: str, fired: asyncio.Event) -> dict[str, Any]:
+        """Cut the driver's connection to `name[0]` once calls to it are in flight (waits up
+        to 30 s for one): the runtime must kill and restart the live process, and the healer
+        rebuild it, as after a SIGKILL."""
+        healer = self.job.healer
+        rec = await self.rt.dir_call("lookup", name)
+        pid, addr = rec.pids[0], rec.addresses[0]
+        before = healer.restarts.get(name, 0)
+        deadline = time.monotonic() + 30.0  # the schedule goes on for a step (see `_gate`)
+        while True:
+            conn = self.rt.pool.conns.get(addr)
+            busy = 0 if conn is None else len(conn.pending) + len(conn.streams)
+            if (busy and conn.transport is not None) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.005)
+        if not busy:
+            return {"pid": pid, "calls_in_flight": 0, "recovered": False,
+                    "note": "no call in flight within 30 s"}
+        conn.transport.abort()
+        fired.set()
+        ok = await _until(lambda: healer.restarts.get(name, 0) > before and any(
+            e["event"] == "restart" and e["actor"] == name for e in healer.events), 300)
+        after = await self.rt.dir_call("lookup", name)
+        return {"pid": pid, "calls_in_flight": busy, "new_pid": after.pids[0],
+                "recovered": ok and after.pids[0] != pid}
 
     async def _disk_full(self, fired: asyncio.Event) -> dict[str, Any]:
         healer = self.job.healer

@@ -218,8 +218,9 @@ class Healer:
                 t.cancel()
 
     def close(self) -> None:
-        """End `watch` (the run is over or being rewound)."""
+        """End `watch` (the run is over or being rewound): deaths from now on are not healed."""
         self._stop.set()
+        self.stopping = True
 
     def reopen(self) -> None:
         self._stop = asyncio.Event()
@@ -252,10 +253,13 @@ class Healer:
         is up and rebuilt.
 
         Raises:
-            HealingError: the actor is dead for good (restart limit) or not back in `wait_s`.
+            HealingError: the actor is dead for good (restart limit), not back in `wait_s`,
+                or the run is ending (no restart is rebuilt then).
         """
         deadline = time.monotonic() + self.config.wait_s
         while True:
+            if self.stopping:
+                raise HealingError(f"{name}[{rank}] died while the run was ending")
             rec = await rt.dir_call("lookup", name)
             if rec is None or rank >= len(rec.status):
                 raise HealingError(f"{name}[{rank}] is gone")
@@ -288,7 +292,12 @@ class Healer:
                 if who is not None and who[0] in REWOUND:
                     raise
                 if who is not None and who[0] == "reference":
-                    await self.wait_rebuilt(rt, *who)
+                    try:
+                        await self.wait_rebuilt(rt, *who)
+                    except HealingError:
+                        if self.stopping:
+                            return
+                        raise
                     continue
                 retries += 1
                 if not isinstance(exc, ActorError) or retries > 50:

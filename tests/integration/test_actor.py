@@ -253,6 +253,23 @@ async def test_restart_policy_brings_the_actor_back(rt):
         await g.incr.call_one(1)
 
 
+async def test_a_connection_lost_with_calls_in_flight_counts_as_a_death(rt):
+    g = await rt.spawn("cut", Counter, 3, restart=RestartPolicy(max_restarts=1, backoff_s=0.05))
+    pid = (await g.whoami.call_one())[3]
+    pending = g.slow.call_one(60.0)
+    await asyncio.sleep(0.2)  # the call is on the actor now; its reply will be lost
+    rt.pool.conns[g.addresses[0]].transport.abort()
+    with pytest.raises(ActorDied, match="connection"):
+        await pending
+    await rt.wait_status(g, "up", min_restarts=1, timeout=30)
+    new_pid = (await g.whoami.call_one())[3]
+    assert new_pid != pid and await g.get.call_one() == 3  # a new process, fresh state
+    rt.pool.conns[g.addresses[0]].transport.abort()  # nothing in flight: just reconnected
+    await asyncio.sleep(1.0)
+    assert (await g.whoami.call_one())[3] == new_pid
+    assert (await rt.dir_call("lookup", "cut")).restarts[0] == 1
+
+
 async def test_graceful_shutdown_leaves_no_processes():
     async with Runtime() as inner:
         g = await inner.spawn("tmp", Counter, n=2)

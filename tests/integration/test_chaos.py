@@ -64,3 +64,17 @@ def test_trainer_and_dock_deaths_rewind_to_the_checkpoint(tmp_path: Path) -> Non
     assert code == 0, (rep, err)
     _assert_invariants(rep, 2)
     assert rep["rewinds"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_dropped_connection_restarts_the_live_actor(tmp_path: Path) -> None:
+    """Calls in flight to a live producer and to the reference lose their messages (the driver's
+    connection is cut): each process is treated as dead, restarted and rebuilt."""
+    code, rep, err = _chaos("--faults", "drop:producer,drop:reference", "--steps", "6",
+                            "--output-dir", str(tmp_path / "run"))
+    assert code == 0, (rep, err)
+    _assert_invariants(rep, 2)
+    for f in rep["faults"]:  # type: ignore[attr-defined]
+        assert f["calls_in_flight"] >= 1 and f["new_pid"] != f["pid"], f
+    assert rep["restarts"] == {"producer": 1, "reference": 1} and rep["rewinds"] == 0
