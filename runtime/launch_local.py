@@ -49,37 +49,44 @@ class LocalProcess:
             reply = await recv_msg(self.sock)
         except EOFError:
             rc = await asyncio.to_thread(self.proc.wait)
-            reason = (self.binding.exit_reason(rc) if self.binding else None) or exit_reason(rc)
-            raise ActorDied(self.label, f"process {reason} before it was ready") from None
+            raise ActorDied(self.label, f"process {self._reason(rc)} before it was ready") from None
         if reply[0] == "ready":
             self.address = reply[1]
             return
         typ, msg, tb = reply[1:]
         raise ActorError(self.label, typ, f"actor failed to start: {msg}", tb)
 
+    def _reason(self, rc: int) -> str:
+        oom = self.binding.exit_reason(rc) if self.binding else None
+        return oom or exit_reason(rc)
+
     def _watch(self) -> asyncio.Future[str]:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[str] = loop.create_future()
+        if self.proc.poll() is not None:  # already exited and reaped (e.g. by `kill`)
+            fut.set_result(self._reason(self.proc.returncode))
+            return fut
         try:
             fd = os.pidfd_open(self.pid)
-        except (OSError, AttributeError):  # no pidfd: fall back to the liveness socket
+        except (OSError, AttributeError):  # no pidfd: the liveness socket, or a thread
             fd = -1
+        watched = fd if fd >= 0 else self.sock.fileno()
+        if watched < 0:  # no pidfd and the socket is already closed: wait in a thread
+            def reaped(w: asyncio.Future[int]) -> None:
+                if not fut.done():
+                    fut.set_result(self._reason(w.result()))
+
+            loop.run_in_executor(None, self.proc.wait).add_done_callback(reaped)
+            return fut
 
         def done(*_: object) -> None:
+            loop.remove_reader(watched)
             if fd >= 0:
-                loop.remove_reader(fd)
                 os.close(fd)
-            else:
-                loop.remove_reader(self.sock.fileno())
             if not fut.done():
-                rc = self.proc.wait()
-                oom = self.binding.exit_reason(rc) if self.binding else None
-                fut.set_result(oom or exit_reason(rc))
+                fut.set_result(self._reason(self.proc.wait()))
 
-        if fd >= 0:
-            loop.add_reader(fd, done)
-        else:
-            loop.add_reader(self.sock.fileno(), done)
+        loop.add_reader(watched, done)
         return fut
 
     async def wait_exit(self) -> str:
