@@ -246,43 +246,44 @@ async def test_lost_groups_are_replayed_except_the_batch_being_replayed() -> Non
     assert set(healer.ledger.dropped) == {"b000001-0000", "b000001-0001", "b000002-0000"}
 
 
-async def test_wait_rebuilt_names_a_dead_actor_and_the_limit() -> None:
-    class DeadRt:
-        async def dir_call(self, method: str, name: str, *a: Any) -> Any:
-            @dataclass
-            class Rec:
-                status: list[str]
-                restarts: list[int]
-                reasons: list[str]
-            return Rec(["dead"], [2], ["pid 9 killed by SIGKILL"])
+@dataclass
+class Rec:
+    status: list[str]
+    restarts: list[int]
+    reasons: list[str]
 
+
+class DirRt:
+    """A runtime whose directory always answers `rec` for a lookup."""
+
+    def __init__(self, rec: Rec) -> None:
+        self.rec = rec
+
+    async def dir_call(self, method: str, name: str, *a: Any) -> Any:
+        return self.rec
+
+
+async def test_wait_rebuilt_names_a_dead_actor_and_the_limit() -> None:
     healer = Healer(HealingConfig(max_restarts=2), log=lambda s: None)
     with pytest.raises(HealingError, match=r"producer\[0\].*restart limit 2"):
-        await healer.wait_rebuilt(DeadRt(), "producer", 0)
+        await healer.wait_rebuilt(DirRt(Rec(["dead"], [2], ["pid 9 killed by SIGKILL"])),
+                                  "producer", 0)
 
 
 async def test_a_death_while_the_run_ends_is_not_waited_for() -> None:
     """After `close` (the run is over) nothing is rebuilt: waiting for it fails at once instead
     of for `wait_s`, and the reference's serve loop just ends."""
-    class UpRt:  # the actor is still "up": its death was not even seen by the directory yet
-        async def dir_call(self, method: str, name: str, *a: Any) -> Any:
-            @dataclass
-            class Rec:
-                status: list[str]
-                restarts: list[int]
-                reasons: list[str]
-            return Rec(["up"], [0], [""])
-
+    up = DirRt(Rec(["up"], [0], [""]))  # the directory has not even seen the death yet
     healer = Healer(HealingConfig(wait_s=60.0), log=lambda s: None)
     healer.close()
     with pytest.raises(HealingError, match=r"reference\[0\] died while the run was ending"):
-        await asyncio.wait_for(healer.wait_rebuilt(UpRt(), "reference", 0), 5)
+        await asyncio.wait_for(healer.wait_rebuilt(up, "reference", 0), 5)
 
     async def serve() -> object:
         raise ActorDied("reference[0]", "connection lost")
 
     healer.stopping = False  # the death is seen first, then the run ends while waiting
-    waiting = asyncio.ensure_future(healer.serve_reference(UpRt(), serve))
+    waiting = asyncio.ensure_future(healer.serve_reference(up, serve))
     await asyncio.sleep(0.2)
     assert not waiting.done()
     healer.close()
