@@ -10,6 +10,7 @@ restarted finds the new address on its next call.
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass, field
 
 from earl.runtime.endpoint import endpoint
@@ -38,6 +39,11 @@ class GroupRecord:
             raise ValueError("GroupRecord fields addresses/pids/status/restarts differ in length")
         if not self.reasons:
             self.reasons = [""] * n
+
+
+def _check_timeout(timeout: float) -> None:
+    if math.isnan(timeout):  # a timer at NaN o'clock would corrupt the event loop's heap
+        raise ValueError("timeout must be a number of seconds, got NaN")
 
 
 class Directory:
@@ -83,14 +89,12 @@ class Directory:
     @endpoint
     async def lookup(self, name: str, timeout: float = 0.0) -> GroupRecord | None:
         """The record for `name`, waiting up to `timeout` seconds for it to be published."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while name not in self.groups:
-            left = deadline - loop.time()
-            if left <= 0:
-                return None
-            try:
-                await asyncio.wait_for(self._changed.wait(), left)
+        _check_timeout(timeout)
+        if name not in self.groups:
+            try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
+                async with asyncio.timeout(timeout):
+                    while name not in self.groups:
+                        await self._changed.wait()
             except TimeoutError:
                 return None
         return self.groups[name]
@@ -100,20 +104,23 @@ class Directory:
                           min_restarts: int = 0) -> bool:
         """Wait until rank `rank` of `name` is in `status` after at least `min_restarts`
         restarts; False on timeout."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
+        _check_timeout(timeout)
+
+        def reached() -> bool:
             rec = self.groups.get(name)
-            if rec is not None and rank < len(rec.status) and rec.status[rank] == status \
-                    and rec.restarts[rank] >= min_restarts:
-                return True
-            left = deadline - loop.time()
-            if left <= 0:
-                return False
-            try:
-                await asyncio.wait_for(self._changed.wait(), left)
-            except TimeoutError:
-                return False
+            return rec is not None and rank < len(rec.status) and rec.status[rank] == status \
+                and rec.restarts[rank] >= min_restarts
+
+        # asyncio.timeout, not wait_for: in 3.11 a wait_for whose event fires as its task is
+        # cancelled returns normally, and this loop would then wait again (a run's healer hung
+        # in it after a rewind)
+        try:
+            async with asyncio.timeout(timeout):
+                while not reached():
+                    await self._changed.wait()
+        except TimeoutError:
+            return False
+        return True
 
     @endpoint
     async def names(self) -> list[str]:

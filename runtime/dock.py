@@ -112,9 +112,11 @@ class IndexActor(Actor):
             raise TimeoutError("dock wait timed out")
         attr = f"waiting_{who}"
         setattr(self.ix, attr, getattr(self.ix, attr) + 1)
-        try:  # wake at least every second so lease expiry is noticed
+        try:  # wake at least every second so lease expiry is noticed; asyncio.timeout, not
+            # wait_for, which in 3.11 can swallow a cancellation that meets a notify
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.changed.wait(), min(left or 1.0, 1.0))
+                async with asyncio.timeout(min(left or 1.0, 1.0)):
+                    await self.changed.wait()
         finally:
             setattr(self.ix, attr, getattr(self.ix, attr) - 1)
 
