@@ -5,31 +5,15 @@ from __future__ import annotations
 import os
 
 import pytest
+from recording import Recorder
 
 from earl.agents.chat import ChatCodec
 from earl.agents.rollout import RolloutConfig, run_agent
 from earl.agents.tictactoe import tictactoe_agent
-from earl.engine import Generation, SamplingParams
+from earl.engine import SamplingParams
 from earl.models.tiny import default_model_dir
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
-
-
-class Recorder:
-    """Wraps the engine; keeps every (prompt, generation) pair."""
-
-    def __init__(self, engine: object) -> None:
-        self.engine = engine
-        self.calls: dict[str, list[tuple[list[int], Generation]]] = {}
-
-    @property
-    def policy_version(self) -> int:
-        return self.engine.policy_version  # type: ignore[attr-defined]
-
-    async def generate(self, prompt_ids, params, *, session_id=None) -> Generation:
-        gen = await self.engine.generate(prompt_ids, params, session_id=session_id)  # type: ignore[attr-defined]
-        self.calls.setdefault(session_id, []).append((list(prompt_ids), gen))
-        return gen
 
 
 async def test_tictactoe_on_vllm_is_token_exact() -> None:

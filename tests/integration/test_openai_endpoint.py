@@ -18,6 +18,7 @@ import aiohttp
 import openai
 import pytest
 import pytest_asyncio
+from recording import Recorder
 
 from earl.agents.calc import tool_sim_responder
 from earl.agents.chat import ChatCodec
@@ -25,7 +26,7 @@ from earl.agents.openai_calc import MODEL, TOOLS
 from earl.agents.openai_calc import agent as calc_agent
 from earl.agents.openai_server import EndpointConfig, OpenAIEndpoint
 from earl.agents.rollout import RolloutConfig, run_agent
-from earl.engine import Generation, SamplingParams, SimConfig, SimEngine
+from earl.engine import SamplingParams, SimConfig, SimEngine
 from earl.envs.arithmetic import calculator as calc
 from earl.models.tiny import build_tokenizer, default_model_dir
 from earl.runtime.types import Trajectory
@@ -49,23 +50,6 @@ def agents_sdk() -> ModuleType:
         sys.path[:] = saved
     sdk.set_tracing_disabled(True)
     return sdk
-
-
-class Recorder:
-    """Wraps an engine; keeps every (prompt, generation) pair per session."""
-
-    def __init__(self, engine: object) -> None:
-        self.engine = engine
-        self.calls: dict[str, list[tuple[list[int], Generation]]] = {}
-
-    @property
-    def policy_version(self) -> int:
-        return self.engine.policy_version  # type: ignore[attr-defined]
-
-    async def generate(self, prompt_ids, params, *, session_id=None) -> Generation:
-        gen = await self.engine.generate(prompt_ids, params, session_id=session_id)  # type: ignore[attr-defined]
-        self.calls.setdefault(session_id, []).append((list(prompt_ids), gen))
-        return gen
 
 
 def assert_token_exact(t: Trajectory, rec: Recorder) -> None:
