@@ -279,17 +279,16 @@ class Runtime:
         runtime's actors and its process still runs a moment later (a real death closes the
         line first and is reported by the supervisor), the replies it owes are gone: it is
         killed and restarted like any dead actor, never silently reconnected to."""
-        for name, sup in self._groups.items():
-            for rank, h in enumerate(sup.handles):
-                if h is not None and h.address == address:
-                    def check(name: str = name, rank: int = rank, pid: int = h.pid) -> None:
-                        if name in self._groups and self.kill(name, rank, pid):
-                            log.warning("lost the connection to %s[%d] with calls in flight; "
-                                        "killed pid %s, it restarts under its policy", name,
-                                        rank, pid)
+        owner = next(((name, rank, h.pid) for name, sup in self._groups.items()
+                      for rank, h in enumerate(sup.handles)
+                      if h is not None and h.address == address), None)
+        if owner is not None:
+            asyncio.get_running_loop().call_later(BROKEN_GRACE_S, self._kill_broken, *owner)
 
-                    asyncio.get_running_loop().call_later(BROKEN_GRACE_S, check)
-                    return
+    def _kill_broken(self, name: str, rank: int, pid: int) -> None:
+        if name in self._groups and self.kill(name, rank, pid):
+            log.warning("lost the connection to %s[%d] with calls in flight; killed pid %s, it "
+                        "restarts under its policy", name, rank, pid)
 
     def kill(self, name: str, rank: int, pid: int) -> bool:
         """SIGKILL `name[rank]` if it is still process `pid`: a process the caller can no
