@@ -15,10 +15,13 @@ budget. Configurations:
 * `static_fast`: window 2,048, budget 65,536 tokens: the whole batch in one micro-batch; the
   trainer's slot runs out of memory once the batch's tokens grow (the kernel kills it).
 * `static_safe`: window 2,048, budget 2,048 tokens: always fits, more micro-batches.
-* `selector`: starts as `static_small`, `--selector on`: before the first rollout it plans for
-  the model's longest context (nothing is measured yet; growing later costs a vLLM start), so it
-  re-creates the rollout with that window once, then sets the trainer's budget to what the slot
-  holds for the measured contexts before each training step.
+* `selector`: configured as `static_small`, `--selector on`: its first plan, made before the
+  rollout replica is spawned, is for the model's longest context (nothing is measured yet;
+  growing later costs a vLLM start), so the replica starts with that window; before each
+  training step it sets the trainer's budget to what the slot holds for the measured contexts.
+* `selector_lean`: the same, but its first plan assumes contexts of `--window` tokens
+  (`--selector_initial_context`): the replica starts small and is re-created, live, once the
+  games outgrow it (the reconfiguration this run reports, by phase).
 * `truncate`: `static_small`'s window at `static_safe`'s budget: it fits the memory by cutting
   contexts; its reward and final eval against the selector's are the learning comparison.
 
@@ -26,7 +29,8 @@ Prints one JSON object: `oom_static` (some static configuration OOMs or must tru
 `oom_selector`, `throughput_ratio_vs_best_static` (trained tokens per second of loop time,
 reconfigurations included, against the best static configuration that neither OOMs nor
 truncates, chosen in hindsight), `reconfigurations`, `reconfig_seconds` (by phase),
-`samples_lost` (played but never trained, plus the dock's losses), and per run its quality
+`samples_lost` (played but never trained, plus the dock's losses), all of the `selector` run;
+`lean`, the same keys of `selector_lean`; and per run its quality
 (final greedy eval, train reward per step) and context statistics. Timings on a shared 2-core
 machine are noisy; every number comes from the same invocation.
 """
@@ -87,6 +91,8 @@ CONFIGS: dict[str, list[str]] = {
     "static_fast": ["--placement.context_window=2048", "--placement.micro_batch_tokens=65536"],
     "static_safe": ["--placement.context_window=2048", "--placement.micro_batch_tokens=2048"],
     "selector": ["--placement.micro_batch_tokens=65536", "--selector=on"],
+    "selector_lean": ["--placement.micro_batch_tokens=65536", "--selector=on",
+                      "--selector_initial_context=WINDOW"],
     # the learning comparison: cuts contexts to the initial window, at a budget that fits
     "truncate": ["--placement.micro_batch_tokens=2048"],
 }
@@ -131,23 +137,30 @@ def _rows(out: str) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
     return [r for r in rows if "reward" in r], [r for r in rows if "selector/when" in r]
 
 
-def _context_cut(out: str, window: int) -> float:
-    """Share of trajectories cut by the rollout window (truncated within a turn and a board,
-    96 tokens, of it; a per-turn cap also sets `truncated`)."""
+def _context_cut(out: str, window: int, played: dict[int, int]) -> float:
+    """Share of trajectories cut by the rollout window they were played with (`played`: batch
+    -> window, from the selector's rollout decisions; else `window`): truncated within a turn
+    and a board, 96 tokens, of it (a per-turn cap also sets `truncated`)."""
+    import re
     from pathlib import Path
 
     path = Path(out) / "trajectories.jsonl"
     if not path.is_file():
         return 0.0
     ts = [json.loads(line) for line in path.read_text().splitlines()]
-    cut = [t for t in ts if t["truncated"] and len(t["token_ids"]) >= window - 96]
+
+    def window_of(t: dict[str, object]) -> int:
+        m = re.match(r"b(\d+)-", str(t["sample_id"]))
+        return played.get(int(m.group(1)), window) if m else window
+
+    cut = [t for t in ts if t["truncated"] and len(t["token_ids"]) >= window_of(t) - 96]
     return len(cut) / max(len(ts), 1)
 
 
 def _one(name: str, common: list[str], root: str, window: int, timeout: float
          ) -> dict[str, object]:
     out = f"{root}/{name}"
-    extra = list(CONFIGS[name])
+    extra = [a.replace("WINDOW", str(window)) for a in CONFIGS[name]]
     if not any(a.startswith("--placement.context_window") for a in extra):
         extra.append(f"--placement.context_window={window}")
     rc, stdout, stderr = _earl([*common, *extra, f"--output_dir={out}"], timeout)
@@ -173,7 +186,9 @@ def _one(name: str, common: list[str], root: str, window: int, timeout: float
                 if k.startswith("selector/slot/trainer") and k.endswith("peak_mib")), default=0.0)
     return {
         "exit_code": rc, "error": error, "oom": rc != 0 and "out of memory in slot" in stderr,
-        "steps_done": len(steps), "context_cut_rate": round(_context_cut(out, final_window), 3),
+        "steps_done": len(steps), "context_cut_rate": round(_context_cut(out, final_window, {
+            int(str(r["selector/step"])): int(str(r["selector/applied_max_model_len"]))
+            for r in sel if r["selector/when"] == "rollout"}), 3),
         "ctx_max": max((int(str(r["ctx_max"])) for r in steps), default=0),
         "ctx_mean": [round(float(str(r["ctx_mean"]))) for r in steps],
         "reward": [round(float(str(r["reward"])), 3) for r in steps],
@@ -190,6 +205,19 @@ def _one(name: str, common: list[str], root: str, window: int, timeout: float
         "selector_decisions": len(sel), "trainer_slot_peak_mib": round(peak, 1),
         "final_window": final_window,
     }
+
+
+def _versus(run: dict[str, object], best: dict[str, object] | None) -> dict[str, object]:
+    """A selector run against the best static one: its ratios, reconfigurations, losses."""
+    def ratio(key: str) -> float:
+        return round(float(str(run[key])) / float(str(best["tokens_per_s"])), 3) \
+            if best else float("nan")
+
+    return {"throughput_ratio_vs_best_static": ratio("tokens_per_s"),
+            "throughput_ratio_excluding_reconfig": ratio("tokens_per_s_excluding_reconfig"),
+            "oom": bool(run["oom"]) or float(str(run["context_cut_rate"])) > 0,
+            "reconfigurations": run["reconfigurations"],
+            "reconfig_seconds": run["reconfig_seconds"], "samples_lost": run["samples_lost"]}
 
 
 def compare(*, quick: bool, slot_mib: int, rollout_mib: int, window: int, root: str
@@ -216,7 +244,7 @@ def compare(*, quick: bool, slot_mib: int, rollout_mib: int, window: int, root: 
         raise RuntimeError(f"warm start failed: {err.strip().splitlines()[-1:]}")
     common += [f"--model.path={prep}/weights_start", "--warm_start.steps=0"]
     runs = {name: _one(name, common, root, window, 900) for name in CONFIGS}
-    statics = {k: v for k, v in runs.items() if k not in ("selector", "truncate")}
+    statics = {k: v for k, v in runs.items() if k.startswith("static_")}
     clean = {k: v for k, v in statics.items()
              if not v["oom"] and v["exit_code"] == 0 and not v["context_cut_rate"]}
     best = max(clean, key=lambda k: float(str(clean[k]["tokens_per_s"])), default="")
@@ -233,6 +261,7 @@ def compare(*, quick: bool, slot_mib: int, rollout_mib: int, window: int, root: 
             / float(str(clean[best]["tokens_per_s"])), 3) if best else float("nan"),
         "reconfigurations": sel["reconfigurations"], "reconfig_seconds": sel["reconfig_seconds"],
         "samples_lost": sel["samples_lost"],
+        "lean": _versus(runs["selector_lean"], clean[best] if best else None),
         "learning": {k: {"reward": runs[k]["reward"], "context_cut_rate":
                          runs[k]["context_cut_rate"]} for k in ("selector", "truncate")},
         "final_quality": {k: dict(v["final_eval"]).get("win_draw_rate") if isinstance(

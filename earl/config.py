@@ -120,7 +120,8 @@ class RunConfig:
     recipe's). `time_limit_minutes` bounds the training loop; start-up and the final eval add to
     the wall time reported. `max_restarts`: how often each rollout, producer and reference
     actor is restarted, and the run rewound to its checkpoint after a trainer or dock death
-    (`earl.loop.healing`), before a death stops the run.
+    (`earl.loop.healing`), before a death stops the run. `tool_timeout_s`: per tool call of
+    an agent; a call taking longer comes back to the agent as an error and the session goes on.
     """
 
     recipe: str = "tictactoe"
@@ -141,9 +142,14 @@ class RunConfig:
     select_best: bool = False
     checkpoint_every: int = 25
     max_restarts: int = 3
+    tool_timeout_s: float = 30.0
     dump_trajectories: bool = True
     output_dir: str = "runs/latest"
     selector: str = "off"  # "on": the parallelism selector re-plans before rollout and prep
+    # the context the selector's first plan assumes before any is measured (0 = the model's
+    # positions: the rollout starts with its longest window; less: it starts lean and is
+    # re-created, a vLLM start each time, as contexts reach its window)
+    selector_initial_context: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -350,9 +356,13 @@ def validate(cfg: RunConfig) -> None:
     need(cfg.target >= 0, "target", "must be >= 0 (0 = off)")
     need(cfg.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
     need(cfg.max_restarts >= 0, "max_restarts", "must be >= 0 (0 = any actor death stops the run)")
+    need(cfg.tool_timeout_s > 0, "tool_timeout_s",
+         "must be > 0 seconds (a tool call taking longer comes back to the agent as an error)")
     need(cfg.output_dir.strip() != "", "output_dir", "must name a folder, e.g. runs/latest")
     need(cfg.selector in SELECTOR, "selector",
          f"{cfg.selector!r} unknown; use --selector on or --selector off")
+    need(cfg.selector_initial_context >= 0, "selector_initial_context",
+         "must be >= 0 tokens (0 = the model's positions)")
     out = Path(cfg.output_dir)
     need(not out.exists() or out.is_dir(), "output_dir",
          f"{cfg.output_dir!r} is a file; pass a folder path")

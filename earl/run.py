@@ -18,7 +18,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +145,10 @@ class _Job:
         self.healer = Healer(HealingConfig(max_restarts=cfg.max_restarts), log=log,
                              tracer=self.tracer)
         self.pool: Any = None  # SlotPool when placement.slot_memory_mib > 0
+        # --selector on: the Selection, its ActorReconfigurer and SlotMemory (with a pool)
+        self.selection: Any = None
+        self.reconfigurer: Any = None
+        self.slot_memory: Any = None
 
     def elapsed(self) -> float:
         return self.wall_before + process_seconds()
@@ -225,7 +229,7 @@ class _Job:
             production=self.production, training=self.training, evaluation=self.evaluation,
             checkpoints=store, state=state, lr_scale=lambda p: lr_scale(cfg.algorithm, p),
             observe=self._observe, on_eval=self._on_eval, clock=self.elapsed,
-            selection=await self._selection() if cfg.selector == "on" else None)
+            selection=self.selection)
         self._last_t = time.perf_counter()
         stopped = await sched.run()
         await self.trainer[0].save_hf.call_one(str(self.weights))
@@ -308,15 +312,10 @@ class _Job:
 
     async def _spawn(self, version: int) -> None:
         from earl.algorithms.objective import LossConfig
-        from earl.loop.advantages import AdvantageConfig
-        from earl.loop.parts import ActorEvaluation, ActorProduction, ActorTraining
-        from earl.loop.producer import ProducerActor, ProducerConfig
         from earl.runtime.dock import Dock, IndexActor
         from earl.stages.reference import ReferenceActor, ReferenceConfig
-        from earl.stages.rollout import RolloutActor
         from earl.stages.trainer import TrainerActor, free_dist_url
         from earl.stages.trainer_torch import TrainerConfig
-        from earl.stages.vllm_engine import EngineConfig
 
         cfg, a, pl, rt, env = self.cfg, self.cfg.algorithm, self.cfg.placement, self.rt, self.env
         with self.tracer.span("spawn_actors", actor="driver"):
@@ -342,31 +341,57 @@ class _Job:
                 self.reference = await rt.spawn("reference", ReferenceActor, rcfg,
                                                 n=n_ref, env=env,
                                                 restart=self.healer.config.policy("reference"))
-            serve = self.weights if (self.weights / "config.json").is_file() and version else \
-                self.start
-            ecfg = EngineConfig(model=str(serve),
-                                max_model_len=pl.context_window or cfg.model.max_model_len,
-                                threads=pl.threads_per_actor, seed=cfg.seed,
-                                kv_cache_gb=pl.kv_cache_gb, dtype="float32")
-            self.rollout = await rt.spawn("rollout", RolloutActor, ecfg, version,
-                                          n=pl.rollout, env=env,
-                                          slot=self._slot("rollout", pl.rollout),
-                                          restart=self.healer.config.policy("rollout"))
-            adv = AdvantageConfig(name=a.name, gamma=a.gamma, normalize_std=a.normalize_std,
-                                  critic=a.critic, critic_alpha=a.critic_alpha,
-                                  critic_lambda=a.critic_lambda,
-                                  critic_q_weight=a.critic_q_weight,
-                                  self_imitation=a.self_imitation,
-                                  failed_reward=self.recipe.failed_reward)
-            pcfg = ProducerConfig(agent=self.ref, model=str(self.start), rollout="rollout",
-                                  max_tokens=self.recipe.max_tokens, temperature=a.temperature,
-                                  max_total_tokens=self.recipe.max_total_tokens,
-                                  reward=absolute_ref(cfg.reward) if cfg.reward else "",
-                                  dump=str(self.out / "trajectories.jsonl")
-                                  if cfg.dump_trajectories else "", advantage=adv)
-            self.producers = await rt.spawn("producer", ProducerActor, pcfg, version,
-                                            n=pl.producers, env=env,
-                                            restart=self.healer.config.policy("producer"))
+            dock = Dock(await rt.lookup("dock"))
+            if cfg.selector == "on":  # its first plan sets up the rollout replicas it spawns
+                from earl.loop.selection_actors import selection_for_run
+
+                self.selection = await selection_for_run(self, dock)
+                await self.selection.start(version, lambda s: self._spawn_rest(version, dock, s))
+            else:
+                await self._spawn_rest(version, dock, None)
+
+    async def _spawn_rest(self, version: int, dock: Any, setting: Any) -> None:
+        """Spawns the rollout replicas (with the selector's `setting`, else as configured), the
+        producers, and the loop's parts over the actors."""
+        from earl.loop.advantages import AdvantageConfig
+        from earl.loop.parts import ActorEvaluation, ActorProduction, ActorTraining
+        from earl.loop.producer import ProducerActor, ProducerConfig
+        from earl.stages.rollout import RolloutActor
+        from earl.stages.vllm_engine import EngineConfig
+
+        cfg, a, pl, rt, env = self.cfg, self.cfg.algorithm, self.cfg.placement, self.rt, self.env
+        serve = self.weights if (self.weights / "config.json").is_file() and version else \
+            self.start
+        ecfg = EngineConfig(model=str(serve),
+                            max_model_len=pl.context_window or cfg.model.max_model_len,
+                            threads=pl.threads_per_actor, seed=cfg.seed,
+                            kv_cache_gb=pl.kv_cache_gb, dtype="float32")
+        n, slot = pl.rollout, None
+        if setting is not None:
+            spawn = self.reconfigurer.rollout_spawn(setting)
+            ecfg, n, slot = replace(ecfg, **spawn["changes"]), spawn["n"], spawn["slot"]
+        else:
+            slot = self._slot("rollout", pl.rollout)
+        self.rollout = await rt.spawn("rollout", RolloutActor, ecfg, version, n=n, env=env,
+                                      slot=slot, restart=self.healer.config.policy("rollout"))
+        if setting is not None and self.pool is not None:
+            self.slot_memory.measure(setting.rollout_slots[:n], ecfg.kv_cache_gb * 1024)
+        adv = AdvantageConfig(name=a.name, gamma=a.gamma, normalize_std=a.normalize_std,
+                              critic=a.critic, critic_alpha=a.critic_alpha,
+                              critic_lambda=a.critic_lambda,
+                              critic_q_weight=a.critic_q_weight,
+                              self_imitation=a.self_imitation,
+                              failed_reward=self.recipe.failed_reward)
+        pcfg = ProducerConfig(agent=self.ref, model=str(self.start), rollout="rollout",
+                              max_tokens=self.recipe.max_tokens, temperature=a.temperature,
+                              max_total_tokens=self.recipe.max_total_tokens,
+                              reward=absolute_ref(cfg.reward) if cfg.reward else "",
+                              tool_timeout_s=cfg.tool_timeout_s,
+                              dump=str(self.out / "trajectories.jsonl")
+                              if cfg.dump_trajectories else "", advantage=adv)
+        self.producers = await rt.spawn("producer", ProducerActor, pcfg, version,
+                                        n=pl.producers, env=env,
+                                        restart=self.healer.config.policy("producer"))
         columns = ["input_ids", "loss_mask", "advantages", "rollout_logprobs"]
         if self.n_reference > 0:
             columns.append("ref_logprobs")
@@ -375,8 +400,7 @@ class _Job:
                                           group_size=cfg.group_size,
                                           shared=self.recipe.shared_group_task,
                                           tracer=self.tracer)
-        self.training = ActorTraining(self.trainer, self.rollout, Dock(await rt.lookup("dock")),
-                                      columns, self.tracer)
+        self.training = ActorTraining(self.trainer, self.rollout, dock, columns, self.tracer)
         self.evaluation = ActorEvaluation(self.producers, self.recipe, size=cfg.eval_games) \
             if self.recipe.eval else None
         from earl.loop.healing_parts import install
@@ -392,12 +416,6 @@ class _Job:
         if self.pool is None:
             self.pool = run_slots(self.cfg.placement)
         return [self.pool.assign(f"{actor}{r}", actor) for r in range(n)]
-
-    async def _selection(self) -> Any:
-        """The parallelism selector over this run's actors (`--selector on`)."""
-        from earl.loop.selection_actors import selection_for_run
-
-        return await selection_for_run(self)
 
     @property
     def n_reference(self) -> int:

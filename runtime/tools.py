@@ -18,6 +18,7 @@ module's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import inspect
 import itertools
@@ -26,6 +27,7 @@ import os
 import signal
 import struct
 import sys
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -33,7 +35,8 @@ from typing import Self
 
 from earl.runtime.types import JSONValue, Tool, ToolResult, to_text
 
-__all__ = ["ExecutorConfig", "ExecutorStatistics", "ToolExecutor", "run_local"]
+__all__ = ["ExecutorConfig", "ExecutorStatistics", "ToolExecutor", "run_local",
+           "stalled_threads"]
 
 _HEADER = struct.Struct(">I")
 # Run as a script, not `-m earl.runtime...`: importing the actor runtime would slow every start.
@@ -209,13 +212,19 @@ async def run_local(tool: Tool, arguments: dict[str, JSONValue], *,
                     timeout_s: float) -> ToolResult:
     """Run `tool` in this process (its state, e.g. a closure's, stays with the caller).
 
-    A sync tool runs on the event loop, so the timeout only interrupts async tools; failures
-    come back as a not-ok ToolResult, never as an exception.
+    An async tool runs on the event loop; a sync one on a thread of its own, so a sync call
+    that hangs (a stalled network read, a deadlock) cannot block the loop and the other
+    sessions on it: after `timeout_s` the caller gets a timeout and the thread is left to end
+    on its own (`stalled_threads` counts those still running). Failures come back as a not-ok
+    ToolResult, never as an exception.
     """
     t0 = time.monotonic()
     try:
         async with asyncio.timeout(timeout_s):
-            value = tool.fn(**arguments)
+            if inspect.iscoroutinefunction(tool.fn):
+                value = await tool.fn(**arguments)
+            else:
+                value = await _on_thread(tool, arguments)
             if inspect.isawaitable(value):
                 value = await value
         return ToolResult(ok=True, output=to_text(value), run_s=time.monotonic() - t0)
@@ -224,6 +233,47 @@ async def run_local(tool: Tool, arguments: dict[str, JSONValue], *,
     except Exception as exc:  # noqa: BLE001 - the tool's failure is the model's observation
         return ToolResult(ok=False, output=f"{tool.name} raised {type(exc).__name__}: {exc}",
                           error="exception", run_s=time.monotonic() - t0)
+
+
+_running_threads: set[threading.Thread] = set()
+
+
+def stalled_threads() -> int:
+    """Threads of sync tools still running whose callers stopped waiting (timed out)."""
+    return sum(1 for t in list(_running_threads) if getattr(t, "abandoned", False))
+
+
+async def _on_thread(tool: Tool, arguments: dict[str, JSONValue]) -> object:
+    """`tool.fn(**arguments)` on a new daemon thread (never a pool's: a stuck call must not
+    take a worker the next calls wait for)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[object] = loop.create_future()
+
+    def settle(ok: bool, value: object) -> None:
+        if not fut.done():
+            if ok:
+                fut.set_result(value)
+            else:
+                fut.set_exception(value)  # type: ignore[arg-type]
+
+    def target() -> None:
+        try:
+            ok, value = True, tool.fn(**arguments)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            ok, value = False, exc
+        finally:
+            _running_threads.discard(thread)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(settle, ok, value)
+
+    thread = threading.Thread(target=target, name=f"tool-{tool.name}", daemon=True)
+    _running_threads.add(thread)
+    thread.start()
+    try:
+        return await fut
+    except asyncio.CancelledError:
+        thread.abandoned = True  # type: ignore[attr-defined]
+        raise
 
 
 class ToolExecutor:

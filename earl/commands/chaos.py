@@ -3,7 +3,8 @@
     earl chaos --quick            # kills of rollout, producer, reference; a corrupt frame,
                                   # delayed control messages, a full disk at checkpoint time
     earl chaos                    # also kills the dock's index and the trainer (rewinds),
-                                  # and drops calls to a producer and to the reference
+                                  # drops calls to a producer and to the reference, and
+                                  # stalls a tool
     earl chaos --faults kill:producer,disk_full --steps 6 --seed 3
 
 Faults (each at a random point of a step, one at a time):
@@ -14,6 +15,10 @@ Faults (each at a random point of a step, one at a time):
   corrupt_frame  random bytes and a length lie sent to a producer's socket
   delay          the driver's control messages delayed 50-300 ms (30% of them) for 2 s
   disk_full      the checkpoint folder (a tmpfs of its own) filled up before a checkpoint
+  stall:tool     the agent's sync tool hangs in every session until the stall is lifted:
+                 each call must come back as a timeout error after --tool-timeout-s while
+                 the producer goes on (the job's agent calls a `probe` tool before each game,
+                 earl.commands.chaos_probe)
 
 The JSON line: `faults_injected`, `recovered`, `samples_lost`, `samples_duplicated` (every
 sample produced is trained exactly once or accounted for as dropped with its reason, in
@@ -38,7 +43,7 @@ __all__ = ["main"]
 
 QUICK = ["kill:producer", "corrupt_frame", "kill:rollout", "delay", "disk_full",
          "kill:reference"]
-FULL = QUICK + ["kill:dock", "kill:trainer", "drop:producer", "drop:reference"]
+FULL = QUICK + ["kill:dock", "kill:trainer", "drop:producer", "drop:reference", "stall:tool"]
 SMALL = ["--warm_start.steps=0", "--batch_size=8", "--group_size=4", "--eval_games=4",
          "--eval_every=0", "--checkpoint_every=2", "--time_limit_minutes=30"]
 
@@ -52,12 +57,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0, help="where in a step faults land")
     p.add_argument("--output-dir", help="run folder (default: a temp dir, removed)")
     p.add_argument("--verbose", action="store_true", help="progress and healing lines")
+    p.add_argument("--tool-timeout-s", type=float, default=2.0,
+                   help="the run's tool_timeout_s (what a stalled tool call waits)")
     p.add_argument("--deadline", type=float, default=900.0,
                    help="seconds after which the run counts as hung and is cancelled")
     args = p.parse_args(argv)
     faults = args.faults.split(",") if args.faults else (QUICK if args.quick else FULL)
     for f in faults:
-        if f not in ("corrupt_frame", "delay", "disk_full") and not (
+        if f not in ("corrupt_frame", "delay", "disk_full", "stall:tool") and not (
                 f.startswith("kill:") and f[5:] in ("rollout", "producer", "reference", "dock",
                                                     "trainer")) and not (
                 f.startswith("drop:") and f[5:] in ("producer", "reference")):
@@ -71,7 +78,8 @@ def main(argv: list[str]) -> int:
         out = Path(args.output_dir or tmp)
         from earl.config import load_config
 
-        cfg = load_config(None, [*SMALL, f"--steps={steps}", f"--output_dir={out}"])
+        cfg = load_config(None, [*SMALL, f"--steps={steps}", f"--output_dir={out}",
+                                 f"--tool_timeout_s={args.tool_timeout_s}"])
         log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.verbose \
             else (lambda line: None)
         report = asyncio.run(run_chaos(cfg, faults, seed=args.seed, log=log,
@@ -95,12 +103,21 @@ async def run_chaos(cfg: Any, faults: list[str], *, seed: int = 0, log: Any = pr
     out.mkdir(parents=True, exist_ok=True)
     disk = _mount_tmpfs(out / "checkpoint", 24 << 20) if "disk_full" in faults else ""
     recipe, ref = resolve_recipe(cfg)
+    stall = out / ".tool-stall"
+    if "stall:tool" in faults:  # an agent with a tool to stall (Tic-Tac-Toe has none)
+        from earl.commands.chaos_probe import STALL_ENV
+
+        if cfg.recipe != "tictactoe" or cfg.agent:
+            raise ValueError("stall:tool runs the tictactoe recipe's agent behind a probe tool")
+        ref = "earl.commands.chaos_probe:probed_tictactoe"
     t0 = time.perf_counter()
     error, steps, left = "", 0, 0
     try:
         async with Runtime() as rt:
             job = _Job(cfg, recipe, ref, rt, log=log, trace=True)
-            inj = Injector(job, rt, faults, seed=seed, disk=disk)
+            if "stall:tool" in faults:
+                job.env[STALL_ENV] = str(stall)
+            inj = Injector(job, rt, faults, seed=seed, disk=disk, stall=stall)
             run = asyncio.ensure_future(run_job(job, False))
             watchdog = asyncio.get_running_loop().call_later(deadline_s, _hung, run)
             try:
@@ -119,6 +136,7 @@ async def run_chaos(cfg: Any, faults: list[str], *, seed: int = 0, log: Any = pr
             await inj._collect_pids()
             pids = inj.pids
     finally:
+        stall.unlink(missing_ok=True)
         if disk:
             _umount(out / "checkpoint")
     ledger = job.healer.ledger.summary(left_in_dock=left)
@@ -148,10 +166,11 @@ class Injector:
     The step after must wait until it was fired, so a fast run cannot outrun its faults;
     whether the run recovered is checked in the background."""
 
-    def __init__(self, job: Any, rt: Any, faults: list[str], *, seed: int, disk: str) -> None:
+    def __init__(self, job: Any, rt: Any, faults: list[str], *, seed: int, disk: str,
+                 stall: Path | None = None) -> None:
         import random
 
-        self.job, self.rt, self.faults, self.disk = job, rt, faults, disk
+        self.job, self.rt, self.faults, self.disk, self.stall = job, rt, faults, disk, stall
         self.rng = random.Random(seed)
         self.done: list[dict[str, Any]] = []
         self.pids: set[int] = set()
@@ -253,7 +272,32 @@ class Injector:
             return {"delayed": n, "recovered": True}
         if fault == "disk_full":
             return await self._disk_full(fired)
+        if fault == "stall:tool":
+            return await self._stall_tool(fired)
         raise ValueError(fault)
+
+    async def _stall_tool(self, fired: asyncio.Event) -> dict[str, Any]:
+        """Hang the probe tool until sessions came back with errors (at most 120 s), then
+        lift the stall. Recovered: the stalled calls were timeouts, each returned within the
+        tool timeout (plus 1.5 s of scheduling), and the run went on (checked by the caller)."""
+        assert self.stall is not None
+        timeout = float(self.job.cfg.tool_timeout_s)
+        errors = Path(f"{self.stall}.errors")
+
+        def seen() -> list[tuple[float, str]]:
+            lines = errors.read_text().split() if errors.is_file() else []
+            return [(float(w), e) for w, e in zip(lines[::2], lines[1::2], strict=True)]
+
+        self.stall.touch()
+        fired.set()
+        ok = await _until(lambda: bool(seen()), 120)
+        self.stall.unlink(missing_ok=True)
+        stalled = seen()
+        longest = max((w for w, _ in stalled), default=0.0)
+        return {"stalled_calls": len(stalled), "longest_wait_s": round(longest, 2),
+                "tool_timeout_s": timeout,
+                "recovered": ok and longest <= timeout + 1.5
+                and all(e == "timeout" for _, e in stalled)}
 
     async def _drop(self, name: str, fired: asyncio.Event) -> dict[str, Any]:
         """Cut the driver's connection to `name[0]` once calls to it are in flight (waits up

@@ -55,6 +55,8 @@ class ProducerConfig:
             response)` scores the final assistant text and replaces the agent's return.
         dump: file rank 0 appends trajectories to ("" = none), for `earl inspect`; rank r
             writes "<stem>.r.jsonl" beside it.
+        tool_timeout_s: per tool call; a call that takes longer comes back to the agent as
+            an error (a hung sync tool is left on its thread, see `run_local`).
     """
 
     agent: str
@@ -66,6 +68,7 @@ class ProducerConfig:
     max_total_tokens: int | None = None
     dump: str = ""
     reward: str = ""
+    tool_timeout_s: float = 30.0
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
 
 
@@ -141,7 +144,8 @@ class ProducerActor(WarehouseHost, Actor):
         return RolloutConfig(sampling=SamplingParams(max_tokens=c.max_tokens,
                                                      temperature=temperature,
                                                      stop_token_ids=list(self.codec.stop_ids)),
-                             max_total_tokens=c.max_total_tokens)
+                             max_total_tokens=c.max_total_tokens,
+                             tool_timeout_s=c.tool_timeout_s)
 
     async def _play(self, samples: list[object], ids: list[tuple[str, str]],
                     temperature: float) -> list[Trajectory]:

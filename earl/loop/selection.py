@@ -8,8 +8,9 @@ the policy (`earl.runtime.selector.Policy`) decides with ``when="rollout"``, bef
 episodes (p50/p95/max and trend), the dock's queue depths and the slots' memory. Every decision
 becomes a metrics row (``selector/*`` keys) and a Perfetto instant event.
 
-A decided plan is turned into a `Setting` (what the live actors run) and applied through a
-`Reconfigurer`: the trainer's micro-batch token budget at once (nothing restarts); a new trainer
+The first decision (`start`) is taken before the rollout replicas exist, so the run spawns them
+with its plan instead of re-creating them. A decided plan is turned into a `Setting` (what the
+live actors run) and applied through a `Reconfigurer`: the trainer's micro-batch token budget at once (nothing restarts); a new trainer
 layout or slots by re-creating the trainer group (resharded checkpoint, Adam state kept); a longer
 context or a new rollout layout by re-creating the vLLM replicas with the new ``max_model_len``
 and KV budget, the weights re-pushed at the current version. The rollout's context only grows (a
@@ -183,6 +184,7 @@ class Selection:
         self._stats = SelectionStatistics()
         self._played: dict[int, int] = {}  # batch -> the rollout window it was played with
         self.decisions: list[Decision] = []
+        self._started: int | None = None  # the batch whose rollout decision `start` took
 
     def statistics(self) -> SelectionStatistics:
         return self._stats
@@ -202,10 +204,31 @@ class Selection:
             self.contexts = self.tracker.observe(lengths)
         return self.contexts
 
+    async def start(self, batch: int, spawn: Callable[[Setting], Awaitable[None]]) -> None:
+        """The decision before batch `batch`'s rollout, taken before the rollout replicas exist.
+
+        `spawn(setting)` starts them with the decided window, KV budget, layout and slots (a
+        plan applied at spawn costs no re-creation); then the trainer's part of the plan is
+        applied like any later change (its budget, or a re-created group). The next
+        `rollout(batch)` does not decide again.
+        """
+        async with self._decide_lock:
+            d, new, queues = await self._decide(batch, "rollout")
+            await spawn(new)
+            self.setting = replace(self.setting, rollout_tp=new.rollout_tp,
+                                   rollout_replicas=new.rollout_replicas,
+                                   rollout_slots=new.rollout_slots,
+                                   max_model_len=new.max_model_len, kv_tokens=new.kv_tokens)
+            self._record(d, queues, await self._apply(new))
+        self._started = batch
+
     @contextlib.asynccontextmanager
     async def rollout(self, batch: int) -> AsyncIterator[None]:
         """Decide (when="rollout") and apply, then hold the actors while batch `batch` plays."""
-        await self._decide_and_apply(batch, "rollout")
+        if self._started == batch:  # decided at spawn (`start`)
+            self._started = None
+        else:
+            await self._decide_and_apply(batch, "rollout")
         async with self._lock.shared():
             self._played[batch] = self.setting.max_model_len
             yield
@@ -225,31 +248,37 @@ class Selection:
 
     async def _decide_and_apply(self, batch: int, when: str) -> None:
         async with self._decide_lock:  # one decision at a time (the policy has state)
-            queues = await self.queues()
-            d = self.policy.decide(step=batch, when=when, contexts=self.contexts,
-                                   slots=self.slots(), queue_depths=queues)
-            self.decisions.append(d)
-            self.trace(d)
-            row = d.record()
-            if d.shortfall is not None:
-                self.log(f"selector: {d.shortfall.message()}")
-            if d.plan.feasible:
-                new = setting_of(d.plan, self.setting, max_context=self.max_context)
-            else:  # nothing is predicted to fit: keep the layouts, grow the window, and train
-                # one context per micro-batch (the least memory without a new layout)
-                cur, top = self.setting, min(d.plan.context_bucket, self.max_context)
-                mml = max(cur.max_model_len, top)
-                new = replace(cur, max_model_len=mml, kv_tokens=max(cur.kv_tokens, mml),
-                              micro_batch_tokens=top)
-            times = await self._apply(new)
-            st = self._stats
-            row.update({**{f"selector/queue/{k}": v for k, v in queues.items()},
-                        "selector/reconfigurations": st.reconfigurations,
-                        "selector/reconfig_s": times.get("total_s", 0.0),
-                        **{f"selector/reconfig/{k}": v for k, v in times.items()},
-                        "selector/applied_max_model_len": self.setting.max_model_len,
-                        "selector/applied_micro_batch_tokens": self.setting.micro_batch_tokens})
-            self.record(row)
+            d, new, queues = await self._decide(batch, when)
+            self._record(d, queues, await self._apply(new))
+
+    async def _decide(self, batch: int, when: str) -> tuple[Decision, Setting, Mapping[str, int]]:
+        """The policy's decision and the setting that runs it (not applied yet)."""
+        queues = await self.queues()
+        d = self.policy.decide(step=batch, when=when, contexts=self.contexts,
+                               slots=self.slots(), queue_depths=queues)
+        self.decisions.append(d)
+        self.trace(d)
+        if d.shortfall is not None:
+            self.log(f"selector: {d.shortfall.message()}")
+        if d.plan.feasible:
+            return d, setting_of(d.plan, self.setting, max_context=self.max_context), queues
+        # nothing is predicted to fit: keep the layouts, grow the window, and train one
+        # context per micro-batch (the least memory without a new layout)
+        cur, top = self.setting, min(d.plan.context_bucket, self.max_context)
+        mml = max(cur.max_model_len, top)
+        return d, replace(cur, max_model_len=mml, kv_tokens=max(cur.kv_tokens, mml),
+                          micro_batch_tokens=top), queues
+
+    def _record(self, d: Decision, queues: Mapping[str, int], times: Mapping[str, float]
+                ) -> None:
+        st, row = self._stats, d.record()
+        row.update({**{f"selector/queue/{k}": v for k, v in queues.items()},
+                    "selector/reconfigurations": st.reconfigurations,
+                    "selector/reconfig_s": times.get("total_s", 0.0),
+                    **{f"selector/reconfig/{k}": v for k, v in times.items()},
+                    "selector/applied_max_model_len": self.setting.max_model_len,
+                    "selector/applied_micro_batch_tokens": self.setting.micro_batch_tokens})
+        self.record(row)
 
     async def _apply(self, new: Setting) -> dict[str, float]:
         old, st = self.setting, self._stats

@@ -33,8 +33,8 @@ from earl.runtime.selector import (
 )
 from earl.runtime.slots import SlotPool
 
-__all__ = ["ActorReconfigurer", "actor_training", "build_selection", "cost_model_of", "queue_depths", "run_slots",
-           "selection_for_run", "slot_usage"]
+__all__ = ["ActorReconfigurer", "SlotMemory", "actor_training", "build_selection",
+           "cost_model_of", "queue_depths", "run_slots", "selection_for_run", "slot_usage"]
 
 
 class ActorReconfigurer:
@@ -129,6 +129,14 @@ class ActorReconfigurer:
                 times[f"{actor}/{k}"] = times.get(f"{actor}/{k}", 0.0) + v
         times["total_s"] = sum(v for k, v in times.items() if k.endswith("/total_s"))
         return times
+
+    def rollout_spawn(self, s: Setting) -> dict[str, Any]:
+        """`EngineConfig` changes, replica count and slots that start the rollout group with
+        setting `s` (how `Selection.start`'s first plan is applied at spawn)."""
+        return {"changes": {"tensor_parallel_size": s.rollout_tp,
+                            "max_model_len": s.max_model_len, "kv_cache_gb": self.kv_cache_gb(s)},
+                "n": s.rollout_replicas,
+                "slot": self._placed(s.rollout_slots, s.rollout_replicas, "rollout")}
 
     def _placed(self, names: tuple[str, ...], ranks: int, owner: str) -> Any:
         """One slot per rank (the first `ranks` of `names`), or None without slots (or too
@@ -240,8 +248,35 @@ def slot_usage(pool: SlotPool | None) -> dict[str, float]:
     return out
 
 
-async def selection_for_run(job: Any) -> Selection:
-    """The `Selection` of an `earl.run._Job` (its config, actors, slots, metrics and trace).
+class SlotMemory:
+    """What each slot offers the cost model (the selector's `slots` input), in bytes.
+
+    The cost model's per-process reserve is the trainer's baseline (Python, torch: what its
+    process holds before the model's working set). A slot whose process holds more before its
+    working set (vLLM) offers that much less. `measure` reads a slot's baseline once its actor
+    is up; a slot not measured yet offers its whole budget.
+    """
+
+    def __init__(self, pool: SlotPool, trainer: tuple[str, ...]) -> None:
+        self.pool = pool
+        self.base = {n: pool.memory_used_mib(n) or 0.0 for n in trainer}
+        self.reserve = max(self.base.values(), default=600.0)
+
+    def measure(self, names: tuple[str, ...], working_mib: float = 0.0) -> None:
+        """Read the baseline of `names`' processes now, less `working_mib` each (the KV cache
+        a rollout replica allocates at start: the cost model counts it)."""
+        for n in names:
+            self.base[n] = (self.pool.memory_used_mib(n) or 0.0) - working_mib
+
+    def __call__(self) -> Mapping[str, float]:
+        return {n: b - max(0.0, self.base.get(n, self.reserve) - self.reserve) * 2**20
+                for n, b in self.pool.budgets().items()}
+
+
+async def selection_for_run(job: Any, dock: Dock) -> Selection:
+    """The `Selection` of an `earl.run._Job` (its config, trainer, slots, metrics and trace),
+    built once the trainer is up and before the rollout replicas are (`Selection.start` spawns
+    them with its first plan; `spawn_rollout` is how).
 
     Without slots (placement.slot_memory_mib = 0) the policy plans for one notional slot per
     actor rank with the memory this machine has available now.
@@ -253,24 +288,16 @@ async def selection_for_run(job: Any) -> Selection:
     cfg, pl, pool = job.cfg, job.cfg.placement, job.pool
     rollout_names = tuple(f"rollout{r}" for r in range(pl.rollout))
     trainer_names = tuple(f"trainer{r}" for r in range(pl.trainer))
+    slots: Callable[[], Mapping[str, float]]
     if pool is not None:
-        used = {n: pool.memory_used_mib(n) or 0.0 for n in rollout_names + trainer_names}
-        # What an actor's process holds before the model's working set (Python, torch, vLLM;
-        # the rollout's allocated KV cache is the cost model's): the cost model's reserve is
-        # the trainer's, and a slot whose process holds more offers that much less.
-        base = {n: used[n] - (pl.kv_cache_gb * 1024 if n.startswith("rollout") else 0.0)
-                for n in used}
-        reserve = max(base[n] for n in trainer_names)
-
-        def slots() -> Mapping[str, float]:
-            return {n: b - max(0.0, base.get(n, reserve) - reserve) * 2**20
-                    for n, b in pool.budgets().items()}
+        slots = job.slot_memory = SlotMemory(pool, trainer_names)
+        reserve = job.slot_memory.reserve
     else:
         reserve = 600.0
-        share = psutil.virtual_memory().available / (pl.rollout + pl.trainer)
+        share = float(psutil.virtual_memory().available / (pl.rollout + pl.trainer))
 
         def slots() -> Mapping[str, float]:
-            return {n: float(share) for n in rollout_names + trainer_names}
+            return {n: share for n in rollout_names + trainer_names}
     model_dir = str(job.start)
     cost = cost_model_of(model_dir, reserve_mib=reserve)
     kvb = cost.kv_bytes_per_token(Parallel())
@@ -281,9 +308,9 @@ async def selection_for_run(job: Any) -> Selection:
                       rollout_replicas=pl.rollout, max_model_len=window,
                       kv_tokens=int(pl.kv_cache_gb * 2**30 / kvb),
                       trainer_slots=trainer_names, rollout_slots=rollout_names)
-    reconf = ActorReconfigurer(job.rt, job, pool=pool, env=job.env,
-                               checkpoint_dir=job.out / "reshard", kv_bytes_per_token=kvb,
-                               tracer=job.tracer)
+    job.reconfigurer = reconf = ActorReconfigurer(
+        job.rt, job, pool=pool, env=job.env, checkpoint_dir=job.out / "reshard",
+        kv_bytes_per_token=kvb, tracer=job.tracer)
 
     def trace(d: Decision) -> None:
         now = time.perf_counter()
@@ -297,7 +324,7 @@ async def selection_for_run(job: Any) -> Selection:
     job.log(f"selector on: slots {dict(slots())}, reserve {reserve:.0f} MiB/process, model "
             f"positions {positions}, rollout window {window}")
     return build_selection(model_dir=model_dir, cost=cost, setting=setting,
-                           reconfigurer=reconf, slots=slots,
-                           dock=actor_training(job.training).dock,
+                           reconfigurer=reconf, slots=slots, dock=dock,
                            stages=stages, max_context=positions, record=record,
-                           trace=trace, log=job.log, initial_context=positions)
+                           trace=trace, log=job.log,
+                           initial_context=cfg.selector_initial_context or positions)

@@ -78,3 +78,19 @@ def test_a_dropped_connection_restarts_the_live_actor(tmp_path: Path) -> None:
     for f in rep["faults"]:  # type: ignore[attr-defined]
         assert f["calls_in_flight"] >= 1 and f["new_pid"] != f["pid"], f
     assert rep["restarts"] == {"producer": 1, "reference": 1} and rep["rewinds"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_stalled_tool_times_out_and_the_run_goes_on(tmp_path: Path) -> None:
+    """Every session's sync tool hangs (a blocked read) until the stall is lifted: each call
+    comes back as a timeout error after tool_timeout_s, the producer's other sessions go on
+    meanwhile, and nothing is restarted."""
+    code, rep, err = _chaos("--faults", "stall:tool", "--steps", "4", "--tool-timeout-s", "1.5",
+                            "--output-dir", str(tmp_path / "run"))
+    assert code == 0, (rep, err)
+    _assert_invariants(rep, 1)
+    (f,) = rep["faults"]  # type: ignore[misc]
+    assert f["stalled_calls"] >= 1 and f["tool_timeout_s"] == 1.5
+    assert 1.5 <= f["longest_wait_s"] <= 3.0, f
+    assert rep["restarts"] == {} and rep["rewinds"] == 0

@@ -1,7 +1,9 @@
 """`earl train --selector on` end to end on connect4 (real vLLM, real trainer, cgroup slots):
-the rollout's window starts below the games' length, the selector grows it before the next
-rollout by re-creating the vLLM replica (weights re-pushed at the current version), every played
-sample is trained, and the decisions are in metrics.jsonl and the Perfetto trace."""
+the selector's first plan sets up the rollout replica it spawns; started lean
+(`selector_initial_context` below the games' length), its window is outgrown and the selector
+grows it before the next rollout by re-creating the vLLM replica (weights re-pushed at the
+current version); every played sample is trained, and the decisions are in metrics.jsonl and
+the Perfetto trace."""
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ def test_selector_grows_the_window_and_loses_nothing(tmp_path: Path) -> None:
          "--output-dir", str(out), "--json", "--trace", "--steps=4", "--warm_start.steps=5",
          "--batch_size=16", "--group_size=8", "--eval_games=2", "--eval_every=0",
          "--checkpoint_every=100", "--placement.reference=0", "--placement.context_window=192",
+         "--selector_initial_context=192",
          "--placement.slot_memory_mib=1500", "--placement.kv_cache_gb=0.02"],
         capture_output=True, text=True, timeout=560, env=env, check=False)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -42,8 +45,11 @@ def test_selector_grows_the_window_and_loses_nothing(tmp_path: Path) -> None:
     assert len(steps) == 4
     assert {r["selector/when"] for r in sel} == {"rollout", "prep"}
     assert len(sel) == 8  # one decision before each rollout and each training step
-    # the games outgrew the 192-token window; the selector grew it (one vLLM re-creation)
-    assert sel[-1]["selector/applied_max_model_len"] > 192
+    # the first plan was applied at spawn (nothing re-created), a window for 192 tokens ahead
+    assert sel[0]["selector/reconfigurations"] == 0 and sel[0]["selector/reconfig_s"] == 0
+    assert 192 < sel[0]["selector/applied_max_model_len"] < 1024
+    # the games outgrew that window; the selector grew it (one vLLM re-creation)
+    assert sel[-1]["selector/applied_max_model_len"] > sel[0]["selector/applied_max_model_len"]
     assert sel[-1]["selector/reconfigurations"] >= 1
     assert any(r["selector/reconfig/rollout/spawn_s"] > 0 for r in sel
                if "selector/reconfig/rollout/spawn_s" in r)

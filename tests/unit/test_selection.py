@@ -259,3 +259,44 @@ def test_an_infeasible_plan_grows_the_window_keeps_layouts_and_reports() -> None
     # the rollout was re-created, the trainer kept: its budget still reached it
     assert len(reconf.applied) == 1 and reconf.budgets == [1024]
     assert (s.trainer_tp, s.trainer_slots, s.rollout_slots) == (1, ("trainer0",), ("rollout0",))
+
+
+def test_the_first_plan_is_applied_at_spawn_not_by_a_re_creation() -> None:
+    reconf, rows, events = FakeReconfigurer(), [], []
+    policy = Policy(COST, PolicyConfig(actors={"rollout": "rollout", "trainer": "train"},
+                                       pp_max=1, bucket_base=256))
+    setting = Setting(micro_batch_tokens=1 << 16, max_model_len=256, kv_tokens=256,
+                      rollout_slots=("rollout0",), trainer_slots=("trainer0",))
+
+    async def queues() -> dict[str, int]:
+        return {"train": 0}
+
+    sel = Selection(policy, reconf, setting=setting, slots=lambda: SLOTS, queues=queues,
+                    max_context=4096, record=rows.append, trace=events.append,
+                    initial_context=2000)
+    spawned: list[Setting] = []
+
+    async def spawn(s: Setting) -> None:
+        assert not rows, "the decision was recorded before the actors it set up existed"
+        spawned.append(s)
+
+    async def main() -> None:
+        await sel.start(3, spawn)
+        async with sel.rollout(3):  # decided at spawn: no second decision
+            pass
+        async with sel.train(3, _result(3, [1500] * 4)):
+            pass
+        async with sel.rollout(4):
+            pass
+
+    asyncio.run(main())
+    assert len(spawned) == 1 and spawned[0].max_model_len >= 2000
+    assert reconf.applied == []  # the rollout was born with the window: nothing re-created
+    assert sel.setting.max_model_len == spawned[0].max_model_len
+    # the trainer existed already: the plan's budget reached it the way later ones do
+    assert reconf.budgets and reconf.budgets[0] == sel.decisions[0].plan.actor(
+        "trainer").micro_batch_tokens
+    assert [r["selector/when"] for r in rows] == ["rollout", "prep", "rollout"]
+    assert len(events) == 3
+    assert rows[0]["selector/applied_max_model_len"] == spawned[0].max_model_len
+    assert rows[0]["selector/reconfigurations"] == 0 and rows[0]["selector/reconfig_s"] == 0.0

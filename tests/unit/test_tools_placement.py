@@ -130,6 +130,51 @@ def test_run_local_reports_failures_and_timeouts() -> None:
     assert not res.ok and res.error == "timeout" and "timed out" in res.output
 
 
+
+def test_a_stalled_sync_tool_times_out_without_blocking_the_loop() -> None:
+    import threading
+
+    from earl.runtime.tools import stalled_threads
+
+    release = threading.Event()
+
+    def hang(x: int) -> str:
+        """Block like a network read that never returns (until released).
+
+        Args:
+            x: anything.
+        """
+        release.wait(30)
+        return "late"
+
+    async def main() -> tuple[ToolResult, int, int]:
+        ticks = 0
+
+        async def tick() -> None:  # another session on the same loop
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        t = asyncio.create_task(tick())
+        res = await run_local(Tool.from_function(hang), {"x": 1}, timeout_s=0.3)
+        t.cancel()
+        return res, ticks, stalled_threads()
+
+    res, ticks, stalled = asyncio.run(main())
+    assert not res.ok and res.error == "timeout" and "timed out after 0.3 s" in res.output
+    assert ticks >= 5  # the loop kept running while the tool hung
+    assert stalled == 1
+    release.set()
+    for _ in range(200):
+        if stalled_threads() == 0:
+            break
+        threading.Event().wait(0.01)
+    assert stalled_threads() == 0  # the thread ended once the call returned
+    # a sync tool's result and failure still come back
+    res = asyncio.run(run_local(Tool.from_function(hang), {"x": 1}, timeout_s=5))
+    assert res.ok and res.output == "late"
+
 def _tool_call_only(codec: ChatCodec):
     call = json.dumps({"name": "calculator", "arguments": {"expression": "2+3"}})
 
