@@ -7,7 +7,8 @@ The comparison trains the `connect4` recipe (the whole game in context) with the
 (`earl train`, one subprocess per configuration, the same seeds, steps and warm-started model)
 with the trainer and the rollout each in a device slot of `--slot-mib` MiB (a cgroup v1 memory
 limit: the kernel's OOM killer enforces it) and vLLM's own context limit (`max_model_len`) and KV
-budget. Configurations:
+budget (`--kv-gb` in every run: the one the selector's plan picks for itself here, so no static
+run is held back by a smaller KV cache). Configurations:
 
 * `static_small`: sized for the first contexts (rollout window `--window`, micro-batch budget
   65,536 tokens): longer games no longer fit the window and are cut (it must truncate). This is
@@ -220,8 +221,8 @@ def _versus(run: dict[str, object], best: dict[str, object] | None) -> dict[str,
             "reconfig_seconds": run["reconfig_seconds"], "samples_lost": run["samples_lost"]}
 
 
-def compare(*, quick: bool, slot_mib: int, rollout_mib: int, window: int, root: str
-            ) -> dict[str, object]:
+def compare(*, quick: bool, slot_mib: int, rollout_mib: int, window: int, root: str,
+            kv_gb: float = 0.14) -> dict[str, object]:
     """Runs every configuration on the same warm-started model; returns the JSON object."""
     import time
 
@@ -230,7 +231,7 @@ def compare(*, quick: bool, slot_mib: int, rollout_mib: int, window: int, root: 
               "--group_size=8", "--eval_games=16", "--eval_every=0", "--checkpoint_every=1000",
               "--placement.reference=0", f"--placement.slot_memory_mib={slot_mib}",
               f"--placement.rollout_slot_memory_mib={rollout_mib}", "--max_restarts=0",
-              "--placement.kv_cache_gb=0.02", "--max_policy_lag=1"]
+              f"--placement.kv_cache_gb={kv_gb}", "--max_policy_lag=1"]
     t0 = time.perf_counter()
     prep = f"{root}/warm"
     rc, err = 0, ""
@@ -267,6 +268,7 @@ def compare(*, quick: bool, slot_mib: int, rollout_mib: int, window: int, root: 
         "final_quality": {k: dict(v["final_eval"]).get("win_draw_rate") if isinstance(
             v["final_eval"], dict) else None for k, v in runs.items()},
         "runs": runs, "slot_mib": slot_mib, "rollout_slot_mib": rollout_mib, "window": window,
+        "kv_cache_gb": kv_gb,
         "steps": steps,
         "batch_size": batch, "quick": quick, "wall_s": round(time.perf_counter() - t0, 1),
         "load_avg_1m": os.getloadavg()[0],
@@ -281,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slot-mib", type=int, default=640, help="the trainer's slot (MiB)")
     ap.add_argument("--rollout-slot-mib", type=int, default=1200, help="the rollout's slot")
     ap.add_argument("--window", type=int, default=256, help="static_small's rollout window")
+    ap.add_argument("--kv-gb", type=float, default=0.14,
+                    help="each run's KV-cache budget per replica (the selector's plan sets its "
+                         "own: 0.14 GB, 131,072 tokens of the tiny model, in a 1,200 MiB slot)")
     ap.add_argument("--out", default="", help="run folders (default: a temporary folder)")
     args = ap.parse_args(argv)
     if not args.profile:
@@ -288,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
 
         root = args.out or tempfile.mkdtemp(prefix="earl-bench-selector-")
         res = compare(quick=args.quick, slot_mib=args.slot_mib, rollout_mib=args.rollout_slot_mib,
-                      window=args.window, root=root)
+                      window=args.window, root=root, kv_gb=args.kv_gb)
         print(json.dumps(res) if args.json else json.dumps(res, indent=1))
         return 0
     buckets = (256, 512, 1024) if args.quick else (256, 512, 1024, 2048, 4096)
