@@ -49,11 +49,14 @@ class ActorReconfigurer:
         checkpoint_dir: where resharding checkpoints go.
         kv_bytes_per_token: the rollout's KV bytes per token (sizes its KV budget).
         tracer: the run's `Tracer` (each re-creation is a span on the "selector" track).
+        restart: the restart policy of re-created rollout replicas (the run's healer's).
     """
 
     def __init__(self, rt: Any, handles: Any, *, pool: SlotPool | None, env: dict[str, str],
-                 checkpoint_dir: Path, kv_bytes_per_token: float, tracer: Any = None) -> None:
+                 checkpoint_dir: Path, kv_bytes_per_token: float, tracer: Any = None,
+                 restart: Any = None) -> None:
         self.rt, self.h, self.pool, self.env, self.tracer = rt, handles, pool, env, tracer
+        self.restart = restart
         self.checkpoint_dir, self.kv_bytes = checkpoint_dir, kv_bytes_per_token
         self._n = 0
 
@@ -120,7 +123,8 @@ class ActorReconfigurer:
                     replicas=new.rollout_replicas, trainer=self.h.trainer, version=version,
                     env=self.env,
                     slot=self._placed(new.rollout_slots, new.rollout_replicas, "rollout"),
-                    max_model_len=new.max_model_len, kv_cache_gb=self.kv_cache_gb(new))
+                    max_model_len=new.max_model_len, kv_cache_gb=self.kv_cache_gb(new),
+                    restart=self.restart)
                 self._release(moved)
                 self.h.rollout = group
                 self.training.rollout = group
@@ -310,7 +314,8 @@ async def selection_for_run(job: Any, dock: Dock) -> Selection:
                       trainer_slots=trainer_names, rollout_slots=rollout_names)
     job.reconfigurer = reconf = ActorReconfigurer(
         job.rt, job, pool=pool, env=job.env, checkpoint_dir=job.out / "reshard",
-        kv_bytes_per_token=kvb, tracer=job.tracer)
+        kv_bytes_per_token=kvb, tracer=job.tracer,
+        restart=job.healer.config.policy("rollout"))
 
     def trace(d: Decision) -> None:
         now = time.perf_counter()

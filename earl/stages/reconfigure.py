@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from earl.runtime import ActorGroup, Runtime
+from earl.runtime import ActorGroup, RestartPolicy, Runtime
 from earl.runtime.layout import Layout
 from earl.stages.rollout import RolloutActor
 from earl.stages.trainer import TrainerActor
@@ -113,7 +113,7 @@ async def reconfigure_rollout(
     rt: Runtime, group: ActorGroup[RolloutActor], *, tensor_parallel_size: int,
     replicas: int | None = None, trainer: ActorGroup[TrainerActor] | None = None,
     version: int | None = None, env: dict[str, str] | None = None,
-    slot: Any = None, **changes: Any,
+    slot: Any = None, restart: RestartPolicy | None = None, **changes: Any,
 ) -> tuple[ActorGroup[RolloutActor], ReconfigTimes]:
     """Re-create the rollout `group` with a new TP degree (and replica count), then have
     `trainer` push the current weights into it at the current policy version.
@@ -130,6 +130,8 @@ async def reconfigure_rollout(
             else the old replicas' version).
         env: environment of the new actor processes.
         slot: the new replicas' device slots (`Runtime.spawn`'s ``slot=``: one per replica).
+        restart: the new group's restart policy (a run passes its healer's: the replicas it
+            re-creates are restarted after a death like the ones it spawned).
         changes: other `EngineConfig` fields to change (e.g. ``kv_cache_gb``, ``max_model_len``).
 
     Returns:
@@ -145,7 +147,8 @@ async def reconfigure_rollout(
     await group.close.call()
     await rt.stop(group)
     t1 = time.perf_counter()
-    new = await rt.spawn(group.name, RolloutActor, new_cfg, version, n=n, env=env, slot=slot)
+    new = await rt.spawn(group.name, RolloutActor, new_cfg, version, n=n, env=env, slot=slot,
+                         restart=restart)
     t2 = time.perf_counter()
     t3 = t2
     if trainer is not None:

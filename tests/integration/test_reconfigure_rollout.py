@@ -1,9 +1,12 @@
 """Re-creating the rollout at a new tensor-parallel degree: the trainer pushes its weights into
-the new replicas at the current policy version (`earl.stages.reconfigure.reconfigure_rollout`)."""
+the new replicas at the current policy version (`earl.stages.reconfigure.reconfigure_rollout`),
+and the new group is restarted after a death under the restart policy it was given."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import pytest
 
@@ -18,7 +21,7 @@ ENV = {"OMP_NUM_THREADS": "1"}
 
 
 async def test_rollout_goes_tp1_to_tp2_with_the_trainers_weights() -> None:
-    from earl.runtime import Runtime
+    from earl.runtime import RestartPolicy, Runtime
     from earl.stages.reconfigure import reconfigure_rollout
     from earl.stages.rollout import RolloutActor
     from earl.stages.trainer import TrainerActor, TrainerConfig
@@ -39,10 +42,15 @@ async def test_rollout_goes_tp1_to_tp2_with_the_trainers_weights() -> None:
         assert tp1.token_ids != before.token_ids and set(tp1.versions) == {5}
 
         rollout, times = await reconfigure_rollout(rt, rollout, tensor_parallel_size=2,
-                                                   trainer=trainer, version=5, env=ENV)
+                                                   trainer=trainer, version=5, env=ENV,
+                                                   restart=RestartPolicy(max_restarts=1))
         cfg = await rollout[0].engine_config.call_one()
         assert cfg.tensor_parallel_size == 2 and cfg.model == str(served)
         tp2 = await rollout[0].generate.call_one(PROMPT, GREEDY)
         assert tp2.token_ids == tp1.token_ids and set(tp2.versions) == {5}
         assert min(times.stop_s, times.spawn_s, times.push_s) > 0 and times.save_s == 0
+        pid = (await rt.dir_call("lookup", "rollout")).pids[0]
+        os.kill(pid, signal.SIGKILL)
+        await rt.wait_status(rollout[0], "up", min_restarts=1, timeout=120)
+        assert (await rt.dir_call("lookup", "rollout")).pids[0] != pid
         await trainer.close.call()
