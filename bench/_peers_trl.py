@@ -1,12 +1,14 @@
 """TRL's side of `bench/peers.py`: one `GRPOTrainer` run in its own process, one JSON line out.
 
-    python bench/_peers_trl.py '{"model": DIR, "train": FILE, "seconds": 60, ...}'
+    python bench/_peers_trl.py '{"task": "agentic", "model": DIR, "train": FILE, "seconds": 60, ...}'
 
 The configuration is TRL's natural one on CPU: transformers generation (`use_vllm=False`), one
-process, every core for torch, fp32, plain GRPO (`beta=0`, clip 0.2, token-mean "dapo" loss,
-rewards centred per group without std scaling, one optimizer step per generation batch), constant
-LR, AdamW. The run stops through a callback once the process is `seconds` old (start-up
-counts, as in `earl train`'s `time_limit_minutes`). Afterwards the trained model is
+process, torch with `threads` threads, fp32, plain GRPO (`beta=0`, clip 0.2, token-mean "dapo"
+loss, rewards centred per group without std scaling, `steps_per_generation` optimizer steps per
+generation batch, 1 by default), constant LR, AdamW. The agentic task's multi-turn episodes run
+through a `rollout_func` (`bench/_peers_trl_agentic.py`); the echo task through TRL's own
+single-turn generation. The run stops through a callback once the process is `seconds` old
+(start-up counts, as in `earl train`'s `time_limit_minutes`). Afterwards the trained model is
 evaluated greedily on the task's eval prompts with the same reward rule. This script only runs
 TRL; the parent measures the process tree's memory and compares.
 """
@@ -68,12 +70,27 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     tok = AutoTokenizer.from_pretrained(cfg["model"])
     model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch.float32)
     rows = [json.loads(x) for x in Path(cfg["train"]).read_text().splitlines() if x.strip()]
-    data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["question"]}],
-                               "answer": r["answer"]} for r in rows])
+    agentic = cfg.get("task") == "agentic"
+    turns: list[int] = []
+    extra: dict[str, Any] = {}
+    if agentic:  # multi-turn episodes through a rollout_func (bench/_peers_trl_agentic.py)
+        import _peers_trl_agentic as ag
+
+        data = Dataset.from_list([{"prompt": ag.prompt(r)} for r in rows])
+        reward_fn: Any = ag.episode_reward
+        extra["rollout_func"] = ag.rollout_func(ag.load_tasks(cfg["train"]), tok, turns)
+        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    else:
+        data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["question"]}],
+                                   "answer": r["answer"]} for r in rows])
+        reward_fn = _reward_fn
     steps: list[dict[str, float]] = []
+    last: dict[str, float] = {}  # the latest generation's reward and mean length
 
     class Clock(TrainerCallback):  # type: ignore[misc]
-        """Logs each step's end time and reward; stops the run at the wall budget."""
+        """Logs each optimizer step's end time and reward; stops the run at the wall budget.
+        With `steps_per_generation` > 1 only the first step after a generation logs its
+        reward and lengths (for the whole generation); the steps after it carry them on."""
 
         t0 = 0.0
 
@@ -83,28 +100,35 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         def on_log(self, args: Any, state: Any, control: Any, logs: Any = None,
                    **kw: Any) -> None:
             if logs and "reward" in logs:
+                last.update(reward=float(logs["reward"]),
+                            gen_len=float(logs.get("completions/mean_length", 0.0)))
+            if logs and "loss" in logs and last:  # one per optimizer step
                 steps.append({"step": state.global_step, "t": time.perf_counter() - Clock.t0,
                               "wall_s": time.time() - psutil.Process().create_time(),
-                              "reward": float(logs["reward"]),
-                              "gen_len": float(logs.get("completions/mean_length", 0.0))})
+                              **last})
             if time.time() - psutil.Process().create_time() >= cfg["seconds"]:
                 control.should_training_stop = True
 
     args = GRPOConfig(
         output_dir=cfg["out"], use_cpu=True, use_vllm=False, seed=int(cfg["seed"]),
         per_device_train_batch_size=int(cfg["batch_size"]), num_generations=int(cfg["group_size"]),
-        steps_per_generation=1, num_iterations=1, max_completion_length=int(cfg["max_tokens"]),
+        steps_per_generation=int(cfg.get("steps_per_generation", 1)), num_iterations=1,
+        max_completion_length=int(cfg["max_tokens"]),
         temperature=float(cfg["temperature"]), top_p=1.0, beta=0.0, epsilon=float(cfg["clip"]),
         loss_type="dapo", scale_rewards="none", learning_rate=float(cfg["lr"]),
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         optim="adamw_torch", max_steps=100_000, logging_steps=1, save_strategy="no",
         report_to="none", bf16=False, disable_dropout=True, dataloader_num_workers=0)
-    trainer = GRPOTrainer(model=model, reward_funcs=_reward_fn, args=args, train_dataset=data,
-                          processing_class=tok, callbacks=[Clock()])
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=data,
+                          processing_class=tok, callbacks=[Clock()], **extra)
     trainer.train()
     loop_s = time.perf_counter() - Clock.t0
-    final = _greedy_eval(trainer.model, tok, int(cfg["max_tokens"]))
+    if agentic:
+        final = ag.greedy_eval(trainer.model, tok, cfg["eval"], int(cfg["max_tokens"]))
+    else:
+        final = _greedy_eval(trainer.model, tok, int(cfg["max_tokens"]))
     return {"steps": steps, "loop_s": loop_s, "final_eval": final,
+            "turns_mean": sum(turns) / len(turns) if turns else 1.0,
             "wall_s": time.time() - psutil.Process().create_time(),
             "batch_size": int(cfg["batch_size"])}
 

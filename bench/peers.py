@@ -1,42 +1,60 @@
 """EARL vs TRL's `GRPOTrainer` on the same task, model and GRPO recipe, in one run.
 
-    python bench/peers.py --json            # 2 interleaved rounds, 240 s budget each
-    python bench/peers.py --json --quick    # 1 round, 120 s budget each
+    python bench/peers.py --json                 # agentic task, 2 interleaved rounds, 240 s each
+    python bench/peers.py --json --quick         # 1 round, 120 s budget each
+    python bench/peers.py --json --task echo     # the single-turn task
 
 Both sides train the same seeded tiny char-level Qwen2 (`earl.resolve.model_folder`, one folder
-loaded by both) from random weights on `bench/_peers_task.py` (single-turn "echo the digit",
-a graded rule reward), with plain GRPO: group size 8, 32 trajectories per optimizer step,
-temperature 1, at most 8 new tokens, clip 0.2, no KL, token-mean loss, group-centred rewards
-without std scaling, AdamW at a constant LR 1e-3, the same seed and the same wall budget: each
-side trains until its process is `--seconds` old (start-up included, EARL's
-`time_limit_minutes` rule), then runs its final eval. EARL runs through its public CLI (`earl train --agent --reward`, its default
-placement: vLLM rollout, producer and trainer actors, `max_policy_lag=1`); TRL through
-`bench/_peers_trl.py` with its natural CPU configuration (transformers generation, one process;
-torch with 1 thread by default: on this shared 2-core host 2 threads made `generate` ~20x
-slower, `--trl-threads 2` measures it). Each side runs in its own process tree, sides alternate, and the parent samples
-the tree's memory every 0.25 s.
+loaded by both) from random weights, with plain GRPO: group size 8, 32 trajectories per
+optimizer step, temperature 1, at most 8 new tokens per model turn, clip 0.2, no KL, token-mean
+loss, group-centred rewards without std scaling, AdamW at a constant LR 1e-3, the same seed and
+the same wall budget: each side trains until its process is `--seconds` old (start-up included,
+EARL's `time_limit_minutes` rule), then runs its final eval.
+
+Tasks (`--task`):
+- ``agentic`` (default): `bench/_agentic_workload.py`, multi-turn episodes with heavy-tailed
+  turn counts (1-12, mean ~3) whose every turn waits on a tool with real latency (the sandboxed
+  `python` tool, a lognormal-latency lookup); reward = share of turns answered with a digit;
+  eval = the agent's reward on 32 held-out tasks, greedy. EARL runs the coroutine itself; TRL
+  runs the same episodes through a `rollout_func` (`bench/_peers_trl_agentic.py`: one batched
+  generation per turn through TRL's own generation path, then every live episode's tool call
+  at once).
+- ``echo``: `bench/_peers_task.py`, single-turn "echo the digit" with a graded rule reward;
+  eval = greedy answers to its 40 eval prompts.
+
+EARL runs through its public CLI (`earl train --agent [--reward]`, its default placement: vLLM
+rollout, producer and trainer actors) with `max_policy_lag` `--earl-lag` (4 agentic, 1 echo).
+TRL runs through `bench/_peers_trl.py` with its natural CPU configuration (transformers
+generation, one process, torch with `--trl-threads` threads, 1 by default: 2 made `generate`
+~20x slower on a loaded host and changed nothing on a quiet one). TRL gets its best
+configuration of `steps_per_generation` (one generation feeds that many optimizer steps, its
+own staleness knob): round 0 runs each of `--trl-steps-per-generation` (default 1 and LAG+1,
+i.e. on-policy and EARL's staleness bound), and the fastest goes on. Each side runs in its own
+process tree, sides alternate, and the parent samples the tree's memory every 0.25 s.
 
 Prints one JSON object: ``earl`` and ``trl`` (means over rounds, plus per-round ``runs``):
 
 - ``trajectories_per_s``: steady-state loop rate, trajectories from the end of the first step
   to the end of the last (start-up, the first step's warm-up and the final eval not counted);
   ``trajectories_per_s_end_to_end``: all trajectories / the process's whole wall time.
-- ``tokens_per_s``: generated tokens per second over the same span (mean generated length x
-  trajectories/s; EARL's from its trajectory dump, TRL's from its `completions/mean_length`).
+- ``tokens_per_s``: generated (model) tokens per second over the same span (mean generated
+  length x trajectories/s; EARL's from its trajectory dump's loss mask, TRL's from its
+  `completions/mean_length`, which counts only model tokens); ``turns_mean``: model turns per
+  trajectory (the same work on both sides).
 - ``seconds_to_threshold``: process seconds (start-up included) until the mean training reward
   of the last 5 steps reaches ``threshold`` (null if never).
-- ``final_eval``: greedy eval on the task's 40 eval prompts with the same rule (``reward``
-  mean, ``accuracy`` = share answered exactly). EARL's comes from its own final eval (vLLM,
-  greedy); TRL's from `generate(do_sample=False)` on the trained model.
+- ``final_eval``: greedy eval with the same rule on both sides (``reward`` mean, ``accuracy``
+  = share scored 1.0). EARL's comes from its own final eval (vLLM, greedy); TRL's from
+  `generate(do_sample=False)` on the trained model.
 - ``cores_used``: CPU seconds of the whole tree / its wall seconds; ``trajectories_per_cpu_s``:
-  all trajectories / those CPU seconds. On a shared, loaded host a tree of several processes
-  gets more of the CPU than one process, so read the rates together with these.
+  all trajectories / those CPU seconds.
 - ``peak_rss_mb``: peak of the summed RSS of the process and all its descendants (shared pages
   counted once per process).
 
-Top level: ``ratio_trajectories_per_s`` and ``ratio_tokens_per_s`` (EARL / TRL),
-``quality_delta`` (EARL - TRL final eval reward), ``spread`` per side, the settings, and the
-machine's load average at the start and end (the machine is shared: figures are noisy).
+Top level: ``ratio_trajectories_per_s`` and ``ratio_tokens_per_s`` (EARL / TRL's best),
+``quality_delta`` (EARL - TRL final eval reward), ``trl_candidates`` (every TRL configuration
+measured, by `steps_per_generation`), ``trl_steps_per_generation`` (the one compared),
+``spread`` per side, the settings, and the machine's load average at the start and end.
 """
 
 from __future__ import annotations
@@ -56,10 +74,13 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import _agentic_workload
 import _peers_task
 
 RECIPE: dict[str, Any] = {"batch_size": 32, "group_size": 8, "max_tokens": 8,
                           "temperature": 1.0, "clip": 0.2, "lr": 1e-3, "seed": 0}
+MAX_MODEL_LEN = 1024  # positions: 12 turns of prompt, answer and observation fit
+EVAL_TASKS = 32  # held-out agentic tasks (seed 2), played greedily by both sides
 WINDOW = 5  # steps in the moving mean of the training reward for the threshold
 
 
@@ -133,20 +154,33 @@ def summarize(steps: list[dict[str, float]], batch: int, gen_len: float, wall_s:
             "trajectories_per_cpu_s": round(len(steps) * batch / cpu_s, 2)}
 
 
-def run_earl(model: Path, train: Path, ev: Path, out: Path, seconds: float,
-             threshold: float) -> dict[str, Any]:
-    """One `earl train --agent ... --reward ...` run in its own process tree."""
-    r, task = RECIPE, HERE / "_peers_task.py"
-    cmd = [sys.executable, "-m", "earl.cli", "train", "--agent", f"{task}:agent",
-           "--reward", f"{task}:reward", "--tasks", str(train), "--eval-tasks", str(ev),
+def _runs_of_ones(mask: list[int]) -> int:
+    """Model turns in a trajectory: runs of 1s in its loss mask."""
+    return sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1]))
+
+
+def run_earl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: float,
+             threshold: float, lag: int) -> dict[str, Any]:
+    """One `earl train --agent ... [--reward ...]` run in its own process tree."""
+    r = RECIPE
+    if task == "agentic":  # the agent returns its own reward; contexts grow over 12 turns
+        n_eval = len(_agentic_workload.tasks(EVAL_TASKS, 2))
+        how = [f"--agent={HERE / '_agentic_workload.py'}:agent",
+               f"--model.max_model_len={MAX_MODEL_LEN}"]
+    else:
+        n_eval = len(_peers_task.eval_samples())
+        f = HERE / "_peers_task.py"
+        how = ["--agent", f"{f}:agent", "--reward", f"{f}:reward"]
+    cmd = [sys.executable, "-m", "earl.cli", "train", *how, "--tasks", str(train),
+           "--eval-tasks", str(ev),
            "--output-dir", str(out), "--json", "--steps=1000000",
            f"--time_limit_minutes={seconds / 60}", f"--batch_size={r['batch_size']}",
            f"--group_size={r['group_size']}", f"--max_tokens={r['max_tokens']}",
            f"--seed={r['seed']}", f"--model.path={model}", "--eval_every=0",
-           f"--eval_games={len(_peers_task.eval_samples())}", "--placement.reference=0",
+           f"--eval_games={n_eval}", "--placement.reference=0",
            "--checkpoint_every=1000000", f"--algorithm.lr={r['lr']}",
            f"--algorithm.temperature={r['temperature']}", f"--algorithm.clip={r['clip']}",
-           "--algorithm.kl_coef=0.0", "--algorithm.name=grpo"]
+           "--algorithm.kl_coef=0.0", "--algorithm.name=grpo", f"--max_policy_lag={lag}"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     stdout, _, peak, cpu = run_tree(cmd, env, timeout=seconds + 600)
     res = json.loads(stdout.strip().splitlines()[-1])
@@ -155,18 +189,21 @@ def run_earl(model: Path, train: Path, ev: Path, out: Path, seconds: float,
              for m in rows if "reward" in m and "step" in m]
     dump = [json.loads(x) for x in Path(res["trajectories"]).read_text().splitlines()]
     gen_len = statistics.fmean(sum(d["loss_mask"]) for d in dump) if dump else 0.0
+    turns = statistics.fmean(_runs_of_ones(d["loss_mask"]) for d in dump) if dump else 0.0
     s = summarize(steps, RECIPE["batch_size"], gen_len, res["wall_minutes"] * 60, cpu, threshold)
     ev_ = res["eval"]
     return {**s, "peak_rss_mb": round(peak), "stopped": res.get("stopped"),
+            "turns_mean": round(turns, 2),
             "final_eval": {"reward": round(ev_["reward"], 3),
                            "accuracy": round(ev_.get("accuracy", 0.0), 3)}}
 
 
-def run_trl(model: Path, train: Path, out: Path, seconds: float, threshold: float,
-            threads: int) -> dict[str, Any]:
-    """One `GRPOTrainer` run (bench/_peers_trl.py) in its own process."""
-    cfg = {**RECIPE, "model": str(model), "train": str(train), "out": str(out),
-           "seconds": seconds, "threads": threads}
+def run_trl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: float,
+            threshold: float, threads: int, spg: int) -> dict[str, Any]:
+    """One `GRPOTrainer` run (bench/_peers_trl.py) in its own process; `spg` is its
+    `steps_per_generation` (one generation feeds that many optimizer steps)."""
+    cfg = {**RECIPE, "task": task, "model": str(model), "train": str(train), "eval": str(ev),
+           "out": str(out), "seconds": seconds, "threads": threads, "steps_per_generation": spg}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "OMP_NUM_THREADS": str(threads)}
     stdout, _, peak, cpu = run_tree([sys.executable, str(HERE / "_peers_trl.py"), json.dumps(cfg)],
@@ -176,7 +213,8 @@ def run_trl(model: Path, train: Path, out: Path, seconds: float, threshold: floa
     gen_len = statistics.fmean(s["gen_len"] for s in steps) if steps else 0.0
     s = summarize(steps, RECIPE["batch_size"], gen_len, res["wall_s"], cpu, threshold)
     fe = res["final_eval"]
-    return {**s, "peak_rss_mb": round(peak),
+    return {**s, "peak_rss_mb": round(peak), "turns_mean": round(res["turns_mean"], 2),
+            "steps_per_generation": spg,
             "final_eval": {"reward": round(fe["reward"], 3), "accuracy": round(fe["accuracy"], 3)}}
 
 
@@ -190,6 +228,7 @@ def _mean(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"trajectories_per_s": m("trajectories_per_s"), "tokens_per_s": m("tokens_per_s"),
             "trajectories_per_s_end_to_end": m("trajectories_per_s_end_to_end"),
             "cores_used": m("cores_used"), "trajectories_per_cpu_s": m("trajectories_per_cpu_s"),
+            "turns_mean": m("turns_mean"),
             "seconds_to_threshold": None if None in hits else round(statistics.fmean(hits), 1),
             "final_eval": {k: round(statistics.fmean(r["final_eval"][k] for r in runs), 3)
                            for k in ("reward", "accuracy")},
@@ -203,39 +242,64 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1 round, 120 s budget")
     ap.add_argument("--rounds", type=int, default=0, help="interleaved rounds (0 = default)")
     ap.add_argument("--seconds", type=float, default=0.0, help="wall budget per run, from process start")
-    ap.add_argument("--threshold", type=float, default=0.3, help="training reward to reach")
+    ap.add_argument("--task", choices=("agentic", "echo"), default="agentic",
+                    help="agentic: multi-turn, tools with latency; echo: single-turn")
+    ap.add_argument("--threshold", type=float, default=None,
+                    help="training reward to reach (default 0.5 agentic, 0.3 echo)")
+    ap.add_argument("--earl-lag", type=int, default=None,
+                    help="EARL's max_policy_lag (default 4 agentic, 1 echo: `earl train`'s own)")
+    ap.add_argument("--trl-steps-per-generation", default=None,
+                    help="TRL configurations tried in round 0, the fastest goes on (default "
+                         "'1,LAG+1': on-policy, and EARL's staleness bound)")
     ap.add_argument("--trl-threads", type=int, default=1,
                     help="torch threads for TRL (1 is its fastest on this loaded 2-core host)")
     a = ap.parse_args()
+    if a.earl_lag is None:
+        a.earl_lag = 4 if a.task == "agentic" else 1
+    if a.threshold is None:
+        a.threshold = 0.5 if a.task == "agentic" else 0.3
+    spgs = [int(x) for x in (a.trl_steps_per_generation or f"1,{a.earl_lag + 1}").split(",")]
     rounds = a.rounds or (1 if a.quick else 2)
     seconds = a.seconds or (120.0 if a.quick else 240.0)
-    from earl.config import RunConfig
+    from earl.config import ModelConfig, RunConfig
     from earl.resolve import model_folder
 
     load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="earl_peers_") as tmp:
         root = Path(tmp)
-        model = Path(model_folder(RunConfig(), root))
-        train, ev = _peers_task.write_data(root / "data", 4000, RECIPE["seed"])
-        earl_runs, trl_runs = [], []
+        model = Path(model_folder(RunConfig(model=ModelConfig(max_model_len=MAX_MODEL_LEN)), root))
+        if a.task == "agentic":
+            (root / "data").mkdir()
+            train = Path(_agentic_workload.write_tasks(str(root / "data/train.jsonl"), 4000, 1))
+            ev = Path(_agentic_workload.write_tasks(str(root / "data/eval.jsonl"), EVAL_TASKS, 2))
+        else:
+            train, ev = _peers_task.write_data(root / "data", 4000, RECIPE["seed"])
+        earl_runs: list[dict[str, Any]] = []
+        trl_runs: dict[int, list[dict[str, Any]]] = {g: [] for g in spgs}
         for i in range(rounds):  # alternate sides, and which goes first, across rounds
             order = ("earl", "trl") if i % 2 == 0 else ("trl", "earl")
             for side in order:
                 if side == "earl":
-                    earl_runs.append(run_earl(model, train, ev, root / f"earl{i}", seconds,
-                                              a.threshold))
-                else:
-                    trl_runs.append(run_trl(model, train, root / f"trl{i}", seconds,
-                                            a.threshold, a.trl_threads))
+                    earl_runs.append(run_earl(a.task, model, train, ev, root / f"earl{i}",
+                                              seconds, a.threshold, a.earl_lag))
+                for g in spgs if side == "trl" else ():
+                    trl_runs[g].append(run_trl(a.task, model, train, ev, root / f"trl{i}_{g}",
+                                               seconds, a.threshold, a.trl_threads, g))
                 print(f"[peers] round {i} {side} done", file=sys.stderr, flush=True)
-    e, t = _mean(earl_runs), _mean(trl_runs)
+            if i == 0:  # TRL's fastest configuration of round 0 goes on alone
+                spgs = [max(spgs, key=lambda g: trl_runs[g][0]["trajectories_per_s"])]
+    best = spgs[0]
+    e, t = _mean(earl_runs), _mean(trl_runs[best])
     print(json.dumps({
         "earl": e, "trl": t,
+        "trl_candidates": {str(g): {k: v for k, v in _mean(r).items() if k != "runs"}
+                           for g, r in trl_runs.items()},
+        "trl_steps_per_generation": best,
         "ratio_trajectories_per_s": round(e["trajectories_per_s"] / t["trajectories_per_s"], 2),
         "ratio_tokens_per_s": round(e["tokens_per_s"] / max(t["tokens_per_s"], 1e-9), 2),
         "quality_delta": round(e["final_eval"]["reward"] - t["final_eval"]["reward"], 3),
-        "threshold": a.threshold, "rounds": rounds, "budget_s": seconds,
-        "recipe": RECIPE, "model": model.name, "trl_threads": a.trl_threads,
+        "task": a.task, "threshold": a.threshold, "rounds": rounds, "budget_s": seconds,
+        "recipe": RECIPE, "earl_max_policy_lag": a.earl_lag, "model": model.name, "trl_threads": a.trl_threads,
         "loadavg_start": round(load0, 2), "loadavg_end": round(os.getloadavg()[0], 2),
         "cpus": os.cpu_count()}))
 

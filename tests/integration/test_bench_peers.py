@@ -1,9 +1,10 @@
-"""`bench/peers.py --json --quick` (slow tier): EARL and TRL's GRPOTrainer side by side. Checks
-the JSON schema and the invariants that tie the figures together: both sides ran several steps
-under the same budget (each process at least `budget_s` old at the stop), the ratios are the
-quotients of the reported rates, tokens/s is trajectories/s times a generated length within
-`max_tokens`, the eval's exact-answer share cannot exceed its mean reward, and the whole-tree
-memory sampling saw the processes."""
+"""`bench/peers.py --json --quick` (slow tier): EARL and TRL's GRPOTrainer side by side on the
+multi-turn agentic task. Checks the JSON schema and the invariants that tie the figures
+together: both sides ran several steps under the same budget (each process at least `budget_s`
+old at the stop), played episodes of the same turn distribution, the ratios are the quotients
+of the reported rates against TRL's fastest configuration, tokens/s is trajectories/s times a
+generated length within `max_tokens` per turn, the eval's full-score share cannot exceed its
+mean reward, and the whole-tree memory sampling saw the processes."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def test_bench_peers_quick() -> None:
         run = side["runs"][0]
         assert run["steps"] >= 3
         assert run["wall_s"] >= res["budget_s"]  # trained until the shared budget, then stopped
-        assert 1.0 <= run["gen_len_mean"] <= max_tokens
+        assert 1.0 <= run["turns_mean"] <= 12  # bench/_agentic_workload.py's MAX_TURNS
+        assert run["turns_mean"] <= run["gen_len_mean"] <= max_tokens * run["turns_mean"]
         assert run["tokens_per_s"] == pytest.approx(
             run["trajectories_per_s"] * run["gen_len_mean"], rel=0.01)
         # end-to-end counts every step over the whole process wall time
@@ -49,6 +51,14 @@ def test_bench_peers_quick() -> None:
         assert hit is None or hit <= run["wall_s"]
         assert side["peak_rss_mb"] > 150  # a Python process with torch loaded, at least
     assert earl["runs"][0]["stopped"] == "time_limit"
+    assert res["task"] == "agentic"
+    # the same task on both sides: mean turns per trajectory agree (~150 groups each)
+    assert earl["turns_mean"] == pytest.approx(trl["turns_mean"], rel=0.35)
+    # TRL is compared in its fastest configuration of those measured, on-policy included
+    cands = res["trl_candidates"]
+    assert set(cands) == {"1", str(res["earl_max_policy_lag"] + 1)}
+    assert trl["trajectories_per_s"] == max(c["trajectories_per_s"] for c in cands.values())
+    assert trl["runs"][0]["steps_per_generation"] == res["trl_steps_per_generation"]
     assert res["ratio_trajectories_per_s"] == pytest.approx(
         earl["trajectories_per_s"] / trl["trajectories_per_s"], rel=0.02)
     assert res["ratio_tokens_per_s"] == pytest.approx(

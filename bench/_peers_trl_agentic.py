@@ -1,0 +1,168 @@
+"""TRL's multi-turn side of `bench/peers.py --task agentic`: the agentic workload as a
+`GRPOTrainer` `rollout_func`.
+
+The episodes are `bench/_agentic_workload.py`'s: after every model turn the environment answers
+through a tool with real latency (the sandboxed `python` tool every third turn, otherwise a
+lognormal-latency lookup), for a heavy-tailed number of turns; the reward is the share of turns
+answered with a digit. Environment-driven turns like these are what TRL's `rollout_func` is for
+(its OpenEnv integration uses it); `tools=` / `environment_factory` only act on tool calls the
+model emits in its chat template's syntax, which a model trained from random weights never does.
+
+TRL gets its best configuration here, not its built-in tool loop's: every turn generates for all
+live episodes in one batch through TRL's own generation path (`_generate_single_turn`, the one
+its tool loop uses), then runs every episode's tool call at once (`asyncio.gather`; TRL's own
+loop calls them one sample after another). The tool output goes in as a user message whose
+tokens are the chat template's delta, found the way TRL's tool loop finds it (a dummy
+conversation rendered with and without it). Environment tokens get `env_mask` 0, so only the
+model's tokens are trained and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _agentic_workload as work
+
+_TASK_ID = re.compile(r"Task (\d+):")
+Generate = Callable[[list[list[int]]], list[list[int]]]
+
+
+def load_tasks(path: str) -> dict[int, dict[str, int]]:
+    """The task file's samples by id (the prompt names its task id)."""
+    rows = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+    return {int(r["id"]): r for r in rows}
+
+
+def prompt(sample: dict[str, int]) -> list[dict[str, str]]:
+    """The first message of an episode, the agent's own."""
+    return [{"role": "user", "content": f"Task {sample['id']}: reply with one digit."}]
+
+
+def task_of(messages: Sequence[dict[str, Any]], tasks: dict[int, dict[str, int]]
+            ) -> dict[str, int]:
+    """The sample a prompt was made from (its "Task N:" id)."""
+    m = _TASK_ID.search(str(messages[0]["content"]))
+    if m is None:
+        raise ValueError(f"prompt {messages[0]['content']!r} names no task id")
+    return tasks[int(m.group(1))]
+
+
+class Episodes:
+    """Plays a batch of episodes turn by turn: one batched generation per turn, then every live
+    episode's tool call at once."""
+
+    def __init__(self, tok: Any) -> None:
+        self.tok = tok
+        dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "A"}]
+        self._base = self._render(dummy, False)
+        self._dummy = dummy
+
+    def _render(self, messages: list[dict[str, str]], gen: bool) -> list[int]:
+        out = self.tok.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True,
+                                           return_dict=False)
+        return list(out)
+
+    def _suffix(self, text: str) -> list[int]:
+        """Tokens the template adds for a user message after an assistant turn (TRL's way)."""
+        full = self._render([*self._dummy, {"role": "user", "content": text}], True)
+        return full[len(self._base):]
+
+    def play(self, samples: list[dict[str, int]], generate: Generate) -> dict[str, Any]:
+        """Runs every sample's episode; returns TRL's rollout fields, rewards and turn counts."""
+        n = len(samples)
+        prompt_ids = [self._render(prompt(s), True) for s in samples]
+        ids = [list(p) for p in prompt_ids]
+        completion: list[list[int]] = [[] for _ in range(n)]
+        mask: list[list[int]] = [[] for _ in range(n)]
+        digits = [0] * n
+        for turn in range(work.MAX_TURNS):
+            live = [i for i in range(n) if turn < samples[i]["turns"]]
+            if not live:
+                break
+            outs = generate([ids[i] for i in live])
+            for i, out in zip(live, outs, strict=True):
+                text = self.tok.decode(out, skip_special_tokens=True)
+                digits[i] += any(ch.isdigit() for ch in text)
+                ids[i] += out
+                completion[i] += out
+                mask[i] += [1] * len(out)
+            obs = asyncio.run(_tools([samples[i] for i in live], turn))
+            for i, o in zip(live, obs, strict=True):
+                if turn + 1 == samples[i]["turns"]:
+                    continue  # the agent's last observation is never shown to the model
+                suffix = self._suffix(o.strip()[:40])
+                ids[i] += suffix
+                completion[i] += suffix
+                mask[i] += [0] * len(suffix)
+        return {"prompt_ids": prompt_ids, "completion_ids": completion, "env_mask": mask,
+                "episode_reward": [digits[i] / samples[i]["turns"] for i in range(n)],
+                "turns": [s["turns"] for s in samples]}
+
+
+async def _tools(samples: list[dict[str, int]], turn: int) -> list[str]:
+    """One tool call per live episode, all at once (the agent's tool for this turn)."""
+    async def one(s: dict[str, int]) -> str:
+        if turn % 3 == 2:
+            return await asyncio.to_thread(work.python, f"print({s['seed'] % 1000} * {turn})")
+        return await work.lookup(s["seed"] + turn)
+
+    return list(await asyncio.gather(*(one(s) for s in samples)))
+
+
+def rollout_func(tasks: dict[int, dict[str, int]], tok: Any, turns_log: list[int]
+                 ) -> Callable[[list[Any], Any], dict[str, Any]]:
+    """TRL's `rollout_func`: the episodes of the prompts it is given, sampled through the
+    trainer's own generation path."""
+    episodes = Episodes(tok)
+
+    def run(prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        def generate(batch: list[list[int]]) -> list[list[int]]:
+            comp, _ = trainer._generate_single_turn(batch, None, {}, 1)
+            return [list(c) for c in comp]
+
+        out = episodes.play([task_of(p, tasks) for p in prompts], generate)
+        turns_log.extend(out.pop("turns"))
+        return {**out, "logprobs": None}
+
+    return run
+
+
+def episode_reward(prompts: list[Any], completions: list[Any], episode_reward: list[float],
+                   **_: Any) -> list[float]:
+    """TRL's reward function: the reward the episode earned (passed on by `rollout_func`)."""
+    return list(episode_reward)
+
+
+def greedy_eval(model: Any, tok: Any, path: str, max_tokens: int) -> dict[str, float]:
+    """The held-out tasks played greedily through the same episode loop; mean reward."""
+    import torch
+
+    model.eval()
+    pad = tok.pad_token_id
+
+    def generate(batch: list[list[int]]) -> list[list[int]]:
+        width = max(len(b) for b in batch)
+        x = torch.tensor([[pad] * (width - len(b)) + b for b in batch])
+        att = torch.tensor([[0] * (width - len(b)) + [1] * len(b) for b in batch])
+        with torch.no_grad():
+            out = model.generate(input_ids=x, attention_mask=att, do_sample=False,
+                                 max_new_tokens=max_tokens, pad_token_id=pad)
+        res = []
+        for row in out[:, width:].tolist():
+            if tok.eos_token_id in row:
+                row = row[:row.index(tok.eos_token_id) + 1]
+            res.append(row)
+        return res
+
+    samples = list(load_tasks(path).values())
+    rewards = Episodes(tok).play(samples, generate)["episode_reward"]
+    return {"episodes": float(len(rewards)), "reward": sum(rewards) / len(rewards),
+            "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards)}
