@@ -35,18 +35,34 @@ async def lookup(key: int) -> str:
     return f"value {key % 97}"
 
 
+def first_message(sample: dict[str, int]) -> dict[str, str]:
+    """The user message that opens an episode (it names the task id)."""
+    return {"role": "user", "content": f"Task {sample['id']}: reply with one digit."}
+
+
+def answered(reply: str) -> bool:
+    """Whether a model turn counts toward the reward: it holds a digit."""
+    return any(ch.isdigit() for ch in reply)
+
+
+async def observe(sample: dict[str, int], turn: int) -> str:
+    """The environment's answer after model turn `turn`: the sandboxed `python` tool every
+    third turn, else the lookup (the tool output, stripped and cut to 40 characters)."""
+    if turn % 3 == 2:
+        obs = await asyncio.to_thread(python, f"print({sample['seed'] % 1000} * {turn})")
+    else:
+        obs = await lookup(sample["seed"] + turn)
+    return obs.strip()[:40]
+
+
 async def agent(rollout, sample: dict[str, int]) -> float:
-    messages = [{"role": "user", "content": f"Task {sample['id']}: reply with one digit."}]
+    messages = [first_message(sample)]
     digits = 0
     for turn in range(sample["turns"]):
         reply = await rollout.generate(messages)
         messages.append(reply.message)
-        digits += any(ch.isdigit() for ch in reply.content)
-        if turn % 3 == 2:
-            obs = await asyncio.to_thread(python, f"print({sample['seed'] % 1000} * {turn})")
-        else:
-            obs = await lookup(sample["seed"] + turn)
-        messages.append({"role": "user", "content": obs.strip()[:40]})
+        digits += answered(reply.content)
+        messages.append({"role": "user", "content": await observe(sample, turn)})
     return digits / sample["turns"]
 
 

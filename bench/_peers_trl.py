@@ -74,9 +74,10 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     turns: list[int] = []
     extra: dict[str, Any] = {}
     if agentic:  # multi-turn episodes through a rollout_func (bench/_peers_trl_agentic.py)
+        import _agentic_workload as work
         import _peers_trl_agentic as ag
 
-        data = Dataset.from_list([{"prompt": ag.prompt(r)} for r in rows])
+        data = Dataset.from_list([{"prompt": [work.first_message(r)]} for r in rows])
         reward_fn: Any = ag.episode_reward
         extra["rollout_func"] = ag.rollout_func(ag.load_tasks(cfg["train"]), tok, turns)
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")

@@ -41,11 +41,6 @@ def load_tasks(path: str) -> dict[int, dict[str, int]]:
     return {int(r["id"]): r for r in rows}
 
 
-def prompt(sample: dict[str, int]) -> list[dict[str, str]]:
-    """The first message of an episode, the agent's own."""
-    return [{"role": "user", "content": f"Task {sample['id']}: reply with one digit."}]
-
-
 def task_of(messages: Sequence[dict[str, Any]], tasks: dict[int, dict[str, int]]
             ) -> dict[str, int]:
     """The sample a prompt was made from (its "Task N:" id)."""
@@ -78,7 +73,7 @@ class Episodes:
     def play(self, samples: list[dict[str, int]], generate: Generate) -> dict[str, Any]:
         """Runs every sample's episode; returns TRL's rollout fields, rewards and turn counts."""
         n = len(samples)
-        prompt_ids = [self._render(prompt(s), True) for s in samples]
+        prompt_ids = [self._render([work.first_message(s)], True) for s in samples]
         ids = [list(p) for p in prompt_ids]
         completion: list[list[int]] = [[] for _ in range(n)]
         mask: list[list[int]] = [[] for _ in range(n)]
@@ -90,15 +85,15 @@ class Episodes:
             outs = generate([ids[i] for i in live])
             for i, out in zip(live, outs, strict=True):
                 text = self.tok.decode(out, skip_special_tokens=True)
-                digits[i] += any(ch.isdigit() for ch in text)
+                digits[i] += work.answered(text)
                 ids[i] += out
                 completion[i] += out
                 mask[i] += [1] * len(out)
-            obs = asyncio.run(_tools([samples[i] for i in live], turn))
+            obs = asyncio.run(_observe_all([samples[i] for i in live], turn))
             for i, o in zip(live, obs, strict=True):
                 if turn + 1 == samples[i]["turns"]:
                     continue  # the agent's last observation is never shown to the model
-                suffix = self._suffix(o.strip()[:40])
+                suffix = self._suffix(o)
                 ids[i] += suffix
                 completion[i] += suffix
                 mask[i] += [0] * len(suffix)
@@ -107,14 +102,9 @@ class Episodes:
                 "turns": [s["turns"] for s in samples]}
 
 
-async def _tools(samples: list[dict[str, int]], turn: int) -> list[str]:
-    """One tool call per live episode, all at once (the agent's tool for this turn)."""
-    async def one(s: dict[str, int]) -> str:
-        if turn % 3 == 2:
-            return await asyncio.to_thread(work.python, f"print({s['seed'] % 1000} * {turn})")
-        return await work.lookup(s["seed"] + turn)
-
-    return list(await asyncio.gather(*(one(s) for s in samples)))
+async def _observe_all(samples: list[dict[str, int]], turn: int) -> list[str]:
+    """Every live episode's tool call for this turn, all at once."""
+    return list(await asyncio.gather(*(work.observe(s, turn) for s in samples)))
 
 
 def rollout_func(tasks: dict[int, dict[str, int]], tok: Any, turns_log: list[int]

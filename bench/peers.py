@@ -164,7 +164,7 @@ def run_earl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: 
     """One `earl train --agent ... [--reward ...]` run in its own process tree."""
     r = RECIPE
     if task == "agentic":  # the agent returns its own reward; contexts grow over 12 turns
-        n_eval = len(_agentic_workload.tasks(EVAL_TASKS, 2))
+        n_eval = EVAL_TASKS
         how = [f"--agent={HERE / '_agentic_workload.py'}:agent",
                f"--model.max_model_len={MAX_MODEL_LEN}"]
     else:

@@ -142,19 +142,16 @@ def _context_cut(out: str, window: int, played: dict[int, int]) -> float:
     """Share of trajectories cut by the rollout window they were played with (`played`: batch
     -> window, from the selector's rollout decisions; else `window`): truncated within a turn
     and a board, 96 tokens, of it (a per-turn cap also sets `truncated`)."""
-    import re
     from pathlib import Path
+
+    from earl.loop.healing import batch_of
 
     path = Path(out) / "trajectories.jsonl"
     if not path.is_file():
         return 0.0
     ts = [json.loads(line) for line in path.read_text().splitlines()]
-
-    def window_of(t: dict[str, object]) -> int:
-        m = re.match(r"b(\d+)-", str(t["sample_id"]))
-        return played.get(int(m.group(1)), window) if m else window
-
-    cut = [t for t in ts if t["truncated"] and len(t["token_ids"]) >= window_of(t) - 96]
+    cut = [t for t in ts if t["truncated"] and len(t["token_ids"])
+           >= played.get(batch_of(str(t["sample_id"])), window) - 96]
     return len(cut) / max(len(ts), 1)
 
 

@@ -366,12 +366,11 @@ class _Job:
                             max_model_len=pl.context_window or cfg.model.max_model_len,
                             threads=pl.threads_per_actor, seed=cfg.seed,
                             kv_cache_gb=pl.kv_cache_gb, dtype="float32")
-        n, slot = pl.rollout, None
         if setting is not None:
-            spawn = self.reconfigurer.rollout_spawn(setting)
-            ecfg, n, slot = replace(ecfg, **spawn["changes"]), spawn["n"], spawn["slot"]
+            changes, n, slot = self.reconfigurer.rollout_spawn(setting)
+            ecfg = replace(ecfg, **changes)
         else:
-            slot = self._slot("rollout", pl.rollout)
+            n, slot = pl.rollout, self._slot("rollout", pl.rollout)
         self.rollout = await rt.spawn("rollout", RolloutActor, ecfg, version, n=n, env=env,
                                       slot=slot, restart=self.healer.config.policy("rollout"))
         if setting is not None and self.pool is not None:

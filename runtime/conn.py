@@ -170,6 +170,26 @@ class Connection(FrameProtocol):
             on_lost(self)
 
 
+def split_address(address: str) -> tuple[str, str, int]:
+    """`unix:/path` -> ("unix", "/path", 0); `tcp:host:port` (host may be `[v6]`) -> ("tcp",
+    host, port). Raises ValueError for any other form."""
+    scheme, _, rest = address.partition(":")
+    if scheme == "unix":
+        return scheme, rest, 0
+    if scheme == "tcp":
+        host, _, port = rest.rpartition(":")
+        return scheme, host.strip("[]"), int(port)
+    raise ValueError(f"bad actor address {address!r}: want unix:PATH or tcp:HOST:PORT")
+
+
+async def open_stream(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A raw byte stream to an actor's address, no handshake (fault injection, fuzzing)."""
+    scheme, where, port = split_address(address)
+    if scheme == "unix":
+        return await asyncio.open_unix_connection(where)
+    return await asyncio.open_connection(where, port)
+
+
 async def connect(address: str, label: str, *, max_bytes: int, secret: bytes | None,
                   timeout: float = 10.0) -> Connection:
     """Open a connection to `unix:/path` or `tcp:host:port` and wait for the HELLO handshake.
@@ -183,16 +203,13 @@ async def connect(address: str, label: str, *, max_bytes: int, secret: bytes | N
     def factory() -> Connection:
         return Connection(label, max_bytes=max_bytes, secret=secret)
 
-    scheme, _, rest = address.partition(":")
+    scheme, where, port = split_address(address)
     try:
         async with asyncio.timeout(timeout):
             if scheme == "unix":
-                _, conn = await loop.create_unix_connection(factory, rest)
-            elif scheme == "tcp":
-                host, _, port = rest.rpartition(":")
-                _, conn = await loop.create_connection(factory, host.strip("[]"), int(port))
+                _, conn = await loop.create_unix_connection(factory, where)
             else:
-                raise ValueError(f"bad actor address {address!r}: want unix:PATH or tcp:HOST:PORT")
+                _, conn = await loop.create_connection(factory, where, port)
             try:
                 await conn.hello
             except BaseException:

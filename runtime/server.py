@@ -18,6 +18,7 @@ import traceback
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from earl.runtime.conn import split_address
 from earl.runtime.endpoint import Endpoint, endpoints_of
 from earl.runtime.frames import STREAM_WINDOW, FrameProtocol, FrameTooLarge, Kind, log
 from earl.runtime.wire import WireError, decode, encode
@@ -259,18 +260,16 @@ class Server:
     async def start(self, bind: str) -> str:
         """Listen on `unix:/path` or `tcp:host:port` (port 0 = any); return the address."""
         loop = asyncio.get_running_loop()
-        scheme, _, rest = bind.partition(":")
+        scheme, where, port = split_address(bind)
         if scheme == "unix":
-            self._server = await loop.create_unix_server(lambda: _ServerConnection(self), rest,
+            self._server = await loop.create_unix_server(lambda: _ServerConnection(self), where,
                                                          backlog=1024)
-            os.chmod(rest, 0o600)  # only this user may connect
+            os.chmod(where, 0o600)  # only this user may connect
             return bind
-        host, _, port = rest.rpartition(":")
-        host = host.strip("[]")
-        self._server = await loop.create_server(lambda: _ServerConnection(self), host,
-                                                int(port), backlog=1024, reuse_address=True)
+        self._server = await loop.create_server(lambda: _ServerConnection(self), where,
+                                                port, backlog=1024, reuse_address=True)
         bound = self._server.sockets[0].getsockname()
-        return f"tcp:{_advertised(host)}:{bound[1]}"
+        return f"tcp:{_advertised(where)}:{bound[1]}"
 
     def close(self) -> None:
         if self._server is not None:

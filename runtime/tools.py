@@ -235,12 +235,13 @@ async def run_local(tool: Tool, arguments: dict[str, JSONValue], *,
                           error="exception", run_s=time.monotonic() - t0)
 
 
-_running_threads: set[threading.Thread] = set()
+_abandoned: set[threading.Thread] = set()  # sync tool threads whose callers stopped waiting
 
 
 def stalled_threads() -> int:
     """Threads of sync tools still running whose callers stopped waiting (timed out)."""
-    return sum(1 for t in list(_running_threads) if getattr(t, "abandoned", False))
+    _abandoned.difference_update([t for t in list(_abandoned) if not t.is_alive()])
+    return len(_abandoned)
 
 
 async def _on_thread(tool: Tool, arguments: dict[str, JSONValue]) -> object:
@@ -261,18 +262,16 @@ async def _on_thread(tool: Tool, arguments: dict[str, JSONValue]) -> object:
             ok, value = True, tool.fn(**arguments)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             ok, value = False, exc
-        finally:
-            _running_threads.discard(thread)
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
             loop.call_soon_threadsafe(settle, ok, value)
 
     thread = threading.Thread(target=target, name=f"tool-{tool.name}", daemon=True)
-    _running_threads.add(thread)
     thread.start()
     try:
         return await fut
     except asyncio.CancelledError:
-        thread.abandoned = True  # type: ignore[attr-defined]
+        stalled_threads()  # drops the abandoned threads that have ended since
+        _abandoned.add(thread)
         raise
 
 

@@ -23,12 +23,9 @@ __all__ = ["corrupt", "delay_requests", "fill", "mount_tmpfs", "orphans", "umoun
 
 async def corrupt(address: str, rng: Any) -> None:
     """Random bytes, then a frame header whose length lies, to an actor's socket."""
-    kind, _, where = address.partition(":")
-    if kind == "unix":
-        _, writer = await asyncio.open_unix_connection(where)
-    else:
-        host, _, port = where.rpartition(":")
-        _, writer = await asyncio.open_connection(host, int(port))
+    from earl.runtime.conn import open_stream
+
+    _, writer = await open_stream(address)
     try:  # the actor may hang up at the first bad byte: that is the expected outcome
         writer.write(bytes(rng.getrandbits(8) for _ in range(256)))
         writer.write((250 << 20).to_bytes(4, "little") + b"\x01" * 64)

@@ -134,13 +134,13 @@ class ActorReconfigurer:
         times["total_s"] = sum(v for k, v in times.items() if k.endswith("/total_s"))
         return times
 
-    def rollout_spawn(self, s: Setting) -> dict[str, Any]:
-        """`EngineConfig` changes, replica count and slots that start the rollout group with
-        setting `s` (how `Selection.start`'s first plan is applied at spawn)."""
-        return {"changes": {"tensor_parallel_size": s.rollout_tp,
-                            "max_model_len": s.max_model_len, "kv_cache_gb": self.kv_cache_gb(s)},
-                "n": s.rollout_replicas,
-                "slot": self._placed(s.rollout_slots, s.rollout_replicas, "rollout")}
+    def rollout_spawn(self, s: Setting) -> tuple[dict[str, Any], int, Any]:
+        """The `EngineConfig` changes, replica count and slots that start the rollout group
+        with setting `s` (how `Selection.start`'s first plan is applied at spawn)."""
+        changes = {"tensor_parallel_size": s.rollout_tp, "max_model_len": s.max_model_len,
+                   "kv_cache_gb": self.kv_cache_gb(s)}
+        return changes, s.rollout_replicas, self._placed(s.rollout_slots, s.rollout_replicas,
+                                                         "rollout")
 
     def _placed(self, names: tuple[str, ...], ranks: int, owner: str) -> Any:
         """One slot per rank (the first `ranks` of `names`), or None without slots (or too

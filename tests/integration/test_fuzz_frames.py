@@ -23,7 +23,7 @@ import msgpack
 import pytest
 
 from earl.runtime import Actor, Runtime, RuntimeConfig, endpoint
-from earl.runtime.conn import connect
+from earl.runtime.conn import connect, open_stream
 from earl.runtime.frames import HEADER, MAC_LEN, MAGIC, Kind, derive_key
 from earl.runtime.wire import encode
 
@@ -129,12 +129,7 @@ class Raw:
 
     @classmethod
     async def open(cls, address: str, secret: bytes | None) -> Raw:
-        scheme, _, rest = address.partition(":")
-        if scheme == "unix":
-            r, w = await asyncio.open_unix_connection(rest)
-        else:
-            host, _, port = rest.rpartition(":")
-            r, w = await asyncio.open_connection(host, int(port))
+        r, w = await open_stream(address)
         raw = cls(r, w, secret)
         head = await asyncio.wait_for(r.readexactly(20), 10)
         nonce = await r.readexactly(HEADER.unpack(head)[5])
