@@ -17,11 +17,13 @@ Prints one JSON object:
   another (null without ray).
 - ``layout``: experience (``bytes``, 1 GiB by default) held by 2 producer warehouses, consumed by a
   DP=2 x TP=2 group; every consumer checksums every byte of its slice inside the timed span.
-  ``decentralized_s``: the dispatcher's plan -- each DP leader fetches its half straight from the
-  warehouses over shm and forwards it to its TP peer (on one host the peer maps the same
-  read-only pages: no second copy). ``single_controller_s``: an emulation of a single controller
-  (verl's data path) at its best: the driver gathers everything over shm, copies it into warm
-  buffers of its own, then scatters each DP half to both TP ranks -- serial copies in one
+  The warehouses keep the experience in a shared-memory arena (what `WarehouseHost` does; the
+  one copy happens at put, before the timed span), so on one host a fetch sends the place of the
+  bytes, not the bytes. ``decentralized_s``: the dispatcher's plan -- each DP leader fetches its
+  half straight from the warehouses over shm and forwards it to its TP peer (on one host the peer
+  maps the same read-only pages: no copy anywhere). ``single_controller_s``: an emulation of a single controller
+  (verl's data path) at its best: the driver gathers everything over shm from the same
+  warehouses (zero-copy too), copies it into warm buffers of its own, then scatters each DP half to both TP ranks -- serial copies in one
   process, no serialization (a real single controller also pickles). Driver peak RSS for each.
 """
 
@@ -54,6 +56,7 @@ from earl.runtime.dock_index import DockIndex
 from earl.runtime.dock_warehouse import Warehouse, unpack_batch
 from earl.runtime.layout import FixedCount, Layout
 from earl.runtime.transport import available, connect, get_transport, pack_arrays
+from earl.runtime.transport.shm_arena import ShmArena
 
 MiB = 1 << 20
 CTX = mp.get_context("spawn")
@@ -180,7 +183,7 @@ def ray_put_get_gbps(nbytes: int, reps: int) -> float | None:
 
 def _producer(name: str, n: int, seq_len: int, first: int, conn) -> None:
     """A warehouse shard answering fetch requests (the RPC a warehouse actor serves)."""
-    wh = Warehouse(name)
+    wh = Warehouse(name, arena=ShmArena())  # experience in shared memory from put on
     for i in range(first, first + n):
         sid = f"s{i}"
         wh.put(sid, {c: np.full(seq_len, x) for c, x in _fill(sid).items()},

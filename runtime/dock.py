@@ -3,7 +3,8 @@
 - `IndexActor` wraps `DockIndex` (metadata only) and adds the waiting: `register` awaits room
   (backpressure), `take` awaits ready samples, leases expire on their own.
 - `WarehouseHost` is a mixin that makes any producer actor a warehouse shard: the samples it
-  puts stay in its process and are sent straight to consumers over a transport on request.
+  puts stay in its process (in a shared-memory arena) and are sent straight to consumers over a
+  transport on request; a same-host consumer maps them in place.
   `WarehouseActor` is a stand-alone shard for producers that are not actors.
 - `Dock` is the client every process uses: `put`/`put_nowait` (producers), `take`, `fetch`,
   `ack`, `release` (consumers), `statistics`.
@@ -46,6 +47,7 @@ from earl.runtime.dock_warehouse import Warehouse, WarehouseStatistics
 from earl.runtime.layout import Layout
 from earl.runtime.transport import Receiver, Sender, connect, get_transport
 from earl.runtime.transport.base import Frame
+from earl.runtime.transport.shm_arena import ShmArena
 
 T = TypeVar("T")
 
@@ -202,7 +204,9 @@ class WarehouseHost:
     @property
     def warehouse(self) -> Warehouse:
         if not hasattr(self, "_warehouse"):
-            self._warehouse = Warehouse(f"{self.name}:{self.rank}")  # type: ignore[attr-defined]
+            # experience in shared memory: a same-host fetch sends its place, not its bytes
+            self._warehouse = Warehouse(f"{self.name}:{self.rank}",  # type: ignore[attr-defined]
+                                        arena=ShmArena())
             self._senders = {}
         return self._warehouse
 

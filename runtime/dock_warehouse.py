@@ -1,7 +1,9 @@
 """One warehouse shard of the transfer dock: the column arrays a producer made, kept in place.
 
 Pure storage plus the batch codec; the producer process owns it and serves fetches from it
-(runtime/dock.py sends the packed batch over a transport). It remembers each sample's
+(runtime/dock.py sends the packed batch over a transport). With an `arena`, `put` copies the
+columns once into shared memory, and an shm fetch then sends their place, not their bytes: the
+consumer reads the producer's pages (runtime/transport/shm_arena.py). It remembers each sample's
 registration and which stages acked it, so a restarted index can be rebuilt from the shards.
 
 Not here: deciding what is ready or consumed (runtime/dock_index.py).
@@ -16,6 +18,7 @@ import numpy as np
 
 from earl.runtime.dock_index import SampleInfo
 from earl.runtime.transport.base import Frame, pack_arrays, unpack_arrays
+from earl.runtime.transport.shm_arena import ShmArena
 from earl.runtime.types import COLUMNS
 
 # The dtypes a shard accepts per column (earl.runtime.types.COLUMNS; masks may also be bool).
@@ -31,8 +34,11 @@ class WarehouseStatistics:
 
 
 class Warehouse:
-    def __init__(self, name: str) -> None:
-        self.name = name
+    """Args: name: the shard's name; arena: shared memory to keep the columns in (None: the
+    arrays the producer passed, as they are)."""
+
+    def __init__(self, name: str, *, arena: ShmArena | None = None) -> None:
+        self.name, self.arena = name, arena
         self._data: dict[str, dict[str, np.ndarray]] = {}
         self._infos: dict[str, SampleInfo] = {}  # samples this shard registered
         self._acked: dict[str, set[str]] = {}
@@ -67,7 +73,8 @@ class Warehouse:
         for c, a in cols.items():
             if c in store:
                 self._nbytes -= store[c].nbytes
-            store[c] = a
+                self._free(store[c])
+            store[c] = a if self.arena is None else self.arena.store(a)
             self._nbytes += a.nbytes
         sizes = {c: a.nbytes for c, a in cols.items()}
         if group_id is None:
@@ -105,6 +112,8 @@ class Warehouse:
         for sid in sample_ids:
             store = self._data.pop(sid, {})
             self._nbytes -= sum(a.nbytes for a in store.values())
+            for a in store.values():
+                self._free(a)
             self._infos.pop(sid, None)
             self._acked.pop(sid, None)
 
@@ -120,6 +129,10 @@ class Warehouse:
 
     def statistics(self) -> WarehouseStatistics:
         return WarehouseStatistics(name=self.name, samples=len(self._data), nbytes=self._nbytes)
+
+    def _free(self, a: np.ndarray) -> None:
+        if self.arena is not None:
+            self.arena.free(a)
 
 
 def _check(sample_id: str, column: str, a: object) -> np.ndarray:

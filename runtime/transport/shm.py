@@ -4,6 +4,9 @@ The sender copies a frame's buffers once into a segment it owns (``/dev/shm/earl
 and sends a tiny descriptor over a ZMQ control socket; the receiver maps the segment read-only
 and hands out views -- no second copy. `Frame.release()` returns the segment to the sender's pool,
 so steady-state transfers touch only warm pages (first touch of fresh memory costs ~10x a warm copy).
+Buffers that already live in a `ShmArena` of the sender's process (the warehouse keeps experience
+there) are not copied at all: the frame names their segments and offsets (kind ``M``), and the
+arena keeps those bytes until the receiver releases the frame.
 
 Every sender and receiver still open when its process exits is closed then (atexit): its
 segments are unlinked and its ``earl-shm-<pid>-*`` control dir removed. Segments of a process
@@ -16,8 +19,10 @@ Not here: cross-host transfer (see ucx.py / zmq.py) or GPU memory (torch_dist.py
 from __future__ import annotations
 
 import atexit
+import json
 import mmap
 import os
+import re
 import struct
 import tempfile
 import threading
@@ -28,14 +33,17 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import zmq
 
 from earl.runtime.cleanup import SHM_DIR, cleanup_leaked_segments
+from earl.runtime.transport import shm_arena
 from earl.runtime.transport.base import Buffer, Frame, TransportError, as_bytes_view
 
 PREFIX = "earl-"
 _ALIGN = 64
 _MIN_SEGMENT = 1 << 20
+_NAME = re.compile(r"^earl-[0-9a-z]+-\d+-\d+$")  # a segment name (never a path)
 
 
 _LIVE: weakref.WeakSet[ShmSender | ShmReceiver] = weakref.WeakSet()
@@ -79,10 +87,14 @@ class _Segment:
 
 @dataclass(slots=True)
 class ShmFrame(Frame):
-    """A frame mapped from a sender's segment; `ShmSender.forward` passes it on zero-copy."""
+    """A frame mapped from a sender's segments; `ShmSender.forward` passes it on zero-copy.
 
-    segment: bytes = b""
-    desc: bytes = b""
+    `parts` are the wire parts before the header; `release_id` is what the receiver sends back
+    on release (the segment name for a pooled frame, a token for an arena frame).
+    """
+
+    parts: tuple[bytes, ...] = ()
+    release_id: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,19 +135,27 @@ class ShmSender:
         self._free: list[_Segment] = []
         self._busy: dict[str, _Segment] = {}
         self._forwarded: dict[str, list[Frame]] = {}
+        # arena frames out: token -> (pool segment for the buffers outside an arena, lends)
+        self._lent: dict[str, tuple[_Segment | None,
+                                    list[tuple[shm_arena.ShmArena, shm_arena.ArenaSegment]]]] = {}
         self._pool_bytes = 0
         self._max_pool_bytes = max_pool_bytes
         self._release_timeout_s = release_timeout_s
         self._max_free = max_free
-        self._seq = 0
+        self._seq = 0  # segments created
+        self._frames = 0  # arena frames sent
         _LIVE.add(self)
 
     def send(self, header: bytes, buffers: Sequence[Buffer]) -> None:
         views = [as_bytes_view(b) for b in buffers]
+        found = shm_arena.locate(buffers)
+        if any(found):
+            self._send_refs(header, views, found)
+            return
         offsets, total = [], 0
         for v in views:
             offsets.append(total)
-            total += (v.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+            total += _aligned(v.nbytes)
         seg = self._acquire(max(total, 1))
         for off, v in zip(offsets, views, strict=True):
             seg.view[off : off + v.nbytes] = v
@@ -143,6 +163,41 @@ class ShmSender:
             x for off, v in zip(offsets, views, strict=True) for x in (off, v.nbytes)
         ])
         self._sock.send_multipart([b"F", seg.name.encode(), desc, header], copy=False)
+
+    def _send_refs(self, header: bytes, views: list[memoryview],
+                   found: list[shm_arena.Placement | None]) -> None:
+        """Send buffers in place where they lie in an arena; copy the rest into one segment."""
+        seglist: list[tuple[str, int]] = []  # the frame's segments: (name, size)
+        index: dict[str, int] = {}
+        lends: list[tuple[shm_arena.ShmArena, shm_arena.ArenaSegment]] = []
+        pool, off = None, 0
+        rest = sum(_aligned(v.nbytes) for v, f in zip(views, found, strict=True) if f is None)
+        if rest:
+            pool = self._acquire(rest)
+            del self._busy[pool.name]  # released by the frame's token, with the lends
+            index[pool.name] = 0
+            seglist.append((pool.name, pool.size))
+        triples: list[int] = []
+        for v, f in zip(views, found, strict=True):
+            if f is None:  # outside any arena (scalars, small extras): copied
+                assert pool is not None or v.nbytes == 0
+                if pool is not None:
+                    pool.view[off : off + v.nbytes] = v
+                triples += [0, off, v.nbytes]
+                off += _aligned(v.nbytes)
+                continue
+            arena, seg, seg_off = f
+            if seg.name not in index:
+                index[seg.name] = len(seglist)
+                seglist.append((seg.name, seg.size))
+                arena.lend(seg)
+                lends.append((arena, seg))
+            triples += [index[seg.name], seg_off, v.nbytes]
+        self._frames += 1
+        token = f"m-{self._run}-{os.getpid()}-{self._frames}"
+        self._lent[token] = (pool, lends)
+        self._sock.send_multipart([b"M", token.encode(), json.dumps(seglist).encode(),
+                                   np.asarray(triples, np.uint64).tobytes(), header], copy=False)
 
     def forward(self, frame: Frame) -> None:
         """Pass a received frame on without copying when it is shm-mapped (read-only readers).
@@ -153,8 +208,8 @@ class ShmSender:
             self.send(frame.header, frame.buffers)
             return
         frame.retain()
-        self._forwarded.setdefault(frame.segment.decode(), []).append(frame)
-        self._sock.send_multipart([b"F", frame.segment, frame.desc, frame.header])
+        self._forwarded.setdefault(frame.release_id.decode(), []).append(frame)
+        self._sock.send_multipart([*frame.parts, frame.header])
 
     def _acquire(self, nbytes: int) -> _Segment:
         self._drain_releases(0)
@@ -203,19 +258,28 @@ class ShmSender:
                 return
             seg = self._busy.pop(name, None)
             if seg is not None:
-                self._free.append(seg)
-                if len(self._free) > self._max_free:  # bound idle memory: drop the smallest
-                    old = min(self._free, key=lambda s: s.size)
-                    self._free.remove(old)
-                    self._pool_bytes -= old.size
-                    old.destroy()
+                self._to_free(seg)
+            elif name in self._lent:
+                pool, lends = self._lent.pop(name)
+                if pool is not None:
+                    self._to_free(pool)
+                for arena, aseg in lends:
+                    arena.give_back(aseg)
             elif self._forwarded.get(name):
                 self._forwarded[name].pop(0).release()
+
+    def _to_free(self, seg: _Segment) -> None:
+        self._free.append(seg)
+        if len(self._free) > self._max_free:  # bound idle memory: drop the smallest
+            old = min(self._free, key=lambda s: s.size)
+            self._free.remove(old)
+            self._pool_bytes -= old.size
+            old.destroy()
 
     def wait_released(self, timeout_s: float | None = None) -> bool:
         """Wait until receivers released every frame sent so far; False on timeout."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while self._busy or any(self._forwarded.values()):
+        while self._busy or self._lent or any(self._forwarded.values()):
             left = 0.5 if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 return False
@@ -227,7 +291,7 @@ class ShmSender:
             created=self._seq,
             segments=len(self._free) + len(self._busy),
             pool_bytes=self._pool_bytes,
-            in_flight=len(self._busy),
+            in_flight=len(self._busy) + len(self._lent),
         )
 
     def close(self) -> None:
@@ -235,6 +299,12 @@ class ShmSender:
             for f in frames:
                 f.release()
         self._forwarded.clear()
+        for pool, lends in self._lent.values():  # a receiver may still read these bytes:
+            if pool is not None:  # unlinking keeps its mapping; the arena never rewrites them
+                self._busy[pool.name] = pool
+            for arena, aseg in lends:
+                arena.give_back(aseg, orphan=True)
+        self._lent.clear()
         for seg in [*self._free, *self._busy.values()]:
             seg.destroy()
         self._free, self._busy, self._pool_bytes = [], {}, 0
@@ -244,7 +314,7 @@ class ShmSender:
 class ShmReceiver:
     """Binds an IPC control socket and maps senders' segments read-only (cached)."""
 
-    def __init__(self, *, shm_dir: str = SHM_DIR, max_mapped: int = 64) -> None:
+    def __init__(self, *, shm_dir: str = SHM_DIR, max_mapped: int = 256) -> None:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -270,34 +340,55 @@ class ShmReceiver:
             with self._lock:
                 self._flush_releases()
                 if self._sock.poll(10):
-                    ident, kind, name_b, desc, header = self._sock.recv_multipart()
+                    ident, *parts = self._sock.recv_multipart()
                     break
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"no frame within {timeout} s")
-        assert kind == b"F"
-        name = name_b.decode()
-        size, n = struct.unpack_from("<QI", desc)
-        pairs = struct.unpack_from(f"<{2 * n}Q", desc, 12)
-        mm = self._map(name, size)
-        base = memoryview(mm)
-        bufs = [base[pairs[2 * i] : pairs[2 * i] + pairs[2 * i + 1]] for i in range(n)]
+        try:
+            if parts[0] == b"F" and len(parts) == 4:
+                release_id, bufs = parts[1], self._pooled(parts[1], parts[2])
+            elif parts[0] == b"M" and len(parts) == 5:
+                release_id, bufs = parts[1], self._referenced(parts[2], parts[3])
+            else:
+                raise TransportError(f"unknown shm frame kind {parts[0][:8]!r} "
+                                     f"with {len(parts)} parts")
+        except (ValueError, TypeError, KeyError, IndexError, struct.error) as e:
+            raise TransportError(f"malformed shm frame descriptor: {e}") from e
 
         def release() -> None:
-            self._pending.append((ident, name_b))
+            self._pending.append((ident, release_id))
             if self._lock.acquire(blocking=False):  # else the polling thread flushes it
                 try:
                     self._flush_releases()
                 finally:
                     self._lock.release()
 
-        return ShmFrame(header=header, buffers=bufs, _on_release=release, segment=name_b,
-                        desc=desc)
+        return ShmFrame(header=parts[-1], buffers=bufs, _on_release=release,
+                        parts=tuple(parts[:-1]), release_id=release_id)
+
+    def _pooled(self, name_b: bytes, desc: bytes) -> list[memoryview]:
+        """Buffers of a frame copied into one pool segment: (size, n, n x (offset, length))."""
+        size, n = struct.unpack_from("<QI", desc)
+        pairs = struct.unpack_from(f"<{2 * n}Q", desc, 12)
+        base = memoryview(self._map(name_b.decode(), size))
+        return [_slice(base, pairs[2 * i], pairs[2 * i + 1]) for i in range(n)]
+
+    def _referenced(self, seglist: bytes, desc: bytes) -> list[memoryview]:
+        """Buffers lying in the sender's segments: [[name, size]...], n x (segment, off, len)."""
+        segs = json.loads(seglist)
+        bases = [memoryview(self._map(str(name), int(size))) for name, size in segs]
+        if len(desc) % 24:
+            raise ValueError(f"descriptor of {len(desc)} bytes is not (segment, offset, length)s")
+        t = np.frombuffer(desc, np.uint64).reshape(-1, 3).tolist()
+        return [_slice(bases[i], off, n) for i, off, n in t]
 
     def _flush_releases(self) -> None:
         while self._pending and not self._sock.closed:
             self._sock.send_multipart(list(self._pending.popleft()))
 
     def _map(self, name: str, size: int) -> mmap.mmap:
+        if not _NAME.match(name):
+            raise ValueError(f"{name!r} is not an EARL shm segment name")
         key = (name, size)
         mm = self._maps.get(key)
         if mm is None:
@@ -330,6 +421,16 @@ class ShmReceiver:
             os.rmdir(self._dir)
         except OSError:
             pass
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _slice(base: memoryview, off: int, n: int) -> memoryview:
+    if off + n > base.nbytes:
+        raise ValueError(f"buffer [{off}, {off + n}) lies outside its {base.nbytes}-byte segment")
+    return base[off : off + n]
 
 
 def _close_quietly(mm: mmap.mmap) -> None:
