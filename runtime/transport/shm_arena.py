@@ -111,7 +111,7 @@ class ShmArena:
         _LIVE.add(self)
 
     def store(self, arr: np.ndarray) -> np.ndarray:
-        """A read-only copy of C-contiguous `arr` held in this arena (0-d and empty kept as is)."""
+        """A read-only copy of C-contiguous `arr` held in this arena (empty arrays kept as is)."""
         if arr.nbytes == 0:
             return arr
         with self._lock:

@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from earl.runtime.dock_warehouse import Warehouse, unpack_batch
-from earl.runtime.transport import connect, get_transport
+from earl.runtime.transport import connect, get_transport, pack_arrays, unpack_arrays
 from earl.runtime.transport.base import TransportError
 
 CTX = mp.get_context("spawn")
@@ -22,7 +22,7 @@ N = 6
 def _columns(i: int) -> dict[str, np.ndarray]:
     return {"input_ids": np.arange(40_000, dtype=np.int64) + i,
             "versions": np.full(40_000, i, np.int32),
-            "loss_mask": np.array(1, np.int8)}  # 0-d: not in the arena, copied into the frame
+            "loss_mask": np.array(1, np.int8)}
 
 
 def _producer(address: str, conn) -> None:  # runs in the child
@@ -35,6 +35,10 @@ def _producer(address: str, conn) -> None:  # runs in the child
     names = sorted(arena._segments)
     sender = connect(address)
     sender.send(*wh.pack([f"s{i}" for i in range(N)], ["input_ids", "versions", "loss_mask"]))
+    # a frame mixing arena views with private arrays: those are copied into a pooled segment
+    mixed = {"arena": wh.get(["s1"], ["input_ids"])["0/input_ids"], "own": np.arange(7.0),
+             "empty": np.zeros(0, np.int8)}
+    sender.send(*pack_arrays(mixed))
     conn.send((names, arena.statistics().lent_frames))
     assert conn.recv() == "evict"
     wh.evict([f"s{i}" for i in range(N)])  # while the consumer still reads: bytes stay put
@@ -71,6 +75,15 @@ def test_arena_frames_are_read_in_place_forwarded_and_returned_on_release():
                     got = batch[f"s{i}"][col]
                     np.testing.assert_array_equal(got, want)
                     assert not got.flags.writeable
+        mixed = receiver.recv(timeout=30)
+        assert mixed.parts[0] == b"M"
+        arrays, _ = unpack_arrays(mixed)
+        np.testing.assert_array_equal(arrays["arena"], _columns(1)["input_ids"])
+        np.testing.assert_array_equal(arrays["own"], np.arange(7.0))
+        assert arrays["empty"].size == 0
+        segs = [name for name, _ in json.loads(mixed.parts[2])]
+        assert segs[0] not in names and set(segs[1:]) <= set(names)  # pool copy + arena
+        mixed.release()
         frame2.release()
         assert fwd.wait_released(30)
         frame.release()

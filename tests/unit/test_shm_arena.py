@@ -37,7 +37,9 @@ def test_store_is_a_read_only_copy_in_shared_memory(arena):
     assert a is arena and seg.name == name and off % 64 == 0
     assert locate([src]) == [None]  # private memory is not in any arena
     scalar, empty = np.array(3, np.int8), np.zeros(0, np.int64)
-    assert arena.store(scalar).shape == () and arena.store(empty) is empty
+    stored = arena.store(scalar)
+    assert stored.shape == () and stored == 3 and locate([stored])[0] is not None
+    assert arena.store(empty) is empty  # nothing to place
 
 
 def test_emptied_segments_are_reused_and_extra_ones_unlinked(arena):
