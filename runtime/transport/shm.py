@@ -68,12 +68,7 @@ def _segment_size(nbytes: int) -> int:
 class _Segment:
     def __init__(self, name: str, size: int, shm_dir: str) -> None:
         self.name, self.size, self.path = name, size, os.path.join(shm_dir, name)
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            self.map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        self.map = shm_arena.create_mapped(self.path, size)
         self.view = memoryview(self.map)
 
     def destroy(self) -> None:

@@ -49,17 +49,22 @@ def _address(buf: object) -> int:
     return int(arr.__array_interface__["data"][0])
 
 
+def create_mapped(path: str, size: int) -> mmap.mmap:
+    """A new file of `size` bytes at `path` (owner-only; fails if it exists), mapped read-write."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
 class ArenaSegment:
     """One shared-memory file of an arena, with its bump pointer and reference counts."""
 
     def __init__(self, name: str, size: int, shm_dir: str) -> None:
         self.name, self.size, self.path = name, size, os.path.join(shm_dir, name)
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            self.map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        self.map = create_mapped(self.path, size)
         self.bytes = np.frombuffer(self.map, np.uint8)
         self.base = _address(self.bytes)
         self.used = 0  # bump pointer
