@@ -15,10 +15,11 @@ import re
 import shutil
 import tempfile
 
-__all__ = ["cleanup_leaked_segments", "pid_alive", "run_dir_prefix", "sweep"]
+__all__ = ["SEGMENT_RE", "cleanup_leaked_segments", "pid_alive", "run_dir_prefix", "sweep"]
 
 SHM_DIR = "/dev/shm"
-_SEGMENT_RE = re.compile(r"^earl-([0-9a-z]+)-(\d+)-(\d+)$")  # earl-<run>-<pid>-<n> (shm.py)
+# earl-<run>-<pid>-<n> (shm.py, shm_arena.py); receivers also use it to refuse forged names
+SEGMENT_RE = re.compile(r"^earl-([0-9a-z]+)-(\d+)-(\d+)$")
 _DIR_RE = re.compile(r"^earl-(?:shm-|zmq-|sandbox-)?(\d+)-[A-Za-z0-9_]+$")
 
 
@@ -45,7 +46,7 @@ def cleanup_leaked_segments(shm_dir: str = SHM_DIR) -> list[str]:
     except FileNotFoundError:
         return removed
     for name in names:
-        m = _SEGMENT_RE.match(name)
+        m = SEGMENT_RE.match(name)
         if m is None or pid_alive(int(m.group(2))):
             continue
         try:

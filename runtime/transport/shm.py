@@ -22,7 +22,6 @@ import atexit
 import json
 import mmap
 import os
-import re
 import struct
 import tempfile
 import threading
@@ -36,14 +35,12 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from earl.runtime.cleanup import SHM_DIR, cleanup_leaked_segments
+from earl.runtime.cleanup import SEGMENT_RE, SHM_DIR, cleanup_leaked_segments
 from earl.runtime.transport import shm_arena
 from earl.runtime.transport.base import Buffer, Frame, TransportError, as_bytes_view
+from earl.runtime.transport.shm_arena import PREFIX, aligned
 
-PREFIX = "earl-"
-_ALIGN = 64
 _MIN_SEGMENT = 1 << 20
-_NAME = re.compile(r"^earl-[0-9a-z]+-\d+-\d+$")  # a segment name (never a path)
 
 
 _LIVE: weakref.WeakSet[ShmSender | ShmReceiver] = weakref.WeakSet()
@@ -150,7 +147,7 @@ class ShmSender:
         offsets, total = [], 0
         for v in views:
             offsets.append(total)
-            total += _aligned(v.nbytes)
+            total += aligned(v.nbytes)
         seg = self._acquire(max(total, 1))
         for off, v in zip(offsets, views, strict=True):
             seg.view[off : off + v.nbytes] = v
@@ -166,7 +163,7 @@ class ShmSender:
         index: dict[str, int] = {}
         lends: list[tuple[shm_arena.ShmArena, shm_arena.ArenaSegment]] = []
         pool, off = None, 0
-        rest = sum(_aligned(v.nbytes) for v, f in zip(views, found, strict=True) if f is None)
+        rest = sum(aligned(v.nbytes) for v, f in zip(views, found, strict=True) if f is None)
         if rest:
             pool = self._acquire(rest)
             del self._busy[pool.name]  # released by the frame's token, with the lends
@@ -179,7 +176,7 @@ class ShmSender:
                 if pool is not None:
                     pool.view[off : off + v.nbytes] = v
                 triples += [0, off, v.nbytes]
-                off += _aligned(v.nbytes)
+                off += aligned(v.nbytes)
                 continue
             arena, seg, seg_off = f
             if seg.name not in index:
@@ -382,7 +379,7 @@ class ShmReceiver:
             self._sock.send_multipart(list(self._pending.popleft()))
 
     def _map(self, name: str, size: int) -> mmap.mmap:
-        if not _NAME.match(name):
+        if not SEGMENT_RE.match(name):
             raise ValueError(f"{name!r} is not an EARL shm segment name")
         key = (name, size)
         mm = self._maps.get(key)
@@ -416,10 +413,6 @@ class ShmReceiver:
             os.rmdir(self._dir)
         except OSError:
             pass
-
-
-def _aligned(nbytes: int) -> int:
-    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 def _slice(base: memoryview, off: int, n: int) -> memoryview:

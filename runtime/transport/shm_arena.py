@@ -33,8 +33,8 @@ from earl.runtime.cleanup import SHM_DIR
 
 __all__ = ["ArenaSegment", "ArenaStatistics", "Placement", "ShmArena", "locate"]
 
-PREFIX = "earl-"
-_ALIGN = 64
+PREFIX = "earl-"  # segment names: earl-<run>-<pid>-<n> (runtime.cleanup sweeps them)
+ALIGN = 64
 _LIVE: weakref.WeakSet[ShmArena] = weakref.WeakSet()
 
 
@@ -102,8 +102,8 @@ class ShmArena:
 
     def __init__(self, *, segment_bytes: int = 64 << 20, max_spare: int = 2,
                  shm_dir: str = SHM_DIR) -> None:
-        if segment_bytes < _ALIGN:
-            raise ValueError(f"segment_bytes must be >= {_ALIGN}, got {segment_bytes}")
+        if segment_bytes < ALIGN:
+            raise ValueError(f"segment_bytes must be >= {ALIGN}, got {segment_bytes}")
         self._segment_bytes, self._max_spare, self._shm_dir = segment_bytes, max_spare, shm_dir
         self._run = "a" + uuid.uuid4().hex[:7]
         self._seq = 0
@@ -121,7 +121,7 @@ class ShmArena:
             return arr
         with self._lock:
             seg, off = self._alloc(arr.nbytes)
-            seg.live += _rounded(arr.nbytes)
+            seg.live += aligned(arr.nbytes)
         out = seg.bytes[off : off + arr.nbytes].view(arr.dtype).reshape(arr.shape)
         out.flags.writeable = True
         np.copyto(out, arr, casting="no")
@@ -135,7 +135,7 @@ class ShmArena:
             return
         seg, _ = hit
         with self._lock:
-            seg.live -= _rounded(arr.nbytes)
+            seg.live -= aligned(arr.nbytes)
             self._recycle(seg)
 
     def find(self, buf: object) -> tuple[ArenaSegment, int] | None:
@@ -165,7 +165,7 @@ class ShmArena:
             self._recycle(seg)
 
     def _alloc(self, nbytes: int) -> tuple[ArenaSegment, int]:
-        need = _rounded(nbytes)
+        need = aligned(nbytes)
         if need > self._segment_bytes // 4:  # big: a segment of its own
             seg = self._take_spare(need) or self._new_segment(need)
             seg.used = need
@@ -205,8 +205,10 @@ class ShmArena:
 
     def _recycle(self, seg: ArenaSegment) -> None:
         """Reuse or drop `seg` once nothing stored or lent points into it (lock held)."""
-        if seg.live > 0 or seg.lent > 0 or seg is self._current:
-            if seg is self._current and seg.live == 0 and seg.lent == 0 and not seg.orphaned:
+        if seg.live > 0 or seg.lent > 0:
+            return
+        if seg is self._current:
+            if not seg.orphaned:
                 seg.used = 0  # the current segment emptied: start it over, pages stay warm
             return
         if seg.name not in self._segments or seg in self._spare:
@@ -259,5 +261,6 @@ def locate(buffers: Sequence[object]) -> list[Placement | None]:
     return out
 
 
-def _rounded(nbytes: int) -> int:
-    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+def aligned(nbytes: int) -> int:
+    """`nbytes` rounded up to the buffer alignment of segments (arena and shm pool)."""
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
