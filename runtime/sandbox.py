@@ -12,30 +12,39 @@ namespace where the kernel allows it, but no chroot, private uid or process cap 
 and reads outside its dir are then not contained). A wall-clock timeout kills the whole run's
 process group. Output is capped. Failures are reported in `SandboxResult`, never raised.
 This is not a VM: it trusts the kernel.
+
+Runs are forked by a small fork server per calling process (`sandbox_zygote.py`, started on
+first use), not by the caller: a run costs a fork of that interpreter instead of a fork of the
+caller and a fresh interpreter. This module is the caller's side: limits, the zygote's
+lifetime, reading the output, the result.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
+import json
 import os
-import resource
 import selectors
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
+
+from earl.runtime import sandbox_zygote
 
 __all__ = ["SandboxLimits", "SandboxResult", "isolation_available", "run_python"]
 
-_CLONE_NEWNS, _CLONE_NEWNET, _CLONE_NEWUSER = 0x00020000, 0x40000000, 0x10000000
-_CLONE_NEWIPC = 0x08000000
-_MS_RDONLY, _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 1, 32, 4096, 16384, 1 << 18
-_PR_SET_PDEATHSIG = 1
-_UID_BASE = 1_000_000  # run uid = base + child pid: unique among live runs, never a real user
+_CLONE_NEWNET, _CLONE_NEWUSER, _CLONE_NEWIPC = 0x40000000, 0x10000000, 0x08000000
+_ZYGOTE = str(Path(sandbox_zygote.__file__))
+_REPLY_TIMEOUT_S = 10.0  # a zygote's replies take milliseconds; silence this long means stuck
 _ENV = {"PATH": "/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/work", "LANG": "C.UTF-8",
         "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1"}
 
@@ -106,102 +115,106 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
-def _check(rc: int, what: str) -> None:
-    if rc != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
+class _Zygote:
+    """The calling process's handle on one fork server (`sandbox_zygote.py`).
 
+    Requests from many threads are serialized by a lock (each takes well under a millisecond);
+    the runs themselves proceed in parallel. Any failure to talk to the zygote retires it
+    (killed; its runs die with it) and the next call starts a fresh one.
+    """
 
-def _bind(libc: ctypes.CDLL, src: str, dst: str, writable: bool = False) -> None:
-    _check(libc.mount(src.encode(), dst.encode(), None, _MS_BIND | _MS_REC, None), f"bind {src}")
-    if not writable:
-        flags = _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_REC
-        _check(libc.mount(None, dst.encode(), None, flags, None), f"remount ro {dst}")
-
-
-def _system_dirs() -> list[str]:
-    """Read-only dirs the interpreter needs: /usr, /lib*, /bin and the Python install."""
-    dirs = [d for d in ("/usr", "/lib", "/lib64", "/bin") if os.path.exists(d)]
-    prefix = os.path.realpath(sys.base_prefix)
-    if not any(prefix == d or prefix.startswith(d + "/") for d in dirs):
-        dirs.append(prefix)
-    return dirs
-
-
-def _build_root(root: str, work: str) -> None:
-    """Lay out the chroot skeleton (as the parent, before forking)."""
-    for d in _system_dirs():
-        target = root + d
-        if os.path.islink(d):
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            os.symlink(os.readlink(d), target)
-        else:
-            os.makedirs(target, exist_ok=True)
-    os.makedirs(root + "/dev", exist_ok=True)
-    open(root + "/dev/null", "w").close()
-    os.makedirs(root + "/work", exist_ok=True)
-    os.chmod(root, 0o755)
-
-
-def _preexec(limits: SandboxLimits, root: str | None, work: str) -> None:
-    """Runs in the child between fork and exec: namespaces, chroot, uid, rlimits."""
-    mb = 1 << 20
-    if root is not None:
-        libc = _libc()
-        _check(libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWIPC), "unshare")
-        _check(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "make / private")
-        for d in _system_dirs():
-            if not os.path.islink(d):
-                _bind(libc, d, root + d)
-        _bind(libc, "/dev/null", root + "/dev/null", writable=True)
-        uid = _UID_BASE + os.getpid()
-        # The run's cwd is a size-capped tmpfs, so it cannot fill the host's disk.
-        opts = f"size={limits.disk_mb}m,mode=0700,uid={uid},gid={uid}".encode()
-        _check(libc.mount(b"tmpfs", (root + "/work").encode(), b"tmpfs", 0, opts), "mount tmpfs")
-        shutil.copyfile(os.path.join(work, "main.py"), root + "/work/main.py")
-        os.chroot(root)
-        os.chdir("/work")
-        resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_procs, limits.max_procs))
-        os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)
-    else:  # unprivileged: a user namespace still buys empty network and IPC namespaces
-        # best effort: fails where user namespaces are off
-        _libc().unshare(_CLONE_NEWUSER | _CLONE_NEWNET | _CLONE_NEWIPC)
-    # Die with the worker that started us (set after setuid, which clears it).
-    _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
-    resource.setrlimit(resource.RLIMIT_AS, (limits.memory_mb * mb, limits.memory_mb * mb))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_mb * mb, limits.file_mb * mb))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-
-def _kill_uid(uid: int) -> None:
-    """Kill every process owned by `uid` (escaped grandchildren included)."""
-    pid = os.fork()
-    if pid == 0:  # a child that becomes `uid` may signal exactly that uid's processes
+    def __init__(self, isolated: bool) -> None:
+        self.owner = os.getpid()
+        self.lock = threading.Lock()
+        self.broken = False
+        self.root = tempfile.mkdtemp(prefix=f"earl-sandbox-{self.owner}-") if isolated else None
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        args = [os.path.realpath(sys.executable), "-I", "-S", _ZYGOTE,
+                "--caller", str(self.owner), "--fd", str(theirs.fileno())]
+        if self.root is not None:
+            args += ["--root", self.root]
         try:
-            os.setgid(uid)
-            os.setuid(uid)
-            os.kill(-1, signal.SIGKILL)
+            self.proc = subprocess.Popen(args, env=_ENV, stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
+                                         start_new_session=True)
         finally:
-            os._exit(0)
-    os.waitpid(pid, 0)
+            theirs.close()
+        self.sock = ours
+        self.sock.settimeout(_REPLY_TIMEOUT_S)
+
+    def usable(self) -> bool:
+        return self.owner == os.getpid() and not self.broken and self.proc.poll() is None
+
+    def start(self, limits: SandboxLimits, code_fd: int, out_fd: int) -> int:
+        """Fork a run reading its program from `code_fd` and writing to `out_fd`; its pid."""
+        fields = ("cpu_s", "memory_mb", "max_procs", "file_mb", "disk_mb")
+        return self._ask({"op": "start", "limits": {k: getattr(limits, k) for k in fields}},
+                         [code_fd, out_fd], "pid")
+
+    def finish(self, pid: int) -> int:
+        """Kill whatever is left of run `pid`, reap it; its return code."""
+        return self._ask({"op": "finish", "pid": pid}, [], "rc")
+
+    def _ask(self, request: dict[str, object], fds: list[int], key: str) -> int:
+        with self.lock:
+            try:
+                if self.broken:
+                    raise ConnectionError("the sandbox zygote was retired")
+                socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
+                reply = self.sock.recv(1 << 16)
+                if not reply:
+                    raise ConnectionError("the sandbox zygote exited")
+                out = json.loads(reply)
+            except (OSError, ValueError):
+                self.broken = True
+                self.proc.kill()
+                raise
+        if "error" in out:
+            raise OSError(f"the sandbox zygote refused {request['op']}: {out['error']}")
+        return int(out[key])
+
+    def close(self) -> None:
+        """Stop the zygote (it kills its runs) and remove its root dir."""
+        self.sock.close()
+        try:
+            self.proc.wait(timeout=_REPLY_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
 
 
-def _kill(proc: subprocess.Popen[bytes], uid: int | None) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    if uid is not None:
-        _kill_uid(uid)
+_zygotes: dict[bool, _Zygote] = {}
+_zygotes_lock = threading.Lock()
+
+
+def _zygote(isolated: bool) -> _Zygote:
+    """This process's zygote for `isolated`: started on first use, and again after a fork
+    (a child never uses its parent's) or after the last one died."""
+    with _zygotes_lock:
+        z = _zygotes.get(isolated)
+        if z is None or not z.usable():
+            if z is not None and z.owner == os.getpid():
+                z.close()
+            z = _zygotes[isolated] = _Zygote(isolated)
+        return z
+
+
+@atexit.register
+def _close_zygotes() -> None:
+    with _zygotes_lock:
+        for z in _zygotes.values():
+            if z.owner == os.getpid():
+                z.close()
+        _zygotes.clear()
 
 
 def run_python(code: str, limits: SandboxLimits | None = None, *,
                full_isolation: bool | None = None) -> SandboxResult:
     """Run `code` with the sandboxed interpreter; return its (capped) output and status.
+
+    Safe to call from many threads at once; the runs proceed in parallel.
 
     Example:
         >>> run_python("print(6 * 7)").output
@@ -214,59 +227,66 @@ def run_python(code: str, limits: SandboxLimits | None = None, *,
     if isolated and not isolation_available():
         raise ValueError("full_isolation=True needs root on Linux; pass None to pick "
                          "what the OS allows")
-    base = tempfile.mkdtemp(prefix=f"earl-sandbox-{os.getpid()}-")  # pid: see runtime.cleanup
-    work = os.path.join(base, "work")
-    os.makedirs(work)
-    root = os.path.join(base, "root") if isolated else None
-    if root is not None:
-        _build_root(root, work)
-    with open(os.path.join(work, "main.py"), "w", encoding="utf-8") as f:
-        f.write(code)
-    exe = os.path.realpath(sys.executable)
+    mode = ("chroot+netns+ipcns+uid" if isolated
+            else "rlimits+userns" if _userns_available() else "rlimits")
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        [exe, "-I", "-S", "main.py"], cwd=work, env=dict(_ENV, HOME=work, TMPDIR=work)
-        if root is None else _ENV, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
-        preexec_fn=lambda: _preexec(limits, root, work))  # noqa: PLW1509 - workers are single-threaded
-    uid = _UID_BASE + proc.pid if root is not None else None
-    out, size, error, truncated = bytearray(), 0, None, False
-    assert proc.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = t0 + limits.wall_s
-    cap = limits.output_chars * 4  # bytes; the char cap is applied after decoding
+    code_fd = os.memfd_create("earl-sandbox-code", os.MFD_CLOEXEC)
+    read_fd, write_fd = os.pipe()
     try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                error = f"timeout after {limits.wall_s:g} s"
-                break
-            if not sel.select(timeout=left):
-                continue
-            chunk = os.read(proc.stdout.fileno(), 65536)
-            if not chunk:
-                break
-            size += len(chunk)
-            out += chunk[: max(0, cap - len(out))]
-            if size > cap:
-                error, truncated = "output limit exceeded", True
-                break
-        _kill(proc, uid)  # the main process may be done; its children may not
-        rc = proc.wait()
+        os.write(code_fd, code.encode("utf-8"))
+        os.lseek(code_fd, 0, os.SEEK_SET)
+        zygote = _zygote(isolated)
+        pid = zygote.start(limits, code_fd, write_fd)
+    except OSError as e:
+        os.close(read_fd)
+        return SandboxResult(ok=False, output="", returncode=None, truncated=False,
+                             error=f"sandbox unavailable: {e}", isolation=mode,
+                             elapsed_s=time.monotonic() - t0)
     finally:
-        sel.close()
-        proc.stdout.close()
-        shutil.rmtree(base, ignore_errors=True)
+        os.close(code_fd)
+        os.close(write_fd)
+    out, error, truncated = _read_output(read_fd, limits, t0 + limits.wall_s)
+    rc: int | None
+    try:
+        rc = zygote.finish(pid)  # kills what is left of the run
+    except OSError as e:  # the zygote died under the run: what the run left is ours to kill
+        sandbox_zygote.kill_run(pid, sandbox_zygote.UID_BASE + pid if isolated else None)
+        rc, error = None, error or f"sandbox failed: {e}"
     text = out.decode("utf-8", errors="replace")
     if len(text) > limits.output_chars:
         text, truncated = text[: limits.output_chars], True
         error = error or "output limit exceeded"
     if error is None and rc != 0:
+        assert rc is not None
         error = (f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}")
         if rc in (-signal.SIGXCPU, -signal.SIGKILL) and time.monotonic() - t0 < limits.wall_s:
             error += f" (CPU limit {limits.cpu_s} s)"
     return SandboxResult(ok=error is None, output=text, returncode=rc, error=error,
-                         truncated=truncated, elapsed_s=time.monotonic() - t0,
-                         isolation="chroot+netns+ipcns+uid" if root
-                         else "rlimits+userns" if _userns_available() else "rlimits")
+                         truncated=truncated, elapsed_s=time.monotonic() - t0, isolation=mode)
+
+
+def _read_output(fd: int, limits: SandboxLimits, deadline: float
+                 ) -> tuple[bytes, str | None, bool]:
+    """Read the run's output until EOF, the deadline or the cap; closes `fd`.
+    Returns (output, error, truncated)."""
+    out, size = bytearray(), 0
+    cap = limits.output_chars * 4  # bytes; the char cap is applied after decoding
+    sel = selectors.DefaultSelector()
+    sel.register(fd, selectors.EVENT_READ)
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return bytes(out), f"timeout after {limits.wall_s:g} s", False
+            if not sel.select(timeout=left):
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return bytes(out), None, False
+            size += len(chunk)
+            out += chunk[: max(0, cap - len(out))]
+            if size > cap:
+                return bytes(out), "output limit exceeded", True
+    finally:
+        sel.close()
+        os.close(fd)
