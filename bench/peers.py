@@ -51,7 +51,18 @@ Prints one JSON object: ``earl`` and ``trl`` (means over rounds, plus per-round 
 - ``peak_rss_mb``: peak of the summed RSS of the process and all its descendants (shared pages
   counted once per process).
 
-Top level: ``ratio_trajectories_per_s`` and ``ratio_tokens_per_s`` (EARL / TRL's best),
+- ``turns_per_s``: model turns per second (trajectories/s x turns per trajectory): the
+  measure of work that stays comparable when one side trains on shorter episodes.
+
+``earl_over_sampled`` (agentic task; null with `--earl-over-sample 0`): EARL again, in the same
+rounds, with `over_sample_groups` (default 2): each batch plays 2 more groups than it trains and
+keeps the first to finish, so stragglers no longer hold a batch, at the price of training on
+shorter episodes on average (its ``turns_mean`` says how much) and of generation spent on cut
+groups; with its own ``ratio_trajectories_per_s``, ``ratio_turns_per_s``,
+``ratio_tokens_per_s`` and ``quality_delta`` against the same TRL runs.
+
+Top level: ``ratio_trajectories_per_s``, ``ratio_turns_per_s`` and ``ratio_tokens_per_s`` (EARL
+at its default, no over-sampling, / TRL's best),
 ``quality_delta`` (EARL - TRL final eval reward), ``trl_candidates`` (every TRL configuration
 measured, by `steps_per_generation`), ``trl_steps_per_generation`` (the one compared),
 ``spread`` per side, the settings, and the machine's load average at the start and end.
@@ -160,7 +171,7 @@ def _runs_of_ones(mask: list[int]) -> int:
 
 
 def run_earl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: float,
-             threshold: float, lag: int) -> dict[str, Any]:
+             threshold: float, lag: int, over_sample: int = 0) -> dict[str, Any]:
     """One `earl train --agent ... [--reward ...]` run in its own process tree."""
     r = RECIPE
     if task == "agentic":  # the agent returns its own reward; contexts grow over 12 turns
@@ -180,7 +191,8 @@ def run_earl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: 
            f"--eval_games={n_eval}", "--placement.reference=0",
            "--checkpoint_every=1000000", f"--algorithm.lr={r['lr']}",
            f"--algorithm.temperature={r['temperature']}", f"--algorithm.clip={r['clip']}",
-           "--algorithm.kl_coef=0.0", "--algorithm.name=grpo", f"--max_policy_lag={lag}"]
+           "--algorithm.kl_coef=0.0", "--algorithm.name=grpo", f"--max_policy_lag={lag}",
+           f"--over_sample_groups={over_sample}"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     stdout, _, peak, cpu = run_tree(cmd, env, timeout=seconds + 600)
     res = json.loads(stdout.strip().splitlines()[-1])
@@ -226,6 +238,8 @@ def _mean(runs: list[dict[str, Any]]) -> dict[str, Any]:
     tps = [r["trajectories_per_s"] for r in runs]
     hits = [r["seconds_to_threshold"] for r in runs]
     return {"trajectories_per_s": m("trajectories_per_s"), "tokens_per_s": m("tokens_per_s"),
+            "turns_per_s": round(statistics.fmean(r["trajectories_per_s"] * r["turns_mean"]
+                                                  for r in runs), 1),
             "trajectories_per_s_end_to_end": m("trajectories_per_s_end_to_end"),
             "cores_used": m("cores_used"), "trajectories_per_cpu_s": m("trajectories_per_cpu_s"),
             "turns_mean": m("turns_mean"),
@@ -248,6 +262,9 @@ def main() -> None:
                     help="training reward to reach (default 0.5 agentic, 0.3 echo)")
     ap.add_argument("--earl-lag", type=int, default=None,
                     help="EARL's max_policy_lag (default 4 agentic, 1 echo: `earl train`'s own)")
+    ap.add_argument("--earl-over-sample", type=int, default=None,
+                    help="also run EARL with this many over-sampled groups per batch "
+                         "(`over_sample_groups`; default 2 agentic, 0 = skip; echo: 0)")
     ap.add_argument("--trl-steps-per-generation", default=None,
                     help="TRL configurations tried in round 0, the fastest goes on (default "
                          "'1,LAG+1': on-policy, and EARL's staleness bound)")
@@ -256,6 +273,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.earl_lag is None:
         a.earl_lag = 4 if a.task == "agentic" else 1
+    if a.earl_over_sample is None:
+        a.earl_over_sample = 2 if a.task == "agentic" else 0
     if a.threshold is None:
         a.threshold = 0.5 if a.task == "agentic" else 0.3
     spgs = [int(x) for x in (a.trl_steps_per_generation or f"1,{a.earl_lag + 1}").split(",")]
@@ -275,6 +294,7 @@ def main() -> None:
         else:
             train, ev = _peers_task.write_data(root / "data", 4000, RECIPE["seed"])
         earl_runs: list[dict[str, Any]] = []
+        over_runs: list[dict[str, Any]] = []  # EARL with over-sampled groups
         trl_runs: dict[int, list[dict[str, Any]]] = {g: [] for g in spgs}
         for i in range(rounds):  # alternate sides, and which goes first, across rounds
             order = ("earl", "trl") if i % 2 == 0 else ("trl", "earl")
@@ -282,6 +302,10 @@ def main() -> None:
                 if side == "earl":
                     earl_runs.append(run_earl(a.task, model, train, ev, root / f"earl{i}",
                                               seconds, a.threshold, a.earl_lag))
+                    if a.earl_over_sample:
+                        over_runs.append(run_earl(a.task, model, train, ev,
+                                                  root / f"earl{i}_over", seconds, a.threshold,
+                                                  a.earl_lag, a.earl_over_sample))
                 for g in spgs if side == "trl" else ():
                     trl_runs[g].append(run_trl(a.task, model, train, ev, root / f"trl{i}_{g}",
                                                seconds, a.threshold, a.trl_threads, g))
@@ -290,13 +314,23 @@ def main() -> None:
                 spgs = [max(spgs, key=lambda g: trl_runs[g][0]["trajectories_per_s"])]
     best = spgs[0]
     e, t = _mean(earl_runs), _mean(trl_runs[best])
+    over: dict[str, Any] | None = None
+    if over_runs:
+        o = _mean(over_runs)
+        over = {**o, "over_sample_groups": a.earl_over_sample,
+                "ratio_trajectories_per_s": round(o["trajectories_per_s"]
+                                                  / t["trajectories_per_s"], 2),
+                "ratio_turns_per_s": round(o["turns_per_s"] / t["turns_per_s"], 2),
+                "ratio_tokens_per_s": round(o["tokens_per_s"] / max(t["tokens_per_s"], 1e-9), 2),
+                "quality_delta": round(o["final_eval"]["reward"] - t["final_eval"]["reward"], 3)}
     print(json.dumps({
-        "earl": e, "trl": t,
+        "earl": e, "trl": t, "earl_over_sampled": over,
         "trl_candidates": {str(g): {k: v for k, v in _mean(r).items() if k != "runs"}
                            for g, r in trl_runs.items()},
         "trl_steps_per_generation": best,
         "ratio_trajectories_per_s": round(e["trajectories_per_s"] / t["trajectories_per_s"], 2),
         "ratio_tokens_per_s": round(e["tokens_per_s"] / max(t["tokens_per_s"], 1e-9), 2),
+        "ratio_turns_per_s": round(e["turns_per_s"] / max(t["turns_per_s"], 1e-9), 2),
         "quality_delta": round(e["final_eval"]["reward"] - t["final_eval"]["reward"], 3),
         "task": a.task, "threshold": a.threshold, "rounds": rounds, "budget_s": seconds,
         "recipe": RECIPE, "earl_max_policy_lag": a.earl_lag, "model": model.name, "trl_threads": a.trl_threads,

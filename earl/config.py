@@ -122,6 +122,10 @@ class RunConfig:
     actor is restarted, and the run rewound to its checkpoint after a trainer or dock death
     (`earl.loop.healing`), before a death stops the run. `tool_timeout_s`: per tool call of
     an agent; a call taking longer comes back to the agent as an error and the session goes on.
+    `over_sample_groups`: extra groups started per batch; the batch trains the first
+    `batch_size / group_size` groups to finish and cuts the rest (their tasks are skipped, their
+    tokens dropped): generation spent against the tail latency of heavy-tailed multi-turn
+    episodes, at the price of under-training the slowest tasks (slime's over-sampling).
     """
 
     recipe: str = "tictactoe"
@@ -134,6 +138,7 @@ class RunConfig:
     batch_size: int = 32
     group_size: int = 8
     max_policy_lag: int = 1
+    over_sample_groups: int = 0
     max_tokens: int = 0
     time_limit_minutes: float = 9.0
     target: float = 0.0
@@ -348,6 +353,7 @@ def validate(cfg: RunConfig) -> None:
          f"{cfg.batch_size} is not divisible by group_size {cfg.group_size}; "
          f"use a multiple such as {cfg.batch_size // cfg.group_size * cfg.group_size or cfg.group_size}")
     need(cfg.max_policy_lag >= 0, "max_policy_lag", "must be >= 0 (0 = synchronous)")
+    need(cfg.over_sample_groups >= 0, "over_sample_groups", "must be >= 0 (0 = off)")
     need(cfg.max_tokens >= 0, "max_tokens", "must be >= 0 (0 = the recipe's per-turn cap)")
     need(cfg.eval_games >= 2 and cfg.eval_games % 2 == 0, "eval_games",
          "must be an even number >= 2 (board games alternate first and second move)")

@@ -398,6 +398,7 @@ class _Job:
                                           groups_per_batch=cfg.batch_size // cfg.group_size,
                                           group_size=cfg.group_size,
                                           shared=self.recipe.shared_group_task,
+                                          over_sample=cfg.over_sample_groups,
                                           tracer=self.tracer)
         self.training = ActorTraining(self.trainer, self.rollout, dock, columns, self.tracer)
         self.evaluation = ActorEvaluation(self.producers, self.recipe, size=cfg.eval_games) \
@@ -464,6 +465,7 @@ class _Job:
             "tokens_per_s": tokens / max(r.step_s, 1e-6), "staleness": stale,
             "ctx_mean": tokens / n, "ctx_max": max((e.tokens for e in eps), default=0),
             "turns_mean": sum(e.turns for e in eps) / n,
+            "groups_cut": len(r.result.cut),
             "step_s": r.step_s, "rollout_s": r.result.seconds, "lr_scale": r.lr_scale,
             **self.training.seconds, "reference_s": self._reference_s,
             "wall_s": self.elapsed()}

@@ -40,7 +40,8 @@ from pathlib import Path
 
 from earl.runtime import sandbox_zygote
 
-__all__ = ["SandboxLimits", "SandboxResult", "isolation_available", "run_python"]
+__all__ = ["SandboxLimits", "SandboxResult", "close_fork_servers", "isolation_available",
+           "run_python"]
 
 _CLONE_NEWNET, _CLONE_NEWUSER, _CLONE_NEWIPC = 0x40000000, 0x10000000, 0x08000000
 _ZYGOTE = str(Path(sandbox_zygote.__file__))
@@ -202,7 +203,8 @@ def _zygote(isolated: bool) -> _Zygote:
 
 
 @atexit.register
-def _close_zygotes() -> None:
+def close_fork_servers() -> None:
+    """Stop this process's fork servers (and any runs they hold); the next call starts one."""
     with _zygotes_lock:
         for z in _zygotes.values():
             if z.owner == os.getpid():

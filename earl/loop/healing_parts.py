@@ -69,30 +69,25 @@ class HealingProduction:
         return getattr(self.inner, name)
 
     async def play(self, batch: int, snapshot: bool) -> BatchResult:
-        groups = self.inner.groups(batch)
-        n = len(self.inner.producers)
-        shares = [groups[r::n] for r in range(n)]
         self.playing.add(batch)
         try:
             with self.inner.tracer.span("play", actor="producer", step=batch + 1):
-                results = await asyncio.gather(*(self._share(r, batch, shares[r], snapshot)
-                                                 for r in range(n) if shares[r]))
+                results = await asyncio.gather(*(self._share(r, batch, share, snapshot, need)
+                                                 for r, share, need in self.inner.deal(batch)))
         finally:
             self.playing.discard(batch)
-        return BatchResult(batch=batch, episodes=[e for r in results for e in r.episodes],
-                           samples=sum(r.samples for r in results),
-                           seconds=max(r.seconds for r in results))
+        return self.inner.merge(batch, results)
 
-    async def _share(self, r: int, batch: int, share: list[GroupTask],
-                     snapshot: bool) -> BatchResult:
+    async def _share(self, r: int, batch: int, share: list[GroupTask], snapshot: bool,
+                     need: int | None) -> BatchResult:
         tag = ""
         while True:
             producer = self.inner.producers[r]
             try:
                 if not tag:
-                    res = await producer.play.call_one(batch, share, snapshot)
+                    res = await producer.play.call_one(batch, share, snapshot, need)
                 else:
-                    res = await producer.replay.call_one(batch, share, tag, snapshot)
+                    res = await producer.replay.call_one(batch, share, tag, snapshot, need)
             except Exception as exc:
                 who = died_actor(exc)
                 if who != ("producer", r) or self.healer.stopping:
@@ -101,7 +96,7 @@ class HealingProduction:
                 await self.healer.wait_rebuilt(self.rt, "producer", r)
                 tag = f"x{next(self._tags)}"
                 continue
-            self._record(batch, share, res, tag, r)
+            self._record(batch, [g for g in share if g.group_id not in res.cut], res, tag, r)
             return res
 
     def _record(self, batch: int, share: list[GroupTask], res: BatchResult, tag: str,
@@ -157,12 +152,12 @@ class HealingProduction:
         async with self._lock:
             lost = await self.dock.take_lost()
             self.healer.ledger.add_dropped(lost, f"{reason} (group re-played)")
-            gpb = self.inner.groups_per_batch
+            stride = self.inner.stride
             for gid in sorted({x.group_id for x in lost}):
                 cursor = int(gid[1:])
-                batch = cursor // gpb
+                batch = cursor // stride
                 if batch not in self.playing:
-                    self._pending[gid] = (batch, self.inner.groups(batch)[cursor % gpb])
+                    self._pending[gid] = (batch, self.inner.groups(batch)[cursor % stride])
             done = 0
             for gid, (batch, task) in list(self._pending.items()):
                 r = hash(gid) % len(self.inner.producers)

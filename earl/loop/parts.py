@@ -25,21 +25,32 @@ __all__ = ["ActorEvaluation", "ActorProduction", "ActorTraining"]
 class ActorProduction:
     """Deals a batch's groups to the producer actors (round robin) and merges their results.
 
-    Group `g` of batch `b` has cursor `b * groups_per_batch + g`; its members play task
-    `cursor` (shared) or `cursor * group_size + i` (one task each), so a resumed run replays
-    exactly the tasks of the batches it had not trained."""
+    A batch plays `groups_per_batch + over_sample` groups and trains the first
+    `groups_per_batch` to finish (each producer keeps its share of them; see
+    `RunConfig.over_sample_groups`). Group `g` of batch `b` has cursor `b * stride + g`
+    (`stride` = the groups played per batch); its members play task `cursor` (shared) or
+    `cursor * group_size + i` (one task each), so a resumed run replays exactly the tasks of
+    the batches it had not trained."""
 
     def __init__(self, producers: ActorGroup[ProducerActor], tasks: TaskSource, *,
-                 groups_per_batch: int, group_size: int, shared: bool,
+                 groups_per_batch: int, group_size: int, shared: bool, over_sample: int = 0,
                  tracer: Tracer | None = None) -> None:
+        if over_sample < 0:
+            raise ValueError(f"over_sample must be >= 0, got {over_sample}")
         self.producers, self.tasks = producers, tasks
         self.groups_per_batch, self.group_size, self.shared = groups_per_batch, group_size, shared
+        self.over_sample = over_sample
         self.tracer = tracer or Tracer(False)
+
+    @property
+    def stride(self) -> int:
+        """Groups played per batch (and task cursors it uses)."""
+        return self.groups_per_batch + self.over_sample
 
     def groups(self, batch: int) -> list[GroupTask]:
         out = []
-        for g in range(self.groups_per_batch):
-            cursor = batch * self.groups_per_batch + g
+        for g in range(self.stride):
+            cursor = batch * self.stride + g
             if self.shared:
                 samples = [self.tasks.sample(cursor)] * self.group_size
             else:
@@ -48,17 +59,31 @@ class ActorProduction:
             out.append(GroupTask(group_id=f"g{cursor}", samples=samples))
         return out
 
-    async def play(self, batch: int, snapshot: bool) -> BatchResult:
-        groups = self.groups(batch)
-        n = len(self.producers)
-        shares = [groups[r::n] for r in range(n)]
-        with self.tracer.span("play", actor="producer", step=batch + 1):
-            results = await asyncio.gather(*(
-                self.producers[r].play.call_one(batch, shares[r], snapshot)
-                for r in range(n) if shares[r]))
+    def deal(self, batch: int) -> list[tuple[int, list[GroupTask], int | None]]:
+        """(producer rank, its share of the batch's groups, how many of them it keeps: None =
+        all) for every producer that keeps at least one group."""
+        groups, n = self.groups(batch), len(self.producers)
+        out: list[tuple[int, list[GroupTask], int | None]] = []
+        for r in range(n):
+            share = groups[r::n]
+            keep = len(range(r, self.groups_per_batch, n))
+            if keep:
+                out.append((r, share, None if keep == len(share) else keep))
+        return out
+
+    @staticmethod
+    def merge(batch: int, results: Sequence[BatchResult]) -> BatchResult:
         return BatchResult(batch=batch, episodes=[e for r in results for e in r.episodes],
                            samples=sum(r.samples for r in results),
-                           seconds=max(r.seconds for r in results))
+                           seconds=max(r.seconds for r in results),
+                           cut=[g for r in results for g in r.cut])
+
+    async def play(self, batch: int, snapshot: bool) -> BatchResult:
+        with self.tracer.span("play", actor="producer", step=batch + 1):
+            results = await asyncio.gather(*(
+                self.producers[r].play.call_one(batch, share, snapshot, need)
+                for r, share, need in self.deal(batch)))
+        return self.merge(batch, results)
 
     async def note_version(self, version: int) -> None:
         await self.producers.note_version.call(version)

@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -28,7 +29,33 @@ from earl.runtime.dock import Dock, WarehouseHost
 from earl.runtime.types import Trajectory
 from earl.runtime.wire import message
 
-__all__ = ["BatchResult", "GroupTask", "ProducerActor", "ProducerConfig", "sample_id"]
+T = TypeVar("T")
+
+__all__ = ["BatchResult", "GroupTask", "ProducerActor", "ProducerConfig", "first_finished",
+           "sample_id"]
+
+
+async def first_finished(plays: Sequence[Awaitable[T]], need: int) -> dict[int, T]:
+    """Run `plays` at once; once `need` of them have finished, cancel the rest (and wait for
+    them to unwind). Returns {index: result} of exactly the `need` that finished first (the
+    lower index among ties). An exception from any play cancels the others and is raised."""
+    if not 0 <= need <= len(plays):
+        raise ValueError(f"need must be in [0, {len(plays)}], got {need}")
+    tasks = [asyncio.ensure_future(p) for p in plays]
+    index = {t: i for i, t in enumerate(tasks)}
+    kept: dict[int, T] = {}
+    pending = set(tasks)
+    try:
+        while len(kept) < need:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for t in sorted(done, key=index.__getitem__):
+                if len(kept) < need:
+                    kept[index[t]] = t.result()
+    finally:
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    return kept
 
 
 def sample_id(batch: int, j: int, tag: str = "", rank: int = 0) -> str:
@@ -87,15 +114,17 @@ class BatchResult:
     """What the driver gets back for one batch: metadata only.
 
     Attributes:
-        episodes: one per trajectory played, in group order.
+        episodes: one per trajectory kept, in group order.
         samples: rows put in the dock (trajectories plus self-imitation samples).
         seconds: wall time of the batch's play.
+        cut: ids of the over-sampled groups cut unfinished (nothing of them was kept).
     """
 
     batch: int
     episodes: list[Episode]
     samples: int
     seconds: float
+    cut: list[str] = field(default_factory=list)
 
 
 class ProducerActor(WarehouseHost, Actor):
@@ -155,14 +184,16 @@ class ProducerActor(WarehouseHost, Actor):
 
         async def one(sample: object, sid: str, gid: str) -> list[Trajectory]:
             earlier: list[Trajectory] = []  # segments of an OpenAI client that rewrote history
-            t = await run_agent(self.agent, sample, engine=self.engine, codec=self.codec,
-                                config=cfg, sample_id=sid, group_id=gid,
-                                endpoint=self.openai, segments=earlier)
+            try:
+                t = await run_agent(self.agent, sample, engine=self.engine, codec=self.codec,
+                                    config=cfg, sample_id=sid, group_id=gid,
+                                    endpoint=self.openai, segments=earlier)
+            finally:  # a cut group's sessions end too
+                self.engine.end_session(sid)
             if self.reward is not None and not t.failed:
                 self._apply_reward(t, sample)
                 for seg in earlier:
                     seg.reward, seg.failed, seg.error = t.reward, t.failed, t.error
-            self.engine.end_session(sid)
             return [*earlier, t]
 
         played = await asyncio.gather(*(one(s, sid, gid)
@@ -170,19 +201,21 @@ class ProducerActor(WarehouseHost, Actor):
         return [t for ts in played for t in ts]
 
     @endpoint
-    async def play(self, batch: int, groups: list[GroupTask], snapshot: bool = False
-                   ) -> BatchResult:
+    async def play(self, batch: int, groups: list[GroupTask], snapshot: bool = False,
+                   need: int | None = None) -> BatchResult:
         """Play batch `batch`'s groups, prepare their columns and put them in this shard.
 
-        Batches are prepared in the order they are asked for (a critic learns from each), so
-        a batch whose games finish early waits for the previous one before its put. With
-        `snapshot`, the estimator's state right after this batch is kept for `state_dict`
-        (a checkpoint after training this batch must not see later batches)."""
+        With `need`, the first `need` groups to finish are kept and the others are cut
+        (over-sampling, `RunConfig.over_sample_groups`). Batches are prepared in the order they
+        are asked for (a critic learns from each), so a batch whose games finish early waits
+        for the previous one before its put. With `snapshot`, the estimator's state right
+        after this batch is kept for `state_dict` (a checkpoint after training this batch must
+        not see later batches)."""
         t0 = time.perf_counter()
         async with self._order:
             if self._next_put is None:
                 self._next_put = batch
-        trajs = await self._play_groups(batch, groups, "")
+        trajs, cut = await self._play_groups(batch, groups, "", need)
         seconds = time.perf_counter() - t0
         async with self._order:
             await self._order.wait_for(lambda: self._next_put == batch)
@@ -193,26 +226,30 @@ class ProducerActor(WarehouseHost, Actor):
                 self._next_put = batch + 1
                 self._order.notify_all()
         return BatchResult(batch=batch, episodes=[episode_of(t) for t in trajs], samples=n,
-                           seconds=seconds)
+                           seconds=seconds, cut=cut)
 
     @endpoint
     async def replay(self, batch: int, groups: list[GroupTask], tag: str,
-                     snapshot: bool = False) -> BatchResult:
+                     snapshot: bool = False, need: int | None = None) -> BatchResult:
         """Play groups of batch `batch` again after a fault lost them (`earl.loop.healing`):
         like `play`, outside the batch order, with sample ids tagged `tag`."""
         t0 = time.perf_counter()
-        trajs = await self._play_groups(batch, groups, tag)
+        trajs, cut = await self._play_groups(batch, groups, tag, need)
         n = await self._put(batch, trajs, tag, snapshot)
         return BatchResult(batch=batch, episodes=[episode_of(t) for t in trajs], samples=n,
-                           seconds=time.perf_counter() - t0)
+                           seconds=time.perf_counter() - t0, cut=cut)
 
-    async def _play_groups(self, batch: int, groups: list[GroupTask], tag: str
-                           ) -> list[Trajectory]:
-        samples = [s for g in groups for s in g.samples]
+    async def _play_groups(self, batch: int, groups: list[GroupTask], tag: str,
+                           need: int | None) -> tuple[list[Trajectory], list[str]]:
+        """The trajectories of the first `need` groups to finish (all: None), in group order,
+        and the ids of the groups cut."""
         prefix = f"b{batch:06d}-{tag + '-' if tag else ''}"
-        ids = [(f"{prefix}{g.group_id}-{i}", g.group_id)
-               for g in groups for i in range(len(g.samples))]
-        return await self._play(samples, ids, self.config.temperature)
+        plays = [self._play(g.samples, [(f"{prefix}{g.group_id}-{i}", g.group_id)
+                                        for i in range(len(g.samples))],
+                            self.config.temperature) for g in groups]
+        kept = await first_finished(plays, len(groups) if need is None else need)
+        return ([t for i in sorted(kept) for t in kept[i]],
+                [g.group_id for i, g in enumerate(groups) if i not in kept])
 
     async def _put(self, batch: int, trajs: list[Trajectory], tag: str, snapshot: bool) -> int:
         """Columns of `trajs` into this shard (whole groups); returns the rows put."""

@@ -4,7 +4,8 @@ together: both sides ran several steps under the same budget (each process at le
 old at the stop), played episodes of the same turn distribution, the ratios are the quotients
 of the reported rates against TRL's fastest configuration, tokens/s is trajectories/s times a
 generated length within `max_tokens` per turn, the eval's full-score share cannot exceed its
-mean reward, and the whole-tree memory sampling saw the processes."""
+mean reward, and the whole-tree memory sampling saw the processes; the same for EARL with
+over-sampled groups, whose ratios are taken against the same TRL runs."""
 
 from __future__ import annotations
 
@@ -30,9 +31,9 @@ def test_bench_peers_quick() -> None:
                        cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
-    earl, trl = res["earl"], res["trl"]
+    earl, trl, over = res["earl"], res["trl"], res["earl_over_sampled"]
     max_tokens, batch = res["recipe"]["max_tokens"], res["recipe"]["batch_size"]
-    for side in (earl, trl):
+    for side in (earl, trl, over):
         assert KEYS <= set(side)
         assert len(side["runs"]) == res["rounds"] == 1
         run = side["runs"][0]
@@ -50,7 +51,9 @@ def test_bench_peers_quick() -> None:
         hit = side["seconds_to_threshold"]
         assert hit is None or hit <= run["wall_s"]
         assert side["peak_rss_mb"] > 150  # a Python process with torch loaded, at least
-    assert earl["runs"][0]["stopped"] == "time_limit"
+        assert side["turns_per_s"] == pytest.approx(
+            run["trajectories_per_s"] * run["turns_mean"], rel=0.01)
+    assert earl["runs"][0]["stopped"] == over["runs"][0]["stopped"] == "time_limit"
     assert res["task"] == "agentic"
     # the same task on both sides: mean turns per trajectory agree (~150 groups each)
     assert earl["turns_mean"] == pytest.approx(trl["turns_mean"], rel=0.35)
@@ -65,3 +68,11 @@ def test_bench_peers_quick() -> None:
         earl["tokens_per_s"] / trl["tokens_per_s"], rel=0.02)
     assert res["quality_delta"] == pytest.approx(
         earl["final_eval"]["reward"] - trl["final_eval"]["reward"], abs=2e-3)
+    assert res["ratio_turns_per_s"] == pytest.approx(
+        earl["turns_per_s"] / trl["turns_per_s"], rel=0.02)
+    # EARL over-sampled: the same TRL runs are its baseline, its ratios are its own rates'
+    assert over["over_sample_groups"] == 2
+    for key in ("trajectories_per_s", "turns_per_s", "tokens_per_s"):
+        assert over[f"ratio_{key}"] == pytest.approx(over[key] / trl[key], rel=0.02)
+    assert over["quality_delta"] == pytest.approx(
+        over["final_eval"]["reward"] - trl["final_eval"]["reward"], abs=2e-3)

@@ -115,3 +115,29 @@ def test_rpc_quick() -> None:
             res["ray_rtt_us_median"] / res["rtt_us_median"], rel=0.02)
         assert res["earl_calls_over_ray_calls"] == pytest.approx(
             res["calls_per_s_pipelined"] / res["ray_calls_per_s_pipelined"], rel=0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sandbox_quick() -> None:
+    res = _bench("sandbox", timeout=290)
+    assert res["bench"] == "sandbox" and res["repeats"] == 2 and res["calls"] == 100
+    modes = ["earl_rlimits", "spawn", "fork_floor"]
+    if res["isolation_available"]:
+        modes.insert(0, "earl")
+    for m in modes:
+        mode = res[m]
+        runs = mode["calls_per_s_runs"]
+        assert len(runs) == res["repeats"]
+        assert mode["spread"] == pytest.approx((max(runs) - min(runs)) / statistics.fmean(runs),
+                                               abs=2e-3)
+        assert 0 < mode["wall_ms_p50"] <= mode["wall_ms_p90"]
+        # every call is a process: it costs CPU
+        assert mode["cpu_ms_per_call"] > 0
+    for m in modes[:-1]:  # the bare fork is the floor of every sandboxed run
+        assert res[m]["wall_ms_p50"] > res["fork_floor"]["wall_ms_p50"]
+    best = res["earl"] if res["isolation_available"] else res["earl_rlimits"]
+    assert res["cpu_ratio_spawn_vs_earl"] == pytest.approx(
+        res["spawn"]["cpu_ms_per_call"] / best["cpu_ms_per_call"], rel=0.02)
+    assert res["rate_ratio_earl_vs_spawn"] == pytest.approx(
+        best["calls_per_s"] / res["spawn"]["calls_per_s"], rel=0.02)

@@ -88,6 +88,45 @@ def test_train_a_users_agent_from_the_cli(user_dir: Path, tmp_path: Path) -> Non
     assert "episodes failed" in p.stderr
 
 
+SLOW_AGENT = textwrap.dedent('''
+    import asyncio
+
+    async def agent(rollout, sample) -> float:
+        turn = await rollout.generate([{"role": "user", "content": "Say " + sample["word"]}])
+        if sample["slow"]:  # a straggler: only over-sampling lets its batch finish
+            await asyncio.sleep(3600)
+        return float(sample["word"] in turn.content)
+''')
+
+
+def test_over_sampled_groups_cut_the_stragglers(tmp_path: Path) -> None:
+    """With `over_sample_groups=1` each batch plays 3 groups, trains the first 2 to finish and
+    cuts the third; here the third of every batch never finishes, so the run completes only
+    if the cut works, and nothing of the cut groups reaches the dump."""
+    from earl.recipe import ListTasks
+
+    (tmp_path / "slow.py").write_text(SLOW_AGENT)
+    words = list("abcdef")
+    by_cursor = [ListTasks(words, seed=0).sample(k) for k in range(6)]  # the run's task order
+    slow = {by_cursor[2], by_cursor[5]}  # the third group of each batch
+    tasks = [{"word": w, "slow": w in slow} for w in words]
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    out = tmp_path / "run"
+    p = _earl("train", "--agent", f"{tmp_path / 'slow.py'}:agent",
+              "--tasks", str(tmp_path / "tasks.jsonl"), "--output-dir", str(out), "--json",
+              "--steps=2", "--batch_size=8", "--group_size=4", "--max_tokens=4",
+              "--over_sample_groups=1", "--eval_every=0", "--placement.reference=0",
+              "--model.max_model_len=512", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["steps"] == 2 and res["episodes"] == 16
+    rows = [json.loads(x) for x in Path(res["metrics"]).read_text().splitlines()]
+    steps = [r for r in rows if "step" in r and "reward" in r]
+    assert [(r["episodes"], r["groups_cut"]) for r in steps] == [(8, 1), (8, 1)]
+    dump = [json.loads(x) for x in Path(res["trajectories"]).read_text().splitlines()]
+    assert sorted({d["group_id"] for d in dump}) == ["g0", "g1", "g3", "g4"]  # g2, g5 cut
+
+
 def test_bad_agent_and_tasks_fail_before_any_actor(user_dir: Path, tmp_path: Path) -> None:
     tasks = str(user_dir / "train.jsonl")
     cases = [

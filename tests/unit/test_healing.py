@@ -19,7 +19,8 @@ from earl.loop.healing import (
     died_actor,
 )
 from earl.loop.healing_parts import HealingEngine, HealingProduction, SafeCheckpoints
-from earl.loop.producer import BatchResult, GroupTask
+from earl.loop.parts import ActorProduction
+from earl.loop.producer import BatchResult
 from earl.loop.schedule import LoopState
 from earl.runtime.dock_index import Location, LostSample
 from earl.runtime.errors import ActorDied, ActorError
@@ -170,9 +171,12 @@ class _Ep:
             raise ActorDied(f"producer[{self.h.rank}]", "killed")
         if self.name == "note_version":
             return None
+        # play(batch, share, snapshot, need); replay(batch, share, tag, snapshot[, need])
         groups = args[1]
-        return BatchResult(batch=args[0], episodes=[], samples=sum(len(g.samples)
-                                                                   for g in groups), seconds=0)
+        need = args[3] if self.name == "play" else (args[4] if len(args) > 4 else None)
+        kept = groups if need is None else groups[:need]
+        return BatchResult(batch=args[0], episodes=[], samples=sum(len(g.samples) for g in kept),
+                           seconds=0, cut=[g.group_id for g in groups[len(kept):]])
 
 
 class _Producers:
@@ -188,16 +192,15 @@ class _Producers:
         return self.handles[r]
 
 
-class _Production:
-    def __init__(self, n: int) -> None:
-        from earl.observe import Tracer
+class _Tasks:
+    def sample(self, k: int) -> int:
+        return k
 
-        self.producers = _Producers(n)
-        self.groups_per_batch = 2
-        self.tracer = Tracer(False)
 
-    def groups(self, batch: int) -> list[GroupTask]:
-        return [GroupTask(group_id=f"g{batch * 2 + g}", samples=[0, 1]) for g in range(2)]
+def _production(n: int, over_sample: int = 0) -> Any:
+    """A real `ActorProduction` (dealing, cursors, merging) over fake producers."""
+    return ActorProduction(_Producers(n), _Tasks(), groups_per_batch=2,  # type: ignore[arg-type]
+                           group_size=2, shared=True, over_sample=over_sample)
 
 
 class _Dock:
@@ -222,7 +225,7 @@ class _Rt:
 async def test_a_producer_death_replays_its_share_with_fresh_ids() -> None:
     healer = Healer(HealingConfig(), log=lambda s: None)
     healer._rebuilt[("producer", 0)] = 1  # the restart is rebuilt
-    inner = _Production(1)
+    inner = _production(1)
     inner.producers.die_next = 1
     prod = HealingProduction(inner, healer, _Rt(), _Dock([]))  # type: ignore[arg-type]
     res = await asyncio.wait_for(prod.play(3, False), 5)
@@ -234,7 +237,7 @@ async def test_a_producer_death_replays_its_share_with_fresh_ids() -> None:
 
 async def test_lost_groups_are_replayed_except_the_batch_being_replayed() -> None:
     healer = Healer(HealingConfig(), log=lambda s: None)
-    inner = _Production(2)
+    inner = _production(2)
     lost = [LostSample("b000001-0000", "g2", ()), LostSample("b000001-0001", "g2", ()),
             LostSample("b000002-0000", "g4", ())]
     prod = HealingProduction(inner, healer, _Rt(), _Dock(lost))  # type: ignore[arg-type]
@@ -244,6 +247,26 @@ async def test_lost_groups_are_replayed_except_the_batch_being_replayed() -> Non
     assert len(replays) == 1 and replays[0][2][0] == 1
     assert [g.group_id for g in replays[0][2][1]] == ["g2"]
     assert set(healer.ledger.dropped) == {"b000001-0000", "b000001-0001", "b000002-0000"}
+
+
+async def test_over_sampled_batches_keep_each_producers_share_and_record_only_it() -> None:
+    healer = Healer(HealingConfig(), log=lambda s: None)
+    inner = _production(2, over_sample=2)  # 4 groups played, the first 2 to finish kept
+    assert inner.deal(1) == [(0, inner.groups(1)[0::2], 1), (1, inner.groups(1)[1::2], 1)]
+    assert [g.group_id for g in inner.groups(1)] == ["g4", "g5", "g6", "g7"]
+    prod = HealingProduction(inner, healer, _Rt(), _Dock([]))  # type: ignore[arg-type]
+    res = await asyncio.wait_for(prod.play(1, False), 5)
+    assert res.samples == 4 and sorted(res.cut) == ["g6", "g7"]
+    assert [c[2][3] for c in inner.producers.calls] == [1, 1]  # need, per producer
+    assert sorted(healer.ledger.produced.values()) == ["g4", "g4", "g5", "g5"]
+    # a lost group maps back to its batch through the stride of 4 groups per batch
+    prod = HealingProduction(inner, healer, _Rt(), _Dock([LostSample("b1", "g6", ())]))  # type: ignore[arg-type]
+    assert await prod.reproduce_lost("shard died") == 1
+    name, _, (batch, groups, *_) = inner.producers.calls[-1]
+    assert (name, batch, [g.group_id for g in groups]) == ("replay", 1, ["g6"])
+    assert len(inner.producers.calls[-1][2]) == 4  # no `need`: a lost group is played whole
+    three = _production(3)  # 2 groups, 3 producers: the third has nothing to keep
+    assert three.deal(0) == [(0, three.groups(0)[:1], None), (1, three.groups(0)[1:], None)]
 
 
 @dataclass
