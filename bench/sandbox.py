@@ -131,20 +131,22 @@ def _measure(call: Callable[[str], str], calls: int, threads: int,
     wall, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
     if len(lat) != calls:
         raise RuntimeError(f"{calls - len(lat)} calls failed")
-    lat.sort()
-    return {"calls_per_s": calls / wall, "wall_ms_p50": statistics.median(lat) * 1e3,
-            "wall_ms_p90": lat[int(0.9 * (len(lat) - 1))] * 1e3,
-            "cpu_ms_per_call": cpu / calls * 1e3}
+    return _figures(wall, cpu, lat)
 
 
 def _floor(calls: int) -> dict[str, float]:
     out = subprocess.run([sys.executable, "-I", "-S", "-c", _FLOOR, str(calls)],
                          capture_output=True, text=True, check=True).stdout.split()
     wall, cpu, *lat = (float(x) for x in out)
-    lat.sort()
-    return {"calls_per_s": calls / wall, "wall_ms_p50": statistics.median(lat) * 1e3,
+    return _figures(wall, cpu, lat)
+
+
+def _figures(wall: float, cpu: float, lat: list[float]) -> dict[str, float]:
+    """One mode's figures from the span's wall and CPU seconds and the per-call latencies."""
+    lat = sorted(lat)
+    return {"calls_per_s": len(lat) / wall, "wall_ms_p50": statistics.median(lat) * 1e3,
             "wall_ms_p90": lat[int(0.9 * (len(lat) - 1))] * 1e3,
-            "cpu_ms_per_call": cpu / calls * 1e3}
+            "cpu_ms_per_call": cpu / len(lat) * 1e3}
 
 
 def _summarize(runs: list[dict[str, float]]) -> dict[str, Any]:

@@ -22,7 +22,6 @@ lifetime, reading the output, the result.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import functools
 import json
 import os
@@ -43,7 +42,6 @@ from earl.runtime import sandbox_zygote
 __all__ = ["SandboxLimits", "SandboxResult", "close_fork_servers", "isolation_available",
            "run_python"]
 
-_CLONE_NEWNET, _CLONE_NEWUSER, _CLONE_NEWIPC = 0x40000000, 0x10000000, 0x08000000
 _ZYGOTE = str(Path(sandbox_zygote.__file__))
 _REPLY_TIMEOUT_S = 10.0  # a zygote's replies take milliseconds; silence this long means stuck
 _ENV = {"PATH": "/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/work", "LANG": "C.UTF-8",
@@ -107,13 +105,8 @@ def _userns_available() -> bool:
     """Whether an unprivileged user+network namespace can be created here (probed once)."""
     pid = os.fork()
     if pid == 0:
-        os._exit(0 if _libc().unshare(_CLONE_NEWUSER | _CLONE_NEWNET | _CLONE_NEWIPC) == 0
-                 else 1)
+        os._exit(0 if sandbox_zygote.unshare_userns() else 1)
     return os.waitpid(pid, 0)[1] == 0
-
-
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
 
 
 class _Zygote:
@@ -148,8 +141,8 @@ class _Zygote:
 
     def start(self, limits: SandboxLimits, code_fd: int, out_fd: int) -> int:
         """Fork a run reading its program from `code_fd` and writing to `out_fd`; its pid."""
-        fields = ("cpu_s", "memory_mb", "max_procs", "file_mb", "disk_mb")
-        return self._ask({"op": "start", "limits": {k: getattr(limits, k) for k in fields}},
+        return self._ask({"op": "start", "limits": {k: getattr(limits, k)
+                                                     for k in sandbox_zygote.LIMIT_FIELDS}},
                          [code_fd, out_fd], "pid")
 
     def finish(self, pid: int) -> int:

@@ -39,14 +39,14 @@ import sys
 import tempfile
 import traceback
 
-__all__ = ["UID_BASE", "kill_run", "serve"]
+__all__ = ["LIMIT_FIELDS", "UID_BASE", "kill_run", "serve", "unshare_userns"]
 
 UID_BASE = 1_000_000  # run uid = base + run pid: unique among live runs, never a real user
 _CLONE_NEWNS, _CLONE_NEWNET, _CLONE_NEWUSER = 0x00020000, 0x40000000, 0x10000000
 _CLONE_NEWIPC = 0x08000000
 _MS_RDONLY, _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 1, 32, 4096, 16384, 1 << 18
 _PR_SET_PDEATHSIG = 1
-_LIMITS = ("cpu_s", "memory_mb", "max_procs", "file_mb", "disk_mb")
+LIMIT_FIELDS = ("cpu_s", "memory_mb", "max_procs", "file_mb", "disk_mb")  # the start request's
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -97,6 +97,12 @@ def _enter_root(root: str) -> None:
     os.chdir("/")
 
 
+def unshare_userns() -> bool:
+    """Move this process into new user, network and IPC namespaces; False where the kernel
+    refuses (unprivileged user namespaces off)."""
+    return _libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET | _CLONE_NEWIPC) == 0
+
+
 def kill_run(pid: int, uid: int | None) -> None:
     """Kill the run's process group and, with a run uid, every process of that uid."""
     try:
@@ -143,8 +149,7 @@ def _become_run(limits: dict[str, int], code_fd: int, out_fd: int, work: str | N
         with open("main.py", "w", encoding="utf-8") as f:
             f.write(source)
         os.environ.update(HOME=work, TMPDIR=work)
-        # best effort: fails where user namespaces are off
-        _libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET | _CLONE_NEWIPC)
+        unshare_userns()  # best effort: fails where user namespaces are off
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setuid, which clears it
     resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))
     resource.setrlimit(resource.RLIMIT_AS, (limits["memory_mb"] * mb, limits["memory_mb"] * mb))
@@ -170,7 +175,7 @@ def _run_child(limits: dict[str, int], code_fd: int, out_fd: int, work: str | No
 def _parse_limits(raw: object) -> dict[str, int]:
     if not isinstance(raw, dict):
         raise TypeError("limits must be an object")
-    out = {k: raw.get(k) for k in _LIMITS}
+    out = {k: raw.get(k) for k in LIMIT_FIELDS}
     bad = [k for k, v in out.items() if not isinstance(v, int) or isinstance(v, bool) or v <= 0]
     if bad:
         raise ValueError(f"limits {bad} must be positive integers")

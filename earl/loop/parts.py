@@ -35,8 +35,6 @@ class ActorProduction:
     def __init__(self, producers: ActorGroup[ProducerActor], tasks: TaskSource, *,
                  groups_per_batch: int, group_size: int, shared: bool, over_sample: int = 0,
                  tracer: Tracer | None = None) -> None:
-        if over_sample < 0:
-            raise ValueError(f"over_sample must be >= 0, got {over_sample}")
         self.producers, self.tasks = producers, tasks
         self.groups_per_batch, self.group_size, self.shared = groups_per_batch, group_size, shared
         self.over_sample = over_sample
