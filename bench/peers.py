@@ -250,6 +250,14 @@ def _mean(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "spread": round((max(tps) - min(tps)) / statistics.fmean(tps), 3), "runs": runs}
 
 
+def _versus(side: dict[str, Any], trl: dict[str, Any]) -> dict[str, float]:
+    """`side`'s ratios of the rates to TRL's, and its eval reward minus TRL's."""
+    out = {f"ratio_{k}": round(side[k] / max(trl[k], 1e-9), 2)
+           for k in ("trajectories_per_s", "tokens_per_s", "turns_per_s")}
+    return {**out, "quality_delta": round(side["final_eval"]["reward"]
+                                          - trl["final_eval"]["reward"], 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object (always on)")
@@ -314,24 +322,13 @@ def main() -> None:
                 spgs = [max(spgs, key=lambda g: trl_runs[g][0]["trajectories_per_s"])]
     best = spgs[0]
     e, t = _mean(earl_runs), _mean(trl_runs[best])
-    over: dict[str, Any] | None = None
-    if over_runs:
-        o = _mean(over_runs)
-        over = {**o, "over_sample_groups": a.earl_over_sample,
-                "ratio_trajectories_per_s": round(o["trajectories_per_s"]
-                                                  / t["trajectories_per_s"], 2),
-                "ratio_turns_per_s": round(o["turns_per_s"] / t["turns_per_s"], 2),
-                "ratio_tokens_per_s": round(o["tokens_per_s"] / max(t["tokens_per_s"], 1e-9), 2),
-                "quality_delta": round(o["final_eval"]["reward"] - t["final_eval"]["reward"], 3)}
+    over = {**_mean(over_runs), "over_sample_groups": a.earl_over_sample} if over_runs else None
     print(json.dumps({
-        "earl": e, "trl": t, "earl_over_sampled": over,
+        "earl": e, "trl": t,
+        "earl_over_sampled": over and {**over, **_versus(over, t)},
         "trl_candidates": {str(g): {k: v for k, v in _mean(r).items() if k != "runs"}
                            for g, r in trl_runs.items()},
-        "trl_steps_per_generation": best,
-        "ratio_trajectories_per_s": round(e["trajectories_per_s"] / t["trajectories_per_s"], 2),
-        "ratio_tokens_per_s": round(e["tokens_per_s"] / max(t["tokens_per_s"], 1e-9), 2),
-        "ratio_turns_per_s": round(e["turns_per_s"] / max(t["turns_per_s"], 1e-9), 2),
-        "quality_delta": round(e["final_eval"]["reward"] - t["final_eval"]["reward"], 3),
+        "trl_steps_per_generation": best, **_versus(e, t),
         "task": a.task, "threshold": a.threshold, "rounds": rounds, "budget_s": seconds,
         "recipe": RECIPE, "earl_max_policy_lag": a.earl_lag, "model": model.name, "trl_threads": a.trl_threads,
         "loadavg_start": round(load0, 2), "loadavg_end": round(os.getloadavg()[0], 2),
