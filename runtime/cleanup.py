@@ -2,7 +2,7 @@
 
 Every name EARL puts in the temp directory or /dev/shm carries its owner's pid
 (`earl-<pid>-XXXX` run dirs with their sockets, `earl-shm-<pid>-XXXX` and `earl-zmq-<pid>-XXXX`
-receiver dirs, `earl-sandbox-<pid>-XXXX` sandbox runs, `/dev/shm/earl-<run>-<pid>-<n>` segments). A process that exits normally removes its own; one
+receiver dirs, `earl-sandbox-<pid>-XXXX` sandbox runs, `/dev/shm/earl-<run>-<pid>-<random>` segments). A process that exits normally removes its own; one
 that was SIGKILLed cannot, so the root `Runtime` sweeps, when it starts and when it exits, every
 such entry of this user whose owner pid is gone. A live pid (even a reused one) is never touched.
 This module knows nothing about runtimes; it only removes files.
@@ -18,8 +18,8 @@ import tempfile
 __all__ = ["SEGMENT_RE", "cleanup_leaked_segments", "pid_alive", "run_dir_prefix", "sweep"]
 
 SHM_DIR = "/dev/shm"
-# earl-<run>-<pid>-<n> (shm.py, shm_arena.py); receivers also use it to refuse forged names
-SEGMENT_RE = re.compile(r"^earl-([0-9a-z]+)-(\d+)-(\d+)$")
+# earl-<run>-<pid>-<random> (shm_arena.create_segment); receivers use it to refuse forged names
+SEGMENT_RE = re.compile(r"^earl-([0-9a-z]+)-(\d+)-([0-9a-f]{16})$")
 _DIR_RE = re.compile(r"^earl-(?:shm-|zmq-|sandbox-)?(\d+)-[A-Za-z0-9_]+$")
 
 

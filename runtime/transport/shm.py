@@ -1,6 +1,6 @@
 """Same-host shared-memory transport with a reusable segment pool and zero-copy receive.
 
-The sender copies a frame's buffers once into a segment it owns (``/dev/shm/earl-<run>-<pid>-<n>``)
+The sender copies a frame's buffers once into a segment it owns (``/dev/shm/earl-<run>-<pid>-<random>``)
 and sends a tiny descriptor over a ZMQ control socket; the receiver maps the segment read-only
 and hands out views -- no second copy. `Frame.release()` returns the segment to the sender's pool,
 so steady-state transfers touch only warm pages (first touch of fresh memory costs ~10x a warm copy).
@@ -38,7 +38,7 @@ import zmq
 from earl.runtime.cleanup import SEGMENT_RE, SHM_DIR, cleanup_leaked_segments
 from earl.runtime.transport import shm_arena
 from earl.runtime.transport.base import Buffer, Frame, TransportError, as_bytes_view
-from earl.runtime.transport.shm_arena import PREFIX, aligned
+from earl.runtime.transport.shm_arena import aligned
 
 _MIN_SEGMENT = 1 << 20
 
@@ -63,9 +63,9 @@ def _segment_size(nbytes: int) -> int:
 
 
 class _Segment:
-    def __init__(self, name: str, size: int, shm_dir: str) -> None:
-        self.name, self.size, self.path = name, size, os.path.join(shm_dir, name)
-        self.map = shm_arena.create_mapped(self.path, size)
+    def __init__(self, run: str, size: int, shm_dir: str) -> None:
+        self.name, self.map = shm_arena.create_segment(shm_dir, run, size)
+        self.size, self.path = size, os.path.join(shm_dir, self.name)
         self.view = memoryview(self.map)
 
     def destroy(self) -> None:
@@ -226,11 +226,10 @@ class ShmSender:
                 self._pool_bytes -= old.size
                 old.destroy()
             if self._pool_bytes + size <= self._max_pool_bytes or not self._busy:
+                seg = _Segment(self._run, size, self._shm_dir)
                 self._seq += 1
-                name = f"{PREFIX}{self._run}-{os.getpid()}-{self._seq}"
-                seg = _Segment(name, size, self._shm_dir)
                 self._pool_bytes += size
-                self._busy[name] = seg
+                self._busy[seg.name] = seg
                 return seg
             left = deadline - time.monotonic()
             if left <= 0:
@@ -385,10 +384,12 @@ class ShmReceiver:
         mm = self._maps.get(key)
         if mm is None:
             try:
-                fd = os.open(os.path.join(self._shm_dir, name), os.O_RDONLY)
+                fd = os.open(os.path.join(self._shm_dir, name), os.O_RDONLY | os.O_NOFOLLOW)
             except FileNotFoundError as e:
                 raise TransportError(f"shm segment {name} vanished (sender died?)") from e
             try:
+                if os.fstat(fd).st_uid != os.geteuid():  # planted by another user
+                    raise TransportError(f"shm segment {name} is not owned by this user")
                 mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
             finally:
                 os.close(fd)

@@ -1,7 +1,7 @@
 """Shared-memory storage that same-host receivers read in place: zero-copy sends of stored data.
 
 A `ShmArena` holds arrays in segments under /dev/shm (named like the shm transport's pool
-segments, ``earl-<run>-<pid>-<n>``, so the leak sweep covers them). `store` copies an array in
+segments, ``earl-<run>-<pid>-<random>``, so the leak sweep covers them). `store` copies an array in
 once and returns a read-only view of the stored bytes. When a `ShmSender` sends buffers that are
 such views, it sends their segment names and offsets instead of copying them: the receiver maps
 the producer's pages read-only. The warehouse keeps experience here, so a consumer's fetch costs
@@ -21,6 +21,7 @@ import atexit
 import bisect
 import mmap
 import os
+import secrets
 import threading
 import uuid
 import weakref
@@ -33,7 +34,8 @@ from earl.runtime.cleanup import SHM_DIR
 
 __all__ = ["ArenaSegment", "ArenaStatistics", "Placement", "ShmArena", "locate"]
 
-PREFIX = "earl-"  # segment names: earl-<run>-<pid>-<n> (runtime.cleanup sweeps them)
+PREFIX = "earl-"  # segment names: earl-<run>-<pid>-<random> (runtime.cleanup sweeps them)
+_NAME_TRIES = 16
 ALIGN = 64
 _LIVE: weakref.WeakSet[ShmArena] = weakref.WeakSet()
 
@@ -49,22 +51,37 @@ def _address(buf: object) -> int:
     return int(arr.__array_interface__["data"][0])
 
 
-def create_mapped(path: str, size: int) -> mmap.mmap:
-    """A new file of `size` bytes at `path` (owner-only; fails if it exists), mapped read-write."""
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, size)
-        return mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
+def create_segment(shm_dir: str, run: str, size: int) -> tuple[str, mmap.mmap]:
+    """A new owner-only segment file of `size` bytes in `shm_dir`, mapped read-write.
+
+    Its name ends in 64 random bits, not a counter: /dev/shm is world-writable, so another user
+    could otherwise pre-create the next name and make this call fail. A name that exists anyway
+    (created by someone else) is skipped for a fresh one.
+
+    Returns:
+        (name, mapping).
+    """
+    for _ in range(_NAME_TRIES):
+        name = f"{PREFIX}{run}-{os.getpid()}-{secrets.token_hex(8)}"
+        try:
+            fd = os.open(os.path.join(shm_dir, name),
+                         os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            continue
+        try:
+            os.ftruncate(fd, size)
+            return name, mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+    raise FileExistsError(f"{_NAME_TRIES} random shm segment names in {shm_dir} all existed")
 
 
 class ArenaSegment:
     """One shared-memory file of an arena, with its bump pointer and reference counts."""
 
-    def __init__(self, name: str, size: int, shm_dir: str) -> None:
-        self.name, self.size, self.path = name, size, os.path.join(shm_dir, name)
-        self.map = create_mapped(self.path, size)
+    def __init__(self, run: str, size: int, shm_dir: str) -> None:
+        self.name, self.map = create_segment(shm_dir, run, size)
+        self.size, self.path = size, os.path.join(shm_dir, self.name)
         self.bytes = np.frombuffer(self.map, np.uint8)
         self.base = _address(self.bytes)
         self.used = 0  # bump pointer
@@ -106,7 +123,6 @@ class ShmArena:
             raise ValueError(f"segment_bytes must be >= {ALIGN}, got {segment_bytes}")
         self._segment_bytes, self._max_spare, self._shm_dir = segment_bytes, max_spare, shm_dir
         self._run = "a" + uuid.uuid4().hex[:7]
-        self._seq = 0
         self._lock = threading.Lock()
         self._segments: dict[str, ArenaSegment] = {}
         # sorted base addresses and their segments; replaced whole, so `find` needs no lock
@@ -189,13 +205,11 @@ class ShmArena:
         return seg
 
     def _new_segment(self, nbytes: int) -> ArenaSegment:
-        self._seq += 1
-        name = f"{PREFIX}{self._run}-{os.getpid()}-{self._seq}"
         size = self._segment_bytes  # a big array's: whole MiB, so later ones can reuse it
         if nbytes > size:
             size = -(-nbytes // (1 << 20)) << 20
-        seg = ArenaSegment(name, size, self._shm_dir)
-        self._segments[name] = seg
+        seg = ArenaSegment(self._run, size, self._shm_dir)
+        self._segments[seg.name] = seg
         self._reindex()
         return seg
 
