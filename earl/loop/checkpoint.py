@@ -2,8 +2,10 @@
 
 A checkpoint is a folder `checkpoint/step-NNNNNN/` holding the parts (the trainer's own
 folder, the producers' estimator states, the loop state), and `checkpoint/manifest.json`,
-written last and atomically, naming the folder and its step. A crash between parts leaves the
-previous manifest in force. `load` verifies each part's step against the manifest, and
+written last and atomically, naming the folder and its step. A save writes into a staging
+folder and renames it to an unused name before the manifest switches, so nothing of the
+checkpoint in force is touched until a whole new one is in place: a crash or a full disk anywhere
+in a save (re-saving the step in force included) leaves the previous one in force. `load` verifies each part's step against the manifest, and
 `trim_logs` cuts `metrics.jsonl` and the trajectory dumps back to the checkpoint so a resumed
 run does not count the replayed steps twice. Nothing here talks to actors: the caller hands
 in async callables that save and load the trainer.
@@ -23,6 +25,7 @@ from earl.loop.schedule import LoopState
 __all__ = ["CheckpointError", "CheckpointStore", "trim_logs"]
 
 MANIFEST = "manifest.json"
+STAGING = ".staging-step-"  # a save in progress; never named by a manifest
 
 
 class CheckpointError(ValueError):
@@ -55,22 +58,41 @@ class CheckpointStore:
         root.mkdir(parents=True, exist_ok=True)
 
     async def save(self, state: LoopState, critic_batch: int | None) -> None:
-        """Write every part of step `state.step`, then the manifest (last, atomic)."""
-        folder = self.root / f"step-{state.step:06d}"
-        if folder.exists():
-            shutil.rmtree(folder)
-        folder.mkdir()
-        await self.save_trainer(str(folder / "trainer"))
-        producers = await self.producer_states(critic_batch)
-        _write_json(folder / "producers.json", {"step": state.step, "states": producers})
-        d = asdict(state)
-        d["wall_before"] = self.wall()
-        _write_json(folder / "state.json", d)
+        """Write every part of step `state.step`, then switch the manifest to it (atomic).
+
+        The parts are written under a staging folder that no manifest names, which is then
+        renamed to a folder name not in use (`step-NNNNNN`, or `step-NNNNNN-K` when that step is
+        already saved, e.g. in force after a resume). So a crash or a full disk at any point
+        leaves the checkpoint in force whole, re-saving the same step included; older folders
+        are removed only after the manifest names the new one.
+        """
+        staging = self.root / f"{STAGING}{state.step:06d}"
+        shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
+        staging.mkdir()
+        try:
+            await self.save_trainer(str(staging / "trainer"))
+            producers = await self.producer_states(critic_batch)
+            _write_json(staging / "producers.json", {"step": state.step, "states": producers})
+            d = asdict(state)
+            d["wall_before"] = self.wall()
+            _write_json(staging / "state.json", d)
+            folder = self._unused_folder(state.step)
+            staging.rename(folder)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         _write_json(self.root / MANIFEST, {"step": state.step, "folder": folder.name,
                                            "parts": ["trainer", "producers.json", "state.json"]})
         for old in self.root.glob("step-*"):
             if old != folder:
                 shutil.rmtree(old, ignore_errors=True)
+
+    def _unused_folder(self, step: int) -> Path:
+        folder, k = self.root / f"step-{step:06d}", 0
+        while folder.exists():
+            k += 1
+            folder = self.root / f"step-{step:06d}-{k}"
+        return folder
 
     def manifest(self) -> dict[str, object]:
         path = self.root / MANIFEST

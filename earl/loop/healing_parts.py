@@ -22,9 +22,7 @@ Not here: watching restarts and rewinds (`earl.loop.healing`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
-import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -260,11 +258,7 @@ class SafeCheckpoints:
             if who is not None and who[0] != "producer":
                 raise  # the trainer's or the dock's death rewinds the run
             why = str(exc).splitlines()[0][:300]
-            self.failed.append((state.step, why))
-            folder = Path(self.inner.root) / f"step-{state.step:06d}"
-            with contextlib.suppress(ValueError, OSError):
-                if self.inner.manifest().get("folder") != folder.name:
-                    shutil.rmtree(folder, ignore_errors=True)
+            self.failed.append((state.step, why))  # the store removed what it had staged
             self.healer.note("checkpoint_failed", "driver", step=state.step, error=why)
             self.healer.log(f"healing: checkpoint at step {state.step} failed ({why}); the "
                             "previous checkpoint stays in force, the run goes on")
