@@ -16,7 +16,10 @@ Authentication comes before allocation: right after HELLO each side sends a MAC'
 and until a peer's first frame has passed its MAC check that peer may not declare a frame larger
 than `UNAUTH_MAX_BYTES` (such frames are parsed in the connection's fixed 64 KiB buffer) and one
 bad MAC closes the connection. So an unauthenticated peer costs at most that buffer, and a
-client with the wrong secret fails at connect time (mutual authentication). Servers also cap how
+client with the wrong secret fails at connect time (mutual authentication). Without a secret
+(unix sockets, private to the user), a peer is trusted from its first frame, but a large frame's
+buffer is an anonymous mapping whose pages are committed only as its bytes arrive: a header
+announcing 256 MiB costs address space, not memory, until 256 MiB are sent. Servers also cap how
 many connections may be unauthenticated at once and for how long (`earl.runtime.server`).
 
 Frames sent during one event-loop iteration are coalesced into one write (writev) at the end of
@@ -35,6 +38,7 @@ import enum
 import hashlib
 import hmac
 import logging
+import mmap
 import os
 import struct
 from typing import Any
@@ -125,7 +129,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._buf = bytearray(_SMALL)
         self._view = memoryview(self._buf)
         self._lo = self._hi = 0
-        self._big: bytearray | None = None
+        self._big: mmap.mmap | None = None
         self._big_filled = 0
         self._discard = 0
         self._dropped = False
@@ -320,7 +324,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 continue
             if avail < total:
                 if total > _SMALL:  # read the rest of this frame straight into its own buffer
-                    self._big = bytearray(total)
+                    # an anonymous mapping: pages are committed as bytes arrive, so a header
+                    # that declares a big frame costs address space, not memory
+                    self._big = mmap.mmap(-1, total)
                     self._big[:avail] = view[lo:hi]
                     self._big_filled = avail
                     lo = hi = 0

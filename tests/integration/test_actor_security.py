@@ -11,6 +11,7 @@ import textwrap
 
 import msgpack
 import numpy as np
+import psutil
 import pytest
 import pytest_asyncio
 
@@ -141,6 +142,49 @@ async def test_unix_sockets_are_private_to_the_user():
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
         assert stat.S_IMODE(os.stat(rt.run_dir).st_mode) == 0o700
         assert await g.ping.call_one() == "pong"
+
+
+def _rss_mb(pid: int) -> float:
+    return psutil.Process(pid).memory_info().rss / 2**20
+
+
+async def _declare_big_frames(address: str, n: int = 8) -> list[asyncio.StreamWriter]:
+    """The probe: n connections each announcing a 256 MiB frame and sending 1 kB of it."""
+    writers = []
+    for _ in range(n):
+        _, writer = await asyncio.open_unix_connection(address.removeprefix("unix:"))
+        writer.write(HEADER.pack((256 << 20) - 4, MAGIC, Kind.CALL, 0, 1, 10) + b"x" * 1000)
+        await writer.drain()
+        writers.append(writer)
+    await asyncio.sleep(0.5)  # let the server read what was sent
+    return writers
+
+
+async def test_a_unix_socket_peer_cannot_make_the_actor_allocate():
+    async with Runtime() as rt:  # unix sockets, no secret
+        g = await rt.spawn("vault", Vault)
+        pid = (await rt.dir_call("lookup", "vault")).pids[0]
+        before = _rss_mb(pid)
+        writers = await _declare_big_frames(g.addresses[0])
+        grown = _rss_mb(pid) - before
+        for w in writers:
+            w.close()
+        assert grown < 64, f"the actor grew by {grown:.0f} MB on headers alone"
+        assert await g.ping.call_one() == "pong"
+
+
+async def test_a_server_without_a_secret_commits_memory_only_as_bytes_arrive(tmp_path):
+    async with asyncio.TaskGroup() as tg:
+        srv = server_mod.Server(Vault(), "bare", spawn=tg.create_task, max_bytes=512 << 20,
+                                secret=None)
+        address = await srv.start(f"unix:{tmp_path}/bare.sock")
+        before = _rss_mb(os.getpid())
+        writers = await _declare_big_frames(address)
+        grown = _rss_mb(os.getpid()) - before
+        for w in writers:
+            w.close()
+        srv.close()
+    assert grown < 64, f"the server grew by {grown:.0f} MB on headers alone"
 
 
 _ATTACK = textwrap.dedent("""
