@@ -19,6 +19,13 @@ Faults (each at a random point of a step, one at a time):
                  each call must come back as a timeout error after --tool-timeout-s while
                  the producer goes on (the job's agent calls a `probe` tool before each game,
                  earl.commands.chaos_probe)
+  squat:shm      another user (uid 65534 as root) pre-creates the names the run's next
+                 /dev/shm segments could take, for a few seconds: no actor may fail
+  slowloris      another user holds half-sent HTTP requests to the producer's OpenAI
+                 endpoint, more than the producer may open files, for 10 s: the endpoint must
+                 still answer a new request, and no actor may fail
+  kill:resave    SIGKILL of the trainer while the checkpoint in force is saved again (as a
+                 resumed run re-saves its step): the rewind must find that checkpoint whole
 
 The JSON line: `faults_injected`, `recovered`, `samples_lost`, `samples_duplicated` (every
 sample produced is trained exactly once or accounted for as dropped with its reason, in
@@ -38,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from earl.commands.chaos_attacks import open_files_limit, plant_shm_names, slowloris
 from earl.commands.chaos_faults import (
     corrupt,
     delay_requests,
@@ -52,7 +60,8 @@ __all__ = ["main"]
 
 QUICK = ["kill:producer", "corrupt_frame", "kill:rollout", "delay", "disk_full",
          "kill:reference"]
-FULL = QUICK + ["kill:dock", "kill:trainer", "drop:producer", "drop:reference", "stall:tool"]
+FULL = QUICK + ["kill:dock", "kill:trainer", "drop:producer", "drop:reference", "stall:tool",
+                "squat:shm", "slowloris", "kill:resave"]
 SMALL = ["--warm_start.steps=0", "--batch_size=8", "--group_size=4", "--eval_games=4",
          "--eval_every=0", "--checkpoint_every=2", "--time_limit_minutes=30"]
 
@@ -73,7 +82,8 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     faults = args.faults.split(",") if args.faults else (QUICK if args.quick else FULL)
     for f in faults:
-        if f not in ("corrupt_frame", "delay", "disk_full", "stall:tool") and not (
+        if f not in ("corrupt_frame", "delay", "disk_full", "stall:tool", "squat:shm",
+                     "slowloris", "kill:resave") and not (
                 f.startswith("kill:") and f[5:] in ("rollout", "producer", "reference", "dock",
                                                     "trainer")) and not (
                 f.startswith("drop:") and f[5:] in ("producer", "reference")):
@@ -185,6 +195,9 @@ class Injector:
         self.pids: set[int] = set()
         span = max(job.cfg.steps - 2, 1)
         self.plan = [1 + (i * span) // max(len(faults), 1) for i in range(len(faults))]
+        if "kill:resave" in faults:  # it needs a checkpoint in force: after the first one
+            i = faults.index("kill:resave")
+            self.plan[i] = max(self.plan[i], job.cfg.checkpoint_every)
         self.fired = [asyncio.Event() for _ in faults]
         self.settled = [asyncio.Event() for _ in faults]  # one fault at a time
         self.tasks: list[asyncio.Task[None]] = []
@@ -248,6 +261,12 @@ class Injector:
 
     async def _inject(self, fault: str, fired: asyncio.Event) -> dict[str, Any]:
         healer = self.job.healer
+        if fault == "kill:resave":
+            return await self._kill_resave(fired)
+        if fault == "squat:shm":
+            return await self._squat_shm(fired)
+        if fault == "slowloris":
+            return await self._slowloris(fired)
         if fault.startswith("kill:"):
             name = fault[5:]
             rec = await self.rt.dir_call("lookup", name)
@@ -357,6 +376,93 @@ class Injector:
                                        if e["event"] == "checkpoint_failed"]) > before, 300)
         filler.unlink(missing_ok=True)
         return {"recovered": ok, "mode": "tmpfs" if self.disk else "injected"}
+
+
+    async def _squat_shm(self, fired: asyncio.Event) -> dict[str, Any]:
+        """Recovered: names were planted while the run made segments, and no actor failed."""
+        before = dict(self.job.healer.restarts), self.job.healer.rewinds
+        attack = plant_shm_names(max(4.0, 3 * self._dt))
+        fired.set()
+        res = await asyncio.to_thread(attack.result, 120.0)
+        after = dict(self.job.healer.restarts), self.job.healer.rewinds
+        return {"as_uid": attack.as_user, "planted": res.get("planted", 0),
+                "recovered": res.get("planted", 0) > 0 and after == before}
+
+    async def _slowloris(self, fired: asyncio.Event) -> dict[str, Any]:
+        """Recovered: while the attack holds more half-sent requests than the producer may open
+        files, a new request to its endpoint is answered (401: it has no key), the producer
+        answers its RPC, the server closed attack connections, and no actor failed."""
+        import psutil
+
+        rec = await self.rt.dir_call("lookup", "producer")
+        pid = rec.pids[0]
+        ports = sorted({c.laddr.port for c in psutil.Process(pid).net_connections("tcp")
+                        if c.status == psutil.CONN_LISTEN and c.laddr.ip == "127.0.0.1"})
+        if not ports:
+            return {"recovered": False, "note": "the producer listens on no loopback port"}
+        before = dict(self.job.healer.restarts), self.job.healer.rewinds
+        n = open_files_limit(pid) + 500
+        attacks = [a for port in ports for a in slowloris(port, n, 10.0)]
+        for a in attacks:
+            await asyncio.to_thread(a.wait_ready)
+        fired.set()
+        answered = [await _http_status(port, 30.0) for port in ports]
+        group = await self.rt.lookup("producer")
+        rpc = isinstance(await group[0].state_dict.call_one(None), dict)
+        res = [await asyncio.to_thread(a.result, 120.0) for a in attacks]
+        after = dict(self.job.healer.restarts), self.job.healer.rewinds
+        opened = sum(r.get("opened", 0) for r in res)
+        closed = sum(r.get("closed_by_server", 0) for r in res)
+        return {"as_uid": attacks[0].as_user, "ports": ports, "connections": opened,
+                "closed_by_server": closed, "answered": answered, "producer_rpc": rpc,
+                "recovered": all(answered) and rpc and closed > 0 and after == before}
+
+    async def _kill_resave(self, fired: asyncio.Event) -> dict[str, Any]:
+        """Save the checkpoint in force again, SIGKILL the trainer while it writes, and check
+        the rewind that follows starts from that checkpoint (the run's own recovery)."""
+        from earl.loop.checkpoint import MANIFEST, CheckpointStore
+
+        job, healer = self.job, self.job.healer
+        pid = (await self.rt.dir_call("lookup", "trainer")).pids[0]
+        def rewinds() -> list[dict[str, Any]]:
+            return [e for e in healer.events if e["event"] == "rewind"]
+
+        before = len(rewinds())
+
+        async def killed_midway(folder: str) -> None:
+            os.kill(pid, 9)
+            fired.set()
+            await job._save_trainer(folder)
+
+        root = Path(job.out) / "checkpoint"
+        if not await _until(lambda: (root / MANIFEST).is_file(), 300):
+            return {"recovered": False, "note": "no checkpoint in force within 300 s"}
+        store = CheckpointStore(root, save_trainer=killed_midway,
+                                producer_states=job._producer_states, wall=job.elapsed)
+        state, _, _ = store.load()
+        try:
+            await store.save(state, None)
+        except Exception:  # noqa: BLE001, S110 - the trainer died under it: expected
+            pass
+        fired.set()
+        ok = await _until(lambda: len(rewinds()) > before, 300)
+        to = rewinds()[-1].get("to_step") if ok else None
+        return {"pid": pid, "step_in_force": state.step, "rewound_to": to,
+                "recovered": ok and to == state.step}
+
+
+async def _http_status(port: int, timeout: float) -> int:
+    """The status code of a bare POST to 127.0.0.1:`port` (0 when nothing came back)."""
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port),
+                                                timeout)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\n"
+                     b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
+        line = await asyncio.wait_for(reader.readline(), timeout)
+        writer.close()
+        return int(line.split()[1])
+    except (OSError, TimeoutError, ValueError, IndexError):
+        return 0
 
 
 def _hung(run: asyncio.Future[Any]) -> None:

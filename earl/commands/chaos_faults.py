@@ -119,13 +119,13 @@ def orphans(pids: set[int]) -> dict[str, list[str]]:
     import glob
     import re
 
-    from earl.runtime.cleanup import pid_alive
+    from earl.runtime.cleanup import SEGMENT_RE, pid_alive
 
     procs = [str(p) for p in sorted(pids) if p != os.getpid() and pid_alive(p)]
     shm, dirs = [], []
     for path in glob.glob("/dev/shm/earl-*"):
-        m = re.match(r"^earl-[0-9a-z]+-(\d+)-\d+$", os.path.basename(path))
-        if m and int(m.group(1)) in pids:
+        m = SEGMENT_RE.match(os.path.basename(path))
+        if m and int(m.group(2)) in pids:
             shm.append(path)
     for base in sorted({tempfile.gettempdir(), "/tmp"}):
         for path in glob.glob(os.path.join(base, "earl-*")):
