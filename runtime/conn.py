@@ -2,8 +2,10 @@
 
 A `Connection` matches replies to requests by id and resolves futures straight from the
 protocol callback (no task per call). When the socket closes, every pending call and open
-stream fails at once with `ActorDied`; later calls on a dead address fail immediately too, until
-the pool learns a new address for that actor (a restart). This module knows nothing about
+stream fails at once with `ActorDied` (cause "connection_lost", or what the pool's owner was told:
+an exit code, a signal, a stop); later calls on a dead address fail immediately too, until the
+pool learns a new address for that actor (a restart). An ERR reply becomes an `ActorError` with
+the failure's data (`earl.runtime.errors.error_from_wire`). This module knows nothing about
 endpoints, groups or processes.
 """
 
@@ -14,7 +16,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-from earl.runtime.errors import ActorDied, ActorError, BadCall
+from earl.runtime.errors import ActorDied, BadCall, Cause, error_from_wire
 from earl.runtime.frames import FrameProtocol, Kind, derive_key
 from earl.runtime.wire import WireError, decode, encode
 
@@ -30,7 +32,7 @@ class Connection(FrameProtocol):
         self.pending: dict[int, asyncio.Future[Any]] = {}
         self.streams: dict[int, asyncio.Queue[tuple[int, Any]]] = {}
         self.dead: ActorDied | None = None
-        self.death_reason: str | None = None
+        self.death: ActorDied | None = None  # why the line goes down, when known beforehand
         self.on_lost: Any = None  # called once with this connection when it dies
         self.calls_lost = 0  # calls and streams in flight when the connection was lost
         self._rid = itertools.count(1)
@@ -101,8 +103,7 @@ class Connection(FrameProtocol):
             if kind == Kind.END:
                 return None
             if kind == Kind.ERR:
-                typ, msg, tb = decode(body)
-                return ActorError(self.label, typ, msg, tb)
+                return error_from_wire(self.label, decode(body))
             if kind == Kind.REJECT:
                 return BadCall(self.label, "BadCall", decode(body))
         except WireError as e:
@@ -140,20 +141,24 @@ class Connection(FrameProtocol):
             self.hello.set_exception(ValueError(
                 f"actor {self.label} failed the authentication handshake ({reason}): "
                 "this process and the actor do not share RuntimeConfig.secret"))
-        self.death_reason = f"connection dropped: {reason}"
+        self.death = self._died(f"connection dropped: {reason}", "connection_lost")
         super().drop(reason)
 
     def connection_lost(self, exc: Exception | None) -> None:
         # Replies still owed when the line went down are lost: the pool's owner may then treat
         # a process that still runs as dead (`Pool.on_broken`).
         self.calls_lost = len(self.pending) + len(self.streams)
-        self.mark_dead(self.death_reason or "connection lost"
-                       + (f" ({type(exc).__name__}: {exc})" if exc else ""))
+        self.mark_dead(self.death or self._died(
+            "connection lost" + (f" ({type(exc).__name__}: {exc})" if exc else ""),
+            "connection_lost"))
 
-    def mark_dead(self, reason: str) -> None:
-        """Fail every pending call and stream now; later calls fail immediately."""
+    def _died(self, reason: str, cause: Cause) -> ActorDied:
+        return ActorDied(self.label, reason, cause=cause)
+
+    def mark_dead(self, death: ActorDied) -> None:
+        """Fail every pending call and stream now with `death`; later calls fail immediately."""
         if self.dead is None:
-            self.dead = ActorDied(self.label, reason)
+            self.dead = death
         err = self.dead
         pending, self.pending = self.pending, {}
         for fut in pending.values():
@@ -218,7 +223,8 @@ async def connect(address: str, label: str, *, max_bytes: int, secret: bytes | N
                     conn.transport.close()
                 raise
     except (OSError, TimeoutError) as e:
-        raise ActorDied(label, f"cannot connect to {address}: {type(e).__name__}: {e}") from None
+        raise ActorDied(label, f"cannot connect to {address}: {type(e).__name__}: {e}",
+                        cause="unreachable") from None
     return conn
 
 
@@ -276,18 +282,19 @@ class Pool:
         if conn.calls_lost and self.on_broken is not None:
             self.on_broken(address)
 
-    def mark_dead(self, address: str, label: str, reason: str) -> None:
-        """The owner learned the actor at `address` died: fail its calls now, remember it."""
-        self.dead[address] = ActorDied(label, reason)
+    def mark_dead(self, address: str, death: ActorDied) -> None:
+        """The owner learned the actor at `address` died (`death` says how): fail its calls
+        now, remember it."""
+        self.dead[address] = death
         conn = self.conns.pop(address, None)
         if conn is not None:
-            conn.death_reason = reason
-            conn.mark_dead(reason)
+            conn.death = death
+            conn.mark_dead(death)
 
     def close(self) -> None:
         for conn in list(self.conns.values()):
             conn.on_lost = None
-            conn.death_reason = "runtime shut down"
+            conn.death = ActorDied(conn.label, "runtime shut down", cause="shutdown")
             if conn.transport is not None:
                 conn.transport.close()
         self.conns.clear()

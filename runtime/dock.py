@@ -11,7 +11,8 @@
 
 RPCs carry only metadata; column data goes warehouse -> consumer over runtime/transport.
 A warehouse that dies mid-fetch makes `fetch` raise `DockFetchError` after telling the index,
-which re-queues the lease's surviving samples and reports the lost groups via `take_lost`.
+which re-queues the lease's surviving samples and reports the lost groups via `take_lost`; the
+error names the shard and its actor's failure as data (`shard`, `died`).
 
 Not here: the bookkeeping rules (dock_index.py) and storage (dock_warehouse.py).
 """
@@ -44,6 +45,7 @@ from earl.runtime.dock_index import (
     index_rank_of,
 )
 from earl.runtime.dock_warehouse import Warehouse, WarehouseStatistics
+from earl.runtime.errors import CausedByDeath, actor_label
 from earl.runtime.layout import Layout
 from earl.runtime.transport import Receiver, Sender, connect, get_transport
 from earl.runtime.transport.base import Frame
@@ -56,8 +58,34 @@ for _cls in (SampleInfo, Location, Lease, LostSample, DockStatistics, WarehouseS
     wire.message(_cls)
 
 
-class DockFetchError(RuntimeError):
-    """A warehouse failed during `fetch`; the lease was released (samples re-queued or lost)."""
+class DockFetchError(CausedByDeath):
+    """A warehouse failed during `fetch`; the lease was released (samples re-queued or lost).
+
+    Attributes:
+        shard: the warehouse, "<group>:<rank>" of the actor holding it.
+        lease_id: the lease that was released.
+        died: that actor's failure, which the dock treats as its death: the `ActorDied` of the
+            call when it died, else one with cause "failed" (it raised, or could not be found).
+    """
+
+    def __init__(self, shard: str, lease_id: int, died: ActorDied, detail: str) -> None:
+        self.shard, self.lease_id, self.died, self.detail = shard, lease_id, died, detail
+        super().__init__(f"warehouse {shard} failed during fetch (lease {lease_id} released): "
+                         f"{detail}")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.shard, self.lease_id, self.died, self.detail))
+
+    @classmethod
+    def of(cls, shard: str, lease_id: int, cause: BaseException) -> DockFetchError:
+        """The error for warehouse `shard` failing with `cause` during a fetch of `lease_id`."""
+        group, rank = _shard_actor(shard)
+        if isinstance(cause, ActorDied) and (cause.group, cause.rank) == (group, rank):
+            return cls(shard, lease_id, cause, str(cause))
+        died = ActorDied(actor_label(group, rank), f"its warehouse failed during a fetch: "
+                         f"{type(cause).__name__}: {cause}", group=group, rank=rank,
+                         cause="failed", call="dock_send")
+        return cls(shard, lease_id, died, str(cause))
 
 
 class _ShardFailed(Exception):
@@ -190,9 +218,15 @@ class IndexActor(Actor):
         return self.ix.statistics().samples
 
 
-async def _shard(shard: str) -> ActorGroup:  # type: ignore[type-arg]
+def _shard_actor(shard: str) -> tuple[str, int]:
+    """The actor (group, rank) holding warehouse `shard` ("<group>:<rank>", see WarehouseHost)."""
     group, _, rank = shard.rpartition(":")
-    return (await context().lookup(group))[int(rank or 0)]
+    return group, int(rank or 0)
+
+
+async def _shard(shard: str) -> ActorGroup:  # type: ignore[type-arg]
+    group, rank = _shard_actor(shard)
+    return (await context().lookup(group))[rank]
 
 
 class WarehouseHost:
@@ -371,8 +405,7 @@ class Dock:
             await self.index[index_rank].release.call_one(lease_id, failed.shard)
             if len(self.index) > 1:  # every index shard may hold groups from the dead warehouse
                 await self.index.drop_shard.call(failed.shard)
-            raise DockFetchError(f"warehouse {failed.shard} failed during fetch (lease "
-                                 f"{lease_id} released): {failed.cause}") from failed.cause
+            raise DockFetchError.of(failed.shard, lease_id, failed.cause) from failed.cause
 
     async def ack(self, lease: Lease) -> None:
         """Mark the lease consumed; raises LeaseError if it expired or was already acked."""

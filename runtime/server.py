@@ -2,11 +2,14 @@
 
 Each request is decoded and checked synchronously in the protocol callback; a plain `def`
 endpoint runs inline, an `async def` one runs as a task in the server's task group (which the
-caller owns), a generator endpoint streams ITEM frames (at most STREAM_WINDOW ahead of the consumer's
-CREDIT frames) and honours CANCEL. Bad requests (unknown
-endpoint, wrong arguments, undecodable body, oversized frame) are answered with REJECT and
-logged; the server keeps serving. With a secret, at most `MAX_UNAUTHENTICATED` connections may
-be waiting to authenticate (a new one evicts the oldest), each for at most `AUTH_TIMEOUT_S`. Used by actor processes and by the root runtime's directory.
+caller owns), a generator endpoint streams ITEM frames (at most STREAM_WINDOW ahead of the
+consumer's CREDIT frames) and honours CANCEL. Bad requests (unknown endpoint, wrong arguments,
+undecodable body, oversized frame) are answered with REJECT and logged; the server keeps
+serving. An endpoint that raises is answered with ERR: the type, message and traceback for
+people, and the failure as data (`earl.runtime.errors.error_record`: this actor's class, the
+endpoint, and every actor death behind the error). With a secret, at most
+`MAX_UNAUTHENTICATED` connections may be waiting to authenticate (a new one evicts the oldest),
+each for at most `AUTH_TIMEOUT_S`. Used by actor processes and by the root runtime's directory.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 
 from earl.runtime.conn import split_address
 from earl.runtime.endpoint import Endpoint, endpoints_of
+from earl.runtime.errors import error_record
 from earl.runtime.frames import STREAM_WINDOW, FrameProtocol, FrameTooLarge, Kind, log
 from earl.runtime.wire import WireError, decode, encode
 
@@ -28,12 +32,14 @@ MAX_UNAUTHENTICATED = 128  # connections per server that have not proved the sec
 AUTH_TIMEOUT_S = 10.0  # ... and how long each may take to do so
 
 
-def _error_body(e: BaseException, with_traceback: bool = True) -> bytes:
+def _error_body(e: BaseException, kind: str, call: str | None,
+                with_traceback: bool = True) -> bytes:
     msg = str(e)
     msg = msg if len(msg) <= 2000 else msg[:2000] + "... (truncated)"
     tb = "".join(traceback.format_exception(e)) if with_traceback else ""
     tb = tb if len(tb) <= 16000 else "... (truncated)\n" + tb[-16000:]
-    return encode([f"{type(e).__module__}.{type(e).__qualname__}", msg, tb])[0]
+    return encode([f"{type(e).__module__}.{type(e).__qualname__}", msg, tb,
+                   error_record(e, kind=kind, call=call)])[0]
 
 
 class _Resume:
@@ -106,7 +112,8 @@ class _ServerConnection(FrameProtocol):
             pass  # the caller went away mid-call; nothing to tell it
         except FrameTooLarge as e:  # too big to send (or even its traceback): say so briefly
             try:
-                self.send(Kind.ERR, rid, _error_body(e, with_traceback=False))
+                self.send(Kind.ERR, rid, _error_body(e, self.server.cls_name, None,
+                                                     with_traceback=False))
             except (FrameTooLarge, ConnectionError):
                 log.error("%s: cannot send the error for request %d", self.server.label, rid)
 
@@ -159,52 +166,52 @@ class _ServerConnection(FrameProtocol):
         except TypeError as e:
             if not ep.is_async and not ep.is_stream and e.__traceback__ is not None \
                     and e.__traceback__.tb_next is not None:
-                return self._fail(kind, rid, e)  # raised inside a plain-def endpoint's body
+                return self._fail(kind, rid, method, e)  # raised in a plain-def endpoint's body
             return self.reject(rid, f"bad arguments for {srv.cls_name}.{ep.signature()}: {e}")
         except Exception as e:  # noqa: BLE001
-            return self._fail(kind, rid, e)
+            return self._fail(kind, rid, method, e)
         if kind == Kind.STREAM:
             self.credits[rid] = [STREAM_WINDOW, asyncio.Event()]
-            self.streams[rid] = srv.spawn(self._stream(rid, result))
+            self.streams[rid] = srv.spawn(self._stream(rid, method, result))
         elif ep.never_suspends:  # runs to completion in one step: no task needed
             try:
                 yielded = result.send(None)
             except StopIteration as stop:
                 value = stop.value
             except Exception as e:  # noqa: BLE001
-                return self._fail(kind, rid, e)
-            else:
-                srv.spawn(self._finish(kind, rid, _Resume(result, yielded)))  # it did suspend
+                return self._fail(kind, rid, method, e)
+            else:  # it did suspend
+                srv.spawn(self._finish(kind, rid, method, _Resume(result, yielded)))
                 return
             if kind == Kind.CALL:  # outside the except: no StopIteration in later tracebacks
-                self._ok(rid, value)
+                self._ok(rid, method, value)
         elif ep.is_async:
-            srv.spawn(self._finish(kind, rid, result))
+            srv.spawn(self._finish(kind, rid, method, result))
         elif kind == Kind.CALL:
-            self._ok(rid, result)
+            self._ok(rid, method, result)
 
-    def _fail(self, kind: int, rid: int, e: Exception) -> None:
+    def _fail(self, kind: int, rid: int, method: str, e: Exception) -> None:
         if kind == Kind.ONEWAY:
             log.error("%s: broadcast call failed", self.server.label, exc_info=e)
         else:
-            self.reply(Kind.ERR, rid, _error_body(e))
+            self.reply(Kind.ERR, rid, _error_body(e, self.server.cls_name, method))
 
-    def _ok(self, rid: int, result: Any) -> None:
+    def _ok(self, rid: int, method: str, result: Any) -> None:
         try:
             body, bufs = encode(result)
         except WireError as e:
-            return self.reply(Kind.ERR, rid, _error_body(e))
+            return self.reply(Kind.ERR, rid, _error_body(e, self.server.cls_name, method))
         self.reply(Kind.OK, rid, body, bufs)
 
-    async def _finish(self, kind: int, rid: int, coro: Any) -> None:
+    async def _finish(self, kind: int, rid: int, method: str, coro: Any) -> None:
         try:
             result = await coro
         except Exception as e:  # noqa: BLE001
-            return self._fail(kind, rid, e)
+            return self._fail(kind, rid, method, e)
         if kind == Kind.CALL:
-            self._ok(rid, result)
+            self._ok(rid, method, result)
 
-    async def _stream(self, rid: int, agen: Any) -> None:
+    async def _stream(self, rid: int, method: str, agen: Any) -> None:
         credit = self.credits[rid]
         try:
             n = 0
@@ -222,7 +229,7 @@ class _ServerConnection(FrameProtocol):
                     await asyncio.sleep(0)
             self.reply(Kind.END, rid, b"")
         except Exception as e:  # noqa: BLE001
-            self.reply(Kind.ERR, rid, _error_body(e))
+            self.reply(Kind.ERR, rid, _error_body(e, self.server.cls_name, method))
         finally:
             self.streams.pop(rid, None)
             self.credits.pop(rid, None)

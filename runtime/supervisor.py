@@ -2,10 +2,11 @@
 
 A `GroupSupervisor` belongs to the runtime that spawned the group. For each rank a watcher task
 (in the runtime's task group) waits for the process to exit; then, at once, every pending and
-new call to that rank fails with `ActorDied`, the directory records the rank as `restarting` or
-`dead`, and, within the group's `RestartPolicy`, a new process is started (after the backoff)
-and published under the same name and rank. Stopping is graceful first (close the liveness
-line), then SIGKILL after a grace period.
+new call to that rank fails with `ActorDied` (carrying how the process ended: exit code, signal,
+or the slot's OOM killer, where the launcher can tell), the directory records the rank as
+`restarting` or `dead`, and, within the group's `RestartPolicy`, a new process is started (after
+the backoff) and published under the same name and rank. Stopping is graceful first (close the
+liveness line), then SIGKILL after a grace period.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 from earl.runtime.config import RestartPolicy
 from earl.runtime.directory import DEAD, RESTARTING, UP
+from earl.runtime.errors import ActorDied, Cause, actor_label
 from earl.runtime.frames import log
 from earl.runtime.launch import ActorSpec, Launcher, ProcessHandle
+from earl.runtime.launch_local import LocalProcess
 
 if TYPE_CHECKING:
     from earl.runtime.runtime import Runtime
@@ -62,7 +65,23 @@ class GroupSupervisor:
         return handle
 
     def label(self, rank: int) -> str:
-        return f"{self.name}[{rank}]"
+        return actor_label(self.name, rank)
+
+    def _death(self, rank: int, handle: ProcessHandle, reason: str) -> ActorDied:
+        """`rank`'s process `handle` is gone: how, as data (a local process' exit status and
+        its slot's OOM killer; other launchers only say it in `reason`)."""
+        cause: Cause = "unknown"
+        code = sig = None
+        if isinstance(handle, LocalProcess) and handle.proc.returncode is not None:
+            rc = handle.proc.returncode
+            if rc >= 0:
+                cause, code = "exited", rc
+            else:
+                oom = handle.binding is not None and handle.binding.exit_reason(rc) is not None
+                cause, sig = ("oom" if oom else "killed"), -rc
+        return ActorDied(self.label(rank), reason, group=self.name, rank=rank,
+                         kind=self.specs[rank].cls_qualname, cause=cause, exit_code=code,
+                         signal=sig)
 
     async def _watch(self, rank: int) -> None:
         while True:
@@ -73,7 +92,7 @@ class GroupSupervisor:
             if self.stopping:
                 return
             reason = f"pid {handle.pid} {reason}"
-            self.rt.pool.mark_dead(handle.address, self.label(rank), reason)
+            self.rt.pool.mark_dead(handle.address, self._death(rank, handle, reason))
             if self.restarts[rank] >= self.policy.max_restarts:
                 log.warning("actor %s died (%s); no restarts left", self.label(rank), reason)
                 await self.rt.dir_call("update", self.name, rank, DEAD, reason=reason)
@@ -121,5 +140,8 @@ class GroupSupervisor:
                 await h.wait_exit()
 
         await asyncio.gather(*(reap(h) for h in live))
-        for h in live:
-            self.rt.pool.mark_dead(h.address, self.name, "stopped") if h.address else None
+        for rank, h in enumerate(self.handles):
+            if h is not None and h.address:
+                self.rt.pool.mark_dead(h.address, ActorDied(
+                    self.label(rank), "stopped", kind=self.specs[rank].cls_qualname,
+                    cause="stopped"))

@@ -19,6 +19,10 @@ checkpoint (`run_job`). Each restart and rewind counts against `HealingConfig.ma
 appears in the metrics (`restarts/<group>`) and in the trace. Past the limit the run stops with
 one clear line and `earl train --resume` continues it.
 
+Which actor died is read from the failure's fields (`died_actor`: `ActorDied.group`/`rank`, the
+deaths an `ActorError` carries across the wire, a `DockFetchError`'s shard), never from error
+messages: rewording a message cannot turn healing off.
+
 Not here: the wrappers of the loop's parts (`earl.loop.healing_parts`), process supervision
 itself (`earl.runtime.supervisor`), or fault injection (`earl.commands.chaos`).
 """
@@ -35,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from earl.runtime.config import RestartPolicy
-from earl.runtime.errors import ActorDied, ActorError
+from earl.runtime.errors import ActorDied, ActorError, deaths_in
 
 if TYPE_CHECKING:
     from earl.observe import Tracer
@@ -46,8 +50,6 @@ __all__ = ["HEALED", "REWOUND", "Healer", "HealingConfig", "HealingError", "Ledg
 
 HEALED = ("rollout", "producer", "reference")  # restarted in place, state rebuilt
 REWOUND = ("trainer", "dock")                    # the run resumes from the last checkpoint
-_DIED = re.compile(r"actor ([A-Za-z0-9_.-]+)\[(\d+)\] died")
-_SHARD = re.compile(r"warehouse ([A-Za-z0-9_.-]+):(\d+) failed")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -82,35 +84,13 @@ class HealingError(RuntimeError):
 def died_actor(exc: BaseException) -> tuple[str, int] | None:
     """(group, rank) of the actor whose death caused `exc`, if any.
 
-    Looks through exception groups, causes, remote errors (`ActorError` carrying an
-    `ActorDied` or a `DockFetchError` text) and `ActorDied` itself.
+    The nearest death `earl.runtime.errors.deaths_in` finds (through exception groups, causes,
+    the deaths a remote `ActorError` carries, a `DockFetchError`'s warehouse) that names one
+    rank; a rank its owner stopped is no death to heal.
     """
-    seen: set[int] = set()
-    todo: list[BaseException] = [exc]
-    while todo:
-        e = todo.pop(0)
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, BaseExceptionGroup):
-            todo.extend(e.exceptions)
-            continue
-        text = ""
-        if isinstance(e, ActorDied):
-            text = f"actor {e.actor} died"
-        elif isinstance(e, ActorError):
-            text = e.remote_message if e.remote_type.endswith(("ActorDied", "DockFetchError")) \
-                else ""
-            if not text and e.remote_type.endswith("ExceptionGroup"):
-                text = e.remote_traceback  # e.g. a weight push whose replica died
-        elif type(e).__name__ == "DockFetchError":
-            text = str(e)
-        m = _SHARD.search(text) or _DIED.search(text)
-        if m:
-            return m.group(1), int(m.group(2))
-        for nxt in (e.__cause__, e.__context__):
-            if nxt is not None:
-                todo.append(nxt)
+    for d in deaths_in(exc):
+        if d.rank is not None and d.cause != "stopped":
+            return d.group, d.rank
     return None
 
 

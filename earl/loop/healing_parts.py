@@ -296,7 +296,8 @@ class HealingEngine:
                     raise
             if time.monotonic() > deadline:
                 raise ActorDied("rollout", f"no replica served version {floor} within "
-                                           f"{self._wait_s:g} s")
+                                           f"{self._wait_s:g} s", cause="unavailable",
+                                call="generate")
             self.retries += 1
             await asyncio.sleep(delay)
             delay = min(2 * delay, 1.0)

@@ -138,8 +138,10 @@ async def test_warehouse_dying_mid_fetch_requeues_and_reports_lost(rt):
     await prod.produce.call(1, 2)
     lease = await dock.take("train", COLS, 4, timeout_s=10)
     os.kill(await prod[1].pid.call_one(), signal.SIGKILL)
-    with pytest.raises(DockFetchError, match="prod:1"):
+    with pytest.raises(DockFetchError, match="prod:1") as info:
         await dock.fetch(lease)
+    dead = info.value.died  # the shard's actor, as data
+    assert (info.value.shard, dead.group, dead.rank) == ("prod:1", "prod", 1)
     lost = await dock.take_lost()
     assert sorted(x.sample_id for x in lost) == ["1-0-0", "1-0-1"]  # for re-production
     again = await dock.take("train", COLS, 2, timeout_s=5)  # the live shard's group is back

@@ -22,6 +22,7 @@ from earl.loop.healing_parts import HealingEngine, HealingProduction, SafeCheckp
 from earl.loop.parts import ActorProduction
 from earl.loop.producer import BatchResult
 from earl.loop.schedule import LoopState
+from earl.runtime.dock import DockFetchError
 from earl.runtime.dock_index import Location, LostSample
 from earl.runtime.errors import ActorDied, ActorError
 
@@ -30,12 +31,15 @@ pytestmark = pytest.mark.timeout(30)
 
 def test_died_actor_finds_the_dead_actor_through_groups_and_remote_errors() -> None:
     assert died_actor(ActorDied("producer[1]", "pid 3 killed by SIGKILL")) == ("producer", 1)
-    remote = ActorError("producer[0]", "earl.runtime.errors.ActorDied",
-                        "actor rollout[0] died: connection lost")
+    rollout = ActorDied("rollout[0]", "connection lost", cause="connection_lost")
+    remote = ActorError("producer[0]", "earl.runtime.errors.ActorDied", str(rollout),
+                        deaths=(rollout,))
     assert died_actor(ExceptionGroup("x", [ValueError("a"), remote])) == ("rollout", 0)
-    fetch = ActorError("trainer[0]", "earl.runtime.dock.DockFetchError",
-                       "warehouse reference:0 failed during fetch (lease 3 released): boom")
+    lost = ActorDied("reference[0]", "killed", cause="killed", signal=9)
+    fetch = ActorError("trainer[0]", "earl.runtime.dock.DockFetchError", "boom",
+                       deaths=(DockFetchError.of("reference:0", 3, lost).died,))
     assert died_actor(fetch) == ("reference", 0)
+    assert died_actor(DockFetchError.of("producer:1", 3, KeyError("x"))) == ("producer", 1)
     try:
         try:
             raise ActorDied("dock[0]", "gone")
@@ -43,7 +47,12 @@ def test_died_actor_finds_the_dead_actor_through_groups_and_remote_errors() -> N
             raise RuntimeError("wrapped") from e
     except RuntimeError as e:
         assert died_actor(e) == ("dock", 0)
-    assert died_actor(ActorError("trainer[0]", "builtins.ValueError", "actor x[0] died")) is None
+    # text that reads like a death is no death; a death without a rank names no one to heal,
+    # and a rank its owner stopped is not healed
+    assert died_actor(ActorError("trainer[0]", "earl.runtime.errors.ActorDied",
+                                 "actor x[0] died")) is None
+    assert died_actor(ActorDied("rollout", "no replica", cause="unavailable")) is None
+    assert died_actor(ActorDied("producer[0]", "stopped", cause="stopped")) is None
     assert died_actor(ValueError("nothing")) is None
 
 
