@@ -3,15 +3,19 @@
 Each run gets: its own session/process group; rlimits on CPU time, address space, file size,
 open files and processes; a private temp dir as cwd; a scrubbed environment; its own IPC
 namespace wherever the kernel allows one (so SysV shared memory and message queues it creates
-vanish with its last process instead of outliving it in the host's namespace); and, where the OS
-allows (root, as in our containers), new mount and network namespaces, a chroot holding only
-the read-only interpreter and system libraries plus the temp dir, and a fresh unprivileged uid
-that is unique to the run (so RLIMIT_NPROC bounds fork bombs and every leftover process is
-killed by uid), its dir being a size-capped tmpfs. Without root a run still gets a user+network
-namespace where the kernel allows it, but no chroot, private uid or process cap (fork bombs
-and reads outside its dir are then not contained). A wall-clock timeout kills the whole run's
-process group. Output is capped. Failures are reported in `SandboxResult`, never raised.
-This is not a VM: it trusts the kernel.
+vanish with its last process instead of outliving it in the host's namespace); `no_new_privs`
+and a seccomp filter denying the calls that reach past the sandbox (ptrace, mount, namespaces,
+bpf, keyrings, kernel modules, ...: `sandbox_seccomp.py`); and, where the OS allows (root, as in
+our containers), new mount and network namespaces, a chroot holding only the read-only, nosuid
+interpreter and system libraries plus the temp dir, a fresh unprivileged uid that is unique to
+the run (so RLIMIT_NPROC bounds fork bombs and every leftover process is killed by uid), its dir
+being a size-capped tmpfs, and a memory cgroup that bounds all its processes together. Without
+root a run still gets a user+network namespace where the kernel allows it, but no chroot,
+private uid, process cap or cgroup (fork bombs, reads outside its dir and memory spread over
+many processes are then not contained). A wall-clock timeout kills the whole run. Nothing of a
+run outlives its fork server, even when the server is killed (see `sandbox_zygote.py`). Output
+is capped. Failures are reported in `SandboxResult`, never raised. This is not a VM: it trusts
+the kernel.
 
 Runs are forked by a small fork server per calling process (`sandbox_zygote.py`, started on
 first use), not by the caller: a run costs a fork of that interpreter instead of a fork of the
@@ -36,8 +40,9 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from earl.runtime import sandbox_zygote
+from earl.runtime import sandbox_namespaces, sandbox_zygote
 
 __all__ = ["SandboxLimits", "SandboxResult", "close_fork_servers", "isolation_available",
            "run_python"]
@@ -55,8 +60,14 @@ class SandboxLimits:
     Args:
         wall_s: wall-clock timeout; the whole run is killed after it.
         cpu_s: CPU seconds per process (RLIMIT_CPU).
-        memory_mb: address space per process (RLIMIT_AS).
-        max_procs: processes the run may have at once (needs the uid isolation).
+        memory_mb: memory of the whole run. With root and a cgroup v1 memory controller, a
+            cgroup bounds the memory (resident, page cache and its tmpfs files) of all its
+            processes together; reaching it kills the run; each process's address space is
+            also capped at `memory_mb`, so one greedy process gets a `MemoryError` first.
+            With root but no cgroups the budget is split: each process's address space is
+            `memory_mb / max_procs` (at least 64 MB) and `max_procs` shrinks so their product
+            stays within `memory_mb`. Without root it caps each process's address space only.
+        max_procs: processes (and threads) the run may have at once (needs the uid isolation).
         file_mb: largest file it may write.
         disk_mb: total size of its private dir (a tmpfs; with the uid isolation only).
         output_chars: stdout+stderr kept; more is cut and the run is killed.
@@ -84,10 +95,11 @@ class SandboxResult:
     ok: bool
     output: str
     returncode: int | None
-    error: str | None  # "timeout", "exit 1", "killed by SIGXCPU", "output limit", ...
+    error: str | None  # "timeout", "exit 1", "killed by SIGXCPU", "memory limit", ...
     truncated: bool
     elapsed_s: float
-    isolation: str  # "chroot+netns+ipcns+uid" (root) or "rlimits+userns" (best effort otherwise)
+    isolation: str  # "chroot+netns+ipcns+uid+seccomp+memcg" (root), "rlimits+userns+seccomp"
+    memory_peak_mb: float | None  # the run's processes together at most; None: not measured
 
     def text(self) -> str:
         """The tool observation: the output plus a one-line error note when it failed."""
@@ -105,8 +117,18 @@ def _userns_available() -> bool:
     """Whether an unprivileged user+network namespace can be created here (probed once)."""
     pid = os.fork()
     if pid == 0:
-        os._exit(0 if sandbox_zygote.unshare_userns() else 1)
+        os._exit(0 if sandbox_namespaces.unshare_userns() else 1)
     return os.waitpid(pid, 0)[1] == 0
+
+
+@dataclass(frozen=True, slots=True)
+class _RunEnd:
+    """The zygote's finish reply: return code, whether the run hit its memory cgroup's limit,
+    and its peak memory in MiB (None without a cgroup)."""
+
+    rc: int
+    oom: bool
+    peak_mb: float | None
 
 
 class _Zygote:
@@ -139,17 +161,22 @@ class _Zygote:
     def usable(self) -> bool:
         return self.owner == os.getpid() and not self.broken and self.proc.poll() is None
 
-    def start(self, limits: SandboxLimits, code_fd: int, out_fd: int) -> int:
-        """Fork a run reading its program from `code_fd` and writing to `out_fd`; its pid."""
-        return self._ask({"op": "start", "limits": {k: getattr(limits, k)
-                                                     for k in sandbox_zygote.LIMIT_FIELDS}},
-                         [code_fd, out_fd], "pid")
+    def start(self, limits: SandboxLimits, code_fd: int, out_fd: int) -> tuple[int, str]:
+        """Fork a run reading its program from `code_fd` and writing to `out_fd`; its pid and
+        the isolation it gets beyond namespaces ("+seccomp+memcg")."""
+        out = self._ask({"op": "start", "limits": {k: getattr(limits, k)
+                                                    for k in sandbox_zygote.LIMIT_FIELDS}},
+                        [code_fd, out_fd])
+        return int(out["pid"]), str(out["features"])
 
-    def finish(self, pid: int) -> int:
-        """Kill whatever is left of run `pid`, reap it; its return code."""
-        return self._ask({"op": "finish", "pid": pid}, [], "rc")
+    def finish(self, pid: int) -> _RunEnd:
+        """Kill whatever is left of run `pid`, reap it; how it ended."""
+        out = self._ask({"op": "finish", "pid": pid}, [])
+        peak = out["peak_mb"]
+        return _RunEnd(rc=int(out["rc"]), oom=out["oom"] is True,
+                       peak_mb=None if peak is None else float(peak))
 
-    def _ask(self, request: dict[str, object], fds: list[int], key: str) -> int:
+    def _ask(self, request: dict[str, object], fds: list[int]) -> dict[str, Any]:
         with self.lock:
             try:
                 if self.broken:
@@ -165,7 +192,7 @@ class _Zygote:
                 raise
         if "error" in out:
             raise OSError(f"the sandbox zygote refused {request['op']}: {out['error']}")
-        return int(out[key])
+        return out
 
     def close(self) -> None:
         """Stop the zygote (it kills its runs) and remove its root dir."""
@@ -231,33 +258,39 @@ def run_python(code: str, limits: SandboxLimits | None = None, *,
         os.write(code_fd, code.encode("utf-8"))
         os.lseek(code_fd, 0, os.SEEK_SET)
         zygote = _zygote(isolated)
-        pid = zygote.start(limits, code_fd, write_fd)
+        pid, features = zygote.start(limits, code_fd, write_fd)
     except OSError as e:
         os.close(read_fd)
         return SandboxResult(ok=False, output="", returncode=None, truncated=False,
                              error=f"sandbox unavailable: {e}", isolation=mode,
-                             elapsed_s=time.monotonic() - t0)
+                             elapsed_s=time.monotonic() - t0, memory_peak_mb=None)
     finally:
         os.close(code_fd)
         os.close(write_fd)
+    mode += features
     out, error, truncated = _read_output(read_fd, limits, t0 + limits.wall_s)
-    rc: int | None
+    end: _RunEnd | None
     try:
-        rc = zygote.finish(pid)  # kills what is left of the run
+        end = zygote.finish(pid)  # kills what is left of the run
     except OSError as e:  # the zygote died under the run: what the run left is ours to kill
         sandbox_zygote.kill_run(pid, sandbox_zygote.UID_BASE + pid if isolated else None)
-        rc, error = None, error or f"sandbox failed: {e}"
+        end, error = None, error or f"sandbox failed: {e}"
+    if end is not None and end.oom:
+        error = (f"memory limit exceeded: the run's processes together reached "
+                 f"memory_mb={limits.memory_mb}")
     text = out.decode("utf-8", errors="replace")
     if len(text) > limits.output_chars:
         text, truncated = text[: limits.output_chars], True
         error = error or "output limit exceeded"
+    rc = None if end is None else end.rc
     if error is None and rc != 0:
         assert rc is not None
         error = (f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}")
         if rc in (-signal.SIGXCPU, -signal.SIGKILL) and time.monotonic() - t0 < limits.wall_s:
             error += f" (CPU limit {limits.cpu_s} s)"
     return SandboxResult(ok=error is None, output=text, returncode=rc, error=error,
-                         truncated=truncated, elapsed_s=time.monotonic() - t0, isolation=mode)
+                         truncated=truncated, elapsed_s=time.monotonic() - t0, isolation=mode,
+                         memory_peak_mb=None if end is None else end.peak_mb)
 
 
 def _read_output(fd: int, limits: SandboxLimits, deadline: float

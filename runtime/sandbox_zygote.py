@@ -1,26 +1,38 @@
 """The sandbox's fork server ("zygote"): one small interpreter per caller forks every run.
 
 `earl.runtime.sandbox` starts this file as a script (`python -I -S sandbox_zygote.py`, stdlib
-only, nothing of EARL imported) once per calling process and isolation mode, and talks to it
-over a private `AF_UNIX` socket pair. Starting a run is then a fork of this small process plus
-the run's own namespaces, instead of a fork of the caller (which may map gigabytes) and a fresh
-interpreter (~7 ms of CPU before the first line of user code).
+only, nothing of EARL imported but its `sandbox_*` siblings) once per calling process and
+isolation mode, and talks to it over a private `AF_UNIX` socket pair. Starting a run is then a
+fork of this small process plus the run's own namespaces, instead of a fork of the caller (which
+may map gigabytes) and a fresh interpreter (~7 ms of CPU before the first line of user code).
 
-With root (`--root DIR`), the zygote first isolates itself once: its own mount and network
-namespaces, read-only bind mounts of the interpreter and system libraries under DIR, and a
-chroot into DIR. Each run then forks from there and adds what is per run: new mount, network
-and IPC namespaces, a size-capped tmpfs at /work owned by a fresh uid (`UID_BASE + pid`) that it
-switches to, and rlimits. Without root each run gets a user+network+IPC namespace where the
-kernel allows one and a private temp dir, as in `sandbox.py`'s docstring.
+With root (`--root DIR`), the zygote first isolates itself once: it opens its pool of memory
+cgroups (`sandbox_memory.py`), enters its own mount and network namespaces, bind-mounts the
+interpreter and system libraries under DIR read-only, nosuid and nodev, chroots into DIR and
+starts its reaper (`sandbox_reaper.py`). Each run then forks from there and adds what is per
+run: a memory cgroup of its own, new mount, network and IPC namespaces, a size-capped nosuid
+tmpfs at /work owned by a fresh uid (`UID_BASE + pid`) that it switches to, rlimits, a
+parent-death signal, and last `no_new_privs` and a seccomp filter (`sandbox_seccomp.py`).
+Without root each run gets a user+network+IPC namespace where the kernel allows one, a private
+temp dir, `no_new_privs` and the seccomp filter, as in `sandbox.py`'s docstring.
+
+With root nothing of a run outlives the zygote: the zygote kills every run by its uid when the
+caller closes the socket or dies; when the zygote itself is killed its runs' first processes get
+SIGKILL (parent-death signal) and its reaper kills all else of theirs by uid, whether or not the
+caller is still alive. (Without root only a run's process group is killed: a descendant that
+calls setsid escapes.) A run whose processes together reach its memory limit is killed as a
+whole by the zygote, which the cgroup's OOM eventfd wakes.
 
 The program's source never passes through the zygote: the caller hands over a memfd holding it
 and the write end of the output pipe (`SCM_RIGHTS`); the zygote forks, and only the run reads
 them. A run holds no descriptor but stdin (/dev/null) and the output pipe, and no memory of the
-caller. The zygote exits, killing its runs, when the caller closes the socket or dies.
+caller.
 
 Protocol, one JSON message per `SOCK_SEQPACKET` packet, one reply each:
-    {"op": "start", "limits": {...}}  + fds [code memfd, output pipe]  -> {"pid": P}
-    {"op": "finish", "pid": P}        (kill what is left of the run)   -> {"rc": returncode}
+    {"op": "start", "limits": {...}}  + fds [code memfd, output pipe]
+        -> {"pid": P, "features": "+seccomp+memcg"}  (what the run gets beyond its namespaces)
+    {"op": "finish", "pid": P}        (kill what is left of the run)
+        -> {"rc": returncode, "oom": bool, "peak_mb": float or null}
     anything else                                                      -> {"error": "..."}
 """
 
@@ -39,68 +51,22 @@ import sys
 import tempfile
 import traceback
 
-__all__ = ["LIMIT_FIELDS", "UID_BASE", "kill_run", "serve", "unshare_userns"]
+if __package__:  # imported by the caller's side
+    from earl.runtime import sandbox_memory, sandbox_namespaces, sandbox_reaper, sandbox_seccomp
+else:  # the fork server's script, EARL not on its path: its siblings from its own dir
+    sys.path.append(os.path.dirname(os.path.abspath(__file__)))
+    import sandbox_memory  # type: ignore[no-redef]
+    import sandbox_namespaces  # type: ignore[no-redef]
+    import sandbox_reaper  # type: ignore[no-redef]
+    import sandbox_seccomp  # type: ignore[no-redef]
+    sys.path.pop()
+
+__all__ = ["LIMIT_FIELDS", "UID_BASE", "kill_run", "serve"]
 
 UID_BASE = 1_000_000  # run uid = base + run pid: unique among live runs, never a real user
-_CLONE_NEWNS, _CLONE_NEWNET, _CLONE_NEWUSER = 0x00020000, 0x40000000, 0x10000000
-_CLONE_NEWIPC = 0x08000000
-_MS_RDONLY, _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 1, 32, 4096, 16384, 1 << 18
 _PR_SET_PDEATHSIG = 1
 LIMIT_FIELDS = ("cpu_s", "memory_mb", "max_procs", "file_mb", "disk_mb")  # the start request's
 _libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _check(rc: int, what: str) -> None:
-    if rc != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-
-
-def _bind(src: str, dst: str, writable: bool = False) -> None:
-    _check(_libc.mount(src.encode(), dst.encode(), None, _MS_BIND | _MS_REC, None),
-           f"bind {src}")
-    if not writable:
-        flags = _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_REC
-        _check(_libc.mount(None, dst.encode(), None, flags, None), f"remount ro {dst}")
-
-
-def _system_dirs() -> list[str]:
-    """Read-only dirs the interpreter needs: /usr, /lib*, /bin and the Python install."""
-    dirs = [d for d in ("/usr", "/lib", "/lib64", "/bin") if os.path.exists(d)]
-    prefix = os.path.realpath(sys.base_prefix)
-    if not any(prefix == d or prefix.startswith(d + "/") for d in dirs):
-        dirs.append(prefix)
-    return dirs
-
-
-def _enter_root(root: str) -> None:
-    """Isolate the zygote once: private mounts, no network, chroot into `root` holding only
-    read-only system dirs, /dev/null and an empty /work."""
-    dirs = _system_dirs()
-    for d in dirs:
-        if os.path.islink(d):
-            os.makedirs(os.path.dirname(root + d), exist_ok=True)
-            os.symlink(os.readlink(d), root + d)
-        else:
-            os.makedirs(root + d, exist_ok=True)
-    os.makedirs(root + "/dev", exist_ok=True)
-    open(root + "/dev/null", "w").close()
-    os.makedirs(root + "/work", exist_ok=True)
-    os.chmod(root, 0o755)
-    _check(_libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET), "unshare")
-    _check(_libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "make / private")
-    for d in dirs:
-        if not os.path.islink(d):
-            _bind(d, root + d)
-    _bind("/dev/null", root + "/dev/null", writable=True)
-    os.chroot(root)
-    os.chdir("/")
-
-
-def unshare_userns() -> bool:
-    """Move this process into new user, network and IPC namespaces; False where the kernel
-    refuses (unprivileged user namespaces off)."""
-    return _libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET | _CLONE_NEWIPC) == 0
 
 
 def kill_run(pid: int, uid: int | None) -> None:
@@ -109,38 +75,46 @@ def kill_run(pid: int, uid: int | None) -> None:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    if uid is None:
-        return
-    child = os.fork()
-    if child == 0:  # a process that becomes `uid` may signal exactly that uid's processes
-        try:
-            os.setgid(uid)
-            os.setuid(uid)
-            os.kill(-1, signal.SIGKILL)
-        finally:
-            os._exit(0)
-    os.waitpid(child, 0)
+    if uid is not None:
+        sandbox_reaper.kill_uid(uid)
 
 
-def _become_run(limits: dict[str, int], code_fd: int, out_fd: int, work: str | None) -> str:
-    """In the forked run: take the pipe as stdout/stderr, drop every other descriptor, enter
-    the run's namespaces, dir and uid, set the rlimits. Returns the program's source."""
+class _Setup:
+    """What every run of this zygote shares: its cgroup pool, its reaper's pipe, its filter."""
+
+    def __init__(self, isolated: bool, pool: sandbox_memory.Pool | None, reaper_fd: int | None,
+                 flt: sandbox_seccomp.Filter | None) -> None:
+        self.isolated, self.pool, self.reaper_fd, self.filter = isolated, pool, reaper_fd, flt
+        self.zygote = os.getpid()
+        self.features = "+seccomp" * (flt is not None) + "+memcg" * (pool is not None)
+
+
+def _become_run(setup: _Setup, limits: dict[str, int], code_fd: int, out_fd: int,
+                work: str | None, group: sandbox_memory.Group | None) -> str:
+    """In the forked run: take the pipe as stdout/stderr, register with the reaper, join the
+    cgroup, drop every other descriptor, enter the run's namespaces, dir and uid, set the
+    rlimits, the parent-death signal and the filter. Returns the program's source."""
     os.setsid()
     with os.fdopen(code_fd, "rb") as f:
         source = f.read().decode("utf-8")
     os.dup2(out_fd, 1)
     os.dup2(out_fd, 2)
+    uid = UID_BASE + os.getpid()
+    if setup.reaper_fd is not None:
+        sandbox_reaper.register(setup.reaper_fd, uid)
+    if group is not None:
+        assert setup.pool is not None
+        setup.pool.join(group)
     os.closerange(3, os.sysconf("SC_OPEN_MAX"))
     mb = 1 << 20
+    as_mb, nproc = sandbox_memory.split(limits["memory_mb"], limits["max_procs"],
+                                        whole_run=group is not None, capped=work is None)
     if work is None:
-        _check(_libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWIPC), "unshare")
-        uid = UID_BASE + os.getpid()
-        opts = f"size={limits['disk_mb']}m,mode=0700,uid={uid},gid={uid}".encode()
-        _check(_libc.mount(b"tmpfs", b"/work", b"tmpfs", 0, opts), "mount tmpfs")
-        os.chdir("/work")
+        sandbox_namespaces.enter_run(uid, limits["disk_mb"])
         with open("main.py", "w", encoding="utf-8") as f:
             f.write(source)
-        resource.setrlimit(resource.RLIMIT_NPROC, (limits["max_procs"], limits["max_procs"]))
+        assert nproc is not None
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
@@ -149,22 +123,26 @@ def _become_run(limits: dict[str, int], code_fd: int, out_fd: int, work: str | N
         with open("main.py", "w", encoding="utf-8") as f:
             f.write(source)
         os.environ.update(HOME=work, TMPDIR=work)
-        unshare_userns()  # best effort: fails where user namespaces are off
+        sandbox_namespaces.unshare_userns()  # best effort: fails where user namespaces are off
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setuid, which clears it
+    if os.getppid() != setup.zygote:  # the zygote died before the signal was armed
+        os._exit(127)
     resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))
-    resource.setrlimit(resource.RLIMIT_AS, (limits["memory_mb"] * mb, limits["memory_mb"] * mb))
+    resource.setrlimit(resource.RLIMIT_AS, (as_mb * mb, as_mb * mb))
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_mb"] * mb, limits["file_mb"] * mb))
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    sandbox_seccomp.install(setup.filter)  # last: the set-up above needs what it denies
     sys.argv = ["main.py"]
     return source
 
 
-def _run_child(limits: dict[str, int], code_fd: int, out_fd: int, work: str | None) -> str:
+def _run_child(setup: _Setup, limits: dict[str, int], code_fd: int, out_fd: int,
+               work: str | None, group: sandbox_memory.Group | None) -> str:
     """`_become_run`, or exit 127 with the reason on the run's output: a run that could not be
     isolated must never fall back into the zygote's loop."""
     try:
-        return _become_run(limits, code_fd, out_fd, work)
+        return _become_run(setup, limits, code_fd, out_fd, work, group)
     except BaseException as e:  # noqa: BLE001 - reported on the run's output
         try:  # fd 2 is the output pipe once `_become_run` got that far, else the zygote's
             os.write(2, f"sandbox set-up failed: {e}\n".encode())
@@ -182,15 +160,52 @@ def _parse_limits(raw: object) -> dict[str, int]:
     return out  # type: ignore[return-value]
 
 
-def serve(sock: socket.socket, caller: int, isolated: bool) -> str | None:
+class _Run:
+    """The zygote's record of one live run."""
+
+    __slots__ = ("group", "oom", "uid", "work")
+
+    def __init__(self, uid: int | None, work: str | None,
+                 group: sandbox_memory.Group | None) -> None:
+        self.uid, self.work, self.group, self.oom = uid, work, group, False
+
+
+def _end_run(setup: _Setup, pid: int, run: _Run) -> dict[str, object]:
+    """Kill what is left of run `pid`, reap it, hand its cgroup back; the finish reply."""
+    os.kill(pid, signal.SIGKILL)  # even if it has not made its own process group yet
+    kill_run(pid, None)
+    rc = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    pool, group = setup.pool, run.group
+    # Every process of the run is in its cgroup: an empty one spares the kill by uid (a fork).
+    if run.uid is not None and (pool is None or group is None or not pool.empty(group)):
+        sandbox_reaper.kill_uid(run.uid)
+    peak = None
+    if pool is not None and group is not None:
+        peak = round(pool.peak_mb(group), 1)
+        pool.release(group)
+    if run.work is not None:
+        shutil.rmtree(run.work, ignore_errors=True)
+    if setup.reaper_fd is not None and run.uid is not None:
+        sandbox_reaper.unregister(setup.reaper_fd, run.uid)  # after the reap: in pipe order
+    return {"rc": rc, "oom": run.oom, "peak_mb": peak}
+
+
+def serve(sock: socket.socket, caller: int, setup: _Setup) -> str | None:
     """Answer the caller's requests until it goes away. Returns None in the zygote (then it
     exits) and the program's source in a forked run (which then runs it)."""
-    runs: dict[int, tuple[int | None, str | None]] = {}  # pid -> (run uid, private dir)
+    runs: dict[int, _Run] = {}
     try:
         while True:
-            if not select.select([sock], [], [], 1.0)[0]:
-                if os.getppid() != caller:  # the caller died with the socket still shared
-                    return None
+            oom_fds = {r.group.oom_fd: pid for pid, r in runs.items() if r.group is not None}
+            ready = select.select([sock, *oom_fds], [], [], 1.0)[0]
+            if not ready and os.getppid() != caller:  # the caller died, the socket shared
+                return None
+            for fd in ready:
+                if fd in oom_fds:  # its processes together hit the limit: kill them all
+                    os.eventfd_read(fd)
+                    runs[oom_fds[fd]].oom = True
+                    kill_run(oom_fds[fd], runs[oom_fds[fd]].uid)
+            if sock not in ready:
                 continue
             try:
                 msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 2)
@@ -205,27 +220,31 @@ def serve(sock: socket.socket, caller: int, isolated: bool) -> str | None:
                     if len(fds) != 2:
                         raise ValueError("start needs two descriptors (code, output)")
                     limits = _parse_limits(req.get("limits"))
-                    work = None if isolated else tempfile.mkdtemp(
+                    work = None if setup.isolated else tempfile.mkdtemp(
                         prefix=f"earl-sandbox-{caller}-")
-                    pid = os.fork()
+                    group = setup.pool.acquire(limits["memory_mb"]) if setup.pool else None
+                    try:
+                        pid = os.fork()
+                    except OSError:
+                        if setup.pool is not None and group is not None:
+                            setup.pool.release(group)
+                        raise
                     if pid == 0:
                         runs.clear()
                         code_fd, out_fd = fds
                         fds = []  # the run owns them now
-                        return _run_child(limits, code_fd, out_fd, work)
-                    runs[pid] = (UID_BASE + pid if isolated else None, work)
-                    reply: dict[str, object] = {"pid": pid}
+                        return _run_child(setup, limits, code_fd, out_fd, work, group)
+                    runs[pid] = _Run(UID_BASE + pid if setup.isolated else None, work, group)
+                    reply: dict[str, object] = {"pid": pid, "features": setup.features}
                 elif op == "finish":
                     pid = req.get("pid")
                     if pid not in runs:
                         raise ValueError(f"no run with pid {pid!r}")
-                    uid, work = runs.pop(pid)
-                    kill_run(pid, uid)
-                    reply = {"rc": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}
-                    if work is not None:
-                        shutil.rmtree(work, ignore_errors=True)
+                    reply = _end_run(setup, pid, runs.pop(pid))
                 else:
                     raise ValueError(f"unknown op {op!r}")
+            except BrokenPipeError:  # the reaper is gone: runs can no longer be made to die
+                return None  # with us, so we exit and the caller starts a fresh zygote
             except Exception as e:  # noqa: BLE001 - a bad request costs its reply, not the zygote
                 reply = {"error": f"{type(e).__name__}: {e}"}
             finally:
@@ -237,12 +256,14 @@ def serve(sock: socket.socket, caller: int, isolated: bool) -> str | None:
                             pass
             sock.send(json.dumps(reply).encode())
     finally:
-        if runs:  # the zygote leaving: nothing it started outlives it
-            for pid, (uid, work) in runs.items():
-                kill_run(pid, uid)
-                os.waitpid(pid, 0)
-                if work is not None:
-                    shutil.rmtree(work, ignore_errors=True)
+        if os.getpid() == setup.zygote:  # the zygote leaving: nothing it started outlives it
+            for pid, run in runs.items():
+                try:
+                    _end_run(setup, pid, run)
+                except BrokenPipeError:  # killed and reaped; only the reaper missed the news
+                    pass
+            if setup.pool is not None:
+                setup.pool.close()
 
 
 def main() -> str | None:
@@ -250,9 +271,24 @@ def main() -> str | None:
     caller = int(args[args.index("--caller") + 1])
     root = args[args.index("--root") + 1] if "--root" in args else None
     sock = socket.socket(fileno=int(args[args.index("--fd") + 1]))
+    flt, why = sandbox_seccomp.build()
+    if flt is None:
+        print(f"earl sandbox: {why}; runs get no_new_privs only", file=sys.stderr)
+    pool, reaper_fd = None, None
     if root is not None:
-        _enter_root(root)
-    return serve(sock, caller, isolated=root is not None)
+        pool, why = sandbox_memory.Pool.open()  # before the chroot hides /sys and /proc
+        if pool is None:
+            print(f"earl sandbox: {why}; memory_mb is split between a run's processes",
+                  file=sys.stderr)
+        try:
+            sandbox_namespaces.enter_root(root)
+            reaper_fd = (sandbox_reaper.start([pool.dir_fd], pool.remove_groups) if pool
+                         else sandbox_reaper.start([], None))
+        except BaseException:
+            if pool is not None:
+                pool.close()  # the caller's cgroup keeps no group of ours
+            raise
+    return serve(sock, caller, _Setup(root is not None, pool, reaper_fd, flt))
 
 
 def _exit(rc: int) -> None:

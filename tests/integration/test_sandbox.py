@@ -162,7 +162,7 @@ def test_unprivileged_mode_still_has_no_network() -> None:
         r = run_python(code, LIMITS, full_isolation=False)
     finally:
         server.close()
-    assert r.isolation == "rlimits+userns"
+    assert r.isolation.startswith("rlimits+userns")
     assert not r.ok and "connected" not in r.output
     assert run_python("print(2 + 2)", LIMITS, full_isolation=False).output == "4\n"
 
@@ -193,8 +193,8 @@ def _sysv_objects() -> set[tuple[str, str]]:
 @pytest.mark.parametrize("full", [
     pytest.param(True, marks=needs_isolation), pytest.param(False, id="unprivileged")])
 def test_sysv_shared_memory_and_queues_vanish_with_the_run(full: bool) -> None:
-    if not full and run_python("print(1)", LIMITS, full_isolation=False).isolation != \
-            "rlimits+userns":
+    if not full and not run_python("print(1)", LIMITS, full_isolation=False).isolation \
+            .startswith("rlimits+userns"):
         pytest.skip("user namespaces are off: no private IPC namespace without root")
     before = _sysv_objects()
     r = run_python(_SYSV, LIMITS, full_isolation=full)
