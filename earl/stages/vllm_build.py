@@ -1,14 +1,21 @@
 """How `VLLMEngine`'s vLLM core is configured and built: the engine config, the CPU thread
-binding of tensor-parallel workers, and the weight reload that runs inside every vLLM worker.
+binding of tensor-parallel workers, the sockets vLLM may open, and the weight reload that runs
+inside every vLLM worker.
 
 This module builds and loads; it does not schedule requests (that is `earl.stages.vllm_engine`).
+What listens where, and why, is in docs/security/vllm-sockets.md.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import os
-from collections.abc import Iterable
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -89,10 +96,17 @@ def build_llm_engine(cfg: EngineConfig) -> tuple[Any, bool]:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
+    # vLLM's ZMQ ipc sockets (tensor-parallel message queues) go to a private directory rather
+    # than the shared temp dir; set before the first build (vLLM caches its env afterwards).
+    if "VLLM_RPC_BASE_PATH" not in os.environ:
+        os.environ["VLLM_RPC_BASE_PATH"] = _private_socket_dir()
     tp = cfg.tensor_parallel_size
     if tp > 1:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_bind or cpu_binding(tp)
         os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+        # The workers meet over gloo, which speaks TCP only: keep it on loopback, whatever the
+        # host name resolves to (gloo's default binds the host name's address).
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(cfg.threads)  # before vLLM turns set_num_threads into a no-op
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
@@ -109,13 +123,66 @@ def build_llm_engine(cfg: EngineConfig) -> tuple[Any, bool]:
                       kv_cache_memory_bytes=int(cfg.kv_cache_gb * (1 << 30)),
                       tensor_parallel_size=tp,
                       distributed_executor_backend="mp" if tp > 1 else None)
-    eng = LLMEngine.from_engine_args(args, enable_multiprocessing=False)
+    with _single_process_groups() if tp == 1 else contextlib.nullcontext():
+        eng = LLMEngine.from_engine_args(args, enable_multiprocessing=False)
     # Every weight reload warns "Failed to load weights" for layers with nothing to load
     # (rotary buffers; a tied lm_head, which `reload_worker` re-ties): expected, so silenced
     # once, after vLLM has configured its loggers.
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(
         logging.ERROR)
     return eng, bool(getattr(eng.model_config.hf_config, "tie_word_embeddings", False))
+
+
+@contextlib.contextmanager
+def _single_process_groups() -> Iterator[None]:
+    """While it is open, a torch.distributed group of one process that this thread creates is
+    torch's ``FakeProcessGroup`` instead of gloo.
+
+    vLLM creates 13 gloo groups even for a single worker (the default group, and a device and a
+    CPU group for each of world, tp, dcp, pcp, pp and dp), and every gloo group listens on a TCP
+    port that any local user can connect to; gloo keeps the socket of every connection open, so
+    enough connections exhaust the process's file descriptors and gloo aborts it. In a group of
+    one process every collective is the identity, which ``FakeProcessGroup`` computes exactly
+    (it reduces nothing and copies inputs to outputs) without a socket. vLLM hard-codes "gloo",
+    so the two torch functions it calls are wrapped for the duration of the build (no vLLM
+    option turns the groups off; see docs/security/vllm-sockets.md).
+    """
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers "fake", as torch
+
+    init_process_group, new_group = dist.init_process_group, dist.new_group
+    builder = threading.get_ident()
+
+    def backend(kw: dict[str, Any], size: int) -> dict[str, Any]:
+        if size == 1 and threading.get_ident() == builder:
+            return {**kw, "backend": "fake"}
+        return kw
+
+    def init_one(*args: Any, **kw: Any) -> None:
+        init_process_group(*args, **backend(kw, kw.get("world_size", -1)))
+
+    def new_one(ranks: list[int] | None = None, *args: Any, **kw: Any) -> Any:
+        size = len(ranks) if ranks is not None else dist.get_world_size()
+        return new_group(ranks, *args, **backend(kw, size))
+
+    dist.init_process_group, dist.new_group = init_one, new_one  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        dist.init_process_group, dist.new_group = init_process_group, new_group
+
+
+_socket_dir: str | None = None
+
+
+def _private_socket_dir() -> str:
+    """This process's directory (mode 0700) for vLLM's ipc sockets, removed at exit. Its name
+    carries the pid, so `earl.runtime.cleanup` sweeps it if the process is killed."""
+    global _socket_dir
+    if _socket_dir is None:
+        _socket_dir = tempfile.mkdtemp(prefix=f"earl-zmq-{os.getpid()}-")
+        atexit.register(shutil.rmtree, _socket_dir, ignore_errors=True)
+    return _socket_dir
 
 
 def cpu_binding(tp: int) -> str:
