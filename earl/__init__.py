@@ -25,6 +25,7 @@ from earl.engine import ContextLengthError as ContextLengthError
 from earl.engine import Engine as Engine
 from earl.engine import Generation as Generation
 from earl.engine import SamplingParams as SamplingParams
+from earl.engine import SimConfig as SimConfig
 from earl.engine import SimEngine as SimEngine
 from earl.recipe import EvalSet as EvalSet
 from earl.recipe import IterTasks as IterTasks
@@ -42,13 +43,14 @@ from earl.runtime import Runtime as Runtime
 from earl.runtime import RuntimeConfig as RuntimeConfig
 from earl.runtime import endpoint as endpoint
 from earl.runtime.types import Trajectory as Trajectory
+from earl.stages.batch_types import Episode as Episode
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Actor", "ActorDied", "ActorError", "ActorGroup", "Agent", "AssistantTurn", "ChatCodec",
-    "ContextLengthError", "Engine", "EvalSet", "Generation", "IterTasks", "ListTasks", "Recipe",
-    "RestartPolicy", "Rollout", "RolloutConfig", "RunResult", "Runtime", "RuntimeConfig",
-    "SamplingParams", "SeedTasks", "SimEngine", "ToolCall", "Trajectory", "endpoint",
-    "run_agent", "train",
+    "ContextLengthError", "Engine", "Episode", "EvalSet", "Generation", "IterTasks", "ListTasks",
+    "Recipe", "RestartPolicy", "Rollout", "RolloutConfig", "RunResult", "Runtime",
+    "RuntimeConfig", "SamplingParams", "SeedTasks", "SimConfig", "SimEngine", "ToolCall",
+    "Trajectory", "endpoint", "run_agent", "train",
 ]

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from earl.agents.chat import ChatCodec
-    from earl.loop.episode import Episode
+    from earl.stages.batch_types import Episode
 
 __all__ = [
     "EvalSet", "IterTasks", "ListTasks", "Recipe", "SeedTasks", "TaskSource", "agent_ref",

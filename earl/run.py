@@ -353,9 +353,9 @@ class _Job:
     async def _spawn_rest(self, version: int, dock: Any, setting: Any) -> None:
         """Spawns the rollout replicas (with the selector's `setting`, else as configured), the
         producers, and the loop's parts over the actors."""
-        from earl.loop.advantages import AdvantageConfig
         from earl.loop.parts import ActorEvaluation, ActorProduction, ActorTraining
-        from earl.loop.producer import ProducerActor, ProducerConfig
+        from earl.stages.advantages import AdvantageConfig
+        from earl.stages.producer import ProducerActor, ProducerConfig
         from earl.stages.rollout import RolloutActor
         from earl.stages.vllm_engine import EngineConfig
 

@@ -4,8 +4,9 @@ A launcher starts one actor process from an `ActorSpec` and returns a `ProcessHa
 process is always `python -m earl.runtime.host FD` with FD one end of a socket pair: the
 launcher sends the spec over it, the host answers READY (address, pid) or FAILED (traceback),
 and from then on the pair is the liveness line: closing it asks the actor to stop, and the actor
-exits if its parent goes away. Launchers are looked up by name: "local" (`launch_local`) and
-"ray" (`launch_ray`).
+exits if its parent goes away. The launchers, "local" (`launch_local`) and "ray"
+(`launch_ray`), build on this module, which imports neither; `Runtime` picks one by name
+(`make_launcher` in `earl.runtime.runtime`).
 """
 
 from __future__ import annotations
@@ -131,14 +132,3 @@ class Launcher(Protocol):
 
     async def close(self) -> None: ...
 
-
-def make_launcher(name: str, ray_address: str | None = None) -> Launcher:
-    if name == "local":
-        from earl.runtime.launch_local import LocalLauncher
-
-        return LocalLauncher()
-    if name == "ray":
-        from earl.runtime.launch_ray import RayLauncher
-
-        return RayLauncher(address=ray_address)
-    raise ValueError(f"unknown launcher {name!r}: use 'local' or 'ray'")

@@ -36,7 +36,7 @@ from earl.runtime.directory import DEAD, UP, Directory, GroupRecord
 from earl.runtime.endpoint import endpoints_of
 from earl.runtime.errors import ActorDied
 from earl.runtime.frames import Kind, log
-from earl.runtime.launch import ActorSpec, Launcher, make_launcher, pack_call
+from earl.runtime.launch import ActorSpec, Launcher, pack_call
 from earl.runtime.server import Server
 from earl.runtime.slots import Slot, per_rank
 from earl.runtime.supervisor import GroupSupervisor
@@ -47,6 +47,19 @@ A = TypeVar("A", bound=Actor)
 T = TypeVar("T")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 BROKEN_GRACE_S = 0.5  # a dying process closes its sockets a moment before it is reaped
+
+
+def make_launcher(name: str, ray_address: str | None = None) -> Launcher:
+    """The launcher named `name` ("local" or "ray"); Ray is imported only for "ray"."""
+    if name == "local":
+        from earl.runtime.launch_local import LocalLauncher
+
+        return LocalLauncher()
+    if name == "ray":
+        from earl.runtime.launch_ray import RayLauncher
+
+        return RayLauncher(address=ray_address)
+    raise ValueError(f"unknown launcher {name!r}: use 'local' or 'ray'")
 
 
 @dataclass(frozen=True, slots=True)

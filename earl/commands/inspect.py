@@ -132,10 +132,10 @@ def replay(t: Record, tok: Any) -> dict[str, object]:
     """Re-play a board game's recorded moves in a fresh env with the same seed; compare
     outcomes. Works for Tic-Tac-Toe and Connect Four records (their info carries the seed)."""
     from earl.agents.connect4 import game_config
+    from earl.agents.tictactoe_eval import env_config
     from earl.envs.connect4 import INTRO as C4_INTRO
     from earl.envs.connect4 import ConnectFour
     from earl.envs.tictactoe import TicTacToe
-    from earl.eval import env_config
 
     info = t.get("info", {})
     if "seed" not in info or "outcome" not in info:

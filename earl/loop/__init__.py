@@ -1,8 +1,13 @@
 """The general RL loop behind `earl train`, as small parts with one job each.
 
-`gate` (the staleness bound), `producer` (producer actors: agent coroutines + their warehouse
-shard), `advantages` (episodes -> per-token advantages: GRPO, per-turn PPO credit, a critic),
-`prepare` (reference scores on the dock), `learner` (train step + weight sync),
-`evaluation`, `checkpoint` (one manifest per checkpoint), `stop` (steps, time, target) and
-`schedule`, which runs them. `earl.run` wires them to actors.
+`gate` (the staleness bound), `schedule` (which batch is produced, trained, evaluated and
+checkpointed when; unit-tested with fakes), `parts` (the schedule's protocols over actor
+groups: production, training, evaluation), `checkpoint` (one manifest per checkpoint),
+`healing` and `healing_parts` (a run that survives its actors' deaths), `selection` and
+`selection_actors` (the parallelism selector applied to live actors) and `transcripts`
+(supervised warm-start data). `earl.run` wires them to actors.
+
+The loop sits above the stage actors (`earl.stages`: rollout, producer, reference, trainer)
+and imports them, never the reverse; the records it exchanges with the producers
+(`BatchResult`, `Episode`, `GroupTask`) come from `earl.stages.batch_types`.
 """

@@ -6,7 +6,8 @@ producer and reference groups and rebuilds the new process' state before the loo
 again:
 
 - rollout: the trainer's weights are pushed again at the current policy version (producers'
-  `HealingEngine` refuses generations from a replica that went back to older weights);
+  `HealingEngine`, `earl.stages.healing_engine`, refuses generations from a replica that went
+  back to older weights);
 - producer: its policy version and its critic (from the last checkpoint) are restored, its
   dock shard is dropped from the index, and the groups it held are played again
   (`Dock.take_lost`; the batch it was playing is re-played by `HealingProduction`);

@@ -13,33 +13,30 @@ process:
 - `HealingEvaluation`: an evaluation interrupted by a producer's death is run again.
 - `SafeCheckpoints`: a checkpoint that fails (a full disk) is reported and skipped; the previous
   manifest stays in force.
-- `HealingEngine` (inside producers): retries a generation whose rollout replica died, and
-  refuses tokens from a restarted replica still serving older weights than it was told.
 
-Not here: watching restarts and rewinds (`earl.loop.healing`).
+Not here: watching restarts and rewinds (`earl.loop.healing`); the producers' side, a
+generation retried when its rollout replica died (`earl.stages.healing_engine`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from earl.loop.healing import Healer, died_actor
-from earl.loop.producer import BatchResult, GroupTask, sample_id
 from earl.runtime.dock import Dock
 from earl.runtime.errors import ActorDied, ActorError
+from earl.stages.batch_types import BatchResult, GroupTask, sample_id
 
 if TYPE_CHECKING:
     from earl.loop.parts import ActorEvaluation, ActorProduction, ActorTraining
     from earl.loop.schedule import LoopState
     from earl.runtime.dock_index import Lease
-    from earl.runtime.types import Generation, SamplingParams
 
-__all__ = ["HealingEngine", "HealingEvaluation", "HealingProduction", "HealingTraining",
-           "LedgerDock", "SafeCheckpoints"]
+__all__ = ["HealingEvaluation", "HealingProduction", "HealingTraining", "LedgerDock",
+           "SafeCheckpoints"]
 
 
 class LedgerDock(Dock):
@@ -262,45 +259,6 @@ class SafeCheckpoints:
             self.healer.note("checkpoint_failed", "driver", step=state.step, error=why)
             self.healer.log(f"healing: checkpoint at step {state.step} failed ({why}); the "
                             "previous checkpoint stays in force, the run goes on")
-
-
-class HealingEngine:
-    """Wraps a producer's `RolloutClient`: a generation is retried when its replica died, and
-    refused when a restarted replica serves older weights than the producer was told."""
-
-    def __init__(self, client: Any, *, wait_s: float = 300.0) -> None:
-        self._client, self._wait_s = client, wait_s
-        self.retries = 0
-        self._pinned: int | None = None
-
-    def pin(self, version: int) -> None:
-        """Accept tokens from `version` on (the rollout was set back to it on purpose)."""
-        self._pinned = version
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._client, name)
-
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, *,
-                       session_id: str | None = None) -> Generation:
-        deadline = time.monotonic() + self._wait_s
-        delay = 0.05
-        while True:
-            floor = self._client.policy_version if self._pinned is None else self._pinned
-            try:
-                gen: Generation = await self._client.generate(prompt_ids, params,
-                                                              session_id=session_id)
-                if not gen.versions or min(gen.versions) >= floor:
-                    return gen
-            except ActorDied:
-                if time.monotonic() > deadline:
-                    raise
-            if time.monotonic() > deadline:
-                raise ActorDied("rollout", f"no replica served version {floor} within "
-                                           f"{self._wait_s:g} s", cause="unavailable",
-                                call="generate")
-            self.retries += 1
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, 1.0)
 
 
 def last_producer_state(out: Path, rank: int) -> dict[str, object] | None:

@@ -12,12 +12,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from earl.loop.episode import Episode
-from earl.loop.producer import BatchResult, GroupTask, ProducerActor
 from earl.observe import Tracer
 from earl.recipe import Metric, Recipe, TaskSource
 from earl.runtime import ActorGroup
 from earl.runtime.dock import Dock
+from earl.stages.batch_types import BatchResult, Episode, GroupTask
+from earl.stages.producer import ProducerActor
 
 __all__ = ["ActorEvaluation", "ActorProduction", "ActorTraining"]
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from earl.loop.gate import StalenessGate
-from earl.loop.producer import BatchResult
+from earl.stages.batch_types import BatchResult
 
 __all__ = ["Checkpoints", "Evaluation", "LoopState", "Production", "Schedule", "ScheduleConfig",
            "Selection", "StepRecord", "Training"]

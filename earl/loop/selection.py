@@ -30,8 +30,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from earl.loop.producer import BatchResult
 from earl.runtime.selector import ContextStats, ContextTracker, Decision, Plan, Policy
+from earl.stages.batch_types import BatchResult
 
 __all__ = ["Reconfigurer", "Selection", "SelectionStatistics", "Setting", "setting_of"]
 

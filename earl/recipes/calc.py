@@ -14,7 +14,8 @@ tool's result. RL has to learn which
 operators each wording means. Evals are greedy on held-out tasks: "start" and "final" use the
 same tasks, "validation" (model selection) others.
 
-Written against the public API only (`earl.recipe`, `earl.agents`, `earl.envs`, `earl.engine`).
+Written against the public API only (`earl`, and the task's agent and env in `earl.agents`
+and `earl.envs`).
 """
 
 from __future__ import annotations
@@ -22,19 +23,22 @@ from __future__ import annotations
 import json
 import random
 import re
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from earl import (
+    ChatCodec,
+    Episode,
+    EvalSet,
+    Recipe,
+    RolloutConfig,
+    SamplingParams,
+    SimConfig,
+    SimEngine,
+    run_agent,
+)
 from earl.agents.calc import calc_agent
-from earl.agents.chat import ChatCodec
-from earl.agents.rollout import RolloutConfig, run_agent
-from earl.engine import SamplingParams, SimConfig, SimEngine
 from earl.envs.arithmetic import CalcTasks, quantities
-from earl.recipe import EvalSet, Recipe
-
-if TYPE_CHECKING:
-    from earl.loop.episode import Episode
 
 __all__ = ["OPERATORS", "calc_metric", "recipe", "warm_start", "warm_start_responder"]
 

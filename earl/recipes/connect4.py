@@ -7,24 +7,27 @@ group plays one seed. The warm start imitates random *legal* games (soft targets
 the open columns, as Tic-Tac-Toe's does); evals play greedy games on seeds no training game
 uses, alternating the first move, and report Tic-Tac-Toe's keys (`win_draw_rate` is the target).
 
-Written against the public API only (`earl.recipe`, `earl.agents`, `earl.envs`, `earl.engine`).
+Written against the public API only (`earl`, and the task's agent in `earl.agents`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-from earl.agents.chat import ChatCodec
+from earl import (
+    ChatCodec,
+    Episode,
+    EvalSet,
+    Recipe,
+    RolloutConfig,
+    SamplingParams,
+    SeedTasks,
+    SimConfig,
+    SimEngine,
+    run_agent,
+)
 from earl.agents.connect4 import connect4_agent, connect4_sim_responder, open_columns
-from earl.agents.rollout import RolloutConfig, run_agent
 from earl.agents.tictactoe import legal_move_targets
-from earl.engine import SamplingParams, SimConfig, SimEngine
-from earl.recipe import EvalSet, Recipe, SeedTasks
-
-if TYPE_CHECKING:
-    from earl.loop.episode import Episode
 
 __all__ = ["EVAL_SEED", "connect4_metric", "eval_seeds", "recipe", "warm_start"]
 

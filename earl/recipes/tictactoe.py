@@ -13,17 +13,26 @@ from __future__ import annotations
 
 import numpy as np
 
-from earl import ChatCodec, Rollout, RolloutConfig, SamplingParams, SimEngine, run_agent
+from earl import (
+    ChatCodec,
+    EvalSet,
+    Recipe,
+    Rollout,
+    RolloutConfig,
+    SamplingParams,
+    SeedTasks,
+    SimConfig,
+    SimEngine,
+    run_agent,
+)
 from earl.agents.tictactoe import (
     free_squares,
     legal_move_targets,
     play_board_game,
     sim_responder,
 )
-from earl.engine import SimConfig
+from earl.agents.tictactoe_eval import EVAL_SEED, env_config, summarize
 from earl.envs.tictactoe import TicTacToe
-from earl.eval import EVAL_SEED, env_config, summarize
-from earl.recipe import EvalSet, Recipe, SeedTasks
 
 TRAIN_SEED = 10_000  # training game seeds: TRAIN_SEED + cursor (even = the agent opens)
 WIN, DRAW, LOSS = 1.0, 1.0, -1.0

@@ -1,4 +1,4 @@
-"""earl.loop.advantages.Estimator: per-turn credit on turn tokens (GRPO, PPO, tabular critic
+"""earl.stages.advantages.Estimator: per-turn credit on turn tokens (GRPO, PPO, tabular critic
 with self-imitation), failed and rejected episodes."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from earl.loop.advantages import AdvantageConfig, Estimator
 from earl.runtime.types import Trajectory
+from earl.stages.advantages import AdvantageConfig, Estimator
 
 
 def game(first_move: int, second_obs: int, rewards: list[float], sid: str, gid: str = "",

@@ -1,4 +1,4 @@
-"""earl.eval: illegal or failed games lose, first/second move alternate, decoding is greedy, and
+"""earl.agents.tictactoe_eval: illegal or failed games lose, first/second move alternate, decoding is greedy, and
 the eval seeds never meet training or validation seeds (SimEngine, no processes)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-import earl.eval as ev
+import earl.agents.tictactoe_eval as ev
 from earl.agents.chat import ChatCodec
 from earl.agents.rollout import run_agent
 from earl.agents.tictactoe import sim_responder

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from earl.loop.producer import first_finished
+from earl.stages.producer import first_finished
 
 
 async def test_keeps_the_first_to_finish_and_unwinds_the_rest() -> None:

@@ -18,13 +18,14 @@ from earl.loop.healing import (
     Ledger,
     died_actor,
 )
-from earl.loop.healing_parts import HealingEngine, HealingProduction, SafeCheckpoints
+from earl.loop.healing_parts import HealingProduction, SafeCheckpoints
 from earl.loop.parts import ActorProduction
-from earl.loop.producer import BatchResult
 from earl.loop.schedule import LoopState
 from earl.runtime.dock import DockFetchError
 from earl.runtime.dock_index import Location, LostSample
 from earl.runtime.errors import ActorDied, ActorError
+from earl.stages.batch_types import BatchResult
+from earl.stages.healing_engine import HealingEngine
 
 pytestmark = pytest.mark.timeout(30)
 

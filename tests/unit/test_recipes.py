@@ -23,10 +23,10 @@ from earl.envs.arithmetic import (
     quantities,
     write_jsonl,
 )
-from earl.loop.episode import Episode, episode_of
 from earl.models.tiny import build_tokenizer
 from earl.recipe import ListTasks, agent_ref, load_agent, load_jsonl, load_recipe
 from earl.recipes import calc, connect4
+from earl.stages.batch_types import Episode, episode_of
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,13 +12,12 @@ import pytest
 from earl.agents.chat import ChatCodec
 from earl.agents.tictactoe import sim_responder
 from earl.engine import SamplingParams, SimConfig, SimEngine
-from earl.loop.advantages import AdvantageConfig, Estimator
-from earl.loop.episode import episode_of
 from earl.loop.gate import StalenessGate
-from earl.loop.producer import BatchResult, GroupTask
 from earl.loop.schedule import LoopState, Schedule, ScheduleConfig
 from earl.models.tiny import build_tokenizer
 from earl.runtime.dock_index import DockIndex, SampleInfo, WouldBlock
+from earl.stages.advantages import AdvantageConfig, Estimator
+from earl.stages.batch_types import BatchResult, GroupTask, episode_of
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,8 +9,6 @@ import asyncio
 
 import pytest
 
-from earl.loop.episode import Episode
-from earl.loop.producer import BatchResult
 from earl.loop.schedule import LoopState, Schedule, ScheduleConfig
 from earl.loop.selection import Selection, Setting, setting_of
 from earl.runtime.selector import (
@@ -24,6 +22,7 @@ from earl.runtime.selector import (
     Policy,
     PolicyConfig,
 )
+from earl.stages.batch_types import BatchResult, Episode
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -2,12 +2,14 @@
 
 A `ProducerActor` is a rollout worker process. It imports the user's agent by reference,
 plays the groups the driver assigns to it against the vLLM rollout actors (`RolloutClient`),
-turns the finished trajectories into training columns (`earl.loop.advantages`), and stores
+turns the finished trajectories into training columns (`earl.stages.advantages`), and stores
 them in its own warehouse shard of the transfer dock. The reference and the trainer fetch the
-columns straight from this process; the driver only gets `Episode` metadata back.
+columns straight from this process; the driver only gets `Episode` metadata back
+(`earl.stages.batch_types`).
 
 Not here: sampling tokens (the rollout actors), deciding when a batch may start (the
-staleness gate in the driver), or the loss.
+staleness gate in the driver, `earl.loop`), or the loss. Like every stage, it never imports
+the loop that drives it.
 """
 
 from __future__ import annotations
@@ -22,17 +24,17 @@ from typing import TypeVar
 
 import numpy as np
 
-from earl.loop.advantages import AdvantageConfig, Estimator
-from earl.loop.episode import Episode, episode_of
 from earl.runtime import Actor, context, endpoint
 from earl.runtime.dock import Dock, WarehouseHost
 from earl.runtime.types import Trajectory
 from earl.runtime.wire import message
+from earl.stages.advantages import AdvantageConfig, Estimator
+from earl.stages.batch_types import BatchResult, Episode, GroupTask, episode_of, sample_id
+from earl.stages.healing_engine import HealingEngine
 
 T = TypeVar("T")
 
-__all__ = ["BatchResult", "GroupTask", "ProducerActor", "ProducerConfig", "first_finished",
-           "sample_id"]
+__all__ = ["ProducerActor", "ProducerConfig", "first_finished"]
 
 
 async def first_finished(plays: Sequence[Awaitable[T]], need: int) -> dict[int, T]:
@@ -57,11 +59,6 @@ async def first_finished(plays: Sequence[Awaitable[T]], need: int) -> dict[int, 
         await asyncio.gather(*pending, return_exceptions=True)
     return kept
 
-
-def sample_id(batch: int, j: int, tag: str = "", rank: int = 0) -> str:
-    """Dock id of row `j` of producer `rank`'s share of a batch's play ("" tag) or of a re-play
-    after a fault ("x1", ...); unique across producers."""
-    return f"b{batch:06d}-p{rank}-{tag + '-' if tag else ''}{j:04d}"
 
 message(AdvantageConfig)
 
@@ -99,34 +96,6 @@ class ProducerConfig:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
 
 
-@message
-@dataclass(kw_only=True, slots=True)
-class GroupTask:
-    """One group to play: `samples[i]` is member i's task (equal for GRPO groups)."""
-
-    group_id: str
-    samples: list[object]
-
-
-@message
-@dataclass(kw_only=True, slots=True)
-class BatchResult:
-    """What the driver gets back for one batch: metadata only.
-
-    Attributes:
-        episodes: one per trajectory kept, in group order.
-        samples: rows put in the dock (trajectories plus self-imitation samples).
-        seconds: wall time of the batch's play.
-        cut: ids of the over-sampled groups cut unfinished (nothing of them was kept).
-    """
-
-    batch: int
-    episodes: list[Episode]
-    samples: int
-    seconds: float
-    cut: list[str] = field(default_factory=list)
-
-
 class ProducerActor(WarehouseHost, Actor):
     """Plays groups with the agent, prepares their columns, keeps them in its dock shard."""
 
@@ -152,8 +121,6 @@ class ProducerActor(WarehouseHost, Actor):
         self.agent = load_agent(c.agent)
         self.reward = load_reward(c.reward) if c.reward else None
         self.codec = ChatCodec(AutoTokenizer.from_pretrained(c.model))
-        from earl.loop.healing_parts import HealingEngine
-
         self.engine = HealingEngine(RolloutClient(await context().lookup(c.rollout)))
         self.engine.note_version(self._version)
         self.dock = Dock(await context().lookup(c.index), warehouse=self.warehouse)
@@ -277,7 +244,6 @@ class ProducerActor(WarehouseHost, Actor):
     async def use_rollout(self, name: str, version: int) -> None:
         """Sample from the rollout group `name` again (the selector re-created it), which
         serves policy `version`. Call only while no batch is playing."""
-        from earl.loop.healing_parts import HealingEngine
         from earl.stages.rollout import RolloutClient
 
         self.engine = HealingEngine(RolloutClient(await context().lookup(name)))

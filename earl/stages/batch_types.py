@@ -1,7 +1,10 @@
-"""What the driver learns about one finished agent session: metadata, never tokens.
+"""The plain records producers and the driver exchange: metadata, never tokens.
 
-Producer actors keep a trajectory's token columns in their own warehouse shard and send the
-driver an `Episode`: the numbers that metrics, evals, stop rules and `earl inspect` read.
+The driver deals a batch's groups to the producer actors (`GroupTask`); each producer keeps a
+trajectory's token columns in its own warehouse shard of the dock, under ids from `sample_id`,
+and sends back a `BatchResult` of `Episode`s: the numbers that metrics, evals, stop rules and
+`earl inspect` read. Both the producer (`earl.stages.producer`) and the loop (`earl.loop`)
+import these types from here; this module imports neither.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from dataclasses import dataclass, field
 from earl.runtime.types import Trajectory
 from earl.runtime.wire import message
 
-__all__ = ["Episode", "episode_of"]
+__all__ = ["BatchResult", "Episode", "GroupTask", "episode_of", "sample_id"]
 
 
 @message
@@ -51,3 +54,37 @@ def episode_of(t: Trajectory) -> Episode:
                    truncated=t.truncated, tokens=len(t.token_ids), generated=len(gen_versions),
                    turns=len(t.turn_spans), version_sum=sum(gen_versions),
                    gen_time_s=t.gen_time_s, tool_time_s=t.tool_time_s, info=dict(t.info))
+
+
+def sample_id(batch: int, j: int, tag: str = "", rank: int = 0) -> str:
+    """Dock id of row `j` of producer `rank`'s share of a batch's play ("" tag) or of a re-play
+    after a fault ("x1", ...); unique across producers."""
+    return f"b{batch:06d}-p{rank}-{tag + '-' if tag else ''}{j:04d}"
+
+
+@message
+@dataclass(kw_only=True, slots=True)
+class GroupTask:
+    """One group to play: `samples[i]` is member i's task (equal for GRPO groups)."""
+
+    group_id: str
+    samples: list[object]
+
+
+@message
+@dataclass(kw_only=True, slots=True)
+class BatchResult:
+    """What the driver gets back for one batch: metadata only.
+
+    Attributes:
+        episodes: one per trajectory kept, in group order.
+        samples: rows put in the dock (trajectories plus self-imitation samples).
+        seconds: wall time of the batch's play.
+        cut: ids of the over-sampled groups cut unfinished (nothing of them was kept).
+    """
+
+    batch: int
+    episodes: list[Episode]
+    samples: int
+    seconds: float
+    cut: list[str] = field(default_factory=list)
