@@ -14,7 +14,7 @@ COMMANDS = {
     "stress": "Stress-test multi-turn tool use with N concurrent agent sessions.",
     "bench": "Run a benchmark from bench/ and print its JSON.",
     "inspect": "Inspect or replay trajectories dumped by a run.",
-    "chaos": "Run a small live job with injected faults; print the invariants as JSON.",
+    "chaos": "Run a small live job with injected faults; report each and the invariants (--json).",
 }
 
 

@@ -1,10 +1,12 @@
-"""`earl chaos`: a live tiny training run with faults injected; prints one JSON line.
+"""`earl chaos`: a live tiny training run with faults injected; reports each fault and the
+run's invariants (`--json`: as one JSON line).
 
     earl chaos --quick            # kills of rollout, producer, reference; a corrupt frame,
                                   # delayed control messages, a full disk at checkpoint time
-    earl chaos                    # also kills the dock's index and the trainer (rewinds),
-                                  # drops calls to a producer and to the reference, and
-                                  # stalls a tool
+    earl chaos --json             # also kills the dock's index and the trainer (rewinds),
+                                  # drops calls to a producer and to the reference, stalls a
+                                  # tool, and another user's attacks (shm names, slowloris),
+                                  # and a kill while the checkpoint in force is re-saved
     earl chaos --faults kill:producer,disk_full --steps 6 --seed 3
 
 Faults (each at a random point of a step, one at a time):
@@ -75,6 +77,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0, help="where in a step faults land")
     p.add_argument("--output-dir", help="run folder (default: a temp dir, removed)")
     p.add_argument("--verbose", action="store_true", help="progress and healing lines")
+    p.add_argument("--json", action="store_true",
+                   help="print only the report's JSON line (default: one line per fault, then "
+                        "the verdict)")
     p.add_argument("--tool-timeout-s", type=float, default=2.0,
                    help="the run's tool_timeout_s (what a stalled tool call waits)")
     p.add_argument("--deadline", type=float, default=900.0,
@@ -103,8 +108,23 @@ def main(argv: list[str]) -> int:
             else (lambda line: None)
         report = asyncio.run(run_chaos(cfg, faults, seed=args.seed, log=log,
                                        deadline_s=args.deadline))
-    print(json.dumps(report), flush=True)
+    if args.json:
+        print(json.dumps(report), flush=True)
+    else:
+        _print_report(report)
     return 0 if report["ok"] else 1
+
+
+def _print_report(report: dict[str, Any]) -> None:
+    for f in report["faults"]:
+        extra = {k: v for k, v in f.items() if k not in ("fault", "recovered", "after_step")}
+        print(f"{'ok  ' if f['recovered'] else 'FAIL'} {f['fault']:<16} after step "
+              f"{f['after_step']}: {extra}")
+    print(f"{'ok' if report['ok'] else 'FAILED'}: {report['faults_injected']} faults, "
+          f"recovered {report['recovered']}, samples lost {report['samples_lost']}, "
+          f"duplicated {report['samples_duplicated']}, steps {report['steps_reached']}/"
+          f"{report['steps']}, orphans {sum(map(len, report['orphans'].values()))}"
+          + (f", error: {report['error']}" if report["error"] else ""), flush=True)
 
 
 async def run_chaos(cfg: Any, faults: list[str], *, seed: int = 0, log: Any = print,

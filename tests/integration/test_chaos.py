@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.timeout(900)]
 
 def _chaos(*args: str, timeout: float = 850) -> tuple[int, dict[str, object], str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    p = subprocess.run([sys.executable, "-m", "earl.cli", "chaos", *args], capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "earl.cli", "chaos", "--json", *args],
+                       capture_output=True,
                        text=True, timeout=timeout, env=env, check=False)
     lines = p.stdout.strip().splitlines()
     return p.returncode, (json.loads(lines[-1]) if lines else {}), p.stderr[-4000:]
