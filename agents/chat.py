@@ -11,6 +11,7 @@ template runs only on the first turns. This module does not talk to engines or t
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import re
 from collections.abc import Sequence
@@ -21,7 +22,9 @@ __all__ = ["ChatCodec", "Message"]
 Message = dict[str, object]
 _BASE: list[Message] = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
 _CHECKS = 2
-_MEMO_SIZE = 1 << 16  # cached encodings (FIFO eviction)  # real renders compared against the cached frame before trusting it
+_MEMO_MAX_CHARS = 1 << 14  # longer texts are not cached
+_GIL_FREE_CHARS = 1 << 12  # longer texts are encoded with the GIL released (a thread may wait)
+_MEMO_SIZE = 1 << 16  # cached encodings (FIFO eviction)
 
 
 class _Tokenizer(Protocol):  # the part of PreTrainedTokenizerFast we use
@@ -107,12 +110,18 @@ class ChatCodec:
         return ids
 
     def _remember(self, text: str, ids: tuple[int, ...]) -> None:
+        if len(text) > _MEMO_MAX_CHARS:
+            return  # one huge prompt would pin its text and ids for 65k more encodings
         if len(self._memo) >= _MEMO_SIZE:
-            self._memo.pop(next(iter(self._memo)))  # drop the oldest entry
+            # drop the oldest entry; another thread (the endpoint's parser) may evict too
+            with contextlib.suppress(KeyError, RuntimeError, StopIteration):
+                self._memo.pop(next(iter(self._memo)))
         self._memo[text] = ids
 
     def _encode_raw(self, text: str) -> tuple[int, ...]:
         if self._fast is not None:
+            if len(text) > _GIL_FREE_CHARS:  # encode_batch releases the GIL, encode does not
+                return tuple(self._fast.encode_batch([text], add_special_tokens=False)[0].ids)
             return tuple(self._fast.encode(text, add_special_tokens=False).ids)
         return tuple(self.tokenizer.encode(text, add_special_tokens=False))  # type: ignore[attr-defined]
 
@@ -142,7 +151,8 @@ class ChatCodec:
             text = str(self.tokenizer.decode(list(ids), skip_special_tokens=False))  # type: ignore[attr-defined]
         if key is not None:
             if len(self._unmemo) >= _MEMO_SIZE:
-                self._unmemo.pop(next(iter(self._unmemo)))
+                with contextlib.suppress(KeyError, RuntimeError, StopIteration):
+                    self._unmemo.pop(next(iter(self._unmemo)))
             self._unmemo[key] = text
         return text
 

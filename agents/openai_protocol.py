@@ -2,8 +2,10 @@
 
 `parse_request` turns a request body into a typed `ChatRequest` whose messages are already in
 the form the chat template renders (text content, tool-call arguments as JSON objects, tool
-results named after their call), or raises `APIError` naming the offending field. The
-`completion_body` and `stream_body` builders write the `chat.completion` object and its
+results named after their call), or raises `APIError` naming the offending field. It bounds the
+number of messages and tools and the characters they carry (`Limits`, far above what fits in a
+model's context), so that one request cannot make the endpoint render and tokenize without end.
+The `completion_body` and `stream_body` builders write the `chat.completion` object and its
 server-sent-events form. This module knows nothing about tokens, engines or HTTP.
 """
 
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 
 from earl.agents.chat import Message
 
-__all__ = ["APIError", "ChatRequest", "Choice", "assistant_message", "completion_body",
+__all__ = ["APIError", "ChatRequest", "Choice", "Limits", "assistant_message", "completion_body",
            "parse_request", "stream_body"]
 
 Body = dict[str, object]
@@ -53,6 +55,40 @@ class APIError(Exception):
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The most one request may carry; `EndpointConfig` holds the endpoint's (same names).
+
+    Attributes:
+        max_n: choices (`n`).
+        max_messages: entries of `messages`.
+        max_tools: entries of `tools`.
+        max_chars: characters of text in all: message contents, tool-call arguments and the
+            tools' definitions (as JSON). 4 Mi characters is about a million tokens.
+    """
+
+    max_n: int = 8
+    max_messages: int = 4096
+    max_tools: int = 128
+    max_chars: int = 4 << 20
+
+
+class _Budget:
+    """Characters left of `Limits.max_chars` while a request is read."""
+
+    __slots__ = ("left", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.left = self.limit = limit
+
+    def spend(self, n: int, param: str) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise _bad(f"the request carries over {self.limit} characters of messages and tools "
+                       f"(EndpointConfig.max_chars); send less text", param,
+                       code="request_too_large")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -96,17 +132,26 @@ def _int(body: Body, key: str, lo: int, hi: int) -> int | None:
     return v
 
 
-def parse_request(raw: bytes, *, model: str, max_n: int = 8) -> ChatRequest:
+def parse_request(raw: bytes, *, model: str, limits: Limits = Limits()) -> ChatRequest:
     """Validate a request body against what the endpoint serves.
 
     Args:
         raw: the HTTP body.
         model: the one model name this endpoint serves.
-        max_n: the largest `n` accepted.
+        limits: the most a request may carry.
 
     Raises:
-        APIError: 400 for a malformed request, 404 for an unknown model.
+        APIError: 400 for a malformed or oversized request, 404 for an unknown model.
     """
+    # json.loads holds the GIL however it is threaded: a body of millions of tiny values
+    # ("[],[],...") stalls the whole process for seconds. Count brackets first (C speed; those
+    # inside strings count too, so the bound is loose): no request within the limits needs more.
+    containers = raw.count(b"[") + raw.count(b"{")
+    bound = 64 * (limits.max_messages + limits.max_tools) + 65536
+    if containers > bound:
+        raise APIError(400, f"the request body holds {containers} JSON arrays/objects, more than "
+                       f"{bound} (64 per message and tool allowed by EndpointConfig.max_messages "
+                       "and max_tools, plus 65536)", param="messages", code="request_too_large")
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
@@ -129,8 +174,10 @@ def parse_request(raw: bytes, *, model: str, max_n: int = 8) -> ChatRequest:
     if body.get("top_logprobs") not in (None, 0):
         raise _bad("top_logprobs > 0 is not supported: the engine returns the sampled token's "
                    "log-prob only (use logprobs=true)", "top_logprobs")
-    tools = _tools(body.get("tools"))
-    req = ChatRequest(model=name, messages=_messages(body.get("messages")), tools=tools,
+    budget = _Budget(limits.max_chars)
+    messages = _messages(body.get("messages"), limits.max_messages, budget)
+    tools = _tools(body.get("tools"), limits.max_tools, budget)
+    req = ChatRequest(model=name, messages=messages, tools=tools,
                       tool_choice=_tool_choice(body.get("tool_choice"), tools))
     stream = body.get("stream", False)
     if not isinstance(stream, bool | None):
@@ -141,7 +188,7 @@ def parse_request(raw: bytes, *, model: str, max_n: int = 8) -> ChatRequest:
         if not isinstance(opts, dict):
             raise _bad("stream_options must be an object", "stream_options")
         req.include_usage = bool(opts.get("include_usage", False))
-    req.n = _int(body, "n", 1, max_n) or 1
+    req.n = _int(body, "n", 1, limits.max_n) or 1
     req.temperature = _number(body, "temperature", 0.0, 2.0)
     req.top_p = _number(body, "top_p", 1e-9, 1.0)
     max_completion = _int(body, "max_completion_tokens", 1, 1 << 30)
@@ -179,9 +226,16 @@ def _text(content: object, where: str, *, optional: bool = False) -> str:
                where)
 
 
-def _messages(raw: object) -> list[Message]:
+def _too_many(key: str, n: int, limit: int) -> APIError:
+    return _bad(f"{key} has {n} entries, over this endpoint's limit of {limit} "
+                f"(EndpointConfig.max_{key})", key, code="request_too_large")
+
+
+def _messages(raw: object, limit: int, budget: _Budget) -> list[Message]:
     if not isinstance(raw, list) or not raw:
         raise _bad("messages must be a non-empty list of message objects", "messages")
+    if len(raw) > limit:
+        raise _too_many("messages", len(raw), limit)
     out: list[Message] = []
     names: dict[str, str] = {}  # tool_call_id -> function name, for templates that render it
     for i, m in enumerate(raw):
@@ -193,7 +247,7 @@ def _messages(raw: object) -> list[Message]:
             raise _bad(f"{where}.role must be one of {sorted(_ROLES)}, got {role!r}",
                        f"{where}.role")
         if role == "assistant":
-            calls = _calls(m.get("tool_calls"), where, names)
+            calls = _calls(m.get("tool_calls"), where, names, budget)
             text = _text(m.get("content"), f"{where}.content", optional=bool(calls))
             out.append(assistant_message(text, calls))
         elif role == "tool":
@@ -201,17 +255,20 @@ def _messages(raw: object) -> list[Message]:
             if not isinstance(cid, str):
                 raise _bad(f"{where}.tool_call_id must be the id of the call it answers",
                            f"{where}.tool_call_id")
-            msg: Message = {"role": "tool", "content": _text(m.get("content"), f"{where}.content")}
+            text = _text(m.get("content"), f"{where}.content")
+            msg: Message = {"role": "tool", "content": text}
             if cid in names:
                 msg["name"] = names[cid]
             out.append(msg)
         else:
-            out.append({"role": "system" if role == "developer" else role,
-                        "content": _text(m.get("content"), f"{where}.content")})
+            text = _text(m.get("content"), f"{where}.content")
+            out.append({"role": "system" if role == "developer" else role, "content": text})
+        budget.spend(len(text), "messages")
     return out
 
 
-def _calls(raw: object, where: str, names: dict[str, str]) -> list[tuple[str, Body]]:
+def _calls(raw: object, where: str, names: dict[str, str],
+           budget: _Budget) -> list[tuple[str, Body]]:
     if raw is None:
         return []
     if not isinstance(raw, list):
@@ -224,6 +281,7 @@ def _calls(raw: object, where: str, names: dict[str, str]) -> list[tuple[str, Bo
             raise _bad(f'{at} must be {{"id": ..., "type": "function", "function": {{"name": '
                        f'..., "arguments": "<JSON object>"}}}}', at)
         args = fn.get("arguments", "{}")
+        budget.spend(len(args) if isinstance(args, str) else len(json.dumps(args)), "messages")
         try:
             parsed = json.loads(args) if isinstance(args, str) else args
         except ValueError:
@@ -247,11 +305,14 @@ def assistant_message(content: str, calls: Sequence[tuple[str, Body]]) -> Messag
     return msg
 
 
-def _tools(raw: object) -> list[Body] | None:
+def _tools(raw: object, limit: int, budget: _Budget) -> list[Body] | None:
     if raw is None or raw == []:
         return None
     if not isinstance(raw, list):
         raise _bad("tools must be a list of function tools", "tools")
+    if len(raw) > limit:
+        raise _too_many("tools", len(raw), limit)
+    budget.spend(len(json.dumps(raw)), "tools")  # before checking schemas, which is slow
     from jsonschema import SchemaError, validators
 
     seen: set[str] = set()

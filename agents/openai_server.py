@@ -6,7 +6,15 @@ endpoint=ep)` registers the session's `Rollout`, whose `base_url`
 against the `openai` package (or any framework on top of it) uses unchanged. Every request is
 answered by the rollout's engine and recorded token-exactly (`earl.agents.openai_record`).
 Requests need `Authorization: Bearer <api_key>` (one random key per endpoint); anything else gets
-401. The HTTP layer is aiohttp's low-level server (no router, no middleware).
+401 and its connection closed. The HTTP layer is aiohttp's low-level server (no router, no
+middleware) guarded against other local users (`earl.agents.openai_http`: read timeout,
+connection cap). A request body that is not in within `read_timeout_s` gets 408.
+
+Request bodies over 64 KiB are parsed, and their prompts rendered, in one worker thread of the
+endpoint, so that a large request does not hold up the small ones of other sessions. The JSON
+parser and each call into the tokenizer still hold the GIL while they run: a body of many tiny
+JSON values costs up to ~0.15 s per MiB, one long message ~1 s per million characters (tiny
+test tokenizer).
 
 `stream=true` is answered as server-sent events once the generation is complete: the engine
 interface returns whole generations, so streaming changes the framing, not the latency.
@@ -14,27 +22,31 @@ interface returns whole generations, so streaming changes the framing, not the l
 (`<tool_call>` and, for a name, `{"name": ..., "arguments": `) at the start of the reply as
 context tokens (loss mask 0); this assumes the Hermes/Qwen tool-call format of EARL's template.
 
-This module does not validate requests (`earl.agents.openai_protocol`) or keep the token
-record (`earl.agents.openai_record`).
+This module does not validate requests (`earl.agents.openai_protocol`), keep the token record
+(`earl.agents.openai_record`) or manage connections (`earl.agents.openai_http`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
+import functools
 import json
 import secrets
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Self
+from typing import TYPE_CHECKING, Protocol, Self, TypeVar
 
 from aiohttp import web
 
 from earl.agents.chat import ChatCodec
+from earl.agents.openai_http import ConnectionStatistics, GuardedServer, connection_cap, serve
 from earl.agents.openai_protocol import (
     APIError,
     ChatRequest,
     Choice,
+    Limits,
     assistant_message,
     completion_body,
     parse_request,
@@ -52,6 +64,9 @@ if TYPE_CHECKING:
 __all__ = ["EndpointConfig", "OpenAIEndpoint", "ServedSession"]
 
 _JSON = "application/json"
+_INLINE_BYTES = 64 << 10  # larger bodies are parsed and rendered in the worker thread
+_LIMITS = Limits()
+_T = TypeVar("_T")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -62,19 +77,47 @@ class EndpointConfig:
         model: the model name clients must send (`/v1/models` lists it).
         port: TCP port on 127.0.0.1; 0 picks a free one.
         max_n: the largest `n` a request may ask for.
+        max_messages: the most `messages` a request may carry (larger: 400).
+        max_tools: the most `tools` a request may carry (larger: 400).
+        max_chars: the most characters of message text, tool-call arguments and tool
+            definitions a request may carry (more: 400).
         max_request_bytes: larger request bodies get 413.
+        read_timeout_s: a connection whose first request with the key has not arrived this long
+            after it opened is closed; a request body not in this long after its headers gets
+            408.
+        max_connections: open connections kept before the oldest that never sent the key are
+            closed; None: half the process's open-file limit (RLIMIT_NOFILE), at most 4096.
     """
 
     model: str = "earl-policy"
     port: int = 0
-    max_n: int = 8
+    max_n: int = _LIMITS.max_n
+    max_messages: int = _LIMITS.max_messages
+    max_tools: int = _LIMITS.max_tools
+    max_chars: int = _LIMITS.max_chars
     max_request_bytes: int = 32 << 20
+    read_timeout_s: float = 5.0
+    max_connections: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"EndpointConfig.port must be in [0, 65535], got {self.port}")
-        if self.max_n < 1:
-            raise ValueError(f"EndpointConfig.max_n must be >= 1, got {self.max_n}")
+        for name in ("max_n", "max_messages", "max_chars", "max_request_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EndpointConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_tools < 0:
+            raise ValueError(f"EndpointConfig.max_tools must be >= 0, got {self.max_tools}")
+        if not self.read_timeout_s > 0:
+            raise ValueError(f"EndpointConfig.read_timeout_s must be > 0 seconds, got "
+                             f"{self.read_timeout_s}")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"EndpointConfig.max_connections must be >= 1 or None (half the "
+                             f"open-file limit), got {self.max_connections}")
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(max_n=self.max_n, max_messages=self.max_messages,
+                      max_tools=self.max_tools, max_chars=self.max_chars)
 
 
 class OpenAIEndpoint:
@@ -88,26 +131,38 @@ class OpenAIEndpoint:
     def __init__(self, config: EndpointConfig | None = None) -> None:
         self.config = config or EndpointConfig()
         self.api_key = "earl-" + secrets.token_urlsafe(32)
-        self._auth = f"Bearer {self.api_key}".encode()
+        self._parse = functools.partial(parse_request, model=self.config.model,
+                                        limits=self.config.limits)
         self._sessions: dict[str, ServedSession] = {}
+        self._server: GuardedServer | None = None
         self._runner: web.ServerRunner | None = None
+        self._worker: ThreadPoolExecutor | None = None
         self._http: _SharedHTTP | None = None
         self.port = 0
 
     async def start(self) -> None:
-        """Bind 127.0.0.1 and start serving."""
-        limit = self.config.max_request_bytes
+        """Bind 127.0.0.1 and start serving.
 
-        def factory(message, payload, protocol, writer, task):  # type: ignore[no-untyped-def]
-            return web.BaseRequest(message, payload, protocol, writer, task,
-                                   asyncio.get_running_loop(), client_max_size=limit)
+        Raises:
+            ValueError: `EndpointConfig.max_connections` is over half the open-file limit.
+        """
+        cfg = self.config
+        self._server = GuardedServer(self._handle, auth=f"Bearer {self.api_key}".encode(),
+                                     max_connections=connection_cap(cfg.max_connections),
+                                     read_timeout_s=cfg.read_timeout_s,
+                                     max_body=cfg.max_request_bytes)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="earl-openai-parse")
+        self._runner, self.port = await serve(self._server, cfg.port)
 
-        server = web.Server(self._handle, request_factory=factory, access_log=None)
-        self._runner = web.ServerRunner(server, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", self.config.port, backlog=1024)
-        await site.start()
-        self.port = int(self._runner.addresses[0][1])
+    def statistics(self) -> ConnectionStatistics:
+        """The endpoint's connections now (all zero before `start`)."""
+        if self._server is None:
+            return ConnectionStatistics(open=0, untrusted=0, closed_untrusted=0)
+        return self._server.statistics()
+
+    def _in_worker(self, fn: Callable[..., _T], *args: object) -> asyncio.Future[_T]:
+        """`fn(*args)` in the endpoint's worker thread (one: large requests take turns)."""
+        return asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
     def _http_client(self) -> _SharedHTTP:
         """The connection pool every session's `openai_client()` uses: building an AsyncOpenAI
@@ -123,6 +178,9 @@ class OpenAIEndpoint:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self._worker is not None:
+            self._worker.shutdown(wait=False, cancel_futures=True)
+            self._worker = None
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -142,10 +200,11 @@ class OpenAIEndpoint:
         return session
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        auth = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(auth.encode(), self._auth):
+        assert self._server is not None
+        if not self._server.authorized(request.headers):
             return _error(APIError(401, "Incorrect or missing API key: send `Authorization: "
-                                   "Bearer <rollout.api_key>`", code="invalid_api_key"))
+                                   "Bearer <rollout.api_key>`", code="invalid_api_key"),
+                          close=True)
         parts = request.path.split("/")  # "", "s", token, "v1", ...
         session = self._sessions.get(parts[2]) if len(parts) > 3 and parts[1] == "s" else None
         if session is None:
@@ -155,17 +214,13 @@ class OpenAIEndpoint:
         route = "/".join(parts[3:])
         try:
             if route == "v1/chat/completions" and request.method == "POST":
-                limit = self.config.max_request_bytes
-                too_big = APIError(413, f"request body over {limit} bytes "
-                                   "(EndpointConfig.max_request_bytes)")
-                if (request.content_length or 0) > limit:  # refuse before reading any of it
-                    raise too_big
-                try:
-                    raw = await request.read()
-                except web.HTTPRequestEntityTooLarge:
-                    raise too_big from None
-                req = parse_request(raw, model=self.config.model, max_n=self.config.max_n)
-                body = await session.complete(req)
+                raw = await self._body(request)
+                if len(raw) <= _INLINE_BYTES:
+                    req = self._parse(raw)
+                    body = await session.complete(req)
+                else:
+                    req = await self._in_worker(self._parse, raw)
+                    body = await session.complete(req, offload=True)
                 return web.Response(body=body, content_type="text/event-stream"
                                     if req.stream else _JSON)
             if route == "v1/models" and request.method == "GET":
@@ -175,10 +230,28 @@ class OpenAIEndpoint:
             raise APIError(404, f"unknown route {request.method} /{route}; this endpoint serves "
                            "POST /v1/chat/completions and GET /v1/models")
         except APIError as exc:
-            return _error(exc)
+            return _error(exc, close=exc.status == 408)
         except Exception as exc:  # noqa: BLE001 - one bad request must not end the session
             return _error(APIError(500, f"internal error: {type(exc).__name__}: {exc}",
                                    type="server_error"))
+
+    async def _body(self, request: web.BaseRequest) -> bytes:
+        limit = self.config.max_request_bytes
+        too_big = APIError(413, f"request body over {limit} bytes "
+                           "(EndpointConfig.max_request_bytes)")
+        if (request.content_length or 0) > limit:  # refuse before reading any of it
+            raise too_big
+        timeout = self.config.read_timeout_s
+        try:
+            if request.content.is_eof():  # all in already (most requests): no timer needed
+                return await request.read()
+            async with asyncio.timeout(timeout):
+                return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise too_big from None
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {timeout} s of its "
+                           "headers (EndpointConfig.read_timeout_s)", code="timeout") from None
 
 
 class _SharedHTTP(Protocol):
@@ -202,9 +275,12 @@ def _shared_http() -> _SharedHTTP:
     return SharedHTTP(limits=httpx2.Limits(max_connections=None, max_keepalive_connections=None))  # type: ignore[no-any-return]
 
 
-def _error(exc: APIError) -> web.Response:
-    return web.Response(status=exc.status, body=json.dumps(exc.body()).encode(),
+def _error(exc: APIError, *, close: bool = False) -> web.Response:
+    resp = web.Response(status=exc.status, body=json.dumps(exc.body()).encode(),
                         content_type=_JSON)
+    if close:
+        resp.force_close()
+    return resp
 
 
 class ServedSession:
@@ -215,6 +291,7 @@ class ServedSession:
         self.base_url = f"http://127.0.0.1:{endpoint.port}/s/{token}/v1"
         self.api_key = endpoint.api_key
         self.record = SessionRecord(rollout.codec)
+        self._rendering = asyncio.Lock()  # held while the worker renders one of its prompts
         self._client: AsyncOpenAI | None = None
         sampling = rollout.config.sampling
         self._stops = sorted(set(sampling.stop_token_ids) | set(rollout.codec.stop_ids))
@@ -246,14 +323,25 @@ class ServedSession:
         r.info.setdefault("requests", self.record.requests)
         r.info.setdefault("new_segment_requests", self.record.new_segments)
 
-    async def complete(self, req: ChatRequest) -> bytes:
-        """Answer and record one request; returns the response body."""
+    async def complete(self, req: ChatRequest, *, offload: bool = False) -> bytes:
+        """Answer and record one request; returns the response body.
+
+        Args:
+            req: the request.
+            offload: render its prompt in the endpoint's worker thread (a large request).
+        """
         r = self.rollout
         if r.turn_spans and not self.record.requests:
             raise APIError(409, "this session already used rollout.generate; an agent uses "
                            "either rollout.generate or the OpenAI endpoint, not both")
         record = self.record
-        prompt = record.prompt(req.messages, req.tools)
+        if offload:
+            prompt = await self._render_in_worker(req)
+        elif self._rendering.locked():
+            async with self._rendering:
+                prompt = record.prompt(req.messages, req.tools)
+        else:
+            prompt = record.prompt(req.messages, req.tools)
         forced = self._forced(req)
         ids = prompt.token_ids + forced
         sampling = r.config.sampling
@@ -309,6 +397,30 @@ class ServedSession:
             return stream_body(cid, created, req.model, choices,
                                usage if req.include_usage else None)
         return completion_body(cid, created, req.model, choices, usage)
+
+    async def _render_in_worker(self, req: ChatRequest) -> Prompt:
+        """`record.prompt` in the worker thread. It takes a branch out of the record, so this
+        session's other prompts wait for it, and if the request is cancelled meanwhile the
+        branch goes back once the worker is done."""
+        await self._rendering.acquire()
+        try:
+            fut = self.endpoint._in_worker(self.record.prompt, req.messages, req.tools)
+        except BaseException:  # the endpoint is closed
+            self._rendering.release()
+            raise
+        cancelled = False
+
+        def done(f: asyncio.Future[Prompt]) -> None:
+            if cancelled and not f.cancelled() and f.exception() is None:
+                self.record.release(f.result())
+            self._rendering.release()
+
+        fut.add_done_callback(done)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
 
     def _forced(self, req: ChatRequest) -> list[int]:
         if req.tool_choice in ("auto", "none"):
