@@ -24,8 +24,8 @@ Faults (each at a random point of a step, one at a time):
   squat:shm      another user (uid 65534 as root) pre-creates the names the run's next
                  /dev/shm segments could take, for a few seconds: no actor may fail
   slowloris      another user holds half-sent HTTP requests to the producer's OpenAI
-                 endpoint, more than the producer may open files, for 10 s: the endpoint must
-                 still answer a new request, and no actor may fail
+                 endpoint, more than the producer may open files, for 40 s: the endpoint must
+                 answer a new request and close every one of them, and no actor may fail
   kill:resave    SIGKILL of the trainer while the checkpoint in force is saved again (as a
                  resumed run re-saves its step): the rewind must find that checkpoint whole
 
@@ -410,8 +410,9 @@ class Injector:
 
     async def _slowloris(self, fired: asyncio.Event) -> dict[str, Any]:
         """Recovered: while the attack holds more half-sent requests than the producer may open
-        files, a new request to its endpoint is answered (401: it has no key), the producer
-        answers its RPC, the server closed attack connections, and no actor failed."""
+        files (for 40 s), a new request to its endpoint is answered within 30 s (401: it has no
+        key), the producer answers its RPC, the server closed every attack connection before
+        the attacker let go, and no actor failed."""
         import psutil
 
         rec = await self.rt.dir_call("lookup", "producer")
@@ -422,7 +423,7 @@ class Injector:
             return {"recovered": False, "note": "the producer listens on no loopback port"}
         before = dict(self.job.healer.restarts), self.job.healer.rewinds
         n = open_files_limit(pid) + 500
-        attacks = [a for port in ports for a in slowloris(port, n, 10.0)]
+        attacks = [a for port in ports for a in slowloris(port, n, 40.0)]
         for a in attacks:
             await asyncio.to_thread(a.wait_ready)
         fired.set()
@@ -435,7 +436,8 @@ class Injector:
         closed = sum(r.get("closed_by_server", 0) for r in res)
         return {"as_uid": attacks[0].as_user, "ports": ports, "connections": opened,
                 "closed_by_server": closed, "answered": answered, "producer_rpc": rpc,
-                "recovered": all(answered) and rpc and closed > 0 and after == before}
+                "recovered": all(answered) and rpc and 0 < opened == closed
+                and after == before}
 
     async def _kill_resave(self, fired: asyncio.Event) -> dict[str, Any]:
         """Save the checkpoint in force again, SIGKILL the trainer while it writes, and check

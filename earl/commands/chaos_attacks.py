@@ -81,19 +81,21 @@ _SLOWLORIS = textwrap.dedent(r"""
         except OSError:
             pass
     print("ready", flush=True)
+    by_fd = {s.fileno(): s for s in socks}
+    poller = select.poll()
+    for fd in by_fd:
+        poller.register(fd, select.POLLIN)
     closed = set()
     end = time.monotonic() + hold
     while time.monotonic() < end and len(closed) < len(socks):
-        live = [s for s in socks if s.fileno() not in closed]
-        for chunk in range(0, len(live), 512):
-            r, _, _ = select.select(live[chunk:chunk + 512], [], [], 0)
-            for s in r:
-                try:
-                    if not s.recv(4096):
-                        closed.add(s.fileno())
-                except OSError:
-                    closed.add(s.fileno())
-        time.sleep(0.1)
+        for fd, _ in poller.poll(100):
+            try:
+                gone = not by_fd[fd].recv(4096)
+            except OSError:
+                gone = True
+            if gone:
+                closed.add(fd)
+                poller.unregister(fd)
     print(json.dumps({"opened": len(socks), "refused": refused, "closed_by_server": len(closed)}),
           flush=True)
 """)

@@ -95,3 +95,22 @@ def test_a_stalled_tool_times_out_and_the_run_goes_on(tmp_path: Path) -> None:
     assert f["stalled_calls"] >= 1 and f["tool_timeout_s"] == 1.5
     assert 1.5 <= f["longest_wait_s"] <= 3.0, f
     assert rep["restarts"] == {} and rep["rewinds"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_another_users_attacks_and_a_kill_while_resaving(tmp_path: Path) -> None:
+    """Another local user pre-creates the run's next shm names and holds more half-sent requests
+    to the producer's OpenAI endpoint than the producer may open files; then the trainer is
+    killed while the checkpoint in force is saved again. Nothing may fail but the trainer, and
+    the rewind must find that checkpoint whole."""
+    code, rep, err = _chaos("--faults", "squat:shm,slowloris,kill:resave", "--steps", "8",
+                            "--output-dir", str(tmp_path / "run"))
+    assert code == 0, (rep, err)
+    _assert_invariants(rep, 3)
+    squat, loris, resave = rep["faults"]  # type: ignore[misc]
+    assert squat["planted"] > 0
+    assert loris["connections"] > 0 and loris["closed_by_server"] > 0
+    assert all(status == 401 for status in loris["answered"])
+    assert resave["rewound_to"] == resave["step_in_force"]
+    assert rep["restarts"] == {"trainer": 1} and rep["rewinds"] == 1
