@@ -18,8 +18,8 @@ the trajectory). `run_agent` runs one and returns its token-exact `Trajectory`:
 
     traj = await run_agent(agent, problem, engine=engine, codec=ChatCodec(tokenizer))
 
-Game loops: `earl.agents.tictactoe.tictactoe_agent` (its greedy evaluation:
-`earl.agents.tictactoe_eval`), `earl.agents.connect4.connect4_agent`;
+Game loops: `earl.agents.tictactoe.tictactoe_agent` (its greedy evaluation lives with the
+Tic-Tac-Toe recipe, `earl.recipes.tictactoe.evaluation`), `earl.agents.connect4.connect4_agent`;
 tool loops: `earl.agents.calc.calc_agent`, `earl.agents.calc.python_agent`.
 Agents written against the `openai` client: serve each session with
 `run_agent(..., endpoint=earl.agents.openai_server.OpenAIEndpoint())` (example:

@@ -27,6 +27,7 @@ from earl.engine import Generation as Generation
 from earl.engine import SamplingParams as SamplingParams
 from earl.engine import SimConfig as SimConfig
 from earl.engine import SimEngine as SimEngine
+from earl.recipe import Critic as Critic
 from earl.recipe import EvalSet as EvalSet
 from earl.recipe import IterTasks as IterTasks
 from earl.recipe import ListTasks as ListTasks
@@ -49,8 +50,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Actor", "ActorDied", "ActorError", "ActorGroup", "Agent", "AssistantTurn", "ChatCodec",
-    "ContextLengthError", "Engine", "Episode", "EvalSet", "Generation", "IterTasks", "ListTasks",
-    "Recipe", "RestartPolicy", "Rollout", "RolloutConfig", "RunResult", "Runtime",
+    "ContextLengthError", "Critic", "Engine", "Episode", "EvalSet", "Generation", "IterTasks",
+    "ListTasks", "Recipe", "RestartPolicy", "Rollout", "RolloutConfig", "RunResult", "Runtime",
     "RuntimeConfig", "SamplingParams", "SeedTasks", "SimConfig", "SimEngine", "ToolCall",
     "Trajectory", "endpoint", "run_agent", "train",
 ]

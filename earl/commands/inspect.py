@@ -132,10 +132,9 @@ def replay(t: Record, tok: Any) -> dict[str, object]:
     """Re-play a board game's recorded moves in a fresh env with the same seed; compare
     outcomes. Works for Tic-Tac-Toe and Connect Four records (their info carries the seed)."""
     from earl.agents.connect4 import game_config
-    from earl.agents.tictactoe_eval import env_config
     from earl.envs.connect4 import INTRO as C4_INTRO
     from earl.envs.connect4 import ConnectFour
-    from earl.envs.tictactoe import TicTacToe
+    from earl.envs.tictactoe import TicTacToe, TicTacToeConfig
 
     info = t.get("info", {})
     if "seed" not in info or "outcome" not in info:
@@ -146,7 +145,7 @@ def replay(t: Record, tok: Any) -> dict[str, object]:
     first_turn = t["turn_spans"][0][0] if t["turn_spans"] else len(ids)
     prompt = tok.decode(ids[:first_turn], skip_special_tokens=False)
     env: Any = ConnectFour(game_config(seed % 2 == 0)) if C4_INTRO.split(".")[0] in prompt \
-        else TicTacToe(env_config(seed % 2 == 0))
+        else TicTacToe(TicTacToeConfig(agent_first=seed % 2 == 0))
     env.reset(seed)
     outcome = "unfinished"
     moves = []

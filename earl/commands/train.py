@@ -1,7 +1,7 @@
 """`earl train`: run the asynchronous RL pipeline (default: tiny model, Tic-Tac-Toe, CPU).
 
     earl train                                  # the main job, ~10 minutes on 2 CPU cores
-    earl train --recipe calc                    # a shipped recipe: tictactoe | calc | connect4
+    earl train --recipe calc                    # a shipped recipe: a folder in earl/recipes/
     earl train --agent my_agent.py:agent --tasks train.jsonl --eval-tasks eval.jsonl
     earl train --output-dir runs/a --json       # last stdout line: one JSON object
     earl train --config run.yaml --algorithm.lr=5e-4 --max_policy_lag=0
@@ -11,7 +11,7 @@
 
 Any `--key.sub=value` not listed below overrides a field of `earl.config.RunConfig`.
 
-Resume restores the trainer (model, optimizer, schedule, RNG), the critic table, the policy
+Resume restores the trainer (model, optimizer, schedule, RNG), the recipe's critic, the policy
 version and the data cursor (the next batch's game seeds), so a resumed run continues the same
 metrics trajectory. It is not bit-identical: vLLM's sampling stream restarts with the engine and,
 with max_policy_lag > 0, which policy version sampled which token depends on timing.
@@ -27,10 +27,13 @@ import sys
 
 
 def main(argv: list[str]) -> int:
+    from earl.recipe import recipe_names
+
     p = argparse.ArgumentParser(prog="earl train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML file with RunConfig fields (a recipe file)")
-    p.add_argument("--recipe", help="a shipped recipe: tictactoe (default), calc, connect4")
+    p.add_argument("--recipe", help="a shipped recipe: " + ", ".join(recipe_names()) +
+                   " (default: tictactoe)")
     p.add_argument("--agent", help="your agent coroutine, PATH.py:NAME or module:NAME")
     p.add_argument("--tasks", help="JSONL file of training samples for --agent")
     p.add_argument("--eval-tasks", help="JSONL file of held-out samples to evaluate on")

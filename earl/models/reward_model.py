@@ -3,7 +3,8 @@
 The tool executor (`earl.runtime.tools`) runs module-level functions in a shared pool of worker
 processes; this module is small to import so workers start fast, and each worker loads a reward
 model folder (an HF sequence classifier, e.g. from `earl.stages.reward.build_tiny_reward_model`)
-once, on its first call. Batched scoring for the trainer side is `earl.stages.reward`.
+once, on its first call. Batched scoring for the trainer side is `earl.stages.reward`. No
+shipped agent or command calls it; an agent would use it as `Tool.from_function(score_text)`.
 """
 
 from __future__ import annotations

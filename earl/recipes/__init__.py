@@ -1,3 +1,5 @@
-"""Shipped recipes (`earl train --recipe NAME`), each written only against the public API:
-`tictactoe` (the default main job), `calc` (multi-turn math with the calculator tool) and
-`connect4` (EARL's evaluation game, growing contexts). Each module defines `recipe`."""
+"""Shipped recipes (`earl train --recipe NAME`), one package per task, each written only against
+the public API: `tictactoe` (the default main job, with its critic and evaluation), `calc`
+(multi-turn math with the calculator tool) and `connect4` (EARL's evaluation game, growing
+contexts). Each package defines `recipe`; `earl.recipe.recipe_names` finds them by scanning this
+folder, so a new recipe is a new folder and nothing else."""

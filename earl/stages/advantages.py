@@ -6,22 +6,26 @@ returns one row of columns per sample ("input_ids", "loss_mask", "advantages",
 - "grpo": critic-free, group-relative; each trajectory's reward minus its group's mean
   (optionally / std) on every generated token. Works for any agent.
 - "ppo": per-turn credit; each turn's discounted return-to-go (the agent's per-turn rewards, or
-  the final reward on the last turn) centred on the group's turns, or, with
-  `critic="tabular"`, minus the value of the observation the move answered (a lambda-return
-  against a tabular critic keyed by observation tokens; the critic learns from each batch).
-  With the critic and `self_imitation > 0`, up to that many extra samples replay a turn with
-  the reply the critic's Q(s, a) table rates best there.
+  the final reward on the last turn) centred on the group's turns, or, given a critic (the
+  recipe's `earl.Critic`, built by the producer), the critic's per-turn advantages; the critic
+  learns from each batch after scoring it. With a critic and `self_imitation > 0`, up to that
+  many extra samples replay a turn with the reply the critic rates best there.
 Failed trajectories score `failed_reward`; rejected ones (reward None) get zero advantage;
 ones without a generated token (the first prompt did not fit the context) are not trained on.
+This module knows no task: what a critic keys on (a board, a prompt) is the recipe's business.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from earl.runtime.types import COLUMNS, Trajectory
+
+if TYPE_CHECKING:
+    from earl.recipe import Critic
 
 __all__ = ["AdvantageConfig", "Estimator", "SampleRows"]
 
@@ -35,24 +39,17 @@ class AdvantageConfig:
     name: str = "grpo"
     gamma: float = 1.0
     normalize_std: bool = False
-    critic: str = "none"
-    critic_alpha: float = 0.2
-    critic_lambda: float = 0.5
-    critic_q_weight: float = 0.0
     self_imitation: int = 0
     failed_reward: float = 0.0
 
 
 class Estimator:
-    """Stateful (the critic) advantage estimator; one per producer actor."""
+    """Advantage estimator, one per producer actor; stateful when it holds a critic (used with
+    "ppo"; its state is what `state_dict` checkpoints)."""
 
-    def __init__(self, config: AdvantageConfig) -> None:
-        from earl.critic import TabularCritic
-
+    def __init__(self, config: AdvantageConfig, critic: Critic | None = None) -> None:
         self.config = config
-        self.critic = TabularCritic(alpha=config.critic_alpha, lam=config.critic_lambda,
-                                    q_weight=config.critic_q_weight) \
-            if config.critic == "tabular" else None
+        self.critic = critic
 
     def turn_rewards(self, t: Trajectory) -> list[float]:
         """Per-turn rewards: the agent's own, or the final reward on the last turn."""

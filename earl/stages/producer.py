@@ -1,11 +1,11 @@
 """Producer actors: they run the agent coroutines and keep the experience they make.
 
-A `ProducerActor` is a rollout worker process. It imports the user's agent by reference,
-plays the groups the driver assigns to it against the vLLM rollout actors (`RolloutClient`),
-turns the finished trajectories into training columns (`earl.stages.advantages`), and stores
-them in its own warehouse shard of the transfer dock. The reference and the trainer fetch the
-columns straight from this process; the driver only gets `Episode` metadata back
-(`earl.stages.batch_types`).
+A `ProducerActor` is a rollout worker process. It imports the user's agent (and the recipe's
+critic factory, if any) by reference, plays the groups the driver assigns to it against the
+vLLM rollout actors (`RolloutClient`), turns the finished trajectories into training columns
+(`earl.stages.advantages`, with that critic), and stores them in its own warehouse shard of
+the transfer dock. The reference and the trainer fetch the columns straight from this process;
+the driver only gets `Episode` metadata back (`earl.stages.batch_types`).
 
 Not here: sampling tokens (the rollout actors), deciding when a batch may start (the
 staleness gate in the driver, `earl.loop`), or the loss. Like every stage, it never imports
@@ -81,6 +81,8 @@ class ProducerConfig:
             writes "<stem>.r.jsonl" beside it.
         tool_timeout_s: per tool call; a call that takes longer comes back to the agent as
             an error (a hung sync tool is left on its thread, see `run_local`).
+        critic: the reference of the recipe's critic factory (`Recipe.critic`, "" = none):
+            called once here, the critic then scores and learns from every batch.
     """
 
     agent: str
@@ -93,6 +95,7 @@ class ProducerConfig:
     dump: str = ""
     reward: str = ""
     tool_timeout_s: float = 30.0
+    critic: str = ""
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
 
 
@@ -114,7 +117,7 @@ class ProducerActor(WarehouseHost, Actor):
         from transformers import AutoTokenizer
 
         from earl.agents.chat import ChatCodec
-        from earl.recipe import load_agent, load_reward
+        from earl.recipe import load_agent, load_critic, load_reward
         from earl.stages.rollout import RolloutClient
 
         c = self.config
@@ -130,7 +133,7 @@ class ProducerActor(WarehouseHost, Actor):
         # endpoint (loopback, per-run key); sessions of in-process agents never touch it.
         self.openai = OpenAIEndpoint()
         await self.openai.start()
-        self.estimator = Estimator(c.advantage)
+        self.estimator = Estimator(c.advantage, load_critic(c.critic) if c.critic else None)
 
     def _rollout_config(self, temperature: float):  # -> RolloutConfig
         from earl.agents.rollout import RolloutConfig

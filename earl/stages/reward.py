@@ -10,7 +10,10 @@ tokenizer, for tests and demos.
 
 The same reward model runs as a tool action on the shared executor through
 `earl.models.reward_model.score_text`. This module does not turn rewards into advantages
-(`earl.algorithms`).
+(`earl.algorithms`), and `earl train` does not start it: a run's rewards come from the agent or
+a `--reward` rule, both in the producers. `RewardActor.rule` is the endpoint that takes a code
+reference over a socket, which `earl.runtime.registry` guards (tests/integration/
+test_actor_security.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The parallelism selector: cost model, profiler, policy and cluster-scale simulator.
+"""The parallelism selector: cost model, profiler and policy.
 
 Before each Rollout and Experience Preparation step the policy reads the live context lengths,
 the dock's queue depths and the slots' memory, and returns a `Decision` whose `Plan` gives each
@@ -14,8 +14,8 @@ actor its layout (TP/PP/DP, recompute), micro-batch token budget and slots, with
 
 Modules: `cost` (bytes and roofline tokens/s per stage), `profile` (measured tokens/s and peak
 memory on this machine), `plan` (typed inputs, plans, decisions, records), `policy` (the
-decision, with hysteresis), `simulate` (the same policy at cluster scale; a CLI). Applying a
-plan (re-creating actors, resharding) is not here.
+decision, with hysteresis). Applying a plan (re-creating actors, resharding) is not here, nor
+is the cluster-scale simulator of the same policy (`bench/selector_simulate.py`, a script).
 """
 
 from earl.runtime.selector.cost import CostConfig as CostConfig

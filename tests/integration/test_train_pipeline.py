@@ -1,7 +1,8 @@
 """`earl train` end to end on CPU (vLLM rollout actor + learner actor), then `--resume`.
 
 A few steps only: checks the JSON contract, the files a run writes, `earl inspect`, resume
-after a kill (the checkpoint is what a SIGKILL leaves behind), and the config error path.
+after a kill (the checkpoint is what a SIGKILL leaves behind) with the recipe's critic, and the
+config error path.
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ def _earl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=timeout, env=env, check=False)
 
 
+def _critic_state(checkpoint: Path) -> dict:  # type: ignore[type-arg]
+    """Producer 0's critic state in the checkpoint in force."""
+    folder = json.loads((checkpoint / "manifest.json").read_text())["folder"]
+    return json.loads((checkpoint / folder / "producers.json").read_text())["states"][0]
+
+
 def test_train_json_files_inspect_and_resume(tmp_path: Path) -> None:
     out = tmp_path / "run"
     p = _earl("train", "--output-dir", str(out), "--json", "--trace", "--steps=3", *SMALL)
@@ -43,6 +50,8 @@ def test_train_json_files_inspect_and_resume(tmp_path: Path) -> None:
     for key in ("metrics", "plot", "plot_context", "trace", "trajectories"):
         assert Path(res[key]).is_file(), key
     assert (Path(res["checkpoint"]) / "manifest.json").is_file()
+    critic = _critic_state(Path(res["checkpoint"]))
+    assert critic["values"] and critic["q"]  # the recipe's critic, built in the producer
     assert res["recipe"] == "tictactoe" and res["eval_start"]["games"] == 20
     assert (Path(res["weights"]) / "config.json").is_file()
     assert res["wall_minutes"] > 0
@@ -76,6 +85,8 @@ def test_train_json_files_inspect_and_resume(tmp_path: Path) -> None:
     rows = [json.loads(x) for x in Path(res2["metrics"]).read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert "resumed from step 3" in p2.stderr
+    # the resumed producer restored the critic's table and went on learning into it
+    assert set(critic["values"]) <= set(_critic_state(Path(res2["checkpoint"]))["values"])
 
 
 @pytest.mark.slow

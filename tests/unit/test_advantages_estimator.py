@@ -1,11 +1,12 @@
-"""earl.stages.advantages.Estimator: per-turn credit on turn tokens (GRPO, PPO, tabular critic
-with self-imitation), failed and rejected episodes."""
+"""earl.stages.advantages.Estimator: per-turn credit on turn tokens (GRPO, PPO, PPO against a
+recipe's critic with self-imitation), failed and rejected episodes."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from earl.recipes.tictactoe.critic import TabularCritic
 from earl.runtime.types import Trajectory
 from earl.stages.advantages import AdvantageConfig, Estimator
 
@@ -28,13 +29,14 @@ def game(first_move: int, second_obs: int, rewards: list[float], sid: str, gid: 
                       failed=failed)
 
 
-def critic_config(self_imitation: int) -> AdvantageConfig:
-    return AdvantageConfig(name="ppo", critic="tabular", critic_q_weight=2.0,
-                           self_imitation=self_imitation, failed_reward=-1.0)
+def with_critic(self_imitation: int) -> Estimator:
+    """The Tic-Tac-Toe recipe's critic (with a Q table) behind PPO credit."""
+    return Estimator(AdvantageConfig(name="ppo", self_imitation=self_imitation,
+                                     failed_reward=-1.0), TabularCritic(q_weight=2.0))
 
 
 def test_self_imitation_adds_the_better_reply() -> None:
-    est = Estimator(critic_config(16))
+    est = with_critic(16)
     # move 8 loses half its games, move 9 always wins: seen often enough to be trusted
     history = [game(8, 10 + i, [0.0, -1.0 if i % 2 else 1.0], f"a{i}") for i in range(6)]
     history += [game(9, 50 + i, [0.0, 1.0], f"b{i}") for i in range(6)]
@@ -82,9 +84,9 @@ def test_ppo_credits_turns_and_failed_or_rejected_episodes() -> None:
 
 
 def test_critic_state_round_trips() -> None:
-    est = Estimator(critic_config(0))
+    est = with_critic(0)
     est.columns([game(8, 10, [0.0, 1.0], "a")])
-    other = Estimator(critic_config(0))
+    other = with_critic(0)
     other.load_state_dict(est.state_dict())
     assert other.state_dict() == est.state_dict() and est.state_dict()["values"]
 

@@ -1,10 +1,13 @@
-"""earl.critic.TabularCritic: values keyed by observation tokens, lambda-return advantages."""
+"""The Tic-Tac-Toe recipe's TabularCritic: values keyed by observation tokens, lambda-return
+advantages; the recipe hands it to producers by reference."""
 
 from __future__ import annotations
 
 import pytest
 
-from earl.critic import TabularCritic, observation_keys, returns_to_go
+from earl.recipe import critic_ref, load_critic, load_recipe
+from earl.recipes.tictactoe import critic as tictactoe_critic
+from earl.recipes.tictactoe.critic import TabularCritic, observation_keys, returns_to_go
 from earl.runtime.types import Trajectory
 
 
@@ -78,3 +81,15 @@ def test_state_roundtrip_and_bad_args() -> None:
         TabularCritic(lam=2.0)
     with pytest.raises(ValueError, match="q_weight"):
         TabularCritic(q_weight=-1.0)
+
+
+def test_the_recipe_supplies_its_critic_by_reference() -> None:
+    recipe = load_recipe("tictactoe")
+    assert recipe.critic is tictactoe_critic and recipe.config["algorithm"]["critic"] == "recipe"
+    ref = critic_ref(recipe.critic)
+    assert ref == "earl.recipes.tictactoe:critic"  # what a producer imports
+    built = load_critic(ref)
+    assert isinstance(built, TabularCritic)
+    assert (built.alpha, built.lam, built.q_weight) == (0.2, 0.5, 2.0)
+    with pytest.raises(TypeError, match="module level"):
+        critic_ref(lambda: TabularCritic())

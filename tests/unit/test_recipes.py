@@ -1,19 +1,24 @@
-"""The shipped `calc` and `connect4` recipes: agents on SimEngine through run_agent, warm-start
-transcripts, deterministic and disjoint task sources, JSONL round trip, and the metrics."""
+"""The shipped recipes: found by scanning earl/recipes/ (a new folder is a new recipe); the
+`calc` and `connect4` agents on SimEngine through run_agent, warm-start transcripts,
+deterministic and disjoint task sources, JSONL round trip, and the metrics; a recipe's critic
+only where it has one."""
 
 from __future__ import annotations
 
 import asyncio
 import re
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import earl.recipes
 from earl.agents.chat import ChatCodec
 from earl.agents.rollout import RolloutConfig, run_agent
 from earl.agents.tools import parse_tool_calls
+from earl.config import load_config
 from earl.engine import SamplingParams, SimConfig, SimEngine
 from earl.envs.arithmetic import (
     CALC_TEMPLATES,
@@ -24,8 +29,9 @@ from earl.envs.arithmetic import (
     write_jsonl,
 )
 from earl.models.tiny import build_tokenizer
-from earl.recipe import ListTasks, agent_ref, load_agent, load_jsonl, load_recipe
+from earl.recipe import ListTasks, agent_ref, load_agent, load_jsonl, load_recipe, recipe_names
 from earl.recipes import calc, connect4
+from earl.resolve import resolve_recipe
 from earl.stages.batch_types import Episode, episode_of
 
 pytestmark = pytest.mark.timeout(120)
@@ -59,6 +65,40 @@ def test_recipes_load_by_name_and_their_agents_are_importable() -> None:
         recipe = load_recipe(name)
         assert recipe is module.recipe and recipe.name == name
         assert load_agent(agent_ref(recipe.agent)) is recipe.agent  # producers import it
+
+
+def test_a_recipe_is_a_folder_found_by_name(tmp_path: Path, monkeypatch) -> None:
+    assert recipe_names() == ("calc", "connect4", "tictactoe")
+    with pytest.raises(ValueError, match="'nope' unknown; choose one of calc, connect4, tictactoe"):
+        load_recipe("nope")
+    with pytest.raises(ValueError, match="'recipe': 'nope' unknown"):
+        load_config(None, ["--recipe=nope"], recipe_defaults={})
+    mine = tmp_path / "mine"  # a new recipe: one folder, no list to add it to
+    mine.mkdir()
+    (mine / "__init__.py").write_text(
+        "from earl import Recipe, SeedTasks\n"
+        "async def agent(rollout, seed):\n    return 0.0\n"
+        "recipe = Recipe(name='mine', agent=agent, tasks=SeedTasks(), config={'steps': 3})\n")
+    (tmp_path / "_private").mkdir()
+    (tmp_path / "loose.py").write_text("")  # a module, not a recipe folder
+    monkeypatch.setattr(earl.recipes, "__path__", [*earl.recipes.__path__, str(tmp_path)])
+    try:
+        assert recipe_names() == ("calc", "connect4", "mine", "tictactoe")
+        assert load_recipe("mine").name == "mine"
+        assert load_config(None, ["--recipe=mine"]).steps == 3
+    finally:
+        sys.modules.pop("earl.recipes.mine", None)
+
+
+def test_only_a_recipe_with_a_critic_trains_against_one() -> None:
+    cfg = load_config(None, ["--recipe=calc", "--algorithm.name=ppo", "--algorithm.critic=recipe"])
+    with pytest.raises(ValueError, match="recipe 'calc' has no critic"):
+        resolve_recipe(cfg)
+    tictactoe, _ = resolve_recipe(load_config())
+    assert tictactoe.critic is not None
+    with pytest.raises(ValueError, match="algorithm.self_imitation"):
+        load_config(None, ["--algorithm.critic=none"])  # self-imitation needs the critic
+    assert load_config(None, ["--algorithm.critic=none", "--algorithm.self_imitation=0"])
 
 
 def test_calc_tasks_are_deterministic_disjoint_and_answerable() -> None:

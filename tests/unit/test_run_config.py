@@ -11,7 +11,7 @@ def test_defaults_are_valid() -> None:
     cfg = load_config()
     assert isinstance(cfg, RunConfig)
     assert cfg.batch_size % cfg.group_size == 0
-    assert cfg.recipe == "tictactoe" and cfg.algorithm.critic == "tabular"  # the recipe's
+    assert cfg.recipe == "tictactoe" and cfg.algorithm.critic == "recipe"  # the recipe's
     assert load_config(None, ["--recipe=calc"]).recipe == "calc"
 
 

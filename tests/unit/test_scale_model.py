@@ -1,10 +1,14 @@
-"""The analytic scale model reproduces the paper's order of magnitude and scales sensibly."""
+"""bench/scale_model.py: the analytic scale model reproduces the paper's order of magnitude and
+scales sensibly."""
 
 import dataclasses
 
 import pytest
+from bench_scripts import load
 
-from earl.runtime.scale_model import ScaleConfig, estimate, model_parallel, table
+_scale = load("scale_model")
+ScaleConfig, estimate, model_parallel, table = (
+    _scale.ScaleConfig, _scale.estimate, _scale.model_parallel, _scale.table)
 
 
 def test_paper_point_1k_gpus_32k_context_200b_plus():

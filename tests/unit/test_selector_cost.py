@@ -1,8 +1,10 @@
-"""The selector's cost model: formulas, the EARL paper's figures, the simulator's verdicts."""
+"""The selector's cost model: formulas, the EARL paper's figures, the simulator's verdicts
+(the simulator is bench/selector_simulate.py)."""
 
 from __future__ import annotations
 
 import pytest
+from bench_scripts import load
 
 from earl.runtime.selector.cost import (
     GB,
@@ -12,7 +14,9 @@ from earl.runtime.selector.cost import (
     Parallel,
     paper_points,
 )
-from earl.runtime.selector.simulate import SimConfig, calibration, run
+
+_sim = load("selector_simulate")
+SimConfig, calibration, run = _sim.SimConfig, _sim.calibration, _sim.run
 
 L70 = ModelShape.llama31_70b()
 

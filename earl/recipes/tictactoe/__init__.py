@@ -1,12 +1,13 @@
 """The Tic-Tac-Toe recipe (the default `earl train`): a tiny model learns to play against a
 random opponent on 2 CPU cores.
 
-What is specific to the task lives here: the agent (one digit per move, per-move rewards),
-integer game seeds as tasks (even seed: the agent opens), the warm start on random *legal*
-games, the 200-game evaluation (win+draw rate, alternating first move, greedy), and the
-config that reaches >= 0.90 win+draw in under 10 minutes: per-turn PPO credit against a
-tabular critic with a Q(s, a) table and self-imitation of better replies, KL 0.15 to the warm
-start. Written against the public API only, like a user's recipe.
+What is specific to the task lives in this folder: the agent (one digit per move, per-move
+rewards), integer game seeds as tasks (even seed: the agent opens), the warm start on random
+*legal* games, the 200-game evaluation (win+draw rate, alternating first move, greedy;
+`evaluation.py`), the critic (`critic.py`), and the config that reaches >= 0.90 win+draw in
+under 10 minutes: per-turn PPO credit against the tabular critic with a Q(s, a) table and
+self-imitation of better replies, KL 0.15 to the warm start. Written against the public API
+only, like a user's recipe.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from earl.agents.tictactoe import (
     play_board_game,
     sim_responder,
 )
-from earl.agents.tictactoe_eval import EVAL_SEED, env_config, summarize
 from earl.envs.tictactoe import TicTacToe
+from earl.recipes.tictactoe.critic import TabularCritic
+from earl.recipes.tictactoe.evaluation import EVAL_SEED, env_config, summarize
 
 TRAIN_SEED = 10_000  # training game seeds: TRAIN_SEED + cursor (even = the agent opens)
 WIN, DRAW, LOSS = 1.0, 1.0, -1.0
@@ -75,6 +77,12 @@ async def warm_start(codec: ChatCodec, n_games: int, seed: int
     return ids_out, tgt_out
 
 
+def critic() -> TabularCritic:
+    """Each producer's critic: values and a Q(s, a) table over the boards the agent was shown,
+    lambda 0.5, step 0.2; Q(s, a) counts as much as the game's return after 2 visits."""
+    return TabularCritic(alpha=0.2, lam=0.5, q_weight=2.0)
+
+
 recipe = Recipe(
     name="tictactoe",
     agent=agent,
@@ -86,13 +94,13 @@ recipe = Recipe(
     shared_group_task=False,  # the critic learns per game: every game its own seed
     failed_reward=LOSS,
     warm_start=warm_start,
+    critic=critic,
     config={
         "steps": 2000, "batch_size": 64, "group_size": 8, "max_policy_lag": 1,
         "time_limit_minutes": 9.0, "target": 0.97, "eval_games": 200, "eval_every": 20,
         "select_best": True, "checkpoint_every": 25,
         "warm_start": {"steps": 120, "batch_size": 32, "lr": 3e-3},
         "algorithm": {"name": "ppo", "lr": 1e-3, "lr_anneal_from": 0.5, "lr_final": 0.1,
-                      "clip": 0.2, "kl_coef": 0.15, "critic": "tabular", "critic_lambda": 0.5,
-                      "critic_alpha": 0.2, "critic_q_weight": 2.0, "self_imitation": 16},
+                      "clip": 0.2, "kl_coef": 0.15, "critic": "recipe", "self_imitation": 16},
     },
 )

@@ -1,4 +1,4 @@
-"""Cluster-scale simulation of the selector: `python -m earl.runtime.selector.simulate --json`.
+"""Cluster-scale simulation of the selector: `python bench/selector_simulate.py --json`.
 
 Runs the same `Policy` and `CostModel` the runtime uses on a synthetic agentic-RL run whose
 longest context grows from 4K to 32K tokens over the steps (geometric growth, 5% noise), for a
@@ -11,7 +11,8 @@ pays for every switch (a fixed restart cost plus moving each device's training s
 train, each at the cost model's roofline tokens/s). It also prints the calibration against the
 EARL paper's 97 GB @ 4K and 354 GB @ 8K (see `cost.paper_points`).
 
-Not a measurement: a model of the policy's decisions at a scale this machine cannot run.
+Not a measurement: a model of the policy's decisions at a scale this machine cannot run (the
+measured comparison on this machine is `bench/selector.py`). Also `earl bench selector_simulate`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
-"""A tabular critic for per-move credit in small text environments (board games).
+"""The Tic-Tac-Toe recipe's critic: a table of per-move credit over board observations.
 
 The value of an observation (the exact tokens the environment showed before an assistant turn)
 is a running average of the returns that followed it. A move's advantage is then its
 lambda-return minus the value of the observation it answered, so a move that leads to states
 from which games are usually lost is blamed even when that game happened to be won — far less
 variance than crediting every move with the final outcome. Unseen observations fall back to the
-mean return at that turn index. Works for any env with few distinct observations; it is not a
-neural value head and knows nothing of tokens beyond using them as keys.
+mean return at that turn index. It suits any env with few distinct observations (a board game);
+it is not a neural value head and knows nothing of tokens beyond using them as keys. It
+implements `earl.Critic`; the recipe hands its factory to the loop (`Recipe.critic`).
 
 With `q_weight > 0` the critic also keeps Q(s, a): the running average of the returns that
 followed each (observation, reply tokens) pair. A move's advantage then leans, as the pair is
@@ -16,8 +17,8 @@ time it is made, not just in the games where it happened to lose.
 
 Example:
     >>> critic = TabularCritic(alpha=0.2, lam=0.5)
-    >>> advs = critic.advantages(trajs)   # per trajectory, one value per turn
-    >>> critic.update(trajs)              # after computing advantages
+    >>> advs = critic.advantages(trajs, turn_rewards)  # per trajectory, one value per turn
+    >>> critic.update(trajs, turn_rewards)             # after computing advantages
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from earl.runtime.types import Trajectory
+from earl import Trajectory
 
 
 def turn_actions(t: Trajectory) -> list[tuple[int, ...]]:

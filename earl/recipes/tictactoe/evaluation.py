@@ -1,9 +1,11 @@
-"""Evaluation of a Tic-Tac-Toe policy: N games against the random opponent, greedy decoding.
+"""The Tic-Tac-Toe recipe's evaluation: N games against the random opponent, greedy decoding.
 
 Games alternate the first move (even game index: the agent opens; odd: the opponent opens). An
-illegal or unparseable move loses the game (the environment's rule). Games run concurrently
-through any `earl.engine.Engine` (the vLLM rollout actors in `earl train`) with the same agent
-loop used for training. This module does not train and does not start actors.
+illegal or unparseable move loses the game (the environment's rule). `summarize` turns finished
+games into the rates the recipe's metric reports; `evaluate` plays a whole greedy evaluation
+through any `earl.Engine` with the same agent loop used for training (`earl train` instead
+plays the recipe's eval seeds on its rollout actors). This module does not train and does not
+start actors.
 """
 
 from __future__ import annotations
@@ -11,12 +13,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import asdict, dataclass
 
-from earl.agents.chat import ChatCodec
-from earl.agents.rollout import RolloutConfig, run_agent
+from earl import ChatCodec, Engine, RolloutConfig, SamplingParams, Trajectory, run_agent
 from earl.agents.tictactoe import play_board_game
-from earl.engine import Engine, SamplingParams
 from earl.envs.tictactoe import TicTacToe, TicTacToeConfig
-from earl.runtime.types import Trajectory
 
 EVAL_SEED = 1_000_000_000  # even; eval games never share a seed with training games
 

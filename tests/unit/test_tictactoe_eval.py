@@ -1,5 +1,6 @@
-"""earl.agents.tictactoe_eval: illegal or failed games lose, first/second move alternate, decoding is greedy, and
-the eval seeds never meet training or validation seeds (SimEngine, no processes)."""
+"""The Tic-Tac-Toe recipe's evaluation (earl.recipes.tictactoe.evaluation): illegal or failed
+games lose, first/second move alternate, decoding is greedy, and the eval seeds never meet
+training or validation seeds (SimEngine, no processes)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import asyncio
 
 import pytest
 
-import earl.agents.tictactoe_eval as ev
+import earl.recipes.tictactoe.evaluation as ev
 from earl.agents.chat import ChatCodec
 from earl.agents.rollout import run_agent
 from earl.agents.tictactoe import sim_responder

@@ -1,5 +1,11 @@
 """Analytic model of intermediate-data movement per RL step: single controller vs EARL's dispatcher.
 
+    python bench/scale_model.py          # the README's table (also: earl bench scale_model)
+    python bench/scale_model.py --gpus 1024 --model-params 230e9 --context-len 32768
+
+A model at a scale this machine cannot run, not a measurement, and no part of the runtime: it
+imports nothing from EARL.
+
 Per step, the experience of ``prompts x samples_per_prompt`` sequences of ``context_len`` tokens
 flows through the stages of a PPO/GRPO step (verl-style columns, bytes per token):
 
