@@ -402,6 +402,7 @@ class Injector:
         """Recovered: names were planted while the run made segments, and no actor failed."""
         before = dict(self.job.healer.restarts), self.job.healer.rewinds
         attack = plant_shm_names(max(4.0, 3 * self._dt))
+        await asyncio.to_thread(attack.wait_ready)
         fired.set()
         res = await asyncio.to_thread(attack.result, 120.0)
         after = dict(self.job.healer.restarts), self.job.healer.rewinds

@@ -31,6 +31,7 @@ _PLANT = textwrap.dedent(r"""
     pat = re.compile(r"^(earl-[0-9a-z]+-\d+-)(\w+)$")
     end = time.monotonic() + float(sys.argv[1])
     seen, mine = set(), []
+    print("ready", flush=True)
     while time.monotonic() < end:
         for name in os.listdir("/dev/shm"):
             m = pat.match(name)
@@ -109,7 +110,7 @@ class Attack:
     as_user: int
 
     def wait_ready(self) -> None:
-        """Block until the script says it holds what it opened (slowloris only)."""
+        """Block until the script says it is under way (slowloris: holds what it opened)."""
         assert self.proc.stdout is not None
         self.proc.stdout.readline()
 

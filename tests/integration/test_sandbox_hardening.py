@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import psutil
 import pytest
 
 from earl.runtime import sandbox, sandbox_memory, sandbox_reaper, sandbox_zygote
@@ -57,15 +58,10 @@ def _poll(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
 
 
 def _children(pid: int) -> list[int]:
-    out = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(entry))
-        except (OSError, IndexError):
-            continue
-    return out
+    try:
+        return [c.pid for c in psutil.Process(pid).children()]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def _uid_processes(uid: int) -> list[int]:

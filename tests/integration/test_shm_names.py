@@ -9,56 +9,22 @@ import secrets
 import shutil
 import struct
 import subprocess
-import textwrap
 import time
 
 import numpy as np
 import pytest
 import zmq
 
+from earl.commands.chaos_attacks import NOBODY, plant_shm_names
 from earl.runtime.transport import connect, get_transport
 from earl.runtime.transport.base import TransportError
 from earl.runtime.transport.shm import SHM_DIR
 from earl.runtime.transport.shm_arena import ShmArena
 
-NOBODY = 65534
 # the attacker runs a system interpreter: this venv's may sit under a directory only root reads
 PYTHON = shutil.which("python3", path="/usr/bin:/bin:/usr/local/bin")
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or PYTHON is None,
                                 reason="acting as another user needs root and a system python3")
-
-# The attacker, as uid 65534: for every EARL segment it sees, pre-create the names a counter
-# would give next, and a few random ones of the same shape.
-_ATTACK = textwrap.dedent(r"""
-    import os, re, sys, time, secrets
-    pat = re.compile(r"^(earl-[0-9a-z]+-\d+-)(\w+)$")
-    end = time.monotonic() + float(sys.argv[1])
-    made, seen = 0, set()
-    print("ready", flush=True)
-    while time.monotonic() < end:
-        for name in os.listdir("/dev/shm"):
-            m = pat.match(name)
-            if not m or name in seen:
-                continue
-            seen.add(name)  # its own names are in there too: it reacts to EARL's only
-            nexts = [m.group(1) + secrets.token_hex(8) for _ in range(4)]
-            if m.group(2).isdigit():
-                nexts += [m.group(1) + str(int(m.group(2)) + k) for k in range(1, 40)]
-            for n in nexts:
-                seen.add(n)
-                try:
-                    os.close(os.open("/dev/shm/" + n, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-                    made += 1
-                except OSError:
-                    pass
-        time.sleep(0.001)
-    print(made, flush=True)
-""")
-
-
-def _attacker(seconds: float) -> subprocess.Popen[str]:
-    return subprocess.Popen([PYTHON, "-c", _ATTACK, str(seconds)], user=NOBODY,
-                            group=NOBODY, stdout=subprocess.PIPE, text=True)
 
 
 def _planted() -> list[str]:
@@ -71,8 +37,8 @@ def test_pre_created_names_do_not_stop_new_segments():
     arena = ShmArena(segment_bytes=1 << 16)
     receiver = get_transport("shm").listen()
     sender = connect(receiver.address)
-    attack = _attacker(3.0)
-    assert attack.stdout.readline() == "ready\n"
+    attack = plant_shm_names(3.0)  # what `earl chaos --faults squat:shm` runs
+    attack.wait_ready()
     try:
         arena.store(np.zeros(16, np.uint8))  # a first segment for the attacker to see
         for i in range(300):  # new arena segments and new pool segments while it runs
@@ -83,14 +49,14 @@ def test_pre_created_names_do_not_stop_new_segments():
             assert int(np.asarray(frame.buffers[0])[0]) == i % 256
             frame.release()
             time.sleep(0.002)  # let the attacker see each new name
+        planted = attack.result(30)["planted"]
     finally:
-        attack.wait(30)
         sender.close()
         receiver.close()
         arena.close()
-        for name in _planted():
+        for name in _planted():  # the attacker removes its own; in case it was killed
             os.unlink(os.path.join(SHM_DIR, name))
-    assert int(attack.stdout.read().split()[-1]) > 0  # it did plant names
+    assert planted > 0
 
 
 @needs_root
