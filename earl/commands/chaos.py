@@ -62,8 +62,10 @@ __all__ = ["main"]
 
 QUICK = ["kill:producer", "corrupt_frame", "kill:rollout", "delay", "disk_full",
          "kill:reference"]
-FULL = QUICK + ["kill:dock", "kill:trainer", "drop:producer", "drop:reference", "stall:tool",
-                "squat:shm", "slowloris", "kill:resave"]
+# stall:tool last: it waits for sessions to call the tool, and the gate of the fault after it
+# would hold the schedule (and with it new sessions) until it settles
+FULL = QUICK + ["kill:dock", "kill:trainer", "drop:producer", "drop:reference", "squat:shm",
+                "slowloris", "kill:resave", "stall:tool"]
 SMALL = ["--warm_start.steps=0", "--batch_size=8", "--group_size=4", "--eval_games=4",
          "--eval_every=0", "--checkpoint_every=2", "--time_limit_minutes=30"]
 
@@ -281,6 +283,9 @@ class Injector:
 
     async def _inject(self, fault: str, fired: asyncio.Event) -> dict[str, Any]:
         healer = self.job.healer
+        target = fault.split(":", 1)[1] if fault.startswith(("kill:", "drop:")) else "producer"
+        if target != "resave" and not await self._wait_live(target, 300.0):
+            return {"recovered": False, "note": f"{target} not up within 300 s"}
         if fault == "kill:resave":
             return await self._kill_resave(fired)
         if fault == "squat:shm":
@@ -397,6 +402,16 @@ class Injector:
         filler.unlink(missing_ok=True)
         return {"recovered": ok, "mode": "tmpfs" if self.disk else "injected"}
 
+
+    async def _wait_live(self, name: str, timeout: float) -> bool:
+        """Wait until every rank of `name` is up (a rewind re-spawns every group)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            rec = await self.rt.dir_call("lookup", name)
+            if rec is not None and rec.pids and all(s == "up" for s in rec.status):
+                return True
+            await asyncio.sleep(0.1)
+        return False
 
     async def _squat_shm(self, fired: asyncio.Event) -> dict[str, Any]:
         """Recovered: names were planted while the run made segments, and no actor failed."""
