@@ -34,13 +34,17 @@ def test_bench_peers_quick() -> None:
     earl, trl, over = res["earl"], res["trl"], res["earl_over_sampled"]
     max_tokens, batch = res["recipe"]["max_tokens"], res["recipe"]["batch_size"]
     for side in (earl, trl, over):
+        # TRL's gen_len_mean is the mean of its per-step means (`completions/mean_length`) and
+        # its turns_mean a mean over all episodes: weighted differently, so the bound
+        # gen_len <= max_tokens * turns holds per step, not exactly across steps
+        slack = 1.05 if side is trl else 1.0
         assert KEYS <= set(side)
         assert len(side["runs"]) == res["rounds"] == 1
         run = side["runs"][0]
         assert run["steps"] >= 3
         assert run["wall_s"] >= res["budget_s"]  # trained until the shared budget, then stopped
         assert 1.0 <= run["turns_mean"] <= 12  # bench/_agentic_workload.py's MAX_TURNS
-        assert run["turns_mean"] <= run["gen_len_mean"] <= max_tokens * run["turns_mean"]
+        assert run["turns_mean"] <= run["gen_len_mean"] <= max_tokens * run["turns_mean"] * slack
         assert run["tokens_per_s"] == pytest.approx(
             run["trajectories_per_s"] * run["gen_len_mean"], rel=0.01)
         # end-to-end counts every step over the whole process wall time
