@@ -144,7 +144,7 @@ def _context_cut(out: str, window: int, played: dict[int, int]) -> float:
     and a board, 96 tokens, of it (a per-turn cap also sets `truncated`)."""
     from pathlib import Path
 
-    from earl.loop.healing import batch_of
+    from earl.stages.batch_types import batch_of
 
     path = Path(out) / "trajectories.jsonl"
     if not path.is_file():

@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from earl.runtime.config import RestartPolicy
 from earl.runtime.errors import ActorDied, ActorError, deaths_in
+from earl.stages.batch_types import batch_of
 
 if TYPE_CHECKING:
     from earl.observe import Tracer
@@ -93,12 +93,6 @@ def died_actor(exc: BaseException) -> tuple[str, int] | None:
         if d.rank is not None and d.cause != "stopped":
             return d.group, d.rank
     return None
-
-
-def batch_of(sample_id: str) -> int:
-    """The batch a dock sample id was produced for ("b000012-..." -> 12; -1 if none)."""
-    m = re.match(r"b(\d+)-", sample_id)
-    return int(m.group(1)) if m else -1
 
 
 @dataclass(kw_only=True, slots=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from earl.runtime.types import Trajectory
 from earl.runtime.wire import message
 
-__all__ = ["BatchResult", "Episode", "GroupTask", "episode_of", "sample_id"]
+__all__ = ["BatchResult", "Episode", "GroupTask", "batch_of", "episode_of", "sample_id"]
 
 
 @message
@@ -60,6 +60,12 @@ def sample_id(batch: int, j: int, tag: str = "", rank: int = 0) -> str:
     """Dock id of row `j` of producer `rank`'s share of a batch's play ("" tag) or of a re-play
     after a fault ("x1", ...); unique across producers."""
     return f"b{batch:06d}-p{rank}-{tag + '-' if tag else ''}{j:04d}"
+
+
+def batch_of(sample_id: str) -> int:
+    """The batch of a `sample_id` ("b000012-..." -> 12; -1 for an id it did not make)."""
+    head = sample_id.partition("-")[0]
+    return int(head[1:]) if head[:1] == "b" and head[1:].isdigit() else -1
 
 
 @message
