@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from earl.commands.chaos_attacks import open_files_limit, plant_shm_names, slowloris
+from earl.commands.chaos_attacks import http_status, open_files_limit, plant_shm_names, slowloris
 from earl.commands.chaos_faults import (
     corrupt,
     delay_requests,
@@ -55,6 +55,7 @@ from earl.commands.chaos_faults import (
     mount_tmpfs,
     orphans,
     umount,
+    until,
     versions_monotone,
 )
 
@@ -299,7 +300,7 @@ class Injector:
             before = (healer.restarts.get(name, 0), healer.rewinds)
             os.kill(pid, 9)
             fired.set()
-            ok = await _until(lambda: (healer.restarts.get(name, 0), healer.rewinds) != before
+            ok = await until(lambda: (healer.restarts.get(name, 0), healer.rewinds) != before
                               and (name in ("trainer", "dock") or any(
                                   e["event"] == "restart" and e["actor"] == name
                                   and e.get("restarts", 0) > before[0]
@@ -343,7 +344,7 @@ class Injector:
 
         self.stall.touch()
         fired.set()
-        ok = await _until(lambda: bool(seen()), 120)
+        ok = await until(lambda: bool(seen()), 120)
         self.stall.unlink(missing_ok=True)
         stalled = seen()
         longest = max((w for w, _ in stalled), default=0.0)
@@ -372,7 +373,7 @@ class Injector:
                     "note": "no call in flight within 30 s"}
         conn.transport.abort()
         fired.set()
-        ok = await _until(lambda: healer.restarts.get(name, 0) > before and any(
+        ok = await until(lambda: healer.restarts.get(name, 0) > before and any(
             e["event"] == "restart" and e["actor"] == name for e in healer.events), 300)
         after = await self.rt.dir_call("lookup", name)
         return {"pid": pid, "calls_in_flight": busy, "new_pid": after.pids[0],
@@ -397,7 +398,7 @@ class Injector:
             self.job._save_trainer = full
         fired.set()
         self.settled[self.faults.index("disk_full")].set()
-        ok = await _until(lambda: len([e for e in healer.events
+        ok = await until(lambda: len([e for e in healer.events
                                        if e["event"] == "checkpoint_failed"]) > before, 300)
         filler.unlink(missing_ok=True)
         return {"recovered": ok, "mode": "tmpfs" if self.disk else "injected"}
@@ -443,7 +444,7 @@ class Injector:
         for a in attacks:
             await asyncio.to_thread(a.wait_ready)
         fired.set()
-        answered = [await _http_status(port, 30.0) for port in ports]
+        answered = [await http_status(port, 30.0) for port in ports]
         group = await self.rt.lookup("producer")
         rpc = isinstance(await group[0].state_dict.call_one(None), dict)
         res = [await asyncio.to_thread(a.result, 120.0) for a in attacks]
@@ -473,7 +474,7 @@ class Injector:
             await job._save_trainer(folder)
 
         root = Path(job.out) / "checkpoint"
-        if not await _until(lambda: (root / MANIFEST).is_file(), 300):
+        if not await until(lambda: (root / MANIFEST).is_file(), 300):
             return {"recovered": False, "note": "no checkpoint in force within 300 s"}
         store = CheckpointStore(root, save_trainer=killed_midway,
                                 producer_states=job._producer_states, wall=job.elapsed)
@@ -483,24 +484,10 @@ class Injector:
         except Exception:  # noqa: BLE001, S110 - the trainer died under it: expected
             pass
         fired.set()
-        ok = await _until(lambda: len(rewinds()) > before, 300)
+        ok = await until(lambda: len(rewinds()) > before, 300)
         to = rewinds()[-1].get("to_step") if ok else None
         return {"pid": pid, "step_in_force": state.step, "rewound_to": to,
                 "recovered": ok and to == state.step}
-
-
-async def _http_status(port: int, timeout: float) -> int:
-    """The status code of a bare POST to 127.0.0.1:`port` (0 when nothing came back)."""
-    try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port),
-                                                timeout)
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\n"
-                     b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
-        line = await asyncio.wait_for(reader.readline(), timeout)
-        writer.close()
-        return int(line.split()[1])
-    except (OSError, TimeoutError, ValueError, IndexError):
-        return 0
 
 
 def _hung(run: asyncio.Future[Any]) -> None:
@@ -508,12 +495,3 @@ def _hung(run: asyncio.Future[Any]) -> None:
     for t in asyncio.all_tasks():
         t.print_stack(limit=6, file=sys.stderr)
     run.cancel()
-
-
-async def _until(pred: Any, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.1)
-    return True

@@ -8,13 +8,15 @@ machine would, from outside the run.
   segments could take (the next counter values, and random names of the same shape), then
   removes what it planted.
 - `slowloris`: opens as many half-sent HTTP requests to an endpoint as the target process may
-  open files (plus a margin), holds them, and counts how many the server closed.
+  open files (plus a margin), holds them, and counts how many the server closed; `http_status`
+  is the request a client sends meanwhile.
 
 Not here: when to launch them, or what counts as recovered (`earl.commands.chaos`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -22,7 +24,7 @@ import subprocess
 import textwrap
 from dataclasses import dataclass
 
-__all__ = ["Attack", "open_files_limit", "plant_shm_names", "slowloris"]
+__all__ = ["Attack", "http_status", "open_files_limit", "plant_shm_names", "slowloris"]
 
 NOBODY = 65534
 
@@ -150,3 +152,17 @@ def slowloris(port: int, connections: int, hold_s: float) -> list[Attack]:
     per = 10_000
     return [_launch(_SLOWLORIS, str(port), str(min(per, connections - i)), str(hold_s))
             for i in range(0, connections, per)]
+
+
+async def http_status(port: int, timeout: float) -> int:
+    """The status code of a bare POST to 127.0.0.1:`port` (0 when nothing came back)."""
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port),
+                                                timeout)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\n"
+                     b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
+        line = await asyncio.wait_for(reader.readline(), timeout)
+        writer.close()
+        return int(line.split()[1])
+    except (OSError, TimeoutError, ValueError, IndexError):
+        return 0

@@ -2,9 +2,9 @@
 
 Faults: random bytes and a length lie on an actor's socket (`corrupt`), delayed driver control
 messages (`delay_requests`), a small tmpfs of its own under a folder (`mount_tmpfs`, `umount`)
-filled up (`fill`). Checks: processes, shm segments and folders a run left (`orphans`), policy
-versions of the trajectories that never go back past the staleness bound
-(`versions_monotone`). Not here: when to inject, and the report (`earl.commands.chaos`).
+filled up (`fill`); `until` polls a condition. Checks: processes, shm segments and folders a
+run left (`orphans`), policy versions of the trajectories that never go back past the staleness
+bound (`versions_monotone`). Not here: when to inject, and the report (`earl.commands.chaos`).
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import itertools
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["corrupt", "delay_requests", "fill", "mount_tmpfs", "orphans", "umount",
+__all__ = ["corrupt", "delay_requests", "fill", "mount_tmpfs", "orphans", "umount", "until",
            "versions_monotone"]
 
 
@@ -151,4 +152,14 @@ def versions_monotone(out: Path, lag: int) -> bool:
                 return False
             if v and v[0] < t["step"] - 1 - lag:
                 return False
+    return True
+
+
+async def until(pred: Any, timeout: float) -> bool:
+    """Wait until `pred()` holds, polling every 0.1 s; False after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.1)
     return True
