@@ -24,9 +24,11 @@ import subprocess
 import textwrap
 from dataclasses import dataclass
 
-__all__ = ["Attack", "http_status", "open_files_limit", "plant_shm_names", "slowloris"]
+__all__ = ["NOBODY", "PYTHON", "Attack", "http_status", "open_files_limit", "plant_shm_names", "slowloris"]
 
 NOBODY = 65534
+# a system interpreter: this venv's may sit under a directory only root can read
+PYTHON = shutil.which("python3", path="/usr/bin:/bin:/usr/local/bin")
 
 _PLANT = textwrap.dedent(r"""
     import os, re, sys, time, secrets
@@ -124,9 +126,8 @@ class Attack:
 
 
 def _launch(script: str, *args: str) -> Attack:
-    python = shutil.which("python3", path="/usr/bin:/bin:/usr/local/bin") or "python3"
     root = os.geteuid() == 0
-    proc = subprocess.Popen([python, "-c", script, *args], stdout=subprocess.PIPE, text=True,
+    proc = subprocess.Popen([PYTHON or "python3", "-c", script, *args], stdout=subprocess.PIPE, text=True,
                             user=NOBODY if root else None, group=NOBODY if root else None,
                             env={"PATH": "/usr/bin:/bin"}, cwd="/")
     return Attack(proc, NOBODY if root else os.geteuid())

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import secrets
-import shutil
 import struct
 import subprocess
 import time
@@ -15,14 +14,12 @@ import numpy as np
 import pytest
 import zmq
 
-from earl.commands.chaos_attacks import NOBODY, plant_shm_names
+from earl.commands.chaos_attacks import NOBODY, PYTHON, plant_shm_names
 from earl.runtime.transport import connect, get_transport
 from earl.runtime.transport.base import TransportError
 from earl.runtime.transport.shm import SHM_DIR
 from earl.runtime.transport.shm_arena import ShmArena
 
-# the attacker runs a system interpreter: this venv's may sit under a directory only root reads
-PYTHON = shutil.which("python3", path="/usr/bin:/bin:/usr/local/bin")
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or PYTHON is None,
                                 reason="acting as another user needs root and a system python3")
 
