@@ -136,8 +136,9 @@ async def run_chaos(cfg: Any, faults: list[str], *, seed: int = 0, log: Any = pr
     going after `deadline_s` counts as hung: its tasks' stacks go to stderr, and it is
     cancelled."""
     from earl.loop.healing import run_job
+    from earl.loop.hooks import RunHooks
+    from earl.loop.job import Job
     from earl.resolve import resolve_recipe
-    from earl.run import _Job
     from earl.runtime import Runtime
     from earl.runtime.dock import Dock
 
@@ -146,19 +147,22 @@ async def run_chaos(cfg: Any, faults: list[str], *, seed: int = 0, log: Any = pr
     disk = mount_tmpfs(out / "checkpoint", 24 << 20) if "disk_full" in faults else ""
     recipe, ref = resolve_recipe(cfg)
     stall = out / ".tool-stall"
+    env: dict[str, str] = {}
     if "stall:tool" in faults:  # an agent with a tool to stall (Tic-Tac-Toe has none)
         from earl.commands.chaos_probe import STALL_ENV
 
         if cfg.recipe != "tictactoe" or cfg.agent:
             raise ValueError("stall:tool runs the tictactoe recipe's agent behind a probe tool")
         ref = "earl.commands.chaos_probe:probed_tictactoe"
+        env[STALL_ENV] = str(stall)
     t0 = time.perf_counter()
     error, steps, left = "", 0, 0
     try:
         async with Runtime() as rt:
-            job = _Job(cfg, recipe, ref, rt, log=log, trace=True)
-            if "stall:tool" in faults:
-                job.env[STALL_ENV] = str(stall)
+            hooks = RunHooks(after_step=lambda r: inj.after_step(r),
+                             before_checkpoint=lambda folder: inj.before_checkpoint(folder),
+                             env=env)
+            job = Job(cfg, recipe, ref, rt, log=log, trace=True, hooks=hooks)
             inj = Injector(job, rt, faults, seed=seed, disk=disk, stall=stall)
             run = asyncio.ensure_future(run_job(job, False))
             watchdog = asyncio.get_running_loop().call_later(deadline_s, _hung, run)
@@ -171,7 +175,7 @@ async def run_chaos(cfg: Any, faults: list[str], *, seed: int = 0, log: Any = pr
                 from earl.commands.train import _cause
 
                 error = _cause(exc)
-                steps = getattr(getattr(job, "state", None), "step", 0)
+                steps = job.state.step if job.started else 0
             finally:
                 watchdog.cancel()
                 await inj.wait(120.0)
@@ -206,7 +210,8 @@ class Injector:
     """Injects `faults`, spread over the steps: fault i is fired after step `plan[i]` is
     logged, at a random point of the next step (a uniform fraction of the recent step time).
     The step after must wait until it was fired, so a fast run cannot outrun its faults;
-    whether the run recovered is checked in the background."""
+    whether the run recovered is checked in the background. The run calls it through its
+    `RunHooks` (`after_step`, `before_checkpoint`)."""
 
     def __init__(self, job: Any, rt: Any, faults: list[str], *, seed: int, disk: str,
                  stall: Path | None = None) -> None:
@@ -225,15 +230,18 @@ class Injector:
         self.settled = [asyncio.Event() for _ in faults]  # one fault at a time
         self.tasks: list[asyncio.Task[None]] = []
         self._last, self._dt, self._next = 0.0, 0.2, 0
-        observe = job._observe
+        self._disk_full_armed = False  # the next trainer save fails as a full disk would
 
-        async def gated(record: Any) -> None:
-            await observe(record)
-            await self._gate(int(record.version))
+    async def before_checkpoint(self, folder: str) -> None:
+        if self._disk_full_armed:
+            import errno
 
-        job._observe = gated  # the schedule calls it after every trained step
+            self._disk_full_armed = False
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", folder)
 
-    async def _gate(self, step: int) -> None:
+    async def after_step(self, record: Any) -> None:
+        """After each trained step is logged: fire what is due, hold the run until it is."""
+        step = int(record.version)
         now = time.perf_counter()
         if self._last:
             self._dt = 0.5 * self._dt + 0.5 * (now - self._last)
@@ -387,15 +395,7 @@ class Injector:
         if self.disk:
             fill(filler)
         else:  # no tmpfs (not root): the trainer's next save raises ENOSPC
-            import errno
-
-            save = self.job._save_trainer
-
-            async def full(path: str) -> None:
-                self.job._save_trainer = save
-                raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
-
-            self.job._save_trainer = full
+            self._disk_full_armed = True
         fired.set()
         self.settled[self.faults.index("disk_full")].set()
         ok = await until(lambda: len([e for e in healer.events
@@ -471,13 +471,13 @@ class Injector:
         async def killed_midway(folder: str) -> None:
             os.kill(pid, 9)
             fired.set()
-            await job._save_trainer(folder)
+            await job.save_trainer(folder)
 
         root = Path(job.out) / "checkpoint"
         if not await until(lambda: (root / MANIFEST).is_file(), 300):
             return {"recovered": False, "note": "no checkpoint in force within 300 s"}
         store = CheckpointStore(root, save_trainer=killed_midway,
-                                producer_states=job._producer_states, wall=job.elapsed)
+                                producer_states=job.producer_states, wall=job.elapsed)
         state, _, _ = store.load()
         try:
             await store.save(state, None)

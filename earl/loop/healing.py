@@ -43,6 +43,8 @@ from earl.runtime.errors import ActorDied, ActorError, deaths_in
 from earl.stages.batch_types import batch_of
 
 if TYPE_CHECKING:
+    from earl.loop.job import Job
+    from earl.loop.result import RunResult
     from earl.observe import Tracer
     from earl.runtime.dock_index import Location, LostSample
 
@@ -286,45 +288,41 @@ class Healer:
             await stop()
 
 
-async def run_job(job: Any, resume: bool) -> Any:
-    """`job.run(resume)`, rewound from the last checkpoint when the trainer or the dock dies.
+async def run_job(job: Job, resume: bool) -> RunResult:
+    """One attempt of `job` (`earl.loop.main.train_attempt`), and another from the last
+    checkpoint each time the trainer or the dock dies.
 
     Raises:
         HealingError: past the rewind limit (the original error is its cause).
     """
     from earl.loop.checkpoint import MANIFEST
+    from earl.loop.main import train_attempt
 
-    healer: Healer = job.healer
-    while True:
-        try:
-            return await job.run(resume)
-        except Exception as exc:
-            who = died_actor(exc)
-            if who is None or who[0] not in REWOUND:
-                raise
-            healer.close()
-            if healer.rewinds >= healer.config.max_restarts:
-                raise HealingError(f"{who[0]}[{who[1]}] died and the run was already rewound "
-                                   f"{healer.rewinds} time(s) (limit "
-                                   f"{healer.config.max_restarts})") from exc
-            healer.rewinds += 1
-            healer.restarts[who[0]] = healer.restarts.get(who[0], 0) + 1
-            await _stop_actors(job)
-            manifest = job.out / "checkpoint" / MANIFEST
-            resume = manifest.is_file()
-            step = int(json.loads(manifest.read_text())["step"]) if resume else 0
-            healer.ledger.rewind(step)
-            healer.note("rewind", who[0], rank=who[1], to_step=step)
-            job.log(f"healing: {who[0]}[{who[1]}] died; restarting the run's actors from the "
-                    f"checkpoint of step {step} (rewind {healer.rewinds}/"
-                    f"{healer.config.max_restarts})")
-            healer.reopen()
-
-
-async def _stop_actors(job: Any) -> None:
-    """Stop every actor group of the job (the dead one included) before it starts again."""
-    if getattr(job, "metrics", None) is not None:
-        job.metrics.close()
-    for name in ("producer", "rollout", "reference", "dock", "trainer"):
-        with contextlib.suppress(KeyError):
-            await job.rt.stop(name)
+    healer = job.healer
+    try:
+        while True:
+            try:
+                return await train_attempt(job, resume)
+            except Exception as exc:
+                who = died_actor(exc)
+                if who is None or who[0] not in REWOUND:
+                    raise
+                healer.close()
+                if healer.rewinds >= healer.config.max_restarts:
+                    raise HealingError(f"{who[0]}[{who[1]}] died and the run was already "
+                                       f"rewound {healer.rewinds} time(s) (limit "
+                                       f"{healer.config.max_restarts})") from exc
+                healer.rewinds += 1
+                healer.restarts[who[0]] = healer.restarts.get(who[0], 0) + 1
+                await job.stop_actors()
+                manifest = job.out / "checkpoint" / MANIFEST
+                resume = manifest.is_file()
+                step = int(json.loads(manifest.read_text())["step"]) if resume else 0
+                healer.ledger.rewind(step)
+                healer.note("rewind", who[0], rank=who[1], to_step=step)
+                job.log(f"healing: {who[0]}[{who[1]}] died; restarting the run's actors from "
+                        f"the checkpoint of step {step} (rewind {healer.rewinds}/"
+                        f"{healer.config.max_restarts})")
+                healer.reopen()
+    finally:
+        job.close()

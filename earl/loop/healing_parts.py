@@ -22,32 +22,36 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from earl.loop.healing import Healer, died_actor
+from earl.runtime import ActorGroup
 from earl.runtime.dock import Dock
 from earl.runtime.errors import ActorDied, ActorError
 from earl.stages.batch_types import BatchResult, GroupTask, sample_id
 
 if TYPE_CHECKING:
+    from earl.loop.checkpoint import CheckpointStore
     from earl.loop.parts import ActorEvaluation, ActorProduction, ActorTraining
     from earl.loop.schedule import LoopState
     from earl.runtime.dock_index import Lease
 
-__all__ = ["HealingEvaluation", "HealingProduction", "HealingTraining", "LedgerDock",
-           "SafeCheckpoints"]
+__all__ = ["HealingEvaluation", "HealingParts", "HealingProduction", "HealingTraining",
+           "LedgerDock", "SafeCheckpoints", "heal"]
 
 
 class LedgerDock(Dock):
     """A `Dock` client that records each acked lease's samples in the healer's ledger."""
 
-    healer: Healer | None = None
+    def __init__(self, index: ActorGroup[Any], healer: Healer) -> None:
+        super().__init__(index)
+        self.healer = healer
 
     async def ack(self, lease: Lease) -> None:
         await super().ack(lease)
-        if self.healer is not None:
-            self.healer.ledger.add_trained(lease.samples)
+        self.healer.ledger.add_trained(lease.samples)
 
 
 class HealingProduction:
@@ -59,9 +63,6 @@ class HealingProduction:
         self._tags = itertools.count(1)
         self._lock = asyncio.Lock()
         self._pending: dict[str, tuple[int, GroupTask]] = {}  # group id -> (batch, task)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
     async def play(self, batch: int, snapshot: bool) -> BatchResult:
         self.playing.add(batch)
@@ -119,6 +120,9 @@ class HealingProduction:
 
     async def pin_version(self, version: int) -> None:
         await self.inner.pin_version(version)
+
+    async def load_states(self, states: list[dict[str, object]]) -> None:
+        await self.inner.load_states(states)
 
     async def note_version(self, version: int) -> None:
         for r in range(len(self.inner.producers)):
@@ -178,6 +182,7 @@ class HealingTraining:
     def __init__(self, inner: ActorTraining, healer: Healer, rt: Any,
                  production: HealingProduction) -> None:
         self.inner, self.healer, self.rt, self.production = inner, healer, rt, production
+        self.actors = inner.actors
         self._push = asyncio.Lock()
 
     @property
@@ -212,7 +217,7 @@ class HealingTraining:
 
     async def repush(self, rank: int) -> None:
         """A restarted rollout replica: push the current weights at the current version."""
-        self.inner.rollout = await self.rt.lookup("rollout")
+        await self.actors.use_rollout(await self.rt.lookup("rollout"))
         async with self._push:
             await self.inner.publish(self.healer.version)
 
@@ -222,9 +227,6 @@ class HealingEvaluation:
 
     def __init__(self, inner: ActorEvaluation, healer: Healer, rt: Any) -> None:
         self.inner, self.healer, self.rt = inner, healer, rt
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
     async def evaluate(self, split: str, version: int) -> dict[str, float]:
         while True:
@@ -240,12 +242,12 @@ class HealingEvaluation:
 class SafeCheckpoints:
     """A checkpoint store whose failed saves (e.g. ENOSPC) leave the previous one in force."""
 
-    def __init__(self, inner: Any, healer: Healer) -> None:
+    def __init__(self, inner: CheckpointStore, healer: Healer) -> None:
         self.inner, self.healer = inner, healer
         self.failed: list[tuple[int, str]] = []
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+    def load(self) -> tuple[LoopState, str, list[dict[str, object]]]:
+        return self.inner.load()
 
     async def save(self, state: LoopState, critic_batch: int | None) -> None:
         try:
@@ -275,26 +277,30 @@ def last_producer_state(out: Path, rank: int) -> dict[str, object] | None:
     return states[rank] if rank < len(states) else None
 
 
-def install(job: Any) -> None:
-    """Wrap a spawned job's parts and register the rebuild of each restartable group.
+@dataclass(frozen=True, slots=True)
+class HealingParts:
+    """The loop's parts of one run attempt, each made to survive its actors' deaths."""
 
-    `job` has `healer`, `rt`, `out`, `production`, `training`, `evaluation` (earl.run._Job).
-    """
-    healer: Healer = job.healer
-    dock = LedgerDock(job.training.dock.index)
-    dock.healer = healer
-    job.training.dock = dock
-    production = HealingProduction(job.production, healer, job.rt, dock)
-    training = HealingTraining(job.training, healer, job.rt, production)
-    job.production, job.training = production, training
-    if job.evaluation is not None:
-        job.evaluation = HealingEvaluation(job.evaluation, healer, job.rt)
+    production: HealingProduction
+    training: HealingTraining
+    evaluation: HealingEvaluation | None
+
+
+def heal(production: ActorProduction, training: ActorTraining,
+         evaluation: ActorEvaluation | None, *, healer: Healer, rt: Any, out: Path
+         ) -> HealingParts:
+    """Wrap the parts and register, with `healer`, the rebuild of each restartable group."""
+    dock = training.actors.dock
+    prod = HealingProduction(production, healer, rt, dock)
+    train = HealingTraining(training, healer, rt, prod)
 
     async def producer(rank: int) -> None:
-        await production.rebuild(rank, last_producer_state(job.out, rank))
+        await prod.rebuild(rank, last_producer_state(out, rank))
 
     async def reference(rank: int) -> None:
         await dock.index.drop_shard.call(f"reference:{rank}")
-        await production.reproduce_lost(f"shard reference:{rank} died")
+        await prod.reproduce_lost(f"shard reference:{rank} died")
 
-    healer.rebuilds.update(rollout=training.repush, producer=producer, reference=reference)
+    healer.rebuilds.update(rollout=train.repush, producer=producer, reference=reference)
+    return HealingParts(production=prod, training=train, evaluation=None if evaluation is None
+                        else HealingEvaluation(evaluation, healer, rt))

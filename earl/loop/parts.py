@@ -10,12 +10,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from typing import Any
 
+from earl.loop.actors import Actors
 from earl.observe import Tracer
 from earl.recipe import Metric, Recipe, TaskSource
 from earl.runtime import ActorGroup
-from earl.runtime.dock import Dock
 from earl.stages.batch_types import BatchResult, Episode, GroupTask
 from earl.stages.producer import ProducerActor
 
@@ -103,30 +102,31 @@ class ActorTraining:
 
     The driver leases the batch (metadata), the dispatcher plans it for the trainer's layout
     (`earl.stages.trainer_feed`), and each DP replica's leader fetches its slice straight
-    from the producers' and the reference's shards."""
+    from the producers' and the reference's shards. The groups are read from `actors` at each
+    call (the selector may have re-created them)."""
 
-    def __init__(self, trainer: ActorGroup[Any], rollout: ActorGroup[Any], dock: Dock,
-                 columns: list[str], tracer: Tracer | None = None) -> None:
-        self.trainer, self.rollout, self.dock, self.columns = trainer, rollout, dock, columns
+    def __init__(self, actors: Actors, columns: list[str], tracer: Tracer | None = None
+                 ) -> None:
+        self.actors, self.columns = actors, columns
         self.tracer = tracer or Tracer(False)
         self.seconds = {"train_s": 0.0, "sync_s": 0.0}  # of the last step, for the metrics
-        self.micro_batch_tokens: int | None = None  # the selector's budget (None: the trainer's)
 
     async def train(self, batch: int, samples: int, lr_scale: float) -> dict[str, float]:
         from earl.stages.trainer_feed import train_from_dock
 
         t0 = time.perf_counter()
+        a = self.actors
         with self.tracer.span("train_step", actor="trainer", step=batch + 1):
-            metrics = await train_from_dock(self.trainer, self.dock, samples, self.columns,
+            metrics = await train_from_dock(a.trainer, a.dock, samples, self.columns,
                                             lr_scale=lr_scale,
-                                            micro_batch_tokens=self.micro_batch_tokens)
+                                            micro_batch_tokens=a.micro_batch_tokens)
         self.seconds["train_s"] = time.perf_counter() - t0
         return dict(metrics)
 
     async def publish(self, version: int) -> None:
         t0 = time.perf_counter()
         with self.tracer.span("push_weights", actor="trainer", version=version):
-            await self.trainer.push_weights.call(self.rollout, version)
+            await self.actors.trainer.push_weights.call(self.actors.rollout, version)
         self.seconds["sync_s"] = time.perf_counter() - t0
 
 

@@ -1,8 +1,8 @@
 """The selector's `Reconfigurer` over a run's real actor groups, and how a run builds it.
 
-`ActorReconfigurer` applies a `Setting` (`earl.loop.selection`) to live actors: the trainer's
-micro-batch token budget by telling `ActorTraining` (the dispatcher plans the next step with
-it); a new trainer layout or slots with `reconfigure_trainer` (resharded checkpoint: parameters
+`ActorReconfigurer` applies a `Setting` (`earl.loop.selection`) to the run's live actors
+(`earl.loop.actors.Actors`): the trainer's micro-batch token budget (the dispatcher plans the
+next step with it); a new trainer layout or slots with `reconfigure_trainer` (resharded checkpoint: parameters
 and Adam state kept); a new rollout layout, slots or context with `reconfigure_rollout` (new
 vLLM replicas with the new ``max_model_len`` and KV budget, the trainer's weights pushed at the
 current version), after which the producers sample from the new group. The actor that gives
@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from earl.loop.actors import Actors
 from earl.loop.selection import Selection, Setting
 from earl.runtime.dock import Dock
 from earl.runtime.layout import Layout
@@ -33,7 +34,10 @@ from earl.runtime.selector import (
 )
 from earl.runtime.slots import SlotPool
 
-__all__ = ["ActorReconfigurer", "SlotMemory", "actor_training", "build_selection",
+if TYPE_CHECKING:
+    from earl.loop.job import Job
+
+__all__ = ["ActorReconfigurer", "SlotMemory", "build_selection",
            "cost_model_of", "queue_depths", "run_slots", "selection_for_run", "slot_usage"]
 
 
@@ -42,9 +46,9 @@ class ActorReconfigurer:
 
     Args:
         rt: the run's `Runtime`.
-        handles: an object with mutable ``trainer``, ``rollout``, ``producers``, ``training``
-            attributes (the run's `_Job`); they are replaced by the new groups.
+        actors: the run's live groups; re-created groups replace the old ones there.
         pool: the slot pool (None: actors run without slots).
+        slot_memory: what each slot offers the cost model (with a pool).
         env: environment of re-created actors.
         checkpoint_dir: where resharding checkpoints go.
         kv_bytes_per_token: the rollout's KV bytes per token (sizes its KV budget).
@@ -52,21 +56,22 @@ class ActorReconfigurer:
         restart: the restart policy of re-created rollout replicas (the run's healer's).
     """
 
-    def __init__(self, rt: Any, handles: Any, *, pool: SlotPool | None, env: dict[str, str],
+    def __init__(self, rt: Any, actors: Actors, *, pool: SlotPool | None,
+                 slot_memory: SlotMemory | None = None, env: dict[str, str],
                  checkpoint_dir: Path, kv_bytes_per_token: float, tracer: Any = None,
                  restart: Any = None) -> None:
-        self.rt, self.h, self.pool, self.env, self.tracer = rt, handles, pool, env, tracer
-        self.restart = restart
+        self.rt, self.actors, self.pool, self.env, self.tracer = rt, actors, pool, env, tracer
+        self.slot_memory, self.restart = slot_memory, restart
         self.checkpoint_dir, self.kv_bytes = checkpoint_dir, kv_bytes_per_token
         self._n = 0
 
-    @property
-    def training(self) -> Any:
-        """The run's `ActorTraining` (under any wrappers with an ``inner``, e.g. healing)."""
-        return actor_training(self.h.training)
-
     async def set_micro_batch_tokens(self, tokens: int) -> None:
-        self.training.micro_batch_tokens = tokens
+        self.actors.set_micro_batch_tokens(tokens)
+
+    def measure_rollout(self, s: Setting, replicas: int, kv_cache_gb: float) -> None:
+        """Read the baseline memory of the rollout replicas just spawned with setting `s`."""
+        if self.slot_memory is not None:
+            self.slot_memory.measure(s.rollout_slots[:replicas], kv_cache_gb * 1024)
 
     def kv_cache_gb(self, s: Setting) -> float:
         """KV budget per replica: `kv_tokens` of KV, plus 16 MiB for vLLM's block rounding."""
@@ -107,28 +112,24 @@ class ActorReconfigurer:
                 # a slot can hold one rank: ranks beyond the slots run unplaced
                 ranks = new.trainer_tp * new.trainer_dp
                 group, t = await reconfigure_trainer(
-                    self.rt, self.h.trainer, Layout(dp=new.trainer_dp, tp=new.trainer_tp),
+                    self.rt, self.actors.trainer, Layout(dp=new.trainer_dp, tp=new.trainer_tp),
                     checkpoint_dir=self.checkpoint_dir / f"reshard-{self._n}", env=self.env,
                     slot=self._placed(new.trainer_slots, ranks, "trainer"),
                     micro_batch_tokens=new.micro_batch_tokens)
                 self._release(moved)
-                self.h.trainer = group
-                self.training.trainer = group
-                self.training.micro_batch_tokens = new.micro_batch_tokens
+                self.actors.use_trainer(group, new.micro_batch_tokens)
             else:
                 moved = tuple(n for n in old.rollout_slots if n not in new.rollout_slots)
-                version = await self.h.trainer[0].version.call_one()
+                version = await self.actors.trainer[0].version.call_one()
                 group, t = await reconfigure_rollout(
-                    self.rt, self.h.rollout, tensor_parallel_size=new.rollout_tp,
-                    replicas=new.rollout_replicas, trainer=self.h.trainer, version=version,
+                    self.rt, self.actors.rollout, tensor_parallel_size=new.rollout_tp,
+                    replicas=new.rollout_replicas, trainer=self.actors.trainer, version=version,
                     env=self.env,
                     slot=self._placed(new.rollout_slots, new.rollout_replicas, "rollout"),
                     max_model_len=new.max_model_len, kv_cache_gb=self.kv_cache_gb(new),
                     restart=self.restart)
                 self._release(moved)
-                self.h.rollout = group
-                self.training.rollout = group
-                await self.h.producers.use_rollout.call(group.name, version)
+                await self.actors.use_rollout(group, version)
             for k, v in t.as_dict().items():
                 times[f"{actor}/{k}"] = times.get(f"{actor}/{k}", 0.0) + v
         times["total_s"] = sum(v for k, v in times.items() if k.endswith("/total_s"))
@@ -148,13 +149,6 @@ class ActorReconfigurer:
         if self.pool is None or len(names) < ranks or ranks == 0:
             return None
         return self._slots(names[:ranks], owner)
-
-
-def actor_training(part: Any) -> Any:
-    """`part` without its wrappers (each keeps the wrapped part as ``inner``)."""
-    while hasattr(part, "inner"):
-        part = part.inner
-    return part
 
 
 def cost_model_of(model_dir: str, *, reserve_mib: float, dtype_bytes: int = 4,
@@ -277,10 +271,10 @@ class SlotMemory:
                 for n, b in self.pool.budgets().items()}
 
 
-async def selection_for_run(job: Any, dock: Dock) -> Selection:
-    """The `Selection` of an `earl.run._Job` (its config, trainer, slots, metrics and trace),
-    built once the trainer is up and before the rollout replicas are (`Selection.start` spawns
-    them with its first plan; `spawn_rollout` is how).
+def selection_for_run(job: Job, actors: Actors) -> tuple[Selection, ActorReconfigurer]:
+    """The `Selection` of a run and its reconfigurer over `actors`, built once the trainer is
+    up and before the rollout replicas are (`Selection.start` spawns them with its first
+    plan).
 
     Without slots (placement.slot_memory_mib = 0) the policy plans for one notional slot per
     actor rank with the memory this machine has available now.
@@ -289,13 +283,14 @@ async def selection_for_run(job: Any, dock: Dock) -> Selection:
 
     import psutil
 
-    cfg, pl, pool = job.cfg, job.cfg.placement, job.pool
+    cfg, pl, pool = job.cfg, job.cfg.placement, job.slots
     rollout_names = tuple(f"rollout{r}" for r in range(pl.rollout))
     trainer_names = tuple(f"trainer{r}" for r in range(pl.trainer))
     slots: Callable[[], Mapping[str, float]]
+    slot_memory = None
     if pool is not None:
-        slots = job.slot_memory = SlotMemory(pool, trainer_names)
-        reserve = job.slot_memory.reserve
+        slots = slot_memory = SlotMemory(pool, trainer_names)
+        reserve = slot_memory.reserve
     else:
         reserve = 600.0
         share = float(psutil.virtual_memory().available / (pl.rollout + pl.trainer))
@@ -312,9 +307,9 @@ async def selection_for_run(job: Any, dock: Dock) -> Selection:
                       rollout_replicas=pl.rollout, max_model_len=window,
                       kv_tokens=int(pl.kv_cache_gb * 2**30 / kvb),
                       trainer_slots=trainer_names, rollout_slots=rollout_names)
-    job.reconfigurer = reconf = ActorReconfigurer(
-        job.rt, job, pool=pool, env=job.env, checkpoint_dir=job.out / "reshard",
-        kv_bytes_per_token=kvb, tracer=job.tracer,
+    reconf = ActorReconfigurer(
+        job.rt, actors, pool=pool, slot_memory=slot_memory, env=job.env,
+        checkpoint_dir=job.out / "reshard", kv_bytes_per_token=kvb, tracer=job.tracer,
         restart=job.healer.config.policy("rollout"))
 
     def trace(d: Decision) -> None:
@@ -323,13 +318,15 @@ async def selection_for_run(job: Any, dock: Dock) -> Selection:
                        start=now, end=now, **d.trace_event(0.0)["args"])  # type: ignore[arg-type]
 
     def record(row: dict[str, float | int | str]) -> None:
-        job.metrics.log({**row, **slot_usage(pool)})
+        if job.metrics is not None:
+            job.metrics.log({**row, **slot_usage(pool)})
 
-    stages = ("reference", "train") if pl.reference > 0 else ("train",)
+    stages = ("reference", "train") if job.n_reference > 0 else ("train",)
     job.log(f"selector on: slots {dict(slots())}, reserve {reserve:.0f} MiB/process, model "
             f"positions {positions}, rollout window {window}")
-    return build_selection(model_dir=model_dir, cost=cost, setting=setting,
-                           reconfigurer=reconf, slots=slots, dock=dock,
-                           stages=stages, max_context=positions, record=record,
-                           trace=trace, log=job.log,
-                           initial_context=cfg.selector_initial_context or positions)
+    selection = build_selection(model_dir=model_dir, cost=cost, setting=setting,
+                                reconfigurer=reconf, slots=slots, dock=actors.dock,
+                                stages=stages, max_context=positions, record=record,
+                                trace=trace, log=job.log,
+                                initial_context=cfg.selector_initial_context or positions)
+    return selection, reconf

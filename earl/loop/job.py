@@ -1,0 +1,168 @@
+"""One run's typed context: what it trains, where its files go, and what outlives a rewind.
+
+A `Job` is built once per run (`earl.run.run`, `earl chaos`). It holds the config, the recipe
+and the agent's reference, the runtime, the output paths, the actors' environment, the healer,
+the tracer and the device slots. Each attempt of the run (the first, and one per rewind after a
+trainer or dock death) spawns its actors and parts with `Job.spawn` (`earl.loop.spawn`); the
+attempt in force is `Job.attempt`, and its `Actors` say which trainer and rollout are live.
+
+Not here: the loop (`earl.loop.main`), what is spawned (`earl.loop.spawn`), rewinds
+(`earl.loop.healing.run_job`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from earl.config import RunConfig
+from earl.loop.healing import Healer, HealingConfig
+from earl.loop.hooks import RunHooks
+from earl.observe import Metrics, Tracer
+from earl.recipe import Recipe
+
+if TYPE_CHECKING:
+    from earl.loop.healing_parts import SafeCheckpoints
+    from earl.loop.schedule import LoopState
+    from earl.loop.spawn import Attempt
+    from earl.runtime import Runtime
+    from earl.runtime.slots import SlotPool
+
+__all__ = ["Job", "process_seconds"]
+
+
+def process_seconds() -> float:
+    """Wall seconds since this process started (imports included)."""
+    import time
+
+    import psutil
+
+    return time.time() - psutil.Process().create_time()
+
+
+class Job:
+    """A run's context (see the module docstring).
+
+    Args:
+        cfg: the validated run config.
+        recipe: what to train (`earl.resolve.resolve_recipe`).
+        agent: the agent's import reference ("module:name" or "path.py:name").
+        rt: the runtime the actors run in.
+        log: one line per event (progress, evals, healing).
+        trace: record a Perfetto trace (`trace.json`).
+        hooks: callbacks for fault injection and observers (`RunHooks`).
+    """
+
+    def __init__(self, cfg: RunConfig, recipe: Recipe, agent: str, rt: Runtime, *,
+                 log: Callable[[str], None] = print, trace: bool = False,
+                 hooks: RunHooks | None = None) -> None:
+        self.cfg, self.recipe, self.agent, self.rt, self.log = cfg, recipe, agent, rt, log
+        self.hooks = hooks or RunHooks()
+        self.out = Path(cfg.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.start = self.out / "weights_start"   # the warm-started policy: KL anchor
+        self.weights = self.out / "weights"       # the trained policy, written at the end
+        self.best_dir = self.out / "weights_best"
+        self.env = {"OMP_NUM_THREADS": str(cfg.placement.threads_per_actor),
+                    "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+                    "TRANSFORMERS_VERBOSITY": "error", **self.hooks.env}
+        self.trace = trace
+        self.tracer = Tracer(trace)
+        self.healer = Healer(HealingConfig(max_restarts=cfg.max_restarts), log=log,
+                             tracer=self.tracer)
+        self.slots: SlotPool | None = None
+        if cfg.placement.slot_memory_mib > 0:
+            from earl.loop.selection_actors import run_slots
+
+            self.slots = run_slots(cfg.placement)
+        self.wall_before = 0.0  # wall seconds of earlier (resumed-from) segments
+        self.metrics: Metrics | None = None
+        self._attempt: Attempt | None = None
+        self._state: LoopState | None = None
+
+    @property
+    def attempt(self) -> Attempt:
+        """The actors and parts of the attempt in force."""
+        if self._attempt is None:
+            raise RuntimeError("the job's actors are not spawned yet (Job.spawn)")
+        return self._attempt
+
+    @property
+    def state(self) -> LoopState:
+        """The loop's state (step, evals, best) of the attempt in force."""
+        if self._state is None:
+            raise RuntimeError("the job has not started (Job.begin)")
+        return self._state
+
+    @property
+    def started(self) -> bool:
+        """Whether an attempt has begun (`state` is readable)."""
+        return self._state is not None
+
+    @property
+    def n_reference(self) -> int:
+        """Reference actors: only when a KL term reads their log-probs."""
+        return self.cfg.placement.reference if self.cfg.algorithm.kl_coef > 0 else 0
+
+    def elapsed(self) -> float:
+        """Wall seconds of the run, earlier (resumed-from) segments included."""
+        return self.wall_before + process_seconds()
+
+    def begin(self, state: LoopState, *, resume: bool) -> None:
+        """Start an attempt at `state`: the config file, the metrics file (appended to on a
+        resume)."""
+        import json
+
+        from earl.config import to_dict
+
+        self._state = state
+        self.wall_before = state.wall_before
+        self.healer.version = state.step
+        (self.out / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=2))
+        if self.metrics is not None:
+            self.metrics.close()
+        self.metrics = Metrics(self.out, append=resume)
+
+    async def spawn(self, version: int) -> Attempt:
+        """Spawn the attempt's actors at policy `version` and build the loop's parts."""
+        from earl.loop.spawn import spawn_attempt
+
+        self._attempt = await spawn_attempt(self, version)
+        return self._attempt
+
+    def checkpoints(self) -> SafeCheckpoints:
+        """The run's checkpoint store (`<output_dir>/checkpoint`); a failed save is reported
+        and skipped."""
+        from earl.loop.checkpoint import CheckpointStore
+        from earl.loop.healing_parts import SafeCheckpoints
+
+        return SafeCheckpoints(CheckpointStore(
+            self.out / "checkpoint", save_trainer=self.save_trainer,
+            producer_states=self.producer_states, wall=self.elapsed), self.healer)
+
+    async def save_trainer(self, folder: str) -> None:
+        """The trainer ranks' checkpoint (parameters, optimizer) into `folder`."""
+        if self.hooks.before_checkpoint is not None:
+            await self.hooks.before_checkpoint(folder)
+        with self.tracer.span("checkpoint", actor="trainer"):
+            await self.attempt.actors.trainer.save_checkpoint.call(folder)
+
+    async def producer_states(self, batch: int | None) -> list[dict[str, object]]:
+        """Each producer's state (its critic) after `batch` (None: now)."""
+        return await self.attempt.production.states(batch)
+
+    async def stop_actors(self) -> None:
+        """Stop every actor group (a rewind starts them again)."""
+        import contextlib
+
+        if self.metrics is not None:
+            self.metrics.close()
+        for name in ("producer", "rollout", "reference", "dock", "trainer"):
+            with contextlib.suppress(KeyError):
+                await self.rt.stop(name)
+
+    def close(self) -> None:
+        """Release the device slots (processes still in them move to the parent cgroup)."""
+        if self.slots is not None:
+            self.slots.close()

@@ -1,0 +1,144 @@
+"""The RL loop of `earl train`, top down: start -> spawn -> schedule -> final eval -> result.
+
+One attempt of a run (`train_attempt`; `earl.loop.healing.run_job` starts another from the
+last checkpoint after a trainer or dock death):
+
+1. load the checkpoint (on a resume) or warm-start the policy (`earl.loop.warm_start`);
+2. spawn the actors and the loop's parts (`Job.spawn`, `earl.loop.spawn`);
+3. evaluate the starting policy;
+4. run the schedule (`earl.loop.schedule.Schedule`): produce batch b (agents play, experience
+   lands in the producers' dock shards) while earlier batches are prepared (the reference
+   scores the dock) and trained (the trainer fetches straight from the shards), push the
+   weights, evaluate and checkpoint when due;
+5. pick the final policy (`select_best`), evaluate it, write `result.json`.
+
+The reference scores the dock and the healer watches restarts for the whole attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from earl.config import lr_scale
+from earl.loop.schedule import LoopState, Schedule, ScheduleConfig
+from earl.loop.step_log import StepLog
+from earl.resolve import model_folder
+
+if TYPE_CHECKING:
+    from earl.loop.job import Job
+    from earl.loop.result import RunResult
+
+__all__ = ["train_attempt"]
+
+
+async def train_attempt(job: Job, resume: bool) -> RunResult:
+    """Run `job` from its start, or from its last checkpoint with `resume`."""
+    from earl.loop.result import write_result
+    from earl.loop.warm_start import warm_start
+
+    cfg, recipe, store = job.cfg, job.recipe, job.checkpoints()
+    state, trainer_ckpt, producer_states = store.load() if resume else (LoopState(), "", [])
+    job.begin(state, resume=resume)
+    if not resume:
+        await warm_start(job, model_folder(cfg, job.out))
+    parts = await job.spawn(state.step)
+    if resume:
+        await restore(job, trainer_ckpt, producer_states)
+    async with serving(job):
+        if parts.evaluation is not None and not state.eval_start:
+            state.eval_start = await evaluate(job, "start")
+        schedule = Schedule(
+            ScheduleConfig(steps=cfg.steps, max_policy_lag=cfg.max_policy_lag,
+                           time_limit_s=cfg.time_limit_minutes * 60,
+                           eval_every=cfg.eval_every if parts.evaluation is not None else 0,
+                           checkpoint_every=cfg.checkpoint_every, target=cfg.target,
+                           target_key=recipe.target_key),
+            production=parts.production, training=parts.training,
+            evaluation=parts.evaluation, checkpoints=store, state=state,
+            lr_scale=lambda p: lr_scale(cfg.algorithm, p), observe=StepLog(job, job.log),
+            on_eval=lambda ev: keep_best(job, ev), clock=job.elapsed,
+            selection=parts.selection)
+        stopped = await schedule.run()
+        await parts.actors.trainer[0].save_hf.call_one(str(job.weights))
+        selected = await select_final(job)
+        final = await evaluate(job, "final") if parts.evaluation is not None else {}
+        await parts.actors.rollout.close.call()
+    return write_result(job, state, final, stopped, selected)
+
+
+async def restore(job: Job, trainer_ckpt: str, producer_states: list[dict[str, object]]
+                  ) -> None:
+    """A resumed attempt: the trainer's and producers' state, the rollout's weights."""
+    from earl.loop.checkpoint import CheckpointError
+
+    actors, step = job.attempt.actors, job.state.step
+    got = await actors.trainer.load_checkpoint.call(trainer_ckpt)
+    if any(int(g) != step for g in got):
+        raise CheckpointError(f"--resume: the trainer checkpoint is of step {got[0]}, "
+                              f"the manifest says {step}")
+    await job.attempt.production.load_states(producer_states)
+    await actors.trainer[0].save_hf.call_one(str(job.weights))
+    await actors.rollout.update_weights_from_path.call(str(job.weights), step, "drain")
+    job.log(f"resumed from step {step} ({job.out / 'checkpoint'})")
+
+
+@contextlib.asynccontextmanager
+async def serving(job: Job) -> AsyncIterator[None]:
+    """While the body runs: the reference scores the dock, the healer rebuilds restarts."""
+    reference, pl, healer = job.attempt.actors.reference, job.cfg.placement, job.healer
+
+    async def serve() -> None:
+        if reference is not None:
+            await healer.serve_reference(
+                job.rt, lambda: reference.serve_dock.call(256, "reference", True))
+
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(serve(), name="reference")
+        tg.create_task(healer.watch(job.rt, {"rollout": pl.rollout, "producer": pl.producers,
+                                             "reference": job.n_reference}), name="healer")
+        try:
+            yield
+        finally:
+            healer.close()
+            if reference is not None:
+                await healer.stop_reference(reference.stop_serving.call)
+
+
+async def evaluate(job: Job, split: str) -> dict[str, float]:
+    evaluation = job.attempt.evaluation
+    assert evaluation is not None
+    with job.tracer.span("eval", actor="driver", split=split):
+        ev = await evaluation.evaluate(split, job.state.step)
+    if split == "start":
+        job.log(f"eval at start: {fmt(ev, job.recipe.target_key)}")
+    return ev
+
+
+async def keep_best(job: Job, ev: dict[str, float]) -> None:
+    """Log a validation eval; keep the weights of the best one (`select_best`)."""
+    job.log(f"eval @ step {int(ev['step'])}: {fmt(ev, job.recipe.target_key)}")
+    if job.cfg.select_best and job.state.best[0] == int(ev["step"]):
+        await job.attempt.actors.trainer[0].save_hf.call_one(str(job.best_dir))
+
+
+async def select_final(job: Job) -> int:
+    """With `select_best`, serve the best validated step's weights; returns the final step."""
+    state, parts = job.state, job.attempt
+    if not job.cfg.select_best or state.best[0] < 0 or state.best[0] == state.step:
+        return state.step
+    await parts.actors.rollout.update_weights_from_path.call(str(job.best_dir), state.best[0],
+                                                             "drain")
+    await parts.production.pin_version(state.best[0])
+    job.log(f"final policy: step {state.best[0]} (best validation {job.recipe.target_key} "
+            f"{state.best[1]:.3f})")
+    return state.best[0]
+
+
+def fmt(ev: dict[str, float], key: str) -> str:
+    shown = {k: v for k, v in ev.items() if k not in ("step", "minutes", "seconds")}
+    head = f"{key} {ev.get(key, float('nan')):.3f}"
+    rest = ", ".join(f"{k} {v:.3f}" for k, v in shown.items() if k != key)
+    return f"{head} ({rest})" if rest else head

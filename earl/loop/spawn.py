@@ -1,0 +1,169 @@
+"""Spawn one attempt of a run: its actor groups and the loop's parts over them, in one place.
+
+Order: the trainer ranks, the dock's index, the reference; then (with `--selector on`) the
+selector's first plan, which decides the rollout's window, layout and slots; the rollout
+replicas; the producers (agent coroutines and the dock's warehouse shards). The parts
+(`earl.loop.parts`) are wrapped by healing (`earl.loop.healing_parts.heal`) as they are built.
+Stage configs are built from the run's config sections here and nowhere else.
+
+Not here: the loop that drives the parts (`earl.loop.main`), the actors themselves
+(`earl.stages`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from earl.loop.actors import Actors
+from earl.loop.healing_parts import (
+    HealingEvaluation,
+    HealingProduction,
+    HealingTraining,
+    LedgerDock,
+    heal,
+)
+from earl.loop.parts import ActorEvaluation, ActorProduction, ActorTraining
+
+if TYPE_CHECKING:
+    from earl.loop.job import Job
+    from earl.loop.selection import Selection, Setting
+    from earl.loop.selection_actors import ActorReconfigurer
+
+__all__ = ["Attempt", "spawn_attempt"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Attempt:
+    """An attempt's live actors and the loop's parts over them."""
+
+    actors: Actors
+    production: HealingProduction
+    training: HealingTraining
+    evaluation: HealingEvaluation | None
+    selection: Selection | None
+    reconfigurer: ActorReconfigurer | None
+
+
+async def spawn_attempt(job: Job, version: int) -> Attempt:
+    """Spawn every actor group of `job` at policy `version`; returns the attempt."""
+    from earl.runtime.dock import IndexActor
+
+    cfg, pl = job.cfg, job.cfg.placement
+    with job.tracer.span("spawn_actors", actor="driver"):
+        trainer = await spawn_trainer(job)
+        stages = ["reference", "train"] if job.n_reference > 0 else ["train"]
+        per_batch = cfg.batch_size + cfg.algorithm.self_imitation
+        await job.rt.spawn("dock", IndexActor, stages=stages,
+                           capacity=(cfg.max_policy_lag + 2) * per_batch, env=job.env)
+        dock = LedgerDock(await job.rt.lookup("dock"), job.healer)
+        actors = Actors(trainer=trainer, dock=dock, reference=await spawn_reference(job),
+                        micro_batch_tokens=pl.micro_batch_tokens)
+        selection = reconfigurer = None
+        if cfg.selector == "on":  # its first plan sets up the rollout replicas
+            from earl.loop.selection_actors import selection_for_run
+
+            selection, reconfigurer = selection_for_run(job, actors)
+            await selection.start(version, lambda s: spawn_rollout(job, actors, version, s,
+                                                                   reconfigurer))
+        else:
+            await spawn_rollout(job, actors, version, None, None)
+        actors.use_producers(await spawn_producers(job, version))
+    columns = ["input_ids", "loss_mask", "advantages", "rollout_logprobs"]
+    if job.n_reference > 0:
+        columns.append("ref_logprobs")
+    production = ActorProduction(actors.producers, job.recipe.tasks,
+                                 groups_per_batch=cfg.batch_size // cfg.group_size,
+                                 group_size=cfg.group_size, shared=job.recipe.shared_group_task,
+                                 over_sample=cfg.over_sample_groups, tracer=job.tracer)
+    evaluation = ActorEvaluation(actors.producers, job.recipe, size=cfg.eval_games) \
+        if job.recipe.eval else None
+    parts = heal(production, ActorTraining(actors, columns, job.tracer), evaluation,
+                 healer=job.healer, rt=job.rt, out=job.out)
+    return Attempt(actors=actors, production=parts.production, training=parts.training,
+                   evaluation=parts.evaluation, selection=selection, reconfigurer=reconfigurer)
+
+
+def _slots(job: Job, actor: str, n: int) -> Any:
+    """The device slots of `actor`'s `n` ranks, or None without slots."""
+    if job.slots is None:
+        return None
+    return [job.slots.assign(f"{actor}{r}", actor) for r in range(n)]
+
+
+async def spawn_trainer(job: Job) -> Any:
+    from earl.algorithms.objective import LossConfig
+    from earl.stages.trainer import TrainerActor, free_dist_url
+    from earl.stages.trainer_torch import TrainerConfig
+
+    cfg, a, pl = job.cfg, job.cfg.algorithm, job.cfg.placement
+    loss = LossConfig(clip_low=a.clip, clip_high=a.clip, kl_coef=a.kl_coef,
+                      entropy_coef=a.entropy_coef, agg="token-mean",
+                      off_policy=a.off_policy)  # type: ignore[arg-type]
+    tcfg = TrainerConfig(model=str(job.start), lr=a.lr, betas=(0.9, 0.99),
+                         grad_clip=a.max_grad_norm, threads=pl.threads_per_actor, seed=cfg.seed,
+                         device=pl.device, temperature=a.temperature,
+                         micro_batch_tokens=pl.micro_batch_tokens, loss=loss,
+                         dist_url=free_dist_url() if pl.trainer > 1 else None)
+    return await job.rt.spawn("trainer", TrainerActor, tcfg, n=pl.trainer, env=job.env,
+                              slot=_slots(job, "trainer", pl.trainer))
+
+
+async def spawn_reference(job: Job) -> Any:
+    """The reference actors, or None without a KL term."""
+    from earl.stages.reference import ReferenceActor, ReferenceConfig
+
+    if job.n_reference == 0:
+        return None
+    rcfg = ReferenceConfig(model=str(job.start), threads=job.cfg.placement.threads_per_actor,
+                           temperature=job.cfg.algorithm.temperature)
+    return await job.rt.spawn("reference", ReferenceActor, rcfg, n=job.n_reference,
+                              env=job.env, restart=job.healer.config.policy("reference"))
+
+
+async def spawn_rollout(job: Job, actors: Actors, version: int, setting: Setting | None,
+                        reconfigurer: ActorReconfigurer | None) -> None:
+    """The vLLM replicas, as configured or with the selector's `setting`; they serve the
+    trained weights on a resumed run, the warm-started ones otherwise."""
+    from earl.stages.rollout import RolloutActor
+    from earl.stages.vllm_engine import EngineConfig
+
+    cfg, pl = job.cfg, job.cfg.placement
+    serve = job.weights if (job.weights / "config.json").is_file() and version else job.start
+    ecfg = EngineConfig(model=str(serve),
+                        max_model_len=pl.context_window or cfg.model.max_model_len,
+                        threads=pl.threads_per_actor, seed=cfg.seed,
+                        kv_cache_gb=pl.kv_cache_gb, dtype="float32")
+    if setting is not None and reconfigurer is not None:
+        changes, n, slot = reconfigurer.rollout_spawn(setting)
+        ecfg = replace(ecfg, **changes)
+    else:
+        n, slot = pl.rollout, _slots(job, "rollout", pl.rollout)
+    group = await job.rt.spawn("rollout", RolloutActor, ecfg, version, n=n, env=job.env,
+                               slot=slot, restart=job.healer.config.policy("rollout"))
+    await actors.use_rollout(group)
+    if setting is not None and reconfigurer is not None:
+        reconfigurer.measure_rollout(setting, n, ecfg.kv_cache_gb)
+
+
+async def spawn_producers(job: Job, version: int) -> Any:
+    from earl.recipe import critic_ref
+    from earl.resolve import absolute_ref
+    from earl.stages.advantages import AdvantageConfig
+    from earl.stages.producer import ProducerActor, ProducerConfig
+
+    cfg, a, recipe = job.cfg, job.cfg.algorithm, job.recipe
+    adv = AdvantageConfig(name=a.name, gamma=a.gamma, normalize_std=a.normalize_std,
+                          self_imitation=a.self_imitation, failed_reward=recipe.failed_reward)
+    critic = recipe.critic if a.critic == "recipe" else None  # resolve_recipe checked
+    pcfg = ProducerConfig(agent=job.agent, critic=critic_ref(critic) if critic else "",
+                          model=str(job.start), rollout="rollout",
+                          max_tokens=recipe.max_tokens, temperature=a.temperature,
+                          max_total_tokens=recipe.max_total_tokens,
+                          reward=absolute_ref(cfg.reward) if cfg.reward else "",
+                          tool_timeout_s=cfg.tool_timeout_s,
+                          dump=str(job.out / "trajectories.jsonl")
+                          if cfg.dump_trajectories else "", advantage=adv)
+    return await job.rt.spawn("producer", ProducerActor, pcfg, version,
+                              n=cfg.placement.producers, env=job.env,
+                              restart=job.healer.config.policy("producer"))

@@ -1,0 +1,89 @@
+"""One metrics row and one progress line per trained step.
+
+`StepLog` is the schedule's `observe` callback: from a `StepRecord` (the batch's episodes, the
+trainer's metrics, the step's seconds) it writes a row to `metrics.jsonl` (reward, failure
+and truncation rates, context lengths, staleness, seconds per phase, restarts) and prints the
+progress line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from earl.loop.job import Job
+    from earl.loop.schedule import StepRecord
+    from earl.stages.batch_types import Episode
+
+__all__ = ["StepLog", "info_rates"]
+
+
+class StepLog:
+    """Logs each step of `job`'s attempt in force."""
+
+    def __init__(self, job: Job, log: Callable[[str], None]) -> None:
+        self.job, self.log = job, log
+        self._reference_total = 0.0
+
+    async def __call__(self, r: StepRecord) -> None:
+        from earl.observe import progress_line
+
+        job = self.job
+        assert job.metrics is not None
+        rec = step_row(r, steps=job.cfg.steps)
+        rec.update(job.attempt.training.seconds)
+        rec.update(reference_s=await self._reference_busy(), wall_s=job.elapsed())
+        rec.update(job.healer.metrics())  # restarts/<actor>, rewinds
+        job.metrics.log(rec)
+        self.log(progress_line(rec))
+        if job.hooks.after_step is not None:
+            await job.hooks.after_step(r)
+
+    async def _reference_busy(self) -> float:
+        """The reference actors' busy seconds since the last step."""
+        reference = self.job.attempt.actors.reference
+        if reference is None:
+            return 0.0
+        total = sum(await reference.busy_seconds.call())
+        last, self._reference_total = self._reference_total, total
+        return total - last
+
+
+def step_row(r: StepRecord, *, steps: int) -> dict[str, Any]:
+    """The metrics of one step's episodes and training."""
+    eps = r.result.episodes
+    n = max(len(eps), 1)
+    tokens = sum(e.tokens for e in eps)
+    generated = sum(e.generated for e in eps)
+    stale = (sum((r.version - 1) * e.generated - e.version_sum for e in eps) / generated
+             if generated else 0.0)
+    return {
+        **{f"train/{k}": v for k, v in r.train.items()}, "step": r.version, "steps": steps,
+        "episodes": len(eps),
+        "reward": float(np.mean([0.0 if e.reward is None else e.reward for e in eps]))
+        if eps else 0.0,
+        "failed_rate": sum(e.failed for e in eps) / n,
+        "truncated_rate": sum(e.truncated for e in eps) / n,
+        "tokens_per_s": tokens / max(r.step_s, 1e-6), "staleness": stale,
+        "ctx_mean": tokens / n, "ctx_max": max((e.tokens for e in eps), default=0),
+        "turns_mean": sum(e.turns for e in eps) / n, "groups_cut": len(r.result.cut),
+        "step_s": r.step_s, "rollout_s": r.result.seconds, "lr_scale": r.lr_scale,
+        **info_rates(eps)}
+
+
+def info_rates(eps: list[Episode]) -> dict[str, float]:
+    """Means of numeric `info` values and rates of string ones (`info/outcome=win`)."""
+    out: dict[str, float] = {}
+    n = max(len(eps), 1)
+    for e in eps:
+        for k, v in e.info.items():
+            if k == "seed":
+                continue
+            if isinstance(v, str):
+                out[f"info/{k}={v}"] = out.get(f"info/{k}={v}", 0.0) + 1 / n
+            else:
+                out[f"info/{k}"] = out.get(f"info/{k}", 0.0) + float(v) / n
+    return out
