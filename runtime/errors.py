@@ -183,6 +183,21 @@ class ActorDied(RuntimeError):
                    signal=_int(value.get("signal"), 1, 255), call=_name(value.get("call")))
 
 
+class FieldError(ValueError):
+    """A config dataclass refused one of its fields' values; `field` names it (relative to the
+    dataclass: `earl.config.from_dict` prefixes the section, e.g. "algorithm.clip_low")."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field, self.message = field, message
+
+
+def need(ok: bool, field: str, message: str) -> None:
+    """Raise `FieldError(field, message)` unless `ok` (a config's `__post_init__` checks)."""
+    if not ok:
+        raise FieldError(field, message)
+
+
 class CausedByDeath(RuntimeError):
     """Base of errors raised because another actor died (or failed as if dead) under the call;
     `died` says which (e.g. `earl.runtime.dock.DockFetchError`)."""

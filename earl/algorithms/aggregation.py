@@ -16,13 +16,10 @@ Modes:
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from torch import Tensor
 
-AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
-AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+from earl.algorithms.loss_config import AGG_MODES, AggMode
 
 
 def _check(mode: str) -> None:

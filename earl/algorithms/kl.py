@@ -8,13 +8,10 @@ subtracted from rewards before computing advantages).
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from torch import Tensor
 
-KLEstimator = Literal["k1", "k2", "k3"]
-KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+from earl.algorithms.loss_config import KL_ESTIMATORS, KLEstimator
 
 
 def kl_estimate(

@@ -10,69 +10,14 @@ micro-batches and ranks gives the step's exact means.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 from torch import Tensor
 
-from earl.algorithms.aggregation import AGG_MODES, AggMode, aggregate
-from earl.algorithms.kl import KL_ESTIMATORS, KLEstimator, kl_estimate
+from earl.algorithms.aggregation import aggregate
+from earl.algorithms.kl import kl_estimate
+from earl.algorithms.loss_config import LossConfig
 from earl.algorithms.losses import ppo_clip_loss
 from earl.algorithms.offpolicy import decoupled_ppo_loss, truncated_is_weights
-
-OffPolicy = Literal["none", "tis", "decoupled"]
-OFF_POLICY_MODES: tuple[str, ...] = ("none", "tis", "decoupled")
-
-
-@dataclass(kw_only=True, slots=True)
-class LossConfig:
-    """How a micro-batch's loss is formed.
-
-    Attributes:
-        clip_low, clip_high: PPO clip range ``[1 - clip_low, 1 + clip_high]``.
-        dual_clip: dual-clip constant (> 1) or None (only with ``off_policy`` "none"/"tis").
-        agg: loss aggregation, one of ``AGG_MODES``.
-        kl_coef: weight of the KL-to-reference *loss* (0 = off; a reward penalty is applied by
-            the pipeline with ``kl.kl_penalty_rewards`` instead).
-        kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
-        entropy_coef: entropy bonus weight (0 = off).
-        off_policy: ``"none"``: ratio against ``old_logprobs`` (or the rollout log-probs when no
-            recomputed ones are given); ``"tis"``: ratio against the trainer's ``old_logprobs``,
-            loss weighted by ``min(pi_old / pi_rollout, is_cap)``; ``"decoupled"``: AReaL's
-            decoupled PPO with proximal = ``old_logprobs`` and behaviour = rollout log-probs.
-        is_cap: truncation of the TIS weight.
-        behaviour_weight_cap: decoupled PPO drops tokens with ``pi_prox / pi_behav`` above it.
-    """
-
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = None
-    agg: AggMode = "token-mean"
-    kl_coef: float = 0.0
-    kl_estimator: KLEstimator = "k3"
-    entropy_coef: float = 0.0
-    off_policy: OffPolicy = "none"
-    is_cap: float = 2.0
-    behaviour_weight_cap: float | None = 5.0
-
-    def __post_init__(self) -> None:
-        if self.agg not in AGG_MODES:
-            raise ValueError(f"loss.agg={self.agg!r} unknown; choose one of {AGG_MODES}")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(
-                f"loss.kl_estimator={self.kl_estimator!r} unknown; choose one of {KL_ESTIMATORS}"
-            )
-        if self.off_policy not in OFF_POLICY_MODES:
-            raise ValueError(
-                f"loss.off_policy={self.off_policy!r} unknown; choose one of {OFF_POLICY_MODES}"
-            )
-        if self.kl_coef < 0 or self.entropy_coef < 0:
-            raise ValueError("loss.kl_coef and loss.entropy_coef must be >= 0")
-
-    @property
-    def needs_rollout_logprobs(self) -> bool:
-        return self.off_policy in ("tis", "decoupled")
 
 
 def policy_objective(

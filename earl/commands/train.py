@@ -4,7 +4,7 @@
     earl train --recipe calc                    # a shipped recipe: a folder in earl/recipes/
     earl train --agent my_agent.py:agent --tasks train.jsonl --eval-tasks eval.jsonl
     earl train --output-dir runs/a --json       # last stdout line: one JSON object
-    earl train --config run.yaml --algorithm.lr=5e-4 --max_policy_lag=0
+    earl train --config run.yaml --optim.lr=5e-4 --max_policy_lag=0
     earl train --output-dir runs/a --resume     # continue after a crash / SIGKILL
     earl train --trace                          # also write a Chrome/Perfetto trace
     earl train --recipe connect4 --selector on  # re-plan layouts as contexts grow

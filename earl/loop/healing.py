@@ -57,27 +57,15 @@ REWOUND = ("trainer", "dock")                    # the run resumes from the last
 
 @dataclass(kw_only=True, slots=True)
 class HealingConfig:
-    """How far a run heals itself.
+    """How a run's healer waits (how often it heals is the run's `max_restarts`).
 
     Attributes:
-        max_restarts: restarts per actor rank (rollout, producer, reference) and rewinds per
-            run (trainer, dock) before the run stops; 0 = the first death stops the run.
         backoff_s: delay before a rank's first restart (doubles per restart, see RestartPolicy).
         wait_s: how long a part waits for a restarted actor to be rebuilt.
     """
 
-    max_restarts: int = 3
     backoff_s: float = 0.2
     wait_s: float = 300.0
-
-    def __post_init__(self) -> None:
-        if self.max_restarts < 0:
-            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
-
-    def policy(self, group: str) -> RestartPolicy:
-        """The supervisor's policy for `group` (rewound groups are not restarted in place)."""
-        n = self.max_restarts if group in HEALED else 0
-        return RestartPolicy(max_restarts=n, backoff_s=self.backoff_s)
 
 
 class HealingError(RuntimeError):
@@ -155,9 +143,12 @@ Rebuild = Callable[[int], Awaitable[None]]
 class Healer:
     """The driver's bookkeeping of restarts: watchers, rebuild hooks, limits, metrics, trace."""
 
-    def __init__(self, config: HealingConfig, *, log: Callable[[str], None],
-                 tracer: Tracer | None = None) -> None:
-        self.config, self.log, self.tracer = config, log, tracer
+    def __init__(self, config: HealingConfig | None = None, *, max_restarts: int = 3,
+                 log: Callable[[str], None], tracer: Tracer | None = None) -> None:
+        if max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+        self.config, self.log, self.tracer = config or HealingConfig(), log, tracer
+        self.max_restarts = max_restarts  # per actor rank, and rewinds per run
         self.restarts: dict[str, int] = {}
         self.rewinds = 0
         self.version = 0              # the policy version the rollout actors must serve
@@ -168,6 +159,11 @@ class Healer:
         self._stop = asyncio.Event()
         self.stopping = False         # the run is ending: deaths now are not healed
         self.stage: dict[str, str] = {}  # "group[rank]" -> the rebuild step in progress
+
+    def policy(self, group: str) -> RestartPolicy:
+        """The supervisor's policy for `group` (rewound groups are not restarted in place)."""
+        n = self.max_restarts if group in HEALED else 0
+        return RestartPolicy(max_restarts=n, backoff_s=self.config.backoff_s)
 
     # ---- records -------------------------------------------------------------------------
     def note(self, what: str, group: str, **info: object) -> None:
@@ -214,7 +210,7 @@ class Healer:
             self.restarts[name] = self.restarts.get(name, 0) + 1
             t0 = time.perf_counter()
             self.log(f"healing: {name}[{rank}] restarted ({rec.reasons[rank] or 'died'}); "
-                     f"restart {seen}/{self.config.max_restarts}, rebuilding its state")
+                     f"restart {seen}/{self.max_restarts}, rebuilding its state")
             try:
                 if name in self.rebuilds:
                     await self.rebuilds[name](rank)
@@ -243,7 +239,7 @@ class Healer:
             if rec.status[rank] == "dead":
                 raise HealingError(
                     f"{name}[{rank}] died and was not restarted ({rec.reasons[rank]}; restart "
-                    f"limit {self.config.max_restarts})")
+                    f"limit {self.max_restarts})")
             if rec.status[rank] == "up" and rec.restarts[rank] > 0 \
                     and self._rebuilt.get((name, rank), 0) >= rec.restarts[rank]:
                 return
@@ -308,10 +304,10 @@ async def run_job(job: Job, resume: bool) -> RunResult:
                 if who is None or who[0] not in REWOUND:
                     raise
                 healer.close()
-                if healer.rewinds >= healer.config.max_restarts:
+                if healer.rewinds >= healer.max_restarts:
                     raise HealingError(f"{who[0]}[{who[1]}] died and the run was already "
                                        f"rewound {healer.rewinds} time(s) (limit "
-                                       f"{healer.config.max_restarts})") from exc
+                                       f"{healer.max_restarts})") from exc
                 healer.rewinds += 1
                 healer.restarts[who[0]] = healer.restarts.get(who[0], 0) + 1
                 await job.stop_actors()
@@ -322,7 +318,7 @@ async def run_job(job: Job, resume: bool) -> RunResult:
                 healer.note("rewind", who[0], rank=who[1], to_step=step)
                 job.log(f"healing: {who[0]}[{who[1]}] died; restarting the run's actors from "
                         f"the checkpoint of step {step} (rewind {healer.rewinds}/"
-                        f"{healer.config.max_restarts})")
+                        f"{healer.max_restarts})")
                 healer.reopen()
     finally:
         job.close()

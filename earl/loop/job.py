@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from earl.config import RunConfig
-from earl.loop.healing import Healer, HealingConfig
+from earl.loop.healing import Healer
 from earl.loop.hooks import RunHooks
 from earl.observe import Metrics, Tracer
 from earl.recipe import Recipe
@@ -69,8 +69,7 @@ class Job:
                     "TRANSFORMERS_VERBOSITY": "error", **self.hooks.env}
         self.trace = trace
         self.tracer = Tracer(trace)
-        self.healer = Healer(HealingConfig(max_restarts=cfg.max_restarts), log=log,
-                             tracer=self.tracer)
+        self.healer = Healer(max_restarts=cfg.max_restarts, log=log, tracer=self.tracer)
         self.slots: SlotPool | None = None
         if cfg.placement.slot_memory_mib > 0:
             from earl.loop.selection_actors import run_slots

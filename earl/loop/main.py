@@ -22,10 +22,10 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from earl.config import lr_scale
-from earl.loop.schedule import LoopState, Schedule, ScheduleConfig
+from earl.loop.schedule import LoopState, Schedule
 from earl.loop.step_log import StepLog
 from earl.resolve import model_folder
+from earl.stages.optim import lr_scale
 
 if TYPE_CHECKING:
     from earl.loop.job import Job
@@ -51,14 +51,10 @@ async def train_attempt(job: Job, resume: bool) -> RunResult:
         if parts.evaluation is not None and not state.eval_start:
             state.eval_start = await evaluate(job, "start")
         schedule = Schedule(
-            ScheduleConfig(steps=cfg.steps, max_policy_lag=cfg.max_policy_lag,
-                           time_limit_s=cfg.time_limit_minutes * 60,
-                           eval_every=cfg.eval_every if parts.evaluation is not None else 0,
-                           checkpoint_every=cfg.checkpoint_every, target=cfg.target,
-                           target_key=recipe.target_key),
-            production=parts.production, training=parts.training,
+            cfg, production=parts.production, training=parts.training,
             evaluation=parts.evaluation, checkpoints=store, state=state,
-            lr_scale=lambda p: lr_scale(cfg.algorithm, p), observe=StepLog(job, job.log),
+            target_key=recipe.target_key,
+            lr_scale=lambda p: lr_scale(cfg.optim, p), observe=StepLog(job, job.log),
             on_eval=lambda ev: keep_best(job, ev), clock=job.elapsed,
             selection=parts.selection)
         stopped = await schedule.run()

@@ -19,11 +19,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from earl.config import RunConfig
 from earl.loop.gate import StalenessGate
 from earl.stages.batch_types import BatchResult
 
-__all__ = ["Checkpoints", "Evaluation", "LoopState", "Production", "Schedule", "ScheduleConfig",
-           "Selection", "StepRecord", "Training"]
+__all__ = ["Checkpoints", "Evaluation", "LoopState", "Production", "Schedule", "Selection",
+           "StepRecord", "Training"]
 
 
 class Production(Protocol):
@@ -59,19 +60,6 @@ class Selection(Protocol):
 
 
 @dataclass(kw_only=True, slots=True)
-class ScheduleConfig:
-    """The loop's knobs (from `RunConfig`)."""
-
-    steps: int
-    max_policy_lag: int = 1
-    time_limit_s: float = float("inf")
-    eval_every: int = 0
-    checkpoint_every: int = 25
-    target: float = 0.0            # stop when the validation metric reaches it (0 = off)
-    target_key: str = "reward"
-
-
-@dataclass(kw_only=True, slots=True)
 class LoopState:
     """What a checkpoint restores: the step (= policy version = data cursor) and history."""
 
@@ -96,16 +84,22 @@ class StepRecord:
 
 
 class Schedule:
-    """Runs the loop; `observe` gets every step and `on_eval` every validation eval."""
+    """Runs the loop; `observe` gets every step and `on_eval` every validation eval.
 
-    def __init__(self, config: ScheduleConfig, *, production: Production, training: Training,
+    It reads the run's `steps`, `max_policy_lag`, `time_limit_minutes`, `eval_every`,
+    `checkpoint_every` and `target` from `config`; `target_key` names the metric `target`
+    applies to (the recipe's)."""
+
+    def __init__(self, config: RunConfig, *, production: Production, training: Training,
                  evaluation: Evaluation | None, checkpoints: Checkpoints, state: LoopState,
+                 target_key: str = "reward",
                  lr_scale: Callable[[float], float] = lambda progress: 1.0,
                  observe: Callable[[StepRecord], Awaitable[None]] | None = None,
                  on_eval: Callable[[dict[str, float]], Awaitable[None]] | None = None,
                  clock: Callable[[], float] | None = None,
                  selection: Selection | None = None) -> None:
-        self.config, self.state = config, state
+        self.config, self.state, self.target_key = config, state, target_key
+        self.time_limit_s = config.time_limit_minutes * 60
         self.production, self.training = production, training
         self.evaluation, self.checkpoints = evaluation, checkpoints
         self.lr_scale, self.observe, self.on_eval = lr_scale, observe, on_eval
@@ -174,7 +168,7 @@ class Schedule:
     async def _learn(self, b: int, res: BatchResult, last: float) -> float:
         """Train on batch `b`, publish the weights as version b + 1, record the step."""
         s = self.state
-        progress = max(self.elapsed() / self.config.time_limit_s, (b + 1) / self.config.steps)
+        progress = max(self.elapsed() / self.time_limit_s, (b + 1) / self.config.steps)
         scale = self.lr_scale(progress)
         if res.samples == 0:
             cut = sum(e.truncated and e.generated == 0 for e in res.episodes)
@@ -210,13 +204,13 @@ class Schedule:
                 ev = await self.evaluation.evaluate("validation", s.step)
             ev.update(step=float(s.step), minutes=self.elapsed() / 60)
             s.evals.append(ev)
-            value = ev.get(c.target_key, float("-inf"))
+            value = ev.get(self.target_key, float("-inf"))
             if value > s.best[1]:
                 s.best = (s.step, value)
             if self.on_eval is not None:
                 await self.on_eval(ev)
             if c.target and value >= c.target:
                 return "target"
-        if self.elapsed() > c.time_limit_s:
+        if self.elapsed() > self.time_limit_s:
             return "time_limit"
         return ""

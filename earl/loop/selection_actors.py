@@ -8,7 +8,8 @@ vLLM replicas with the new ``max_model_len`` and KV budget, the trainer's weight
 current version), after which the producers sample from the new group. The actor that gives
 up slots is re-created first, so a slot is free before its new owner starts in it.
 
-`build_selection` makes the cost model of the run's model, the policy and the `Selection`.
+`selection_for_run` makes the cost model of the run's model, the policy (its knobs are
+the run's `selector.policy`) and the `Selection`.
 Not here: the decision (`earl.runtime.selector`), when to apply (`earl.loop.selection`).
 """
 
@@ -189,29 +190,23 @@ async def queue_depths(dock: Dock, stages: tuple[str, ...]) -> dict[str, int]:
     return {**{s: max(0, st.samples - st.consumed.get(s, 0)) for s in stages}, "lost": st.lost}
 
 
-def build_selection(*, model_dir: str, cost: CostModel | None = None, setting: Setting,
+def build_selection(*, policy: PolicyConfig, cost: CostModel, setting: Setting,
                     reconfigurer: ActorReconfigurer,
                     slots: Callable[[], Mapping[str, float]], dock: Dock,
-                    stages: tuple[str, ...], max_context: int, reserve_mib: float = 600.0,
-                    bucket_base: int = 256, max_kv_tokens: int = 1 << 17, record: Any = None,
+                    stages: tuple[str, ...], max_context: int, record: Any = None,
                     trace: Any = None, log: Any = None,
                     initial_context: int | None = None) -> Selection:
-    """The run's `Selection`: trainer and rollout split the slots (`colocated=False`), pp 1,
-    20% of each slot left free (vLLM's and torch's working buffers beyond the cost model's
-    count), a rollout replica's KV budget capped at `max_kv_tokens`."""
-    cost = cost or cost_model_of(model_dir, reserve_mib=reserve_mib)
-    policy = Policy(cost, PolicyConfig(actors={"rollout": "rollout", "trainer": "train"},
-                                       colocated=False, pp_max=1, bucket_base=bucket_base,
-                                       lookahead_steps=2, cooldown_steps=3, headroom=0.2,
-                                       max_kv_tokens=max_kv_tokens))
+    """The run's `Selection`: the policy `policy` over the cost model `cost`, reading the
+    dock's queue depths of `stages`."""
 
     async def queues() -> Mapping[str, int]:
         return await queue_depths(dock, stages)
 
     kw: dict[str, Any] = {k: v for k, v in
                           {"record": record, "trace": trace, "log": log}.items() if v is not None}
-    return Selection(policy, reconfigurer, setting=setting, slots=slots, queues=queues,
-                     max_context=max_context, initial_context=initial_context, **kw)
+    return Selection(Policy(cost, policy), reconfigurer, setting=setting, slots=slots,
+                     queues=queues, max_context=max_context, initial_context=initial_context,
+                     **kw)
 
 
 def run_slots(placement: Any) -> SlotPool:
@@ -283,7 +278,7 @@ def selection_for_run(job: Job, actors: Actors) -> tuple[Selection, ActorReconfi
 
     import psutil
 
-    cfg, pl, pool = job.cfg, job.cfg.placement, job.slots
+    cfg, pl, pool, sel = job.cfg, job.cfg.placement, job.slots, job.cfg.selector
     rollout_names = tuple(f"rollout{r}" for r in range(pl.rollout))
     trainer_names = tuple(f"trainer{r}" for r in range(pl.trainer))
     slots: Callable[[], Mapping[str, float]]
@@ -292,7 +287,7 @@ def selection_for_run(job: Job, actors: Actors) -> tuple[Selection, ActorReconfi
         slots = slot_memory = SlotMemory(pool, trainer_names)
         reserve = slot_memory.reserve
     else:
-        reserve = 600.0
+        reserve = sel.reserve_mib
         share = float(psutil.virtual_memory().available / (pl.rollout + pl.trainer))
 
         def slots() -> Mapping[str, float]:
@@ -310,7 +305,7 @@ def selection_for_run(job: Job, actors: Actors) -> tuple[Selection, ActorReconfi
     reconf = ActorReconfigurer(
         job.rt, actors, pool=pool, slot_memory=slot_memory, env=job.env,
         checkpoint_dir=job.out / "reshard", kv_bytes_per_token=kvb, tracer=job.tracer,
-        restart=job.healer.config.policy("rollout"))
+        restart=job.healer.policy("rollout"))
 
     def trace(d: Decision) -> None:
         now = time.perf_counter()
@@ -324,9 +319,9 @@ def selection_for_run(job: Job, actors: Actors) -> tuple[Selection, ActorReconfi
     stages = ("reference", "train") if job.n_reference > 0 else ("train",)
     job.log(f"selector on: slots {dict(slots())}, reserve {reserve:.0f} MiB/process, model "
             f"positions {positions}, rollout window {window}")
-    selection = build_selection(model_dir=model_dir, cost=cost, setting=setting,
+    selection = build_selection(policy=sel.policy, cost=cost, setting=setting,
                                 reconfigurer=reconf, slots=slots, dock=actors.dock,
                                 stages=stages, max_context=positions, record=record,
                                 trace=trace, log=job.log,
-                                initial_context=cfg.selector_initial_context or positions)
+                                initial_context=sel.initial_context or positions)
     return selection, reconf

@@ -60,7 +60,7 @@ async def spawn_attempt(job: Job, version: int) -> Attempt:
         actors = Actors(trainer=trainer, dock=dock, reference=await spawn_reference(job),
                         micro_batch_tokens=pl.micro_batch_tokens)
         selection = reconfigurer = None
-        if cfg.selector == "on":  # its first plan sets up the rollout replicas
+        if cfg.selector.on:  # its first plan sets up the rollout replicas
             from earl.loop.selection_actors import selection_for_run
 
             selection, reconfigurer = selection_for_run(job, actors)
@@ -92,18 +92,14 @@ def _slots(job: Job, actor: str, n: int) -> Any:
 
 
 async def spawn_trainer(job: Job) -> Any:
-    from earl.algorithms.objective import LossConfig
     from earl.stages.trainer import TrainerActor, free_dist_url
     from earl.stages.trainer_torch import TrainerConfig
 
-    cfg, a, pl = job.cfg, job.cfg.algorithm, job.cfg.placement
-    loss = LossConfig(clip_low=a.clip, clip_high=a.clip, kl_coef=a.kl_coef,
-                      entropy_coef=a.entropy_coef, agg="token-mean",
-                      off_policy=a.off_policy)  # type: ignore[arg-type]
-    tcfg = TrainerConfig(model=str(job.start), lr=a.lr, betas=(0.9, 0.99),
-                         grad_clip=a.max_grad_norm, threads=pl.threads_per_actor, seed=cfg.seed,
-                         device=pl.device, temperature=a.temperature,
-                         micro_batch_tokens=pl.micro_batch_tokens, loss=loss,
+    cfg, pl = job.cfg, job.cfg.placement
+    tcfg = TrainerConfig(model=str(job.start), optim=cfg.optim, loss=cfg.algorithm.loss(),
+                         threads=pl.threads_per_actor, seed=cfg.seed, device=pl.device,
+                         temperature=cfg.algorithm.temperature,
+                         micro_batch_tokens=pl.micro_batch_tokens,
                          dist_url=free_dist_url() if pl.trainer > 1 else None)
     return await job.rt.spawn("trainer", TrainerActor, tcfg, n=pl.trainer, env=job.env,
                               slot=_slots(job, "trainer", pl.trainer))
@@ -118,7 +114,7 @@ async def spawn_reference(job: Job) -> Any:
     rcfg = ReferenceConfig(model=str(job.start), threads=job.cfg.placement.threads_per_actor,
                            temperature=job.cfg.algorithm.temperature)
     return await job.rt.spawn("reference", ReferenceActor, rcfg, n=job.n_reference,
-                              env=job.env, restart=job.healer.config.policy("reference"))
+                              env=job.env, restart=job.healer.policy("reference"))
 
 
 async def spawn_rollout(job: Job, actors: Actors, version: int, setting: Setting | None,
@@ -140,7 +136,7 @@ async def spawn_rollout(job: Job, actors: Actors, version: int, setting: Setting
     else:
         n, slot = pl.rollout, _slots(job, "rollout", pl.rollout)
     group = await job.rt.spawn("rollout", RolloutActor, ecfg, version, n=n, env=job.env,
-                               slot=slot, restart=job.healer.config.policy("rollout"))
+                               slot=slot, restart=job.healer.policy("rollout"))
     await actors.use_rollout(group)
     if setting is not None and reconfigurer is not None:
         reconfigurer.measure_rollout(setting, n, ecfg.kv_cache_gb)
@@ -149,21 +145,18 @@ async def spawn_rollout(job: Job, actors: Actors, version: int, setting: Setting
 async def spawn_producers(job: Job, version: int) -> Any:
     from earl.recipe import critic_ref
     from earl.resolve import absolute_ref
-    from earl.stages.advantages import AdvantageConfig
     from earl.stages.producer import ProducerActor, ProducerConfig
 
-    cfg, a, recipe = job.cfg, job.cfg.algorithm, job.recipe
-    adv = AdvantageConfig(name=a.name, gamma=a.gamma, normalize_std=a.normalize_std,
-                          self_imitation=a.self_imitation, failed_reward=recipe.failed_reward)
-    critic = recipe.critic if a.critic == "recipe" else None  # resolve_recipe checked
+    cfg, recipe = job.cfg, job.recipe
+    critic = recipe.critic if cfg.algorithm.critic == "recipe" else None  # resolve checked
     pcfg = ProducerConfig(agent=job.agent, critic=critic_ref(critic) if critic else "",
                           model=str(job.start), rollout="rollout",
-                          max_tokens=recipe.max_tokens, temperature=a.temperature,
-                          max_total_tokens=recipe.max_total_tokens,
+                          max_tokens=recipe.max_tokens, max_total_tokens=recipe.max_total_tokens,
                           reward=absolute_ref(cfg.reward) if cfg.reward else "",
                           tool_timeout_s=cfg.tool_timeout_s,
                           dump=str(job.out / "trajectories.jsonl")
-                          if cfg.dump_trajectories else "", advantage=adv)
+                          if cfg.dump_trajectories else "", algorithm=cfg.algorithm,
+                          failed_reward=recipe.failed_reward)
     return await job.rt.spawn("producer", ProducerActor, pcfg, version,
                               n=cfg.placement.producers, env=job.env,
-                              restart=job.healer.config.policy("producer"))
+                              restart=job.healer.policy("producer"))

@@ -17,7 +17,6 @@ This module knows no task: what a critic keys on (a board, a prompt) is the reci
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -25,37 +24,33 @@ import numpy as np
 from earl.runtime.types import COLUMNS, Trajectory
 
 if TYPE_CHECKING:
+    from earl.config import AlgorithmConfig
     from earl.recipe import Critic
 
-__all__ = ["AdvantageConfig", "Estimator", "SampleRows"]
+__all__ = ["Estimator", "SampleRows"]
 
 SampleRows = dict[str, list[np.ndarray]]
 
 
-@dataclass(kw_only=True, slots=True)
-class AdvantageConfig:
-    """How advantages are computed (filled from `algorithm.*` of the run config)."""
-
-    name: str = "grpo"
-    gamma: float = 1.0
-    normalize_std: bool = False
-    self_imitation: int = 0
-    failed_reward: float = 0.0
-
-
 class Estimator:
     """Advantage estimator, one per producer actor; stateful when it holds a critic (used with
-    "ppo"; its state is what `state_dict` checkpoints)."""
+    "ppo"; its state is what `state_dict` checkpoints).
 
-    def __init__(self, config: AdvantageConfig, critic: Critic | None = None) -> None:
-        self.config = config
-        self.critic = critic
+    Args:
+        config: the run's algorithm (`name`, `gamma`, `normalize_std`, `self_imitation`).
+        critic: the recipe's critic (with "ppo"), or None.
+        failed_reward: what a failed trajectory scores (the recipe's).
+    """
+
+    def __init__(self, config: AlgorithmConfig, critic: Critic | None = None, *,
+                 failed_reward: float = 0.0) -> None:
+        self.config, self.critic, self.failed_reward = config, critic, failed_reward
 
     def turn_rewards(self, t: Trajectory) -> list[float]:
         """Per-turn rewards: the agent's own, or the final reward on the last turn."""
         k = len(t.turn_spans)
         if t.failed:
-            return [0.0] * max(k - 1, 0) + [self.config.failed_reward]
+            return [0.0] * max(k - 1, 0) + [self.failed_reward]
         if t.turn_rewards and len(t.turn_rewards) == k:
             return list(t.turn_rewards)
         return [0.0] * max(k - 1, 0) + [t.reward or 0.0]
@@ -76,7 +71,7 @@ class Estimator:
         labels = [gids[t.group_id] for t in trajs]
         better: list[tuple[int, int, tuple[int, ...], float]] = []
         if c.name == "grpo":
-            rewards = torch.tensor([c.failed_reward if t.failed else (t.reward or 0.0)
+            rewards = torch.tensor([self.failed_reward if t.failed else (t.reward or 0.0)
                                     for t in trajs], dtype=torch.float32)
             seq = grpo_advantages(rewards, group_ids=torch.tensor(labels),
                                   normalize_std=c.normalize_std)

@@ -24,11 +24,12 @@ from typing import TypeVar
 
 import numpy as np
 
+from earl.config import AlgorithmConfig
 from earl.runtime import Actor, context, endpoint
 from earl.runtime.dock import Dock, WarehouseHost
 from earl.runtime.types import Trajectory
 from earl.runtime.wire import message
-from earl.stages.advantages import AdvantageConfig, Estimator
+from earl.stages.advantages import Estimator
 from earl.stages.batch_types import BatchResult, Episode, GroupTask, episode_of, sample_id
 from earl.stages.healing_engine import HealingEngine
 
@@ -60,7 +61,7 @@ async def first_finished(plays: Sequence[Awaitable[T]], need: int) -> dict[int, 
     return kept
 
 
-message(AdvantageConfig)
+message(AlgorithmConfig)
 
 
 @message
@@ -73,7 +74,7 @@ class ProducerConfig:
         model: HF folder whose tokenizer the chat codec uses.
         rollout: name of the rollout actor group.
         index: name of the dock's index actor.
-        max_tokens: per-turn generation cap; temperature: training sampling temperature.
+        max_tokens: per-turn generation cap.
         max_total_tokens: per-trajectory cap (None: the engine's context length).
         reward: a reward rule's reference ("" = the agent's own reward): `reward(sample,
             response)` scores the final assistant text and replaces the agent's return.
@@ -83,6 +84,8 @@ class ProducerConfig:
             an error (a hung sync tool is left on its thread, see `run_local`).
         critic: the reference of the recipe's critic factory (`Recipe.critic`, "" = none):
             called once here, the critic then scores and learns from every batch.
+        algorithm: the run's algorithm: advantages and the sampling temperature.
+        failed_reward: what a failed trajectory scores (the recipe's).
     """
 
     agent: str
@@ -90,13 +93,13 @@ class ProducerConfig:
     rollout: str = "rollout"
     index: str = "dock"
     max_tokens: int = 64
-    temperature: float = 1.0
     max_total_tokens: int | None = None
     dump: str = ""
     reward: str = ""
     tool_timeout_s: float = 30.0
     critic: str = ""
-    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    failed_reward: float = 0.0
 
 
 class ProducerActor(WarehouseHost, Actor):
@@ -133,7 +136,8 @@ class ProducerActor(WarehouseHost, Actor):
         # endpoint (loopback, per-run key); sessions of in-process agents never touch it.
         self.openai = OpenAIEndpoint()
         await self.openai.start()
-        self.estimator = Estimator(c.advantage, load_critic(c.critic) if c.critic else None)
+        self.estimator = Estimator(c.algorithm, load_critic(c.critic) if c.critic else None,
+                                   failed_reward=c.failed_reward)
 
     def _rollout_config(self, temperature: float):  # -> RolloutConfig
         from earl.agents.rollout import RolloutConfig
@@ -216,7 +220,7 @@ class ProducerActor(WarehouseHost, Actor):
         prefix = f"b{batch:06d}-{tag + '-' if tag else ''}"
         plays = [self._play(g.samples, [(f"{prefix}{g.group_id}-{i}", g.group_id)
                                         for i in range(len(g.samples))],
-                            self.config.temperature) for g in groups]
+                            self.config.algorithm.temperature) for g in groups]
         kept = await first_finished(plays, len(groups) if need is None else need)
         return ([t for i in sorted(kept) for t in kept[i]],
                 [g.group_id for i, g in enumerate(groups) if i not in kept])

@@ -9,7 +9,7 @@ It does not compute advantages, talk to the dock or decide when to sync weights 
 does); the actor wrapper is `earl.stages.trainer.TrainerActor`.
 
 Example:
-    >>> t = TorchTrainer(TrainerConfig(model="/path/to/hf_folder", lr=1e-4))
+    >>> t = TorchTrainer(TrainerConfig(model="/path/to/hf_folder", optim=OptimConfig(lr=1e-4)))
     >>> metrics = t.train_step(batch)            # one optimizer step
     >>> for name, tensor in t.named_weights(): ...
 """
@@ -41,6 +41,7 @@ from earl.packing import (
     token_logprobs,
 )
 from earl.stages import trainer_dist as tdist
+from earl.stages.optim import OptimConfig
 from earl.stages.trainer_batch import MicroBatch, TrainBatch
 
 __all__ = ["TorchTrainer", "TrainerConfig"]
@@ -52,10 +53,7 @@ class TrainerConfig:
 
     Attributes:
         model: HF model folder (config.json + safetensors).
-        lr: AdamW learning rate (after warmup).
-        weight_decay, betas, adam_eps: AdamW settings.
-        warmup_steps: linear LR warmup from 0 over this many steps.
-        grad_clip: max global grad norm (0 = no clipping).
+        optim: AdamW, warmup and gradient clipping (`earl.stages.optim.OptimConfig`).
         dtype: ``"float32"``, or ``"bfloat16"`` (bf16 autocast, fp32 master weights).
         micro_batch_tokens: token budget of one packed forward/backward.
         attention: ``"varlen"`` (per-sample causal SDPA) or ``"mask"`` (block-diagonal mask).
@@ -73,12 +71,7 @@ class TrainerConfig:
     """
 
     model: str
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    warmup_steps: int = 0
-    grad_clip: float = 1.0
+    optim: OptimConfig = field(default_factory=OptimConfig)
     dtype: Literal["float32", "bfloat16"] = "float32"
     micro_batch_tokens: int = 4096
     attention: AttnMode = "varlen"
@@ -95,11 +88,8 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if isinstance(self.loss, dict):
             self.loss = LossConfig(**self.loss)
-        self.betas = (float(self.betas[0]), float(self.betas[1]))
-        if self.lr <= 0:
-            raise ValueError(f"TrainerConfig.lr must be > 0, got {self.lr}")
-        if self.grad_clip < 0:
-            raise ValueError(f"TrainerConfig.grad_clip must be >= 0 (0 = off), got {self.grad_clip}")
+        if isinstance(self.optim, dict):
+            self.optim = OptimConfig(**self.optim)
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"TrainerConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.micro_batch_tokens < 1:
@@ -150,11 +140,11 @@ class TorchTrainer:
         self.module: nn.Module = self._load_model()  # the unwrapped model
         self.model = self._wrap_model(self.module) if self.distributed else self.module
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=config.lr, betas=config.betas, eps=config.adam_eps,
-            weight_decay=config.weight_decay,
+            self.model.parameters(), lr=config.optim.lr, betas=config.optim.betas,
+            eps=config.optim.adam_eps, weight_decay=config.optim.weight_decay,
             foreach=False if config.tp > 1 else None,  # foreach cannot mix DTensor and Tensor
         )
-        warm = config.warmup_steps
+        warm = config.optim.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0
         )
@@ -335,7 +325,8 @@ class TorchTrainer:
             g["lr"] = lr0 * lr_scale
         lr = scheduled[0] * lr_scale
         params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
+        clip = self.config.optim.grad_clip
+        max_norm = clip if clip > 0 else math.inf
         if self.tp > 1:  # DTensor and plain gradients side by side
             norm = tdist.clip_grad_norm(params, max_norm)
         else:

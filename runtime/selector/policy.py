@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from earl.runtime.errors import need
 from earl.runtime.selector.cost import CostModel, Parallel, Stage
 from earl.runtime.selector.plan import (
     ActorPlan,
@@ -86,17 +87,13 @@ class PolicyConfig:
     queue_target: int = 0
 
     def __post_init__(self) -> None:
-        if not self.actors:
-            raise ValueError("PolicyConfig.actors must name at least one actor")
+        need(bool(self.actors), "actors", "must name at least one actor")
         for name, stage in self.actors.items():
-            if stage not in ("rollout", "reference", "train"):
-                raise ValueError(f"PolicyConfig.actors[{name!r}] = {stage!r}: use 'rollout', "
-                                 "'reference' or 'train'")
-        if not 0 <= self.headroom < 1:
-            raise ValueError(f"PolicyConfig.headroom must be in [0, 1), got {self.headroom}")
+            need(stage in ("rollout", "reference", "train"), f"actors.{name}",
+                 f"{stage!r} unknown: use 'rollout', 'reference' or 'train'")
+        need(0 <= self.headroom < 1, "headroom", f"must be in [0, 1), got {self.headroom}")
         for k in ("tp_max", "pp_max", "bucket_base", "patience"):
-            if getattr(self, k) < 1:
-                raise ValueError(f"PolicyConfig.{k} must be >= 1, got {getattr(self, k)}")
+            need(getattr(self, k) >= 1, k, f"must be >= 1, got {getattr(self, k)}")
 
 
 def _pow2_upto(n: int) -> list[int]:

@@ -1,6 +1,6 @@
 """`earl train --selector on` end to end on connect4 (real vLLM, real trainer, cgroup slots):
 the selector's first plan sets up the rollout replica it spawns; started lean
-(`selector_initial_context` below the games' length), its window is outgrown and the selector
+(`selector.initial_context` below the games' length), its window is outgrown and the selector
 grows it before the next rollout by re-creating the vLLM replica (weights re-pushed at the
 current version); every played sample is trained, and the decisions are in metrics.jsonl and
 the Perfetto trace."""
@@ -34,7 +34,7 @@ def test_selector_grows_the_window_and_loses_nothing(tmp_path: Path) -> None:
          "--output-dir", str(out), "--json", "--trace", "--steps=4", "--warm_start.steps=5",
          "--batch_size=16", "--group_size=8", "--eval_games=2", "--eval_every=0",
          "--checkpoint_every=100", "--placement.reference=0", "--placement.context_window=192",
-         "--selector_initial_context=192",
+         "--selector.initial_context=192",
          "--placement.slot_memory_mib=1500", "--placement.kv_cache_gb=0.02"],
         capture_output=True, text=True, timeout=560, env=env, check=False)
     assert p.returncode == 0, p.stderr[-3000:]

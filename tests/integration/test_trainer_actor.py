@@ -12,6 +12,7 @@ import torch
 from earl.algorithms import LossConfig
 from earl.models.tiny import build_tiny_model
 from earl.runtime import Actor, ActorError, Runtime, endpoint
+from earl.stages.optim import OptimConfig
 from earl.stages.trainer import TrainBatch, TrainerActor, free_dist_url
 from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
 from earl.stages.weights import decode_bucket
@@ -86,7 +87,7 @@ async def test_trainer_actor_fsdp_group(model_dir: Path, tmp_path: Path) -> None
 
 async def _exercise(rt: Runtime, model_dir: Path, tmp_path: Path) -> None:
     cfg = TrainerConfig(model=str(model_dir), parallel="fsdp", dist_url=free_dist_url(),
-                        threads=1, lr=1e-3, loss=LossConfig(entropy_coef=0.01))
+                        threads=1, optim=OptimConfig(lr=1e-3), loss=LossConfig(entropy_coef=0.01))
     env = {"OMP_NUM_THREADS": "1"}
     trainers, sink = await asyncio.gather(
         rt.spawn("trainer", TrainerActor, cfg, n=2, env=env),

@@ -12,6 +12,7 @@ import torch
 
 from earl.algorithms import LossConfig
 from earl.models.tiny import build_tiny_model
+from earl.stages.optim import OptimConfig
 from earl.stages.trainer_batch import TrainBatch
 from earl.stages.trainer_dist import free_dist_url
 from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
@@ -48,7 +49,7 @@ def _worker(rank: int, model: str, url: str, out: str) -> None:
     # a tiny budget on rank 0 only: the ranks run different micro-batch counts (padding path)
     results: dict[str, object] = {}
     for parallel in ("ddp", "fsdp"):
-        cfg = TrainerConfig(model=model, parallel=parallel, dist_url=url, lr=1e-3,  # type: ignore[arg-type]
+        cfg = TrainerConfig(model=model, parallel=parallel, dist_url=url, optim=OptimConfig(lr=1e-3),  # type: ignore[arg-type]
                             micro_batch_tokens=40 if rank == 0 else 4096, loss=LossConfig(**LOSS))
         t = TorchTrainer(cfg, rank=rank, world_size=2)
         metrics = t.accumulate(shard)
@@ -91,7 +92,7 @@ def test_two_ranks_match_one_rank(model_dir: Path, tmp_path: Path) -> None:
     # meanwhile, the single-rank reference on the whole batch
     torch.set_num_threads(1)
     batch = make_batch()
-    single = TorchTrainer(TrainerConfig(model=str(model_dir), lr=1e-3, loss=LossConfig(**LOSS)))
+    single = TorchTrainer(TrainerConfig(model=str(model_dir), optim=OptimConfig(lr=1e-3), loss=LossConfig(**LOSS)))
     m_single = single.accumulate(batch)
     g_single = _full_grads(single)
     step_single = single.optimizer_step()

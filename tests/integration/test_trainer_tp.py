@@ -16,6 +16,7 @@ import torch
 
 from earl.algorithms import LossConfig
 from earl.models.tiny import build_tiny_model
+from earl.stages.optim import OptimConfig
 from earl.stages.trainer_batch import TrainBatch
 from earl.stages.trainer_dist import free_dist_url
 from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
@@ -38,7 +39,7 @@ def make_batch(seed: int = 0) -> TrainBatch:
 
 
 def _cfg(model: str, **kw: object) -> TrainerConfig:
-    return TrainerConfig(model=model, lr=1e-3, loss=LossConfig(**LOSS), **kw)  # type: ignore[arg-type]
+    return TrainerConfig(model=model, optim=OptimConfig(lr=1e-3), loss=LossConfig(**LOSS), **kw)  # type: ignore[arg-type]
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from earl.config import AlgorithmConfig
 from earl.recipes.tictactoe.critic import TabularCritic
 from earl.runtime.types import Trajectory
-from earl.stages.advantages import AdvantageConfig, Estimator
+from earl.stages.advantages import Estimator
 
 
 def game(first_move: int, second_obs: int, rewards: list[float], sid: str, gid: str = "",
@@ -31,8 +32,8 @@ def game(first_move: int, second_obs: int, rewards: list[float], sid: str, gid: 
 
 def with_critic(self_imitation: int) -> Estimator:
     """The Tic-Tac-Toe recipe's critic (with a Q table) behind PPO credit."""
-    return Estimator(AdvantageConfig(name="ppo", self_imitation=self_imitation,
-                                     failed_reward=-1.0), TabularCritic(q_weight=2.0))
+    return Estimator(AlgorithmConfig(name="ppo", critic="recipe", self_imitation=self_imitation),
+                     TabularCritic(q_weight=2.0), failed_reward=-1.0)
 
 
 def test_self_imitation_adds_the_better_reply() -> None:
@@ -54,7 +55,7 @@ def test_self_imitation_adds_the_better_reply() -> None:
 
 
 def test_grpo_is_group_relative_on_every_generated_token() -> None:
-    est = Estimator(AdvantageConfig(name="grpo"))
+    est = Estimator(AlgorithmConfig(name="grpo"))
     g = [game(8, 10, [], "a", "g", reward=1.0), game(8, 11, [], "b", "g", reward=0.0),
          game(8, 12, [], "c", "h", reward=1.0), game(8, 13, [], "d", "h", reward=1.0)]
     cols, sources = est.columns(g)
@@ -68,7 +69,7 @@ def test_grpo_is_group_relative_on_every_generated_token() -> None:
 
 
 def test_ppo_credits_turns_and_failed_or_rejected_episodes() -> None:
-    est = Estimator(AdvantageConfig(name="ppo", failed_reward=-1.0))
+    est = Estimator(AlgorithmConfig(name="ppo"), failed_reward=-1.0)
     a = game(8, 10, [0.0, 1.0], "a", "g")
     b = game(8, 11, [0.0, 0.0], "b", "g", failed=True)     # failed: scores failed_reward
     cols, _ = est.columns([a, b])
@@ -94,5 +95,5 @@ def test_critic_state_round_trips() -> None:
 def test_episodes_cut_before_a_generated_token_are_not_trained() -> None:
     cut = Trajectory(sample_id="c", group_id="g", reward=0.0, truncated=True)
     ok = game(8, 10, [], "a", "g", reward=1.0)
-    cols, sources = Estimator(AdvantageConfig(name="grpo")).columns([cut, ok])
+    cols, sources = Estimator(AlgorithmConfig(name="grpo")).columns([cut, ok])
     assert sources == [1] and len(cols["input_ids"]) == 1

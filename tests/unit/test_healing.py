@@ -58,11 +58,11 @@ def test_died_actor_finds_the_dead_actor_through_groups_and_remote_errors() -> N
 
 
 def test_restart_policy_per_group_and_limit_validation() -> None:
-    c = HealingConfig(max_restarts=2)
+    c = Healer(max_restarts=2, log=lambda s: None)
     assert c.policy("rollout").max_restarts == 2 and c.policy("producer").max_restarts == 2
     assert c.policy("trainer").max_restarts == 0  # rewound, not restarted in place
     with pytest.raises(ValueError, match="max_restarts"):
-        HealingConfig(max_restarts=-1)
+        Healer(max_restarts=-1, log=lambda s: None)
 
 
 def _loc(sid: str, gid: str) -> Location:
@@ -148,7 +148,7 @@ class _Store:
 async def test_failed_checkpoint_is_skipped(
         tmp_path: Path) -> None:
     lines: list[str] = []
-    healer = Healer(HealingConfig(), log=lines.append)
+    healer = Healer(log=lines.append)
     store = _Store(tmp_path, fail=OSError(errno.ENOSPC, "No space left on device"))
     safe = SafeCheckpoints(store, healer)
     await safe.save(LoopState(step=4), None)
@@ -231,7 +231,7 @@ class _Rt:
 
 
 async def test_a_producer_death_replays_its_share_with_fresh_ids() -> None:
-    healer = Healer(HealingConfig(), log=lambda s: None)
+    healer = Healer(log=lambda s: None)
     healer._rebuilt[("producer", 0)] = 1  # the restart is rebuilt
     inner = _production(1)
     inner.producers.die_next = 1
@@ -244,7 +244,7 @@ async def test_a_producer_death_replays_its_share_with_fresh_ids() -> None:
 
 
 async def test_lost_groups_are_replayed_except_the_batch_being_replayed() -> None:
-    healer = Healer(HealingConfig(), log=lambda s: None)
+    healer = Healer(log=lambda s: None)
     inner = _production(2)
     lost = [LostSample("b000001-0000", "g2", ()), LostSample("b000001-0001", "g2", ()),
             LostSample("b000002-0000", "g4", ())]
@@ -258,7 +258,7 @@ async def test_lost_groups_are_replayed_except_the_batch_being_replayed() -> Non
 
 
 async def test_over_sampled_batches_keep_each_producers_share_and_record_only_it() -> None:
-    healer = Healer(HealingConfig(), log=lambda s: None)
+    healer = Healer(log=lambda s: None)
     inner = _production(2, over_sample=2)  # 4 groups played, the first 2 to finish kept
     assert inner.deal(1) == [(0, inner.groups(1)[0::2], 1), (1, inner.groups(1)[1::2], 1)]
     assert [g.group_id for g in inner.groups(1)] == ["g4", "g5", "g6", "g7"]
@@ -295,7 +295,7 @@ class DirRt:
 
 
 async def test_wait_rebuilt_names_a_dead_actor_and_the_limit() -> None:
-    healer = Healer(HealingConfig(max_restarts=2), log=lambda s: None)
+    healer = Healer(max_restarts=2, log=lambda s: None)
     with pytest.raises(HealingError, match=r"producer\[0\].*restart limit 2"):
         await healer.wait_rebuilt(DirRt(Rec(["dead"], [2], ["pid 9 killed by SIGKILL"])),
                                   "producer", 0)

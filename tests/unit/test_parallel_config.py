@@ -11,6 +11,7 @@ from earl.runtime.dock_index import DockIndex, SampleInfo
 from earl.runtime.layout import Layout
 from earl.stages import trainer as _trainer  # noqa: F401  (registers the typed records)
 from earl.stages import vllm_build
+from earl.stages.optim import OptimConfig
 from earl.stages.reconfigure import ReconfigTimes
 from earl.stages.trainer_feed import plan_for
 from earl.stages.trainer_torch import TrainerConfig
@@ -18,11 +19,11 @@ from earl.stages.vllm_engine import EngineConfig
 
 
 def test_trainer_config_travels_as_a_typed_record() -> None:
-    cfg = TrainerConfig(model="/m", tp=2, parallel="fsdp", betas=(0.9, 0.95),
+    cfg = TrainerConfig(model="/m", tp=2, parallel="fsdp", optim=OptimConfig(betas=(0.9, 0.95)),
                         loss=LossConfig(kl_coef=0.1))
     body, bufs = wire.encode([cfg, Layout(dp=2, tp=2)])
     back, layout = wire.decode(body, bufs)
-    assert back == cfg and isinstance(back.loss, LossConfig) and back.betas == (0.9, 0.95)
+    assert back == cfg and isinstance(back.loss, LossConfig) and back.optim.betas == (0.9, 0.95)
     assert layout == Layout(dp=2, tp=2)
 
 

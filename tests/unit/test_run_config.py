@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from earl.config import AlgorithmConfig, RunConfig, load_config, lr_scale, parse_overrides, to_dict
+from earl.config import RunConfig, load_config, parse_overrides, to_dict
+from earl.stages.optim import OptimConfig, lr_scale
 
 
 def test_defaults_are_valid() -> None:
@@ -17,17 +18,18 @@ def test_defaults_are_valid() -> None:
 
 def test_yaml_then_overrides(tmp_path) -> None:
     f = tmp_path / "run.yaml"
-    f.write_text("steps: 7\nalgorithm:\n  lr: 0.01\n  gamma: 0.9\nplacement:\n  rollout: 2\n")
-    cfg = load_config(f, ["--algorithm.lr=3e-4", "--max_policy_lag", "0",
+    f.write_text("steps: 7\noptim:\n  lr: 0.01\nalgorithm:\n  gamma: 0.9\nplacement:\n"
+                 "  rollout: 2\n")
+    cfg = load_config(f, ["--optim.lr=3e-4", "--max_policy_lag", "0",
                           "--model.hidden=96", "--dump_trajectories=false"])
     assert cfg.steps == 7
-    assert cfg.algorithm.lr == pytest.approx(3e-4)   # CLI wins over YAML
+    assert cfg.optim.lr == pytest.approx(3e-4)   # CLI wins over YAML
     assert cfg.algorithm.gamma == pytest.approx(0.9)  # YAML kept where not overridden
     assert cfg.placement.rollout == 2
     assert cfg.max_policy_lag == 0
     assert cfg.model.hidden == 96
     assert cfg.dump_trajectories is False
-    assert to_dict(cfg)["algorithm"]["lr"] == pytest.approx(3e-4)
+    assert to_dict(cfg)["optim"]["lr"] == pytest.approx(3e-4)
 
 
 def test_parse_overrides_nested() -> None:
@@ -42,7 +44,17 @@ def test_parse_overrides_nested() -> None:
 
 
 @pytest.mark.parametrize(("overrides", "exc", "words"), [
-    (["--algorithm.lrr=1"], ValueError, ["algorithm.lrr", "valid keys under algorithm", "lr"]),
+    (["--algorithm.lrr=1"], ValueError, ["algorithm.lrr", "valid keys under algorithm", "gamma"]),
+    (["--algorithm.lr=1"], ValueError, ["algorithm.lr", "now optim.lr"]),
+    (["--algorithm.clip=0.3"], ValueError, ["algorithm.clip", "clip_low and algorithm.clip_high"]),
+    (["--selector_initial_context=9"], ValueError, ["now selector.initial_context"]),
+    (["--algorithm.clip_high=0"], ValueError, ["algorithm.clip_low", "> 0"]),
+    (["--algorithm.agg=mean"], ValueError, ["algorithm.agg", "token-mean"]),
+    (["--selector=maybe"], ValueError, ["selector.mode", "--selector on"]),
+    (["--selector.policy.headroom=1.5"], ValueError, ["selector.policy.headroom", "[0, 1)"]),
+    (["--selector.policy.actors.rollout=dance"], ValueError,
+     ["selector.policy.actors.rollout", "'train'"]),
+    (["--optim.betas=[0.9]"], TypeError, ["optim.betas", "2 values"]),
     (["--nope=1"], ValueError, ["nope", "top level"]),
     (["--batch_size=30", "--group_size=8"], ValueError, ["batch_size", "not divisible", "24"]),
     (["--placement.trainer=3"], ValueError, ["placement.trainer", "divides"]),
@@ -52,17 +64,17 @@ def test_parse_overrides_nested() -> None:
     (["--placement.device=tpu"], ValueError, ["placement.device", "cpu"]),
     (["--model.path=/does/not/exist"], ValueError, ["model.path", "does not exist"]),
     (["--steps=ten"], TypeError, ["steps", "integer"]),
-    (["--algorithm.lr=fast"], TypeError, ["algorithm.lr", "number"]),
+    (["--optim.lr=fast"], TypeError, ["optim.lr", "number"]),
     (["--algorithm=3"], TypeError, ["algorithm", "mapping"]),
     (["--max_policy_lag=-1"], ValueError, ["max_policy_lag", "synchronous"]),
     (["--eval_games=201"], ValueError, ["eval_games", "even"]),
     (["--model.hidden=48"], ValueError, ["model.hidden", "32"]),
-    (["--algorithm.lr_anneal_from=1.5"], ValueError, ["algorithm.lr_anneal_from", "[0, 1]"]),
-    (["--algorithm.lr_final=0"], ValueError, ["algorithm.lr_final", "fraction of lr"]),
-    (["--algorithm.lr=.inf"], ValueError, ["algorithm.lr", "finite"]),
+    (["--optim.lr_anneal_from=1.5"], ValueError, ["optim.lr_anneal_from", "[0, 1]"]),
+    (["--optim.lr_final=0"], ValueError, ["optim.lr_final", "fraction of lr"]),
+    (["--optim.lr=.inf"], ValueError, ["optim.lr", "finite"]),
     (["--algorithm.entropy_coef=.inf"], ValueError, ["algorithm.entropy_coef", "finite"]),
-    (["--algorithm.max_grad_norm=-1"], ValueError, ["algorithm.max_grad_norm", "> 0"]),
-    (["--algorithm.max_grad_norm=.nan"], ValueError, ["algorithm.max_grad_norm", "finite"]),
+    (["--optim.grad_clip=-1"], ValueError, ["optim.grad_clip", ">= 0"]),
+    (["--optim.grad_clip=.nan"], ValueError, ["optim.grad_clip", "finite"]),
     (["--warm_start.lr=-1"], ValueError, ["warm_start.lr", "> 0"]),
     (["--eval_every=-5"], ValueError, ["eval_every", ">= 0"]),
     (["--output_dir="], ValueError, ["output_dir", "folder"]),
@@ -92,11 +104,11 @@ def test_missing_yaml_file_and_model_folder_without_config(tmp_path) -> None:
 
 
 def test_lr_anneal_schedule() -> None:
-    a = AlgorithmConfig(lr_anneal_from=0.5, lr_final=0.1)
+    a = OptimConfig(lr_anneal_from=0.5, lr_final=0.1)
     assert lr_scale(a, 0.0) == lr_scale(a, 0.5) == 1.0
     assert lr_scale(a, 0.75) == pytest.approx(0.55)  # halfway down from 1.0 to 0.1
     assert lr_scale(a, 1.0) == pytest.approx(0.1) == lr_scale(a, 1.3)  # past the limit: floor
-    assert lr_scale(AlgorithmConfig(lr_anneal_from=1.0), 1.0) == 1.0  # off
+    assert lr_scale(OptimConfig(lr_anneal_from=1.0), 1.0) == 1.0  # off
 
 
 def test_bad_files_name_file_and_line(tmp_path) -> None:
@@ -118,3 +130,29 @@ def test_bad_files_name_file_and_line(tmp_path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="is a file"):
         load_config(None, [f"--output_dir={tmp_path / 'file'}"])
+
+
+def test_selector_shorthand_and_its_knobs_are_config_fields() -> None:
+    cfg = load_config(None, ["--selector.mode=on", "--selector.policy.headroom=0.3"])
+    assert load_config(None, ["--selector", "on"]).selector.on
+    assert cfg.selector.on and cfg.selector.policy.headroom == pytest.approx(0.3)
+    assert cfg.selector.policy.bucket_base == 256  # the run's default, not the policy class's
+    assert not load_config(None, ["--selector=off"]).selector.on
+    d = to_dict(cfg)
+    assert d["selector"]["policy"]["actors"] == {"rollout": "rollout", "trainer": "train"}
+    assert load_config(None, ["--selector.mode=on"]).selector == cfg.selector.__class__(
+        mode="on", policy=cfg.selector.__class__().policy)
+
+
+def test_every_field_is_declared_once() -> None:
+    """No field name repeats between the run's sections that configure the same component
+    (the trainer's loss and optimizer are sections, not copies)."""
+    import dataclasses
+
+    from earl.config import AlgorithmConfig
+    from earl.stages.trainer_torch import TrainerConfig
+
+    trainer = {f.name for f in dataclasses.fields(TrainerConfig)}
+    for section in (AlgorithmConfig, OptimConfig):
+        names = {f.name for f in dataclasses.fields(section)}
+        assert not names & trainer - {"temperature"}, names & trainer

@@ -11,18 +11,26 @@ import pytest
 
 from earl.agents.chat import ChatCodec
 from earl.agents.tictactoe import sim_responder
+from earl.config import AlgorithmConfig, RunConfig
 from earl.engine import SamplingParams, SimConfig, SimEngine
 from earl.loop.gate import StalenessGate
-from earl.loop.schedule import LoopState, Schedule, ScheduleConfig
+from earl.loop.schedule import LoopState, Schedule
 from earl.models.tiny import build_tokenizer
 from earl.runtime.dock_index import DockIndex, SampleInfo, WouldBlock
-from earl.stages.advantages import AdvantageConfig, Estimator
+from earl.stages.advantages import Estimator
 from earl.stages.batch_types import BatchResult, GroupTask, episode_of
 
 pytestmark = pytest.mark.timeout(60)
 
 GROUPS, G = 2, 4
 CODEC = ChatCodec(build_tokenizer())
+
+def schedule_config(*, time_limit_s: float = float("inf"), eval_every: int = 0,
+                    **kw: object) -> RunConfig:
+    """The run settings the schedule reads (no evals, no time limit unless given)."""
+    return RunConfig(time_limit_minutes=time_limit_s / 60, eval_every=eval_every,
+                     **kw)  # type: ignore[arg-type]
+
 
 
 class SimProduction:
@@ -32,7 +40,7 @@ class SimProduction:
         self.engine = SimEngine(SimConfig(time_scale=0.0, seed=seed),
                                 responder=sim_responder(CODEC))
         self.engine.set_policy_version(version)
-        self.estimator = Estimator(AdvantageConfig(name="grpo"))
+        self.estimator = Estimator(AlgorithmConfig(name="grpo"))
         self.dock: dict[str, int] = {}       # sample id -> batch
         self.scored: set[str] = set()
         self.started: dict[int, int] = {}    # batch -> policy version when it started
@@ -114,7 +122,7 @@ class FakeCheckpoints:
         self.saved.append((state.step, critic_batch))
 
 
-async def run_schedule(cfg: ScheduleConfig, state: LoopState | None = None,
+async def run_schedule(cfg: RunConfig, state: LoopState | None = None,
                        evals: dict[int, float] | None = None, clock=None):
     state = state or LoopState()
     prod = SimProduction(state.step)
@@ -132,7 +140,7 @@ async def run_schedule(cfg: ScheduleConfig, state: LoopState | None = None,
 @pytest.mark.parametrize("lag", [0, 1, 2])
 async def test_staleness_bound_and_reference_before_training(lag: int) -> None:
     stopped, prod, train, _, _, state = await run_schedule(
-        ScheduleConfig(steps=8, max_policy_lag=lag, checkpoint_every=100))
+        schedule_config(steps=8, max_policy_lag=lag, checkpoint_every=100))
     assert stopped == "steps" and state.step == 8 and train.trained == list(range(8))
     # batch b started under a policy at most `lag` versions older than the one training it
     assert all(b - v <= lag for b, v in prod.started.items())
@@ -144,7 +152,7 @@ async def test_staleness_bound_and_reference_before_training(lag: int) -> None:
 
 async def test_target_stop_trains_batches_in_flight_and_checkpoints_consistently() -> None:
     stopped, prod, train, ev, ck, state = await run_schedule(
-        ScheduleConfig(steps=50, max_policy_lag=2, eval_every=2, checkpoint_every=3,
+        schedule_config(steps=50, max_policy_lag=2, eval_every=2, checkpoint_every=3,
                        target=0.9), evals={2: 0.5, 4: 0.95})
     assert stopped == "target"
     assert ev.calls == [("validation", 2), ("validation", 4)]
@@ -165,18 +173,18 @@ async def test_time_limit_stop() -> None:
         return t[0]
 
     stopped, _, train, _, _, state = await run_schedule(
-        ScheduleConfig(steps=1000, max_policy_lag=0, time_limit_s=10), clock=clock)
+        schedule_config(steps=1000, max_policy_lag=0, time_limit_s=10), clock=clock)
     assert stopped == "time_limit" and 1 <= state.step < 20
     assert train.trained == list(range(state.step))
 
 
 async def test_resume_cursor_is_exact() -> None:
-    _, full, *_ = await run_schedule(ScheduleConfig(steps=6, max_policy_lag=1,
+    _, full, *_ = await run_schedule(schedule_config(steps=6, max_policy_lag=1,
                                                     checkpoint_every=100))
-    _, first, *_ = await run_schedule(ScheduleConfig(steps=3, max_policy_lag=1,
+    _, first, *_ = await run_schedule(schedule_config(steps=3, max_policy_lag=1,
                                                      checkpoint_every=100))
     _, rest, train, _, _, state = await run_schedule(
-        ScheduleConfig(steps=6, max_policy_lag=1, checkpoint_every=100),
+        schedule_config(steps=6, max_policy_lag=1, checkpoint_every=100),
         state=LoopState(step=3, episodes=3 * GROUPS * G))
     assert train.trained == [3, 4, 5] and state.episodes == 6 * GROUPS * G
     assert {**first.tasks, **rest.tasks} == full.tasks  # the same tasks, none twice
@@ -220,7 +228,7 @@ async def test_a_batch_with_nothing_to_train_is_a_clear_error() -> None:
             return BatchResult(batch=batch, episodes=[episode_of(t)], samples=0, seconds=0.0)
 
     prod = Cut()
-    sched = Schedule(ScheduleConfig(steps=2), production=prod, training=FakeTraining(prod),
+    sched = Schedule(schedule_config(steps=2), production=prod, training=FakeTraining(prod),
                      evaluation=None, checkpoints=FakeCheckpoints(), state=LoopState())
     with pytest.raises(ExceptionGroup) as info:
         await sched.run()

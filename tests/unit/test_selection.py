@@ -9,7 +9,8 @@ import asyncio
 
 import pytest
 
-from earl.loop.schedule import LoopState, Schedule, ScheduleConfig
+from earl.config import RunConfig
+from earl.loop.schedule import LoopState, Schedule
 from earl.loop.selection import Selection, Setting, setting_of
 from earl.runtime.selector import (
     ActorPlan,
@@ -32,6 +33,13 @@ SHAPE = ModelShape(hidden=64, layers=2, heads=2, kv_heads=2, intermediate=192, v
 COST = CostModel(SHAPE, CostConfig(weight_bytes=4, grad_bytes=4, optimizer_bytes=8, act_bytes=4,
                                    kv_bytes=4, logit_bytes=8, reserve_bytes=400 * MIB))
 SLOTS = {"rollout0": 480.0 * MIB, "trainer0": 480.0 * MIB}
+
+def schedule_config(*, time_limit_s: float = float("inf"), eval_every: int = 0,
+                    **kw: object) -> RunConfig:
+    """The run settings the schedule reads (no evals, no time limit unless given)."""
+    return RunConfig(time_limit_minutes=time_limit_s / 60, eval_every=eval_every,
+                     **kw)  # type: ignore[arg-type]
+
 
 
 class FakeReconfigurer:
@@ -213,7 +221,7 @@ def test_schedule_calls_the_selection_around_each_stage() -> None:
         return orig_train(b, res)
 
     sel.rollout, sel.train = rollout, train  # type: ignore[method-assign]
-    sched = Schedule(ScheduleConfig(steps=3, max_policy_lag=0), production=_Prod(log),
+    sched = Schedule(schedule_config(steps=3, max_policy_lag=0), production=_Prod(log),
                      training=_Train(log), evaluation=None, checkpoints=_Ckpt(),
                      state=LoopState(), selection=sel)
     asyncio.run(sched.run())

@@ -9,6 +9,7 @@ import torch
 
 from earl.algorithms import LossConfig
 from earl.models.tiny import build_tiny_model
+from earl.stages.optim import OptimConfig
 from earl.stages.trainer_batch import TrainBatch
 from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
 
@@ -39,7 +40,9 @@ def grads(trainer: TorchTrainer) -> list[torch.Tensor]:
 
 def trainer(model_dir: Path, **kw: object) -> TorchTrainer:
     kw.setdefault("threads", 1)
-    return TorchTrainer(TrainerConfig(model=str(model_dir), **kw))  # type: ignore[arg-type]
+    optim = OptimConfig(**{k: kw.pop(k) for k in ("lr", "warmup_steps", "grad_clip")  # type: ignore[arg-type]
+                           if k in kw})
+    return TorchTrainer(TrainerConfig(model=str(model_dir), optim=optim, **kw))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
@@ -181,9 +184,9 @@ def test_trainbatch_building_and_errors() -> None:
 def test_config_bad_input(model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="TrainerConfig.dtype"):
         TrainerConfig(model=str(model_dir), dtype="float16")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="TrainerConfig.lr"):
-        TrainerConfig(model=str(model_dir), lr=0)
-    with pytest.raises(ValueError, match="loss.agg"):
+    with pytest.raises(ValueError, match="lr"):
+        TrainerConfig(model=str(model_dir), optim=OptimConfig(lr=0))
+    with pytest.raises(ValueError, match="agg"):
         TrainerConfig(model=str(model_dir), loss={"agg": "mean"})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="not an HF model folder"):
         TorchTrainer(TrainerConfig(model=str(tmp_path / "missing")))

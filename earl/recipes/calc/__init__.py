@@ -159,8 +159,9 @@ recipe = Recipe(
         "time_limit_minutes": 8.0, "eval_games": 200, "eval_every": 10, "select_best": True,
         "checkpoint_every": 25,
         "warm_start": {"steps": 450, "batch_size": 32, "lr": 3e-3},
-        "algorithm": {"name": "grpo", "critic": "none", "lr": 2e-4, "clip": 0.2,
+        "algorithm": {"name": "grpo", "critic": "none", "clip_low": 0.2, "clip_high": 0.2,
                       "kl_coef": 0.0, "entropy_coef": 0.0},
+        "optim": {"lr": 2e-4},
         "placement": {"reference": 0},  # no KL term: nothing reads reference log-probs
     },
 )

@@ -100,7 +100,8 @@ recipe = Recipe(
         "time_limit_minutes": 9.0, "target": 0.97, "eval_games": 200, "eval_every": 20,
         "select_best": True, "checkpoint_every": 25,
         "warm_start": {"steps": 120, "batch_size": 32, "lr": 3e-3},
-        "algorithm": {"name": "ppo", "lr": 1e-3, "lr_anneal_from": 0.5, "lr_final": 0.1,
-                      "clip": 0.2, "kl_coef": 0.15, "critic": "recipe", "self_imitation": 16},
+        "algorithm": {"name": "ppo", "clip_low": 0.2, "clip_high": 0.2, "kl_coef": 0.15,
+                      "critic": "recipe", "self_imitation": 16},
+        "optim": {"lr": 1e-3, "lr_anneal_from": 0.5, "lr_final": 0.1},
     },
 )
