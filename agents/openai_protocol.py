@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from earl.agents.chat import Message
+from earl.agents.openai_reply import Call, is_raw_call
 
 __all__ = ["APIError", "ChatRequest", "Choice", "Limits", "assistant_message", "completion_body",
            "parse_request", "stream_body"]
@@ -96,22 +97,27 @@ class ChatRequest:
     """A validated `/v1/chat/completions` request.
 
     `tool_choice` is "auto", "none", "required" or the name of the function to call.
-    `max_tokens`, `temperature`, `top_p` and `seed` are None when the client left them out.
+    `max_tokens`, `temperature`, `top_p` and `seed` are None when the client left them out;
+    `max_tokens_field` is the field the client set ("max_tokens" or "max_completion_tokens").
+    `tool_results` holds (tool_call_id, content) of each tool message, in order.
     """
 
     model: str
     messages: list[Message]
     tools: list[Body] | None = None
     tool_choice: str = "auto"
+    parallel_tool_calls: bool = True
     stream: bool = False
     include_usage: bool = False
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
     max_tokens: int | None = None
+    max_tokens_field: str = "max_tokens"
     stop: list[str] = field(default_factory=list)
     logprobs: bool = False
     seed: int | None = None
+    tool_results: list[tuple[str, str]] = field(default_factory=list)
 
 
 def _number(body: Body, key: str, lo: float, hi: float) -> float | None:
@@ -175,10 +181,17 @@ def parse_request(raw: bytes, *, model: str, limits: Limits = Limits()) -> ChatR
         raise _bad("top_logprobs > 0 is not supported: the engine returns the sampled token's "
                    "log-prob only (use logprobs=true)", "top_logprobs")
     budget = _Budget(limits.max_chars)
-    messages = _messages(body.get("messages"), limits.max_messages, budget)
+    results: list[tuple[str, str]] = []
+    messages = _messages(body.get("messages"), limits.max_messages, budget, results)
     tools = _tools(body.get("tools"), limits.max_tools, budget)
     req = ChatRequest(model=name, messages=messages, tools=tools,
-                      tool_choice=_tool_choice(body.get("tool_choice"), tools))
+                      tool_choice=_tool_choice(body.get("tool_choice"), tools),
+                      tool_results=results)
+    parallel = body.get("parallel_tool_calls")
+    if not isinstance(parallel, bool | None):
+        raise _bad(f"parallel_tool_calls must be a boolean, got {parallel!r}",
+                   "parallel_tool_calls")
+    req.parallel_tool_calls = parallel is not False
     stream = body.get("stream", False)
     if not isinstance(stream, bool | None):
         raise _bad(f"stream must be a boolean, got {stream!r}", "stream")
@@ -192,7 +205,9 @@ def parse_request(raw: bytes, *, model: str, limits: Limits = Limits()) -> ChatR
     req.temperature = _number(body, "temperature", 0.0, 2.0)
     req.top_p = _number(body, "top_p", 1e-9, 1.0)
     max_completion = _int(body, "max_completion_tokens", 1, 1 << 30)
-    req.max_tokens = _int(body, "max_tokens", 1, 1 << 30) or max_completion
+    req.max_tokens = _int(body, "max_tokens", 1, 1 << 30)
+    if req.max_tokens is None and max_completion is not None:
+        req.max_tokens, req.max_tokens_field = max_completion, "max_completion_tokens"
     req.seed = _int(body, "seed", -(1 << 63), (1 << 63) - 1)
     stop = body.get("stop")
     if isinstance(stop, str):
@@ -231,7 +246,8 @@ def _too_many(key: str, n: int, limit: int) -> APIError:
                 f"(EndpointConfig.max_{key})", key, code="request_too_large")
 
 
-def _messages(raw: object, limit: int, budget: _Budget) -> list[Message]:
+def _messages(raw: object, limit: int, budget: _Budget,
+              results: list[tuple[str, str]]) -> list[Message]:
     if not isinstance(raw, list) or not raw:
         raise _bad("messages must be a non-empty list of message objects", "messages")
     if len(raw) > limit:
@@ -256,6 +272,7 @@ def _messages(raw: object, limit: int, budget: _Budget) -> list[Message]:
                 raise _bad(f"{where}.tool_call_id must be the id of the call it answers",
                            f"{where}.tool_call_id")
             text = _text(m.get("content"), f"{where}.content")
+            results.append((cid, text))
             msg: Message = {"role": "tool", "content": text}
             if cid in names:
                 msg["name"] = names[cid]
@@ -267,13 +284,12 @@ def _messages(raw: object, limit: int, budget: _Budget) -> list[Message]:
     return out
 
 
-def _calls(raw: object, where: str, names: dict[str, str],
-           budget: _Budget) -> list[tuple[str, Body]]:
+def _calls(raw: object, where: str, names: dict[str, str], budget: _Budget) -> list[Call]:
     if raw is None:
         return []
     if not isinstance(raw, list):
         raise _bad(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
-    calls = []
+    calls: list[Call] = []
     for j, c in enumerate(raw):
         at = f"{where}.tool_calls[{j}]"
         fn = c.get("function") if isinstance(c, dict) else None
@@ -282,6 +298,11 @@ def _calls(raw: object, where: str, names: dict[str, str],
                        f'..., "arguments": "<JSON object>"}}}}', at)
         args = fn.get("arguments", "{}")
         budget.spend(len(args) if isinstance(args, str) else len(json.dumps(args)), "messages")
+        if isinstance(c.get("id"), str):
+            names[c["id"]] = fn["name"]
+        if is_raw_call(args):  # a malformed call this endpoint returned, sent back
+            calls.append((fn["name"], args))
+            continue
         try:
             parsed = json.loads(args) if isinstance(args, str) else args
         except ValueError:
@@ -289,19 +310,22 @@ def _calls(raw: object, where: str, names: dict[str, str],
         if not isinstance(parsed, dict):
             raise _bad(f"{at}.function.arguments must be a JSON object encoded as a string",
                        f"{at}.function.arguments")
-        if isinstance(c.get("id"), str):
-            names[c["id"]] = fn["name"]
         calls.append((fn["name"], parsed))
     return calls
 
 
-def assistant_message(content: str, calls: Sequence[tuple[str, Body]]) -> Message:
+def assistant_message(content: str, calls: Sequence[Call]) -> Message:
     """The template form of an assistant message; one function for replies and for requests, so
-    a reply sent back unchanged compares equal to the recorded one."""
+    a reply sent back unchanged compares equal to the recorded one. A malformed call's raw text
+    (`earl.agents.openai_reply`) goes back into the content, as the model wrote it."""
+    raw = [a for _, a in calls if isinstance(a, str)]
+    if raw:
+        content = "\n".join([content, *raw] if content else raw)
     msg: Message = {"role": "assistant", "content": content}
-    if calls:
+    good = [(n, a) for n, a in calls if not isinstance(a, str)]
+    if good:
         msg["tool_calls"] = [{"type": "function", "function": {"name": n, "arguments": a}}
-                             for n, a in calls]
+                             for n, a in good]
     return msg
 
 

@@ -22,6 +22,14 @@ interface returns whole generations, so streaming changes the framing, not the l
 (`<tool_call>` and, for a name, `{"name": ..., "arguments": `) at the start of the reply as
 context tokens (loss mask 0); this assumes the Hermes/Qwen tool-call format of EARL's template.
 
+Nothing a client asks for is silently changed. A `max_tokens` (or `max_completion_tokens`) over
+the run's per-turn cap, or past what is left of the session's `max_total_tokens`, gets a 400
+naming the field, the value and the limit; a client that leaves it out gets the cap, or what is
+left. `parallel_tool_calls: false` gets at most one call. A reply cut at the cap (`finish_reason`
+"length") is all content, never a tool call; a malformed call comes back as OpenAI reports one
+(`earl.agents.openai_reply`). The tool results a client sends back for the calls the endpoint
+returned are the episode's `info.tool_calls` and `info.tool_errors`.
+
 This module does not validate requests (`earl.agents.openai_protocol`), keep the token record
 (`earl.agents.openai_record`) or manage connections (`earl.agents.openai_http`).
 """
@@ -40,7 +48,6 @@ from typing import TYPE_CHECKING, Protocol, Self, TypeVar
 
 from aiohttp import web
 
-from earl.agents.chat import ChatCodec
 from earl.agents.openai_http import ConnectionStatistics, GuardedServer, connection_cap, serve
 from earl.agents.openai_protocol import (
     APIError,
@@ -53,7 +60,7 @@ from earl.agents.openai_protocol import (
     stream_body,
 )
 from earl.agents.openai_record import Prompt, SessionRecord, segment_trajectory
-from earl.agents.tools import _CALL_RE, parse_tool_calls
+from earl.agents.openai_reply import ToolTally, reply_calls, stop_at, tokens_through
 from earl.runtime.types import ContextLengthError, Generation, SamplingParams
 
 if TYPE_CHECKING:
@@ -291,6 +298,7 @@ class ServedSession:
         self.base_url = f"http://127.0.0.1:{endpoint.port}/s/{token}/v1"
         self.api_key = endpoint.api_key
         self.record = SessionRecord(rollout.codec)
+        self.tally = ToolTally()
         self._rendering = asyncio.Lock()  # held while the worker renders one of its prompts
         self._client: AsyncOpenAI | None = None
         sampling = rollout.config.sampling
@@ -334,6 +342,16 @@ class ServedSession:
         if r.turn_spans and not self.record.requests:
             raise APIError(409, "this session already used rollout.generate; an agent uses "
                            "either rollout.generate or the OpenAI endpoint, not both")
+        ran, failed = self.tally.answered(req.tool_results)
+        r.tool_calls += ran
+        r.tool_errors += failed
+        sampling = r.config.sampling
+        if req.max_tokens is not None and req.max_tokens > sampling.max_tokens:
+            raise APIError(400, f"{req.max_tokens_field}={req.max_tokens} is over this run's "
+                           f"per-turn cap of {sampling.max_tokens} tokens (the rollout's "
+                           f"SamplingParams.max_tokens, `earl train --max_tokens`); send "
+                           f"{req.max_tokens_field} <= {sampling.max_tokens} or leave it out",
+                           param=req.max_tokens_field)
         record = self.record
         if offload:
             prompt = await self._render_in_worker(req)
@@ -344,16 +362,17 @@ class ServedSession:
             prompt = record.prompt(req.messages, req.tools)
         forced = self._forced(req)
         ids = prompt.token_ids + forced
-        sampling = r.config.sampling
-        cap = min(req.max_tokens or sampling.max_tokens, sampling.max_tokens)
-        if r.config.max_total_tokens is not None:
-            cap = min(cap, r.config.max_total_tokens - len(ids) - 1)
-        if cap < 1:
+        cap = req.max_tokens or sampling.max_tokens
+        budget = r.config.max_total_tokens
+        room = cap if budget is None else budget - len(ids) - 1
+        if room < 1 or (req.max_tokens is not None and cap > room):
             record.release(prompt)
-            raise APIError(400, f"the prompt ({len(ids)} tokens) leaves no room in this "
-                           f"session's budget (RolloutConfig.max_total_tokens="
-                           f"{r.config.max_total_tokens})", param="messages",
-                           code="context_length_exceeded")
+            asked = "" if req.max_tokens is None or room < 1 else \
+                f" + {req.max_tokens_field} ({req.max_tokens}; send at most {room})"
+            raise APIError(400, f"the prompt ({len(ids)} tokens){asked} leaves no room in this "
+                           f"session's budget (RolloutConfig.max_total_tokens={budget})",
+                           param="messages", code="context_length_exceeded")
+        cap = min(cap, room)  # a client that left max_tokens out gets what is left
         temperature = sampling.temperature if req.temperature is None else req.temperature
         params = [SamplingParams(max_tokens=cap, temperature=temperature,
                                  top_p=sampling.top_p if req.top_p is None else req.top_p,
@@ -436,28 +455,24 @@ class ServedSession:
         closed = bool(ids) and ids[-1] == codec.end_id
         body = ids[:-1] if ids and ids[-1] in self._stops else ids
         text = codec.decode(body)
-        cut = _stop_at(text, req.stop)
+        cut = stop_at(text, req.stop)
         if cut is not None:  # keep the model's tokens up to the one completing the stop string
-            k = _tokens_through(codec, body, cut[1])
+            k = tokens_through(codec, body, cut[1])
             body, text, finish, closed = body[:k], text[:cut[0]], "stop", False
             gen = Generation(token_ids=body, logprobs=gen.logprobs[:k],
                              versions=gen.versions[:k], finish_reason="stop",
                              prompt_tokens=gen.prompt_tokens)
         text = codec.decode(forced) + text if forced else text
         content, calls = text, []
-        if req.tools and req.tool_choice != "none":
-            content, parsed = parse_tool_calls(text)
-            names = {t["function"]["name"] for t in req.tools}  # type: ignore[index]
-            ok = [c.error is None and c.name in names for c in parsed]
-            calls = [c for c, good in zip(parsed, ok, strict=True) if good]
-            if len(calls) < len(parsed):  # malformed calls, or calls to tools the request did
-                bad = iter(not good for good in ok)  # not offer, stay in the text
-                content = _CALL_RE.sub(lambda m: m.group(0) if next(bad) else "", text).strip()
-        wire = [(f"call_{request}_{index}_{j}", c.name, json.dumps(c.arguments))
-                for j, c in enumerate(calls)]
-        reply = assistant_message(content, [(c.name, c.arguments) for c in calls])
+        if req.tools and req.tool_choice != "none" and finish != "length":
+            names = {str(t["function"]["name"]) for t in req.tools}  # type: ignore[index]
+            content, calls = reply_calls(text, names, parallel=req.parallel_tool_calls)
+        wire = [(f"call_{request}_{index}_{j}", name, args if isinstance(args, str)
+                 else json.dumps(args)) for j, (name, args) in enumerate(calls)]
+        self.tally.returned(cid for cid, _, _ in wire)
+        reply = assistant_message(content, calls)
         self.record.add(prompt, request, forced=forced, gen=gen, closed=closed, reply=reply)
-        if calls and finish != "length":
+        if calls:
             finish = "tool_calls"
         elif finish not in ("stop", "length"):
             finish = "stop"
@@ -466,24 +481,3 @@ class ServedSession:
         return Choice(content=content if content or not calls else None, tool_calls=wire,
                       finish_reason=finish, logprobs=lps)
 
-
-def _stop_at(text: str, stops: list[str]) -> tuple[int, int] | None:
-    """(where the earliest stop string starts, where it ends) in `text`, or None."""
-    best: tuple[int, int] | None = None
-    for s in stops:
-        p = text.find(s)
-        if p >= 0 and (best is None or p < best[0]):
-            best = (p, p + len(s))
-    return best
-
-
-def _tokens_through(codec: ChatCodec, ids: list[int], end: int) -> int:
-    """The fewest leading tokens of `ids` whose text reaches character `end`."""
-    lo, hi = 1, len(ids)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if len(codec.decode(ids[:mid])) >= end:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo

@@ -18,7 +18,7 @@ import aiohttp
 import openai
 import pytest
 import pytest_asyncio
-from recording import Recorder
+from recording import Recorder, assert_token_exact
 
 from earl.agents.calc import tool_sim_responder
 from earl.agents.chat import ChatCodec
@@ -50,20 +50,6 @@ def agents_sdk() -> ModuleType:
         sys.path[:] = saved
     sdk.set_tracing_disabled(True)
     return sdk
-
-
-def assert_token_exact(t: Trajectory, rec: Recorder) -> None:
-    """Each engine call's prompt is the record before its sampled tokens (a forced tool-call
-    opening, untrained, may start the turn); its tokens close the turn, trained."""
-    calls = rec.calls[t.sample_id]
-    assert len(calls) == t.num_turns
-    for (prompt, gen), (start, end) in zip(calls, t.turn_spans, strict=True):
-        n = len(prompt)
-        assert prompt == t.token_ids[:n] and start <= n
-        assert gen.token_ids == t.token_ids[n:end]
-        assert gen.logprobs == t.logprobs[n:end] and gen.versions == t.versions[n:end]
-        assert t.loss_mask[start:end] == [0] * (n - start) + [1] * (end - n)
-    assert t.num_generated == sum(len(g.token_ids) for _, g in calls)
 
 
 @pytest.fixture(scope="module")
@@ -167,17 +153,18 @@ async def test_n_stop_seed_and_tool_choice(codec, endpoint) -> None:
     assert segs[0].num_turns == 2 and "alpha" not in codec.decode(segs[0].token_ids)
     assert "one. <|im_end|>" in codec.decode(segs[0].token_ids)
     forced = out["forced"]
-    # The forced opening is context, then the model went on with "x": a malformed call the
-    # client gets back as text.
-    assert not forced.tool_calls  # type: ignore[attr-defined]
-    assert forced.content.startswith('<tool_call>{"name": "calculator", "arguments": x')  # type: ignore[attr-defined]
+    # The forced opening is context, then the model went on with "x": a malformed call, which
+    # comes back as OpenAI reports one, arguments that are not JSON (the model's text).
+    [call] = forced.tool_calls  # type: ignore[attr-defined]
+    assert call.function.name == "calculator" and forced.content is None  # type: ignore[attr-defined]
+    assert call.function.arguments == '<tool_call>{"name": "calculator", "arguments": x'
     start, end = t.turn_spans[-1]
     opening = codec.encode_text('<tool_call>{"name": "calculator", "arguments": ')
     assert t.token_ids[start:start + len(opening)] == opening
     assert t.loss_mask[start:end] == [0] * len(opening) + [1] * (end - start - len(opening))
 
 
-async def test_only_well_formed_calls_to_offered_tools_become_tool_calls(codec, endpoint) -> None:
+async def test_calls_to_offered_tools_are_tool_calls_malformed_ones_too(codec, endpoint) -> None:
     good = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>'
     replies = iter(['<tool_call>{"name": "search", "arguments": {}}</tool_call>',
                     f'Let me see. {good}<tool_call>{{"name": oops}}</tool_call>'])
@@ -213,8 +200,9 @@ async def test_only_well_formed_calls_to_offered_tools_become_tool_calls(codec, 
     assert unknown.message.tool_calls is None and unknown.finish_reason == "stop"
     assert unknown.message.content.startswith('<tool_call>{"name": "search"')
     assert streamed["finish"] == "tool_calls"
-    assert streamed["calls"] == {0: {"name": "calculator", "args": '{"expression": "1+1"}'}}
-    assert streamed["content"] == 'Let me see. <tool_call>{"name": oops}</tool_call>'
+    assert streamed["calls"] == {0: {"name": "calculator", "args": '{"expression": "1+1"}'},
+                                 1: {"name": "", "args": '<tool_call>{"name": oops}</tool_call>'}}
+    assert streamed["content"] == "Let me see."
 
 
 async def test_auth_routes_and_session_lifetime(codec, endpoint) -> None:

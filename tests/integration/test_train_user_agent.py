@@ -186,3 +186,32 @@ def test_train_an_openai_client_agent(tmp_path: Path) -> None:
     assert res["steps"] == 2 and res["episodes"] >= 16 and not res["failed_episodes"]
     dump = [json.loads(x) for x in Path(res["trajectories"]).read_text().splitlines()]
     assert dump and all(sum(d["loss_mask"]) > 0 for d in dump)  # recorded token-exactly
+
+
+@pytest.mark.slow
+def test_train_a_langgraph_agent(tmp_path: Path) -> None:
+    """A LangGraph ReAct agent over LangChain's `ChatOpenAI` (`langgraph_calc.py`, as its author
+    wrote it) trains for two steps through `earl.train(agent=..., tasks=...)`: each producer's
+    endpoint records its requests token-exactly."""
+    here = Path(__file__).resolve().parent
+    data = here.parents[1] / "envs" / "data" / "calc_train.jsonl"
+    code = textwrap.dedent(f'''
+        import json, sys
+        sys.path.insert(0, {str(here)!r})
+        import earl
+        from langgraph_calc import agent
+        tasks = [json.loads(x) for x in open({str(data)!r})]
+        res = earl.train(agent=agent, tasks=tasks, steps=2, batch_size=8, group_size=4,
+                         max_tokens=24, model={{"max_model_len": 1024}},
+                         output_dir={str(tmp_path / 'run')!r},
+                         placement={{"reference": 0}}, log=lambda s: None)
+        print(json.dumps(res.to_json()))
+    ''')
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=500, env={**os.environ, "HF_HUB_OFFLINE": "1"}, check=False,
+                       cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["steps"] == 2 and res["episodes"] >= 16 and not res["failed_episodes"]
+    dump = [json.loads(x) for x in Path(res["trajectories"]).read_text().splitlines()]
+    assert dump and all(sum(d["loss_mask"]) > 0 for d in dump)  # recorded token-exactly
