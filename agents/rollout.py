@@ -216,6 +216,7 @@ class Rollout:
             cap = min(cap, self.config.max_total_tokens - len(self.token_ids) - 1)
         self.prompt_lengths.append(len(self.token_ids))
         if cap < 1:  # the trajectory cap is reached: drop the unanswerable observation
+            self._cut(len(self.token_ids) + 1, "max_total_tokens")
             self._truncate_to(before)
             return self._budget_turn(messages)
         if cap != params.max_tokens:
@@ -225,6 +226,7 @@ class Rollout:
             gen = await self.engine.generate(self.token_ids, params, session_id=self.sample_id)
         except ContextLengthError:
             self.gen_time_s += time.perf_counter() - t0
+            self._cut(len(self.token_ids) + params.max_tokens, "context_window")
             self._truncate_to(before)
             return self._budget_turn(messages)
         self.gen_time_s += time.perf_counter() - t0
@@ -258,6 +260,15 @@ class Rollout:
     def _remember(self, messages: list[Message], message: Message) -> None:
         self._history = [*messages, message]
         self._last = message
+
+    def _cut(self, need: int, limit: str) -> None:
+        """Record why the session was cut: `need` tokens (the prompt so far plus the turn's
+        generation cap) did not fit `limit` ("context_window": the rollout's max_model_len;
+        "max_total_tokens": the trajectory cap); "cut_first_turn" when no turn was generated."""
+        self.info["cut"] = limit
+        self.info["cut_need_tokens"] = need
+        if not self.turn_spans:
+            self.info["cut_first_turn"] = 1
 
     def _budget_turn(self, messages: list[Message]) -> AssistantTurn:
         self.truncated = True

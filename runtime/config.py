@@ -55,6 +55,8 @@ class RuntimeConfig:
         run_dir: directory for sockets and logs (default: a fresh temp dir, removed on exit).
         connect_timeout_s: how long a connect or a spawn handshake may take.
         ray_address: passed to ray.init() when the ray launcher starts Ray itself.
+        actor_log: a file that local actors' stdout and stderr are appended to (library
+            warnings, progress bars); None: they write to this process' stdout and stderr.
     """
 
     launcher: str = "local"
@@ -65,6 +67,7 @@ class RuntimeConfig:
     run_dir: str | None = None
     connect_timeout_s: float = 60.0
     ray_address: str | None = None
+    actor_log: str | None = None
 
     def __post_init__(self) -> None:
         if self.launcher not in LAUNCHERS:

@@ -107,19 +107,27 @@ class LocalProcess:
 
 
 class LocalLauncher:
-    """Starts actor processes as children of this process."""
+    """Starts actor processes as children of this process; their output goes to `log` (a
+    file, appended to) when given."""
+
+    def __init__(self, log: str | None = None) -> None:
+        self.log = log
 
     async def launch(self, spec: ActorSpec, env: dict[str, str] | None) -> LocalProcess:
         parent, child = socket.socketpair()
         full_env = dict(os.environ)
         full_env.update(spec.slot.env() if spec.slot else {})
         full_env.update(env or {})
+        out = open(self.log, "ab") if self.log else None  # noqa: SIM115, ASYNC230 - the child's
         try:
             proc = subprocess.Popen(  # noqa: ASYNC220 (fork+exec, ~ms)
                 [sys.executable, "-m", "earl.runtime.host", str(child.fileno()), str(os.getpid())],
-                pass_fds=(child.fileno(),), env=full_env, stdin=subprocess.DEVNULL)
+                pass_fds=(child.fileno(),), env=full_env, stdin=subprocess.DEVNULL,
+                stdout=out, stderr=out)
         finally:
             child.close()
+            if out is not None:
+                out.close()  # the child holds its own copy
         parent.setblocking(False)
         handle = LocalProcess(proc, parent, f"{spec.name}[{spec.rank}]")
         try:

@@ -49,12 +49,14 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 BROKEN_GRACE_S = 0.5  # a dying process closes its sockets a moment before it is reaped
 
 
-def make_launcher(name: str, ray_address: str | None = None) -> Launcher:
-    """The launcher named `name` ("local" or "ray"); Ray is imported only for "ray"."""
+def make_launcher(name: str, ray_address: str | None = None,
+                  actor_log: str | None = None) -> Launcher:
+    """The launcher named `name` ("local" or "ray"); Ray is imported only for "ray".
+    `actor_log`: the file local actors' stdout and stderr go to (None: this process')."""
     if name == "local":
         from earl.runtime.launch_local import LocalLauncher
 
-        return LocalLauncher()
+        return LocalLauncher(actor_log)
     if name == "ray":
         from earl.runtime.launch_ray import RayLauncher
 
@@ -244,7 +246,8 @@ class Runtime:
             raise ValueError("slot= needs the local launcher (a slot is a cgroup on this host)")
         call = pack_call(args, kwargs)  # fails here, not in the child, if an argument can't travel
         if self._launcher is None:
-            self._launcher = make_launcher(self.config.launcher, self.config.ray_address)
+            self._launcher = make_launcher(self.config.launcher, self.config.ray_address,
+                                           self.config.actor_log)
         main_file = None
         if cls.__module__ in ("__main__", "__mp_main__"):
             main_file = getattr(sys.modules["__main__"], "__file__", None)

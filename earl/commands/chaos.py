@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, help="training steps (default 7 quick, 12 full)")
     p.add_argument("--seed", type=int, default=0, help="where in a step faults land")
     p.add_argument("--output-dir", help="run folder (default: a temp dir, removed)")
-    p.add_argument("--verbose", action="store_true", help="progress and healing lines")
+    p.add_argument("--verbose", action="store_true", help="progress and healing lines; the actors' library output on the terminal instead of <output_dir>/run.log")
     p.add_argument("--json", action="store_true",
                    help="print only the report's JSON line (default: one line per fault, then "
                         "the verdict)")
@@ -110,7 +110,7 @@ def main(argv: list[str]) -> int:
         log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.verbose \
             else (lambda line: None)
         report = asyncio.run(run_chaos(cfg, faults, seed=args.seed, log=log,
-                                       deadline_s=args.deadline))
+                                       deadline_s=args.deadline, verbose=args.verbose))
     if args.json:
         print(json.dumps(report), flush=True)
     else:
@@ -131,7 +131,7 @@ def _print_report(report: dict[str, Any]) -> None:
 
 
 async def run_chaos(cfg: Any, faults: list[str], *, seed: int = 0, log: Any = print,
-                    deadline_s: float = 900.0) -> dict[str, Any]:
+                    deadline_s: float = 900.0, verbose: bool = False) -> dict[str, Any]:
     """Run `cfg` with `faults` injected; returns the report `earl chaos` prints. A run still
     going after `deadline_s` counts as hung: its tasks' stacks go to stderr, and it is
     cancelled."""
@@ -139,7 +139,8 @@ async def run_chaos(cfg: Any, faults: list[str], *, seed: int = 0, log: Any = pr
     from earl.loop.hooks import RunHooks
     from earl.loop.job import Job
     from earl.resolve import resolve_recipe
-    from earl.runtime import Runtime
+    from earl.run import quiet_logs
+    from earl.runtime import Runtime, RuntimeConfig
     from earl.runtime.dock import Dock
 
     out = Path(cfg.output_dir)
@@ -158,7 +159,8 @@ async def run_chaos(cfg: Any, faults: list[str], *, seed: int = 0, log: Any = pr
     t0 = time.perf_counter()
     error, steps, left = "", 0, 0
     try:
-        async with Runtime() as rt:
+        actor_log = None if verbose else quiet_logs(out)
+        async with Runtime(RuntimeConfig(actor_log=actor_log)) as rt:
             hooks = RunHooks(after_step=lambda r: inj.after_step(r),
                              before_checkpoint=lambda folder: inj.before_checkpoint(folder),
                              env=env)

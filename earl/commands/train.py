@@ -45,6 +45,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     p.add_argument("--trace", action="store_true", help="write trace.json (Chrome/Perfetto)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--verbose", action="store_true", help="the actors' library warnings and "
+                   "progress bars (vLLM, transformers) on the terminal instead of "
+                   "<output_dir>/run.log")
     p.add_argument("--selector", help="on: the parallelism selector re-plans layouts and "
                    "budgets before each rollout and training step (default: off)")
     args, rest = p.parse_known_args(argv)
@@ -68,15 +71,10 @@ def main(argv: list[str]) -> int:
             print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
 
     try:
-        result = asyncio.run(run(cfg, resume=args.resume, trace=args.trace, log=log))
-    except (ValueError, TypeError) as exc:
-        return _fail(args.json, f"earl train: {exc}", code=2)
-    except KeyboardInterrupt:
-        return _fail(args.json, "earl train: interrupted; continue with "
-                     f"`earl train --output-dir {cfg.output_dir} --resume`", code=130)
+        result = asyncio.run(run(cfg, resume=args.resume, trace=args.trace,
+                                 verbose=args.verbose, log=log))
     except BaseException as exc:  # noqa: BLE001 - one clear line instead of a traceback
-        return _fail(args.json, f"earl train: the run stopped: {_cause(exc)}; continue with "
-                     f"`earl train --output-dir {cfg.output_dir} --resume`", code=1)
+        return _stopped(args.json, exc, cfg.output_dir)
     key = result.target_key
     ev, ev0 = result.eval, result.eval_start
     shown = f"{key} {ev[key]:.3f}" if key in ev else "no eval tasks"
@@ -95,12 +93,29 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _cause(exc: BaseException) -> str:
-    """The innermost error of an exception group, as one line."""
+def _innermost(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
+    return exc
+
+
+def _cause(exc: BaseException) -> str:
+    """The innermost error of an exception group, as one line."""
+    exc = _innermost(exc)
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _stopped(as_json: bool, exc: BaseException, output_dir: str) -> int:
+    """Report why the run stopped. A bad setting or input (ValueError, TypeError raised in
+    this process) is not healed by a resume, so none is suggested for it."""
+    inner, resume = _innermost(exc), f"`earl train --output-dir {output_dir} --resume`"
+    if isinstance(inner, KeyboardInterrupt):
+        return _fail(as_json, f"earl train: interrupted; continue with {resume}", code=130)
+    if isinstance(inner, (ValueError, TypeError)):
+        return _fail(as_json, f"earl train: {inner}", code=2)
+    return _fail(as_json, f"earl train: the run stopped: {_cause(exc)}; continue with "
+                 f"{resume}", code=1)
 
 
 def _fail(as_json: bool, line: str, *, code: int) -> int:

@@ -15,9 +15,7 @@ __all__ = ["StalenessGate"]
 class StalenessGate:
     """Tracks the policy version and lets producers wait for their batch's turn."""
 
-    def __init__(self, max_policy_lag: int, version: int = 0) -> None:
-        if max_policy_lag < 0:
-            raise ValueError(f"max_policy_lag must be >= 0, got {max_policy_lag}")
+    def __init__(self, max_policy_lag: int, version: int = 0) -> None:  # lag >= 0: RunConfig
         self.max_policy_lag = max_policy_lag
         self.version = version
         self._changed = asyncio.Condition()

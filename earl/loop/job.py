@@ -100,6 +100,13 @@ class Job:
         return self._state is not None
 
     @property
+    def max_model_len(self) -> int:
+        """The rollout's context window (`model.max_model_len`, or the model's own)."""
+        from earl.resolve import context_length
+
+        return context_length(self.cfg.model, self.start)
+
+    @property
     def n_reference(self) -> int:
         """Reference actors: only when a KL term reads their log-probs."""
         return self.cfg.placement.reference if self.cfg.algorithm.kl_coef > 0 else 0

@@ -23,8 +23,8 @@ from earl.config import RunConfig
 from earl.loop.gate import StalenessGate
 from earl.stages.batch_types import BatchResult
 
-__all__ = ["Checkpoints", "Evaluation", "LoopState", "Production", "Schedule", "Selection",
-           "StepRecord", "Training"]
+__all__ = ["Checkpoints", "Evaluation", "LoopState", "NothingToTrain", "Production", "Schedule",
+           "Selection", "StepRecord", "Training"]
 
 
 class Production(Protocol):
@@ -57,6 +57,26 @@ class Selection(Protocol):
               ) -> contextlib.AbstractAsyncContextManager[None]: ...
 
     def using(self) -> contextlib.AbstractAsyncContextManager[None]: ...
+
+
+class NothingToTrain(ValueError):
+    """A batch without one generated token: its first prompts do not fit the context (a
+    setting to change, not a fault a resume would heal)."""
+
+    def __init__(self, batch: int, result: BatchResult) -> None:
+        eps = result.episodes
+        cut = [e for e in eps if e.truncated and e.generated == 0]
+        need = max((int(e.info.get("cut_need_tokens", 0)) for e in cut), default=0)
+        limits = sorted({str(e.info.get("cut", "context_window")) for e in cut})
+        fix = ("raise --model.max_model_len (and placement.context_window if set) to at least "
+               f"{need}" if "context_window" in limits else
+               f"raise the recipe's max_total_tokens to at least {need}")
+        super().__init__(
+            f"batch {batch}: no episode has a token to train on: {len(cut)} of {len(eps)} were "
+            f"cut before the model generated one; the longest first prompt plus the turn's "
+            f"max_tokens needs {need} tokens, over the {' and '.join(limits)}; {fix}, lower "
+            "--max_tokens, or shorten the prompt (tool schemas count)")
+        self.batch, self.need_tokens, self.limits = batch, need, limits
 
 
 @dataclass(kw_only=True, slots=True)
@@ -171,11 +191,7 @@ class Schedule:
         progress = max(self.elapsed() / self.time_limit_s, (b + 1) / self.config.steps)
         scale = self.lr_scale(progress)
         if res.samples == 0:
-            cut = sum(e.truncated and e.generated == 0 for e in res.episodes)
-            raise ValueError(f"batch {b}: no episode has a token to train on ({cut} of "
-                             f"{len(res.episodes)} were cut before the model generated one: "
-                             "the first prompt does not fit the context; raise "
-                             "model.max_model_len or shorten the prompt)")
+            raise NothingToTrain(b, res)
         async with (self.selection.train(b, res) if self.selection is not None
                     else contextlib.nullcontext()):
             metrics = await self.training.train(b, res.samples, scale)

@@ -266,6 +266,23 @@ class SlotMemory:
                 for n, b in self.pool.budgets().items()}
 
 
+def _slot_view(job: Job, rollout: tuple[str, ...], trainer: tuple[str, ...]
+               ) -> tuple[Callable[[], Mapping[str, float]], SlotMemory | None, float]:
+    """What the slots offer the cost model, their `SlotMemory` (None without slots) and the
+    per-process reserve in MiB. Without slots: one notional slot per actor rank with an even
+    share of the memory available now."""
+    import psutil
+
+    if job.slots is not None:
+        memory = SlotMemory(job.slots, trainer)
+        return memory, memory, memory.reserve
+    share = float(psutil.virtual_memory().available / (len(rollout) + len(trainer)))
+
+    def slots() -> Mapping[str, float]:
+        return {n: share for n in rollout + trainer}
+    return slots, None, job.cfg.selector.reserve_mib
+
+
 def selection_for_run(job: Job, actors: Actors) -> tuple[Selection, ActorReconfigurer]:
     """The `Selection` of a run and its reconfigurer over `actors`, built once the trainer is
     up and before the rollout replicas are (`Selection.start` spawns them with its first
@@ -276,28 +293,16 @@ def selection_for_run(job: Job, actors: Actors) -> tuple[Selection, ActorReconfi
     """
     import time
 
-    import psutil
-
-    cfg, pl, pool, sel = job.cfg, job.cfg.placement, job.slots, job.cfg.selector
+    pl, pool, sel = job.cfg.placement, job.slots, job.cfg.selector
     rollout_names = tuple(f"rollout{r}" for r in range(pl.rollout))
     trainer_names = tuple(f"trainer{r}" for r in range(pl.trainer))
-    slots: Callable[[], Mapping[str, float]]
-    slot_memory = None
-    if pool is not None:
-        slots = slot_memory = SlotMemory(pool, trainer_names)
-        reserve = slot_memory.reserve
-    else:
-        reserve = sel.reserve_mib
-        share = float(psutil.virtual_memory().available / (pl.rollout + pl.trainer))
-
-        def slots() -> Mapping[str, float]:
-            return {n: share for n in rollout_names + trainer_names}
+    slots, slot_memory, reserve = _slot_view(job, rollout_names, trainer_names)
     model_dir = str(job.start)
     cost = cost_model_of(model_dir, reserve_mib=reserve)
     kvb = cost.kv_bytes_per_token(Parallel())
     positions = int(json.loads((Path(model_dir) / "config.json").read_text())
-                    .get("max_position_embeddings", cfg.model.max_model_len))
-    window = pl.context_window or cfg.model.max_model_len
+                    .get("max_position_embeddings", job.max_model_len))
+    window = pl.context_window or job.max_model_len
     setting = Setting(trainer_dp=pl.trainer, micro_batch_tokens=pl.micro_batch_tokens,
                       rollout_replicas=pl.rollout, max_model_len=window,
                       kv_tokens=int(pl.kv_cache_gb * 2**30 / kvb),

@@ -76,7 +76,8 @@ async def spawn_attempt(job: Job, version: int) -> Attempt:
                                  groups_per_batch=cfg.batch_size // cfg.group_size,
                                  group_size=cfg.group_size, shared=job.recipe.shared_group_task,
                                  over_sample=cfg.over_sample_groups, tracer=job.tracer)
-    evaluation = ActorEvaluation(actors.producers, job.recipe, size=cfg.eval_games) \
+    evaluation = ActorEvaluation(actors.producers, job.recipe,
+                                 size=cfg.eval_games or cfg.DEFAULT_EVAL_GAMES) \
         if job.recipe.eval else None
     parts = heal(production, ActorTraining(actors, columns, job.tracer), evaluation,
                  healer=job.healer, rt=job.rt, out=job.out)
@@ -127,7 +128,7 @@ async def spawn_rollout(job: Job, actors: Actors, version: int, setting: Setting
     cfg, pl = job.cfg, job.cfg.placement
     serve = job.weights if (job.weights / "config.json").is_file() and version else job.start
     ecfg = EngineConfig(model=str(serve),
-                        max_model_len=pl.context_window or cfg.model.max_model_len,
+                        max_model_len=pl.context_window or job.max_model_len,
                         threads=pl.threads_per_actor, seed=cfg.seed,
                         kv_cache_gb=pl.kv_cache_gb, dtype="float32")
     if setting is not None and reconfigurer is not None:

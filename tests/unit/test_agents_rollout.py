@@ -341,3 +341,23 @@ def test_codec_is_exact_with_a_byte_level_bpe_tokenizer() -> None:
                 m = [{"role": role, "content": t}]
                 assert codec.encode_continuation(m) == list(codec._encode_raw(codec._delta(m)))
     assert codec._split is not None  # splitting at added tokens agreed with whole-text encoding
+
+
+def test_a_cut_session_records_why_and_how_much_context_it_needed(codec: ChatCodec) -> None:
+    """The first prompt does not fit the engine's window: the episode says so (`info.cut`),
+    with the tokens it needed, so the driver's error can name the number and the flag."""
+    engine = SimEngine(SimConfig(time_scale=0.0, max_model_len=64))
+
+    async def agent(rollout, sample):
+        turn = await rollout.generate([{"role": "user", "content": "x" * 80}])
+        return 0.0 if turn.truncated else 1.0
+
+    cfg = RolloutConfig(sampling=SamplingParams(max_tokens=16))
+    traj = asyncio.run(run_agent(agent, None, engine=engine, codec=codec, config=cfg))
+    assert traj.truncated and not traj.loss_mask.count(1)
+    assert traj.info["cut"] == "context_window" and traj.info["cut_first_turn"] == 1
+    assert int(traj.info["cut_need_tokens"]) > 80 + 16
+    capped = RolloutConfig(sampling=SamplingParams(max_tokens=16), max_total_tokens=40)
+    traj = asyncio.run(run_agent(agent, None, engine=SimEngine(SimConfig(time_scale=0.0)),
+                                 codec=codec, config=capped))
+    assert traj.info["cut"] == "max_total_tokens"

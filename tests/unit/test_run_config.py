@@ -156,3 +156,25 @@ def test_every_field_is_declared_once() -> None:
     for section in (AlgorithmConfig, OptimConfig):
         names = {f.name for f in dataclasses.fields(section)}
         assert not names & trainer - {"temperature"}, names & trainer
+
+
+async def _agent(rollout: object, sample: object) -> float:
+    return 0.0
+
+
+def test_eval_games_applies_to_eval_tasks(tmp_path) -> None:
+    """`--eval_games N` with `--eval-tasks FILE` evaluates the file's first N lines (0: all),
+    and asking for more than the file has is refused naming both numbers."""
+    from earl.resolve import resolve_recipe
+
+    f = tmp_path / "eval.jsonl"
+    f.write_text("".join(f'{{"q": {i}}}\n' for i in range(10)))
+
+    def size(n: int) -> int:
+        recipe, _ = resolve_recipe(RunConfig(eval_tasks=str(f), eval_games=n),
+                                   agent=_agent, tasks=[{"q": 0}])
+        return len(recipe.eval.samples("validation", 0, 64))
+
+    assert size(0) == 10 and size(4) == 4 and size(3) == 3  # odd is fine for a file
+    with pytest.raises(ValueError, match=r"eval_games.*12.*10 samples"):
+        size(12)

@@ -14,7 +14,7 @@ from earl.agents.tictactoe import sim_responder
 from earl.config import AlgorithmConfig, RunConfig
 from earl.engine import SamplingParams, SimConfig, SimEngine
 from earl.loop.gate import StalenessGate
-from earl.loop.schedule import LoopState, Schedule
+from earl.loop.schedule import LoopState, NothingToTrain, Schedule
 from earl.models.tiny import build_tokenizer
 from earl.runtime.dock_index import DockIndex, SampleInfo, WouldBlock
 from earl.stages.advantages import Estimator
@@ -224,7 +224,8 @@ async def test_a_batch_with_nothing_to_train_is_a_clear_error() -> None:
 
     class Cut(SimProduction):
         async def play(self, batch: int, snapshot: bool) -> BatchResult:
-            t = Trajectory(sample_id="s", group_id="g", reward=0.0, truncated=True)
+            t = Trajectory(sample_id="s", group_id="g", reward=0.0, truncated=True,
+                           info={"cut": "context_window", "cut_need_tokens": 751})
             return BatchResult(batch=batch, episodes=[episode_of(t)], samples=0, seconds=0.0)
 
     prod = Cut()
@@ -232,4 +233,8 @@ async def test_a_batch_with_nothing_to_train_is_a_clear_error() -> None:
                      evaluation=None, checkpoints=FakeCheckpoints(), state=LoopState())
     with pytest.raises(ExceptionGroup) as info:
         await sched.run()
-    assert "model.max_model_len" in str(info.value.exceptions[0])
+    err = info.value.exceptions[0]
+    assert isinstance(err, NothingToTrain) and err.need_tokens == 751
+    for words in ("--model.max_model_len", "at least 751", "context_window", "--max_tokens"):
+        assert words in str(err), (words, str(err))
+    assert "resume" not in str(err)
