@@ -44,6 +44,8 @@ import tempfile
 import time
 from contextlib import redirect_stdout
 
+import _results
+
 
 def tree_cpu_s() -> float:
     """CPU seconds (user + system) used so far by this process and all its descendants."""
@@ -123,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, default=4.5, help="loop budget per run (full mode)")
     p.add_argument("--sync-threads", default="1,2",
                    help="threads per actor tried for the sync baseline (the best one is used)")
+    _results.add_flag(p)
     a = p.parse_args(argv)
+    begun = _results.start()
     if a.repeats < 1:
         p.error("--repeats must be >= 1")
     if a.lag is None:
@@ -193,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
            "core_limit": round(cores / float(best["cores_used"]), 3),  # type: ignore[arg-type]
            "wall_s": round(time.perf_counter() - t0, 1)}
     print(json.dumps(out))
+    if a.save:
+        name = "async_vs_sync" if a.workload == "tictactoe" else f"async_vs_sync_{a.workload}"
+        _results.save(name, out, quick=a.quick, begun=begun)
     return 0
 
 

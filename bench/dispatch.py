@@ -41,6 +41,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import _results
 import numpy as np
 import zmq
 
@@ -434,7 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size-mib", type=int, default=256, help="point-to-point transfer size")
     ap.add_argument("--layout-mib", type=int, default=1024, help="experience for the layout run")
     ap.add_argument("--no-ray", action="store_true")
+    _results.add_flag(ap)
     args = ap.parse_args(argv)
+    begun = _results.start()
     reps = 3 if args.quick else 7
     nbytes = args.size_mib * MiB
     t0 = time.perf_counter()
@@ -464,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     out["cpus"] = os.cpu_count()
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(out))
+    if args.save:
+        _results.save("dispatch", out, quick=args.quick, begun=begun)
     return 0
 
 

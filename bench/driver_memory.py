@@ -20,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 
+import _results
+
 CHILD = r"""
 import asyncio, json, resource, sys
 from earl.config import load_config
@@ -59,7 +61,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    _results.add_flag(ap)
     args = ap.parse_args()
+    begun = _results.start()
     steps = 4 if args.quick else 8
     small = measure(steps, 16)
     large = measure(steps * 2, 64)  # 8x the trajectories
@@ -72,6 +76,8 @@ def main() -> None:
            "driver_peak_rss_over_experience": large["driver_peak_rss_mb"] * 2**20
            / large["experience_bytes"]}
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
+    if args.save:
+        _results.save("driver_memory", out, quick=args.quick, begun=begun)
 
 
 if __name__ == "__main__":

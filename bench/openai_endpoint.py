@@ -38,6 +38,8 @@ import statistics
 import time
 from dataclasses import asdict
 
+import _results
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -250,10 +252,15 @@ def main() -> None:
     p.add_argument("--sessions", type=int, default=256, help="concurrent sessions (throughput)")
     p.add_argument("--rounds", type=int, default=0, help="throughput rounds (default 3; 1 quick)")
     p.add_argument("--no-throughput", action="store_true", help="skip the vLLM part")
+    _results.add_flag(p)
     args = p.parse_args()
+    begun = _results.start()
     import uvloop
 
-    print(json.dumps(uvloop.run(main_async(args))))
+    out = uvloop.run(main_async(args))
+    print(json.dumps(out))
+    if args.save:
+        _results.save("openai_endpoint", out, quick=args.quick, begun=begun)
 
 
 if __name__ == "__main__":

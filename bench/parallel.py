@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import _results
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 MODEL = {"hidden": 512, "layers": 4, "heads": 8, "kv_heads": 4, "intermediate": 1536,
@@ -86,10 +88,11 @@ def _train_child(model: str, rank: int, world: int, tp: int, threads: int, url: 
     os.environ["OMP_NUM_THREADS"] = str(threads)
     import torch
 
+    from earl.stages.optim import OptimConfig
     from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
 
     torch.set_num_threads(threads)
-    t = TorchTrainer(TrainerConfig(model=model, tp=tp, dist_url=url, lr=1e-5,
+    t = TorchTrainer(TrainerConfig(model=model, tp=tp, dist_url=url, optim=OptimConfig(lr=1e-5),
                                    micro_batch_tokens=2048), rank=rank, world_size=world)
     batch = _batch()
     dp = world // tp
@@ -167,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer rounds, shorter generations")
     ap.add_argument("--parts", default="rollout,train,reconfig",
                     help="comma-separated subset of rollout, train, reconfig")
+    _results.add_flag(ap)
     args = ap.parse_args(argv)
+    begun = _results.start()
     parts = set(args.parts.split(","))
     if not parts <= {"rollout", "train", "reconfig"}:
         ap.error(f"--parts: unknown {sorted(parts - {'rollout', 'train', 'reconfig'})}")
@@ -194,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         res["reconfig_rollout_s"] = {k: round(v, 3) for k, v in rc["rollout_tp1_to_tp2"].items()}
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(res))
+    if args.save:
+        _results.save("parallel", res, quick=args.quick, begun=begun)
     return 0
 
 

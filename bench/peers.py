@@ -87,6 +87,7 @@ sys.path.insert(0, str(HERE))
 
 import _agentic_workload
 import _peers_task
+import _results
 
 RECIPE: dict[str, Any] = {"batch_size": 32, "group_size": 8, "max_tokens": 8,
                           "temperature": 1.0, "clip": 0.2, "lr": 1e-3, "seed": 0}
@@ -189,7 +190,7 @@ def run_earl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: 
            f"--group_size={r['group_size']}", f"--max_tokens={r['max_tokens']}",
            f"--seed={r['seed']}", f"--model.path={model}", "--eval_every=0",
            f"--eval_games={n_eval}", "--placement.reference=0",
-           "--checkpoint_every=1000000", f"--algorithm.lr={r['lr']}",
+           "--checkpoint_every=1000000", f"--optim.lr={r['lr']}",
            f"--algorithm.temperature={r['temperature']}", f"--algorithm.clip={r['clip']}",
            "--algorithm.kl_coef=0.0", "--algorithm.name=grpo", f"--max_policy_lag={lag}",
            f"--over_sample_groups={over_sample}"]
@@ -278,7 +279,9 @@ def main() -> None:
                          "'1,LAG+1': on-policy, and EARL's staleness bound)")
     ap.add_argument("--trl-threads", type=int, default=1,
                     help="torch threads for TRL (1 is its fastest on this loaded 2-core host)")
+    _results.add_flag(ap)
     a = ap.parse_args()
+    begun = _results.start()
     if a.earl_lag is None:
         a.earl_lag = 4 if a.task == "agentic" else 1
     if a.earl_over_sample is None:
@@ -323,7 +326,7 @@ def main() -> None:
     best = spgs[0]
     e, t = _mean(earl_runs), _mean(trl_runs[best])
     over = {**_mean(over_runs), "over_sample_groups": a.earl_over_sample} if over_runs else None
-    print(json.dumps({
+    out = {
         "earl": e, "trl": t,
         "earl_over_sampled": over and {**over, **_versus(over, t)},
         "trl_candidates": {str(g): {k: v for k, v in _mean(r).items() if k != "runs"}
@@ -332,7 +335,11 @@ def main() -> None:
         "task": a.task, "threshold": a.threshold, "rounds": rounds, "budget_s": seconds,
         "recipe": RECIPE, "earl_max_policy_lag": a.earl_lag, "model": model.name, "trl_threads": a.trl_threads,
         "loadavg_start": round(load0, 2), "loadavg_end": round(os.getloadavg()[0], 2),
-        "cpus": os.cpu_count()}))
+        "cpus": os.cpu_count()}
+    print(json.dumps(out))
+    if a.save:
+        _results.save("peers" if a.task == "agentic" else f"peers_{a.task}", out, quick=a.quick,
+                      begun=begun)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,8 @@ import sys
 import time
 from dataclasses import asdict
 
+import _results
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -292,7 +294,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time EARL's in-process engine against vLLM AsyncLLM")
     ap.add_argument("--engine-only", choices=["inproc", "asyncllm"], help=argparse.SUPPRESS)
     ap.add_argument("--turns", type=int, default=4, help=argparse.SUPPRESS)
+    _results.add_flag(ap)
     args = ap.parse_args(argv)
+    begun = _results.start()
     if args.engine_only:
         print(json.dumps(asyncio.run(engine_only(args.engine_only, args.sessions, args.turns))))
         return 0
@@ -306,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for k, v in out.items():
             print(f"{k}: {v}")
+    if args.save:
+        _results.save("rollout", out, quick=args.quick, begun=begun)
     return 0
 
 

@@ -24,6 +24,8 @@ import tempfile
 import time
 from typing import Any
 
+import _results
+
 from earl.runtime import Actor, Runtime, endpoint
 
 
@@ -202,8 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--quick", action="store_true", help="fewer iterations (< 45 s)")
     ap.add_argument("--no-ray", action="store_true", help="skip the Ray comparison")
+    _results.add_flag(ap)
     args = ap.parse_args(argv)
+    begun = _results.start()
     res = run(args.quick, with_ray=not args.no_ray)
+    if args.save:
+        _results.save("rpc", res, quick=args.quick, begun=begun)
     if args.json:
         print(json.dumps(res))
     else:

@@ -39,6 +39,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import _results
+
 from earl.runtime import sandbox
 
 LIMITS = sandbox.SandboxLimits()
@@ -164,7 +166,9 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=0, help="calls per mode and repeat")
     ap.add_argument("--threads", type=int, default=8, help="concurrent callers")
     ap.add_argument("--repeats", type=int, default=0, help="interleaved repeats per mode")
+    _results.add_flag(ap)
     a = ap.parse_args()
+    begun = _results.start()
     calls = a.calls or (100 if a.quick else 400)
     repeats = a.repeats or (2 if a.quick else 3)
     modes: dict[str, Callable[[], dict[str, float]]] = {
@@ -193,6 +197,8 @@ def main() -> None:
     res.update(loadavg_start=round(load0, 2), loadavg_end=round(os.getloadavg()[0], 2),
                cpus=os.cpu_count())
     print(json.dumps(res))
+    if a.save:
+        _results.save("sandbox", res, quick=a.quick, begun=begun)
 
 
 if __name__ == "__main__":

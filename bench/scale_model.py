@@ -1,6 +1,6 @@
 """Analytic model of intermediate-data movement per RL step: single controller vs EARL's dispatcher.
 
-    python bench/scale_model.py          # the README's table (also: earl bench scale_model)
+    python bench/scale_model.py          # docs/design/data-plane.md's table (also: earl bench scale_model)
     python bench/scale_model.py --gpus 1024 --model-params 230e9 --context-len 32768
 
 A model at a scale this machine cannot run, not a measurement, and no part of the runtime: it
@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+
+import _results
 
 # bytes per token of each stage's inputs (scattered) and outputs (gathered), verl dtypes
 ROLLOUT_OUT = 8 * 4 + 4  # input_ids, attention_mask, position_ids, response_mask + logprobs
@@ -115,7 +117,7 @@ SCENARIOS = [
 
 
 def table(configs: list[ScaleConfig] = SCENARIOS) -> str:
-    """A markdown table of `estimate` for each config (the README's scale table)."""
+    """A markdown table of `estimate` for each config (docs/design/data-plane.md's scale table)."""
     rows = [
         ("| GPUs | model | context | batch (seqs) | TPxPP | data through driver | "
         "single controller | EARL dispatcher |"),
@@ -144,9 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context-len", type=int)
     ap.add_argument("--prompts", type=int)
     ap.add_argument("--driver-GBps", type=float)
+    _results.add_flag(ap)
     args = ap.parse_args(argv)
-    given = {k: v for k, v in vars(args).items() if v is not None}
-    print(table([ScaleConfig(**given)] if given else SCENARIOS))
+    begun = _results.start()
+    given = {k: v for k, v in vars(args).items() if v is not None and k != "save"}
+    configs = [ScaleConfig(**given)] if given else SCENARIOS
+    print(table(configs))
+    if args.save:
+        _results.save("scale_model", {"scenarios": [
+            {"config": asdict(c), "estimate": asdict(estimate(c))} for c in configs]},
+            quick=False, begun=begun)
     return 0
 
 

@@ -21,7 +21,7 @@ run is held back by a smaller KV cache). Configurations:
   growing later costs a vLLM start), so the replica starts with that window; before each
   training step it sets the trainer's budget to what the slot holds for the measured contexts.
 * `selector_lean`: the same, but its first plan assumes contexts of `--window` tokens
-  (`--selector_initial_context`): the replica starts small and is re-created, live, once the
+  (`--selector.initial_context`): the replica starts small and is re-created, live, once the
   games outgrow it (the reconfiguration this run reports, by phase).
 * `truncate`: `static_small`'s window at `static_safe`'s budget: it fits the memory by cutting
   contexts; its reward and final eval against the selector's are the learning comparison.
@@ -42,6 +42,8 @@ import argparse
 import json
 import os
 import sys
+
+import _results
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -93,7 +95,7 @@ CONFIGS: dict[str, list[str]] = {
     "static_safe": ["--placement.context_window=2048", "--placement.micro_batch_tokens=2048"],
     "selector": ["--placement.micro_batch_tokens=65536", "--selector=on"],
     "selector_lean": ["--placement.micro_batch_tokens=65536", "--selector=on",
-                      "--selector_initial_context=WINDOW"],
+                      "--selector.initial_context=WINDOW"],
     # the learning comparison: cuts contexts to the initial window, at a budget that fits
     "truncate": ["--placement.micro_batch_tokens=2048"],
 }
@@ -284,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="each run's KV-cache budget per replica (the selector's plan sets its "
                          "own: 0.14 GB, 131,072 tokens of the tiny model, in a 1,200 MiB slot)")
     ap.add_argument("--out", default="", help="run folders (default: a temporary folder)")
+    _results.add_flag(ap)
     args = ap.parse_args(argv)
+    begun = _results.start()
     if not args.profile:
         import tempfile
 
@@ -292,12 +296,17 @@ def main(argv: list[str] | None = None) -> int:
         res = compare(quick=args.quick, slot_mib=args.slot_mib, rollout_mib=args.rollout_slot_mib,
                       window=args.window, root=root, kv_gb=args.kv_gb)
         print(json.dumps(res) if args.json else json.dumps(res, indent=1))
+        if args.save:
+            _results.save("selector", res, quick=args.quick, begun=begun)
         return 0
     buckets = (256, 512, 1024) if args.quick else (256, 512, 1024, 2048, 4096)
     points = _profile(buckets, quiet=args.json)
+    errors = [abs(float(str(p["error"]))) for p in points]
+    out = {"points": points, "max_abs_error": max(errors)}
     if args.json:
-        errors = [abs(float(str(p["error"]))) for p in points]
-        print(json.dumps({"points": points, "max_abs_error": max(errors)}))
+        print(json.dumps(out))
+    if args.save:
+        _results.save("selector_profile", out, quick=args.quick, begun=begun)
     return 0
 
 

@@ -22,6 +22,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 
+import _results
 import numpy as np
 
 from earl.runtime.selector.cost import GB, CostConfig, CostModel, ModelShape, Parallel, Stage
@@ -205,9 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--gpus", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--steps", type=int, default=40)
+    _results.add_flag(ap)
     args = ap.parse_args(argv)
+    begun = _results.start()
     runs = [run(SimConfig(gpus=g, steps=args.steps)) for g in args.gpus]
     cal = calibration()
+    if args.save:
+        _results.save("selector_simulate", {"calibration": cal, "runs": runs}, quick=False,
+                      begun=begun)
     if args.json:
         print(json.dumps({"calibration": cal, "runs": runs}))
         return 0

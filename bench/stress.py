@@ -24,6 +24,8 @@ import sys
 import time
 from typing import Any
 
+import _results
+
 
 def _stress(args: list[str]) -> dict[str, Any]:
     # exit status 1 means some sessions failed: reported in the JSON, not an error here
@@ -58,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--quick", action="store_true", help="2,000 sessions, smaller burst (< 60 s)")
+    _results.add_flag(ap)
     a = ap.parse_args(argv)
+    begun = _results.start()
     n = 2000 if a.quick else 10000
     scale = _stress(["--sessions", str(n), "--env", "tictactoe"])
     turns = int(scale["turns"])
@@ -87,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(res))
     else:
         print(json.dumps(res, indent=2))
+    if a.save:
+        _results.save("stress", res, quick=a.quick, begun=begun)
     return 0
 
 

@@ -29,6 +29,8 @@ import tempfile
 import time
 from collections.abc import Callable
 
+import _results
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -134,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="one model, 32 samples, 2 rounds")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=None)
+    _results.add_flag(ap)
     args = ap.parse_args(argv)
+    begun = _results.start()
     import torch
 
     torch.set_num_threads(args.threads)
@@ -157,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                         "not to a datasheet peak",
            "models": models}
     print(json.dumps(out))
+    if args.save:
+        _results.save("trainer", out, quick=args.quick, begun=begun)
     return 0
 
 

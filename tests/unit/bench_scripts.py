@@ -14,6 +14,8 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 def load(name: str) -> ModuleType:
     """`bench/<name>.py`, imported once as the module `bench_<name>`."""
     key = f"bench_{name}"
+    if str(BENCH) not in sys.path:  # as when run as a script: its helpers (`_results`) import
+        sys.path.insert(0, str(BENCH))
     if key not in sys.modules:
         spec = importlib.util.spec_from_file_location(key, BENCH / f"{name}.py")
         assert spec is not None and spec.loader is not None

@@ -1,0 +1,274 @@
+"""The README's benchmark table, built from the latest result file of each benchmark in
+bench/results/ (the files a benchmark's `--save` writes: bench/_results.py).
+
+    python bench/report.py                    # print the table
+    python bench/report.py --check README.md  # exit 1 if the README's table is not this one
+    python bench/report.py --write README.md  # put this table in the README
+
+In the README the table sits between the lines `<!-- bench-table -->` and `<!-- /bench-table -->`.
+A benchmark with no result file has no row (the names are listed on stderr). Not a benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+REPO = RESULTS.parents[1]
+START, END = "<!-- bench-table -->", "<!-- /bench-table -->"
+Result = dict[str, Any]
+
+
+def latest(folder: Path = RESULTS) -> dict[str, tuple[Path, Result]]:
+    """The newest saved record (by its start time) of each benchmark name in `folder`."""
+    out: dict[str, tuple[Path, Result]] = {}
+    for path in sorted(folder.glob("*.json")):
+        rec = json.loads(path.read_text())
+        old = out.get(rec["bench"])
+        if old is None or _started(rec) > _started(old[1]):
+            out[rec["bench"]] = (path, rec)
+    return out
+
+
+def _started(rec: Result) -> datetime.datetime:
+    return datetime.datetime.fromisoformat(rec["facts"]["started"])
+
+
+def _x(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "-"
+
+
+def _rpc(r: Result) -> str:
+    s = (f"round trip {r['rtt_us_median']:.0f} us median, "
+         f"{r['calls_per_s_pipelined'] / 1e3:.0f}k pipelined calls/s; "
+         f"ZMQ DEALER/ROUTER {r['zmq_dealer_router_rtt_us_median']:.0f} us")
+    if r.get("ray_rtt_us_median"):
+        s += (f"; Ray {r['ray_rtt_us_median']:.0f} us, "
+              f"{r['ray_calls_per_s_pipelined'] / 1e3:.1f}k calls/s")
+    return s
+
+
+def _transports(r: Result) -> str:
+    tr = ", ".join(f"{k} {v}" for k, v in r["transfer_GBps"].items() if v is not None)
+    s = f"GB/s: {tr}; memcpy {r['memcpy_GBps']} (best {r['best_vs_memcpy']:.2f} of it)"
+    if r.get("ray_put_get_GBps"):
+        s += f"; Ray put + get {r['ray_put_get_GBps']}"
+    return s
+
+
+def _layout(r: Result) -> str:
+    lay, rss = r["layout"], r["layout"]["driver_peak_rss_MB"]
+    return (f"dispatcher {lay['decentralized_s']:.3f} s, driver RSS "
+            f"{rss['decentralized']:.0f} MB; single controller {lay['single_controller_s']:.3f} s "
+            f"(**{lay['speedup']:.2f}x** slower), driver RSS {rss['single_controller']:.0f} MB")
+
+
+def _rollout(r: Result) -> str:
+    t = r["tiny"]
+    s = (f"{t['sessions']} agent coroutines x {t['turns']} turns: {t['agent_loop_tok_s']:,.0f} "
+         f"tok/s, **{t['ratio']:.2f}** of one vLLM batch per turn ({t['batched_ref_tok_s']:,.0f})")
+    if "smollm2_135m" in r:
+        s += f"; SmolLM2-135M {r['smollm2_135m']['ratio']:.2f}"
+    return s
+
+
+def _weights(r: Result) -> str:
+    t = r["tiny"]
+    s = (f"tiny model {t['weight_sync_s']:.3f} s in place (memcpy of its bytes "
+         f"{t['weight_memcpy_s']:.4f} s)")
+    if "smollm2_135m" in r:
+        m = r["smollm2_135m"]
+        s += f"; SmolLM2-135M {m['weight_sync_s']:.2f} s (memcpy {m['weight_memcpy_s']:.3f} s)"
+    return s
+
+
+def _stress(r: Result) -> str:
+    s = r["scale"]
+    return (f"{s['sessions']:,} sessions ({s['sessions_failed']} failed), "
+            f"{s['turns_per_s'] / 1e3:.1f}k turns/s, {s['overhead_us_per_turn']:.0f} us runtime "
+            f"CPU per turn (bare asyncio {r['floor_asyncio_us_per_turn']:.0f} us), "
+            f"peak RSS {s['peak_rss_mb']:.0f} MB")
+
+
+def _executor(r: Result) -> str:
+    el, st = r["executor"]["elastic"], r["executor"]["static"]
+    return (f"elastic: mean tool latency {el['act_mean_ms'] / 1e3:.2f} s, p99 "
+            f"{el['act_p99_ms'] / 1e3:.1f} s, {el['workers_peak']} workers; static per-session: "
+            f"{st['act_mean_ms'] / 1e3:.1f} s, p99 {st['act_p99_ms'] / 1e3:.1f} s, "
+            f"{st['workers_peak']} workers")
+
+
+def _sandbox(r: Result) -> str:
+    e = r["earl"] if r["isolation_available"] else r["earl_rlimits"]
+    sp, fl = r["spawn"], r["fork_floor"]
+    return (f"{r['calls']} calls from {r['threads']} threads: {e['calls_per_s']:.0f} calls/s, "
+            f"{e['cpu_ms_per_call']:.1f} ms CPU per call; a fresh interpreter per call: "
+            f"{sp['calls_per_s']:.0f} calls/s, {sp['cpu_ms_per_call']:.1f} ms "
+            f"(**{r['cpu_ratio_spawn_vs_earl']:.2f}x** the CPU); bare fork "
+            f"{fl['cpu_ms_per_call']:.2f} ms")
+
+
+def _trainer(r: Result) -> str:
+    m = r["models"]["h128_l4"]
+    tok = m["fwd_bwd_tok_s"]
+    return (f"{m['params'] / 1e6:.1f}M params, fwd+bwd: packed (varlen) "
+            f"{tok['varlen'] / 1e3:.1f}k tok/s, padded {tok['padded'] / 1e3:.1f}k, block mask "
+            f"{tok['mask'] / 1e3:.1f}k; whole train step {m['train_step_tok_s'] / 1e3:.1f}k tok/s, "
+            f"MFU {m['mfu']:.2f} of a matmul timed in the same run")
+
+
+def _driver_memory(r: Result) -> str:
+    s, g = r["small"], r["large"]
+    return (f"driver peak RSS {s['driver_peak_rss_mb']:.0f} MB with "
+            f"{s['experience_bytes'] / 2**20:.2f} MB of experience, "
+            f"{g['driver_peak_rss_mb']:.0f} MB with {g['experience_bytes'] / 2**20:.2f} MB "
+            f"({r['experience_ratio']:.1f}x the experience): {r['driver_rss_growth_mb']:+.1f} MB")
+
+
+def _openai(r: Result) -> str:
+    s = f"overhead **{r['overhead_ms_median']:.2f} ms** per request over `rollout.generate`"
+    if "throughput_ratio" in r:
+        s += (f"; {r['sessions']} sessions x {r['turns']} turns through the rollout actor: "
+              f"throughput **{r['throughput_ratio']:.2f}** of `rollout.generate`'s "
+              f"({r['throughput_ratio_openai_client']:.2f} with the `openai` package as client)")
+    return s
+
+
+def _async(r: Result) -> str:
+    a, s = r["async"], r["sync"]
+    best = f", the best of {len(r['sync_candidates'])} settings" if len(r["sync_candidates"]) > 1 \
+        else ""
+    return (f"async (lag {a['max_policy_lag']}) {a['trajectories_per_s']:.1f} traj/s; sync (lag 0"
+            f"{best}) {s['trajectories_per_s']:.1f} traj/s: **{r['throughput_ratio']:.2f}x**; "
+            f"final {r['quality_key']} {a['final_quality']:.2f} vs {s['final_quality']:.2f} "
+            f"({r['repeats']} repeat{'s' if r['repeats'] > 1 else ''})")
+
+
+def _peers(r: Result) -> str:
+    e, t = r["earl"], r["trl"]
+    s = (f"EARL {e['trajectories_per_s']:.1f} traj/s, TRL {t['trajectories_per_s']:.1f}: "
+         f"**{r['ratio_trajectories_per_s']:.2f}x** (eval reward {e['final_eval']['reward']:.2f} "
+         f"vs {t['final_eval']['reward']:.2f})")
+    if r.get("earl_over_sampled"):
+        s += f"; over-sampled EARL {r['earl_over_sampled']['ratio_turns_per_s']:.2f}x turns/s"
+    return s
+
+
+def _selector(r: Result) -> str:
+    return (f"selector {r['throughput_ratio_vs_best_static']:.2f}x the best static layout "
+            f"({r['best_static']}); OOM or cut contexts: static "
+            f"{'yes' if r['oom_static'] else 'no'}, selector "
+            f"{'yes' if r['oom_selector'] else 'no'}; {r['samples_lost']} samples lost")
+
+
+def _simulate(r: Result) -> str:
+    big = max(r["runs"], key=lambda x: x["gpus"])
+    return (f"{big['gpus']} GPUs, 70B, contexts 4K -> 32K: selector "
+            f"{big['selector_tokens_per_s']:,.0f} tok/s vs best static in hindsight "
+            f"{big['best_static_tokens_per_s']:,.0f} "
+            f"(**{big['throughput_ratio_vs_best_static']:.2f}x**), "
+            f"{'OOM' if big['oom_selector'] else 'no OOM'}; "
+            f"{big['static_oom']} of {big['static_layouts']} static layouts OOM")
+
+
+def _scale(r: Result) -> str:
+    sc = max(r["scenarios"], key=lambda x: x["config"]["gpus"])
+    c, e = sc["config"], sc["estimate"]
+    return (f"{c['gpus']} GPUs, {c['model_params'] / 1e9:.0f}B, {c['context_len'] // 1024}K "
+            f"context: {e['volume_TB']:.2f} TB per step through a single controller, "
+            f"{e['single_controller_s'] / 60:.1f} min; dispatcher {e['dispatcher_s'] * 1e3:.0f} ms")
+
+
+def _parallel(r: Result) -> str:
+    parts = [f"{r['params'] / 1e6:.1f}M params"]
+    for key, what in (("rollout_tok_s", "rollout"), ("train_tok_s", "training")):
+        if key in r:
+            t = r[key]
+            parts.append(f"{what} TP2 {t['tp2']:,.0f} vs TP1 {t['tp1']:,.0f} tok/s "
+                         f"({t['tp2_vs_tp1']:.2f}x)")
+    if "reconfig_trainer_s" in r:
+        parts.append(f"re-layout trainer DP2 -> TP2 {r['reconfig_trainer_s']['total_s']:.1f} s, "
+                     f"rollout TP1 -> TP2 {r['reconfig_rollout_s']['total_s']:.1f} s")
+    return "; ".join(parts)
+
+
+# (result name, what is measured, figure); the table's rows, in order
+ROWS: list[tuple[str, str, Callable[[Result], str]]] = [
+    ("rpc", "actor RPC, one caller, one actor", _rpc),
+    ("dispatch", "data plane, 256 MiB point to point, receiver reads every byte", _transports),
+    ("dispatch", "layout-aware dispatch: 1 GiB, 2 producers -> DP2xTP2", _layout),
+    ("rollout", "rollout: agent coroutines through the vLLM rollout actor", _rollout),
+    ("rollout", "weight sync, trainer -> vLLM", _weights),
+    ("openai_endpoint", "OpenAI-compatible endpoint", _openai),
+    ("stress", "stress: concurrent sessions, simulated engine", _stress),
+    ("stress", "tool executor, bursty calculator load", _executor),
+    ("sandbox", "sandboxed `python` tool", _sandbox),
+    ("trainer", "trainer step, packed sequences", _trainer),
+    ("driver_memory", "driver memory vs experience (metadata only)", _driver_memory),
+    ("async_vs_sync", "async vs sync pipeline, Tic-Tac-Toe", _async),
+    ("async_vs_sync_agentic", "async vs sync, agentic (tools that wait)", _async),
+    ("peers", "peer: TRL GRPOTrainer, same agentic task and budget", _peers),
+    ("parallel", "tensor parallelism on CPU", _parallel),
+    ("selector", "parallelism selector in the loop (connect4, memory slots)", _selector),
+    ("selector_simulate", "parallelism selector, simulated cluster", _simulate),
+    ("scale_model", "data through the driver per step, analytic model", _scale),
+]
+
+
+def table(records: dict[str, tuple[Path, Result]]) -> str:
+    """The markdown table: one row per entry of ROWS whose benchmark has a result file."""
+    lines = ["| what | figure | command | result |", "|---|---|---|---|"]
+    for name, what, figure in ROWS:
+        if name not in records:
+            continue
+        path, rec = records[name]
+        rel = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+        lines.append(f"| {what} | {figure(rec['result'])} | `{rec['facts']['command']}` | "
+                     f"[{path.name}]({rel}) |")
+    return "\n".join(lines)
+
+
+def replace_table(text: str, new: str) -> str:
+    """`text` with what lies between the START and END markers replaced by `new`."""
+    head, sep, rest = text.partition(START + "\n")
+    _, sep2, tail = rest.partition(END)
+    if not sep or not sep2:
+        raise ValueError(f"the README needs the lines {START} and {END} around the table")
+    return head + START + "\n" + new + "\n" + END + tail
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    group = ap.add_mutually_exclusive_group()
+    group.add_argument("--check", metavar="README", help="exit 1 if its table differs")
+    group.add_argument("--write", metavar="README", help="replace its table")
+    args = ap.parse_args(argv)
+    records = latest(RESULTS)
+    missing = sorted({name for name, _, _ in ROWS} - set(records))
+    if missing:
+        print(f"no result file yet: {', '.join(missing)}", file=sys.stderr)
+    new = table(records)
+    if args.check or args.write:
+        path = Path(args.check or args.write)
+        text = path.read_text()
+        updated = replace_table(text, new)
+        if args.check:
+            if updated != text:
+                print(f"{path}: the benchmark table is not the latest results; run "
+                      f"`python bench/report.py --write {path}`", file=sys.stderr)
+                return 1
+            return 0
+        path.write_text(updated)
+        return 0
+    print(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
