@@ -432,6 +432,10 @@ def parse_overrides(args: list[str]) -> dict[str, object]:
                 raise ValueError(  # noqa: TRY004 - a bad override string, not a type
                     f"override --{key} conflicts with an earlier --{part}=...")
             node = nxt
+        if isinstance(node.get(parts[-1]), dict):
+            raise ValueError(  # noqa: TRY004 - a bad override string, not a type
+                f"override --{key}={raw} conflicts with an earlier --{key}.<field>"
+                f"=...; write it as --{key}.<field>=... too (e.g. --selector.mode=on)")
         node[parts[-1]] = value
     return out
 

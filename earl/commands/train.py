@@ -57,9 +57,11 @@ def main(argv: list[str]) -> int:
     from earl.config import load_config
 
     overrides = list(rest)
-    for name in ("output_dir", "recipe", "agent", "tasks", "eval_tasks", "reward", "selector"):
+    for name in ("output_dir", "recipe", "agent", "tasks", "eval_tasks", "reward"):
         if getattr(args, name):
             overrides.append(f"--{name}={getattr(args, name)}")
+    if args.selector:  # beside --selector.<knob>=... overrides
+        overrides.append(f"--selector.mode={args.selector}")
     try:
         cfg = load_config(args.config, overrides)
     except (ValueError, TypeError) as exc:

@@ -22,6 +22,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+from earl.loop.checkpoint import trim_logs
 from earl.loop.schedule import LoopState, Schedule
 from earl.loop.step_log import StepLog
 from earl.resolve import model_folder
@@ -41,6 +42,8 @@ async def train_attempt(job: Job, resume: bool) -> RunResult:
 
     cfg, recipe, store = job.cfg, job.recipe, job.checkpoints()
     state, trainer_ckpt, producer_states = store.load() if resume else (LoopState(), "", [])
+    if resume:
+        trim_logs(job.out, state.step)  # the metrics and trajectories of steps not kept
     job.begin(state, resume=resume)
     if not resume:
         await warm_start(job, model_folder(cfg, job.out))

@@ -41,6 +41,8 @@ def test_parse_overrides_nested() -> None:
         parse_overrides(["--steps"])
     with pytest.raises(ValueError, match="--seed=VALUE"):  # a bare flag never eats the next
         parse_overrides(["--seed", "--steps=3"])
+    with pytest.raises(ValueError, match="conflicts"):  # a section is never silently replaced
+        parse_overrides(["--selector.initial_context=192", "--selector=on"])
 
 
 @pytest.mark.parametrize(("overrides", "exc", "words"), [
