@@ -17,6 +17,7 @@ on exit and sweeps what killed runs left behind (`earl.runtime.cleanup`) when it
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import os
 import re
@@ -280,6 +281,17 @@ class Runtime:
                                        for i, a in enumerate(group.addresses)))
         group._conns[:] = conns
         return group
+
+    def restart_with(self, group: ActorGroup[Any] | str, *args: Any, **kwargs: Any) -> None:
+        """From now on, a restarted rank of `group` starts with these constructor arguments
+        (for an actor that rebuilt itself in place, e.g. a rollout replica now serving another
+        config: its restart must not bring back the old one)."""
+        name = group if isinstance(group, str) else group.name
+        sup = self._groups.get(name)
+        if sup is None:
+            raise KeyError(f"this runtime did not spawn a live group named {name!r}")
+        call = pack_call(args, kwargs)
+        sup.specs = [dataclasses.replace(s, call=call) for s in sup.specs]
 
     async def stop(self, group: ActorGroup[Any] | str) -> None:
         """Stop a group this runtime spawned and remove it from the directory."""

@@ -121,14 +121,18 @@ class ActorReconfigurer:
                 self.actors.use_trainer(group, new.micro_batch_tokens)
             else:
                 moved = tuple(n for n in old.rollout_slots if n not in new.rollout_slots)
+                # the same replicas in the same slots: rebuild the engines in their processes
+                in_place = (new.rollout_replicas == old.rollout_replicas
+                            and new.rollout_slots == old.rollout_slots)
                 version = await self.actors.trainer[0].version.call_one()
                 group, t = await reconfigure_rollout(
                     self.rt, self.actors.rollout, tensor_parallel_size=new.rollout_tp,
                     replicas=new.rollout_replicas, trainer=self.actors.trainer, version=version,
                     env=self.env,
-                    slot=self._placed(new.rollout_slots, new.rollout_replicas, "rollout"),
+                    slot=None if in_place else self._placed(new.rollout_slots,
+                                                            new.rollout_replicas, "rollout"),
                     max_model_len=new.max_model_len, kv_cache_gb=self.kv_cache_gb(new),
-                    restart=self.restart)
+                    restart=self.restart, in_place=in_place)
                 self._release(moved)
                 await self.actors.use_rollout(group, version)
             for k, v in t.as_dict().items():

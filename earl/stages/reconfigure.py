@@ -43,12 +43,14 @@ class ReconfigTimes:
     save_s: float = 0.0
     stop_s: float = 0.0
     spawn_s: float = 0.0
+    rebuild_s: float = 0.0  # an engine rebuilt inside its warm process (no stop, no spawn)
     load_s: float = 0.0
     push_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return self.save_s + self.stop_s + self.spawn_s + self.load_s + self.push_s
+        return (self.save_s + self.stop_s + self.spawn_s + self.rebuild_s + self.load_s
+                + self.push_s)
 
     def as_dict(self) -> dict[str, float]:
         return {**dataclasses.asdict(self), "total_s": self.total_s}
@@ -113,10 +115,15 @@ async def reconfigure_rollout(
     rt: Runtime, group: ActorGroup[RolloutActor], *, tensor_parallel_size: int,
     replicas: int | None = None, trainer: ActorGroup[TrainerActor] | None = None,
     version: int | None = None, env: dict[str, str] | None = None,
-    slot: Any = None, restart: RestartPolicy | None = None, **changes: Any,
+    slot: Any = None, restart: RestartPolicy | None = None, in_place: bool = False,
+    **changes: Any,
 ) -> tuple[ActorGroup[RolloutActor], ReconfigTimes]:
     """Re-create the rollout `group` with a new TP degree (and replica count), then have
     `trainer` push the current weights into it at the current policy version.
+
+    With `in_place` (same replicas in the same slots) each replica rebuilds its engine inside
+    its warm process (`RolloutActor.rebuild`, phase ``rebuild_s``) instead of a new process
+    being spawned, and the runtime restarts a replica with the new config from then on.
 
     Args:
         rt: the runtime that spawned `group`.
@@ -132,6 +139,8 @@ async def reconfigure_rollout(
         slot: the new replicas' device slots (`Runtime.spawn`'s ``slot=``: one per replica).
         restart: the new group's restart policy (a run passes its healer's: the replicas it
             re-creates are restarted after a death like the ones it spawned).
+        in_place: rebuild the engines in the live processes (`replicas` and `slot` must not
+            change; `env` and `restart` stay the group's).
         changes: other `EngineConfig` fields to change (e.g. ``kv_cache_gb``, ``max_model_len``).
 
     Returns:
@@ -144,14 +153,21 @@ async def reconfigure_rollout(
         version = (await trainer[0].version.call_one() if trainer is not None
                    else await group[0].policy_version.call_one())
     t0 = time.perf_counter()
-    await group.close.call()
-    await rt.stop(group)
-    t1 = time.perf_counter()
-    new = await rt.spawn(group.name, RolloutActor, new_cfg, version, n=n, env=env, slot=slot,
-                         restart=restart)
+    if in_place:
+        if n != len(group):
+            raise ValueError(f"reconfigure_rollout(in_place=True) keeps the {len(group)} "
+                             f"replicas; {n} needs new processes (in_place=False)")
+        await group.rebuild.call(new_cfg, version)
+        rt.restart_with(group, new_cfg, version)
+        new, times = group, {"rebuild_s": time.perf_counter() - t0}
+    else:
+        await group.close.call()
+        await rt.stop(group)
+        t1 = time.perf_counter()
+        new = await rt.spawn(group.name, RolloutActor, new_cfg, version, n=n, env=env,
+                             slot=slot, restart=restart)
+        times = {"stop_s": t1 - t0, "spawn_s": time.perf_counter() - t1}
     t2 = time.perf_counter()
-    t3 = t2
     if trainer is not None:
         await trainer.push_weights.call(new, version)
-        t3 = time.perf_counter()
-    return new, ReconfigTimes(stop_s=t1 - t0, spawn_s=t2 - t1, push_s=t3 - t2)
+    return new, ReconfigTimes(**times, push_s=time.perf_counter() - t2)

@@ -54,3 +54,42 @@ async def test_rollout_goes_tp1_to_tp2_with_the_trainers_weights() -> None:
         await rt.wait_status(rollout[0], "up", min_restarts=1, timeout=120)
         assert (await rt.dir_call("lookup", "rollout")).pids[0] != pid
         await trainer.close.call()
+
+
+async def test_rollout_rebuilds_its_engine_in_its_warm_process() -> None:
+    """A longer window for the same replica: the engine is rebuilt inside the live process (no
+    new process), serves the trainer's weights at the version, and a restart after a death
+    brings back the new window, not the spawn-time one."""
+    from earl.runtime import RestartPolicy, Runtime
+    from earl.stages.reconfigure import reconfigure_rollout
+    from earl.stages.rollout import RolloutActor
+    from earl.stages.trainer import TrainerActor, TrainerConfig
+    from earl.stages.vllm_engine import EngineConfig
+
+    served, trained = default_model_dir(init_std=0.2, seed=0), default_model_dir(init_std=0.2,
+                                                                                 seed=1)
+    async with Runtime() as rt:
+        rollout, trainer = await asyncio.gather(
+            rt.spawn("rollout", RolloutActor,
+                     EngineConfig(model=str(served), dtype="float32", max_model_len=128,
+                                  kv_cache_gb=0.0625), n=1, env=ENV,
+                     restart=RestartPolicy(max_restarts=1)),
+            rt.spawn("trainer", TrainerActor, TrainerConfig(model=str(trained), threads=1),
+                     env=ENV))
+        await trainer.push_weights.call(rollout, 3)
+        before = await rollout[0].generate.call_one(PROMPT, GREEDY)
+        pid = (await rt.dir_call("lookup", "rollout")).pids[0]
+        rollout, times = await reconfigure_rollout(rt, rollout, tensor_parallel_size=1,
+                                                   trainer=trainer, version=3, in_place=True,
+                                                   max_model_len=512, kv_cache_gb=0.125)
+        assert (await rt.dir_call("lookup", "rollout")).pids[0] == pid  # the same process
+        assert times.rebuild_s > 0 and times.spawn_s == times.stop_s == 0
+        assert (await rollout[0].engine_config.call_one()).max_model_len == 512
+        after = await rollout[0].generate.call_one(PROMPT, GREEDY)
+        assert after.token_ids == before.token_ids and set(after.versions) == {3}
+        long = await rollout[0].generate.call_one([1] * 300, GREEDY)  # past the old window
+        assert long.token_ids
+        os.kill(pid, signal.SIGKILL)
+        await rt.wait_status(rollout[0], "up", min_restarts=1, timeout=120)
+        assert (await rollout[0].engine_config.call_one()).max_model_len == 512
+        await trainer.close.call()
