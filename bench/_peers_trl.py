@@ -79,7 +79,8 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
 
         data = Dataset.from_list([{"prompt": [work.first_message(r)]} for r in rows])
         reward_fn: Any = ag.episode_reward
-        extra["rollout_func"] = ag.rollout_func(ag.load_tasks(cfg["train"]), tok, turns)
+        extra["rollout_func"] = ag.rollout_func(ag.load_tasks(cfg["train"]), tok, turns,
+                                                pace=str(cfg.get("pace", "episode")))
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     else:
         data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["question"]}],

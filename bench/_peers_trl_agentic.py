@@ -8,10 +8,12 @@ answered with a digit. Environment-driven turns like these are what TRL's `rollo
 (its OpenEnv integration uses it); `tools=` / `environment_factory` only act on tool calls the
 model emits in its chat template's syntax, which a model trained from random weights never does.
 
-TRL gets its best configuration here, not its built-in tool loop's: every turn generates for all
-live episodes in one batch through TRL's own generation path (`_generate_single_turn`, the one
-its tool loop uses), then runs every episode's tool call at once (`asyncio.gather`; TRL's own
-loop calls them one sample after another). The tool output goes in as a user message whose
+Two ways to play a batch, both through TRL's own generation path (`_generate_single_turn`, the
+one its tool loop uses; its built-in loop calls tools one sample after another), chosen in the
+same run by `bench/peers.py`: `Episodes` ("turn") generates every live episode's turn in one
+batch, then runs every tool call at once, so each turn waits for the slowest tool; and
+`PacedEpisodes` ("episode") lets each episode go at its own pace, generation batched over
+whichever episodes are waiting for the model. The tool output goes in as a user message whose
 tokens are the chat template's delta, found the way TRL's tool loop finds it (a dummy
 conversation rendered with and without it). Environment tokens get `env_mask` 0, so only the
 model's tokens are trained and counted.
@@ -102,16 +104,77 @@ class Episodes:
                 "turns": [s["turns"] for s in samples]}
 
 
+class PacedEpisodes(Episodes):
+    """Plays a batch of episodes each at its own pace: an episode generates as soon as its tool
+    answered, batched with whichever episodes are waiting for the model at that moment (the
+    generation runs in a thread while other episodes' tools run), so no episode waits for the
+    slowest tool call of a turn. A `rollout_func` is arbitrary code: this is how a TRL user
+    would write a multi-turn loop over tools that wait."""
+
+    def play(self, samples: list[dict[str, int]], generate: Generate) -> dict[str, Any]:
+        return asyncio.run(self._play(samples, generate))
+
+    async def _play(self, samples: list[dict[str, int]], generate: Generate) -> dict[str, Any]:
+        n = len(samples)
+        prompt_ids = [self._render([work.first_message(s)], True) for s in samples]
+        ids = [list(p) for p in prompt_ids]
+        completion: list[list[int]] = [[] for _ in range(n)]
+        mask: list[list[int]] = [[] for _ in range(n)]
+        digits = [0] * n
+        waiting: dict[int, asyncio.Future[list[int]]] = {}
+        ready = asyncio.Event()
+
+        async def batcher() -> None:  # one generation at a time, over every waiting episode
+            while True:
+                await ready.wait()
+                ready.clear()
+                batch = dict(waiting)
+                waiting.clear()
+                outs = await asyncio.to_thread(generate, [ids[i] for i in batch])
+                for fut, out in zip(batch.values(), outs, strict=True):
+                    fut.set_result(out)
+
+        async def episode(i: int) -> None:
+            s = samples[i]
+            for turn in range(s["turns"]):
+                fut: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
+                waiting[i] = fut
+                ready.set()
+                out = await fut
+                digits[i] += work.answered(self.tok.decode(out, skip_special_tokens=True))
+                ids[i] += out
+                completion[i] += out
+                mask[i] += [1] * len(out)
+                obs = await work.observe(s, turn)
+                if turn + 1 < s["turns"]:  # the last observation is never shown to the model
+                    suffix = self._suffix(obs)
+                    ids[i] += suffix
+                    completion[i] += suffix
+                    mask[i] += [0] * len(suffix)
+
+        gen = asyncio.create_task(batcher())
+        try:
+            await asyncio.gather(*(episode(i) for i in range(n)))
+        finally:
+            gen.cancel()
+        return {"prompt_ids": prompt_ids, "completion_ids": completion, "env_mask": mask,
+                "episode_reward": [digits[i] / samples[i]["turns"] for i in range(n)],
+                "turns": [s["turns"] for s in samples]}
+
+
 async def _observe_all(samples: list[dict[str, int]], turn: int) -> list[str]:
     """Every live episode's tool call for this turn, all at once."""
     return list(await asyncio.gather(*(work.observe(s, turn) for s in samples)))
 
 
-def rollout_func(tasks: dict[int, dict[str, int]], tok: Any, turns_log: list[int]
-                 ) -> Callable[[list[Any], Any], dict[str, Any]]:
+def rollout_func(tasks: dict[int, dict[str, int]], tok: Any, turns_log: list[int],
+                 pace: str = "episode") -> Callable[[list[Any], Any], dict[str, Any]]:
     """TRL's `rollout_func`: the episodes of the prompts it is given, sampled through the
-    trainer's own generation path."""
-    episodes = Episodes(tok)
+    trainer's own generation path; `pace` "episode" (each at its own pace, `PacedEpisodes`) or
+    "turn" (every live episode's turn generated together, then every tool call at once)."""
+    if pace not in ("episode", "turn"):
+        raise ValueError(f"pace {pace!r}: use 'episode' or 'turn'")
+    episodes = PacedEpisodes(tok) if pace == "episode" else Episodes(tok)
 
     def run(prompts: list[Any], trainer: Any) -> dict[str, Any]:
         def generate(batch: list[list[int]]) -> list[list[int]]:

@@ -12,24 +12,27 @@ synchronous pipeline idles while its slowest trajectories wait; the async run (`
 default here) keeps several batches in flight. Quality is the agent's mean reward on held-out
 tasks (greedy), `final_quality` in both objects.
 
-The sync baseline gets its best configuration: a sync phase (rollout, then reference and
-training) may use every core, so the first round runs it with 1 and with 2 threads per actor
-(`placement.threads_per_actor`), and the faster of the two is the baseline for the remaining
-repeats (a configuration 10x slower on a loaded machine would otherwise dominate the run time).
-The async run uses 1 thread per actor (its stages overlap instead). Throughput is the steady-state loop: trajectories
-(`batch_size` per step) from the end of the first step to the end of the last, timed by the
-run's own per-step log lines, so start-up, warm start and the final eval are not counted (they
-are the same in both modes); evals during the loop are off. Prints one JSON object:
+The sync baseline gets its best configuration, chosen in the same run. Async at lag L has up to
+L+1 batches in flight; on a waiting-bound workload concurrency alone can decide the result, so
+sync is also offered the same concurrency: play L+1 batches as one round (`batch_size` x (L+1)),
+then train them (one step). Its stages do not overlap, so it may use every core: 1 and 2
+threads per actor (`placement.threads_per_actor`). The first round runs every sync
+configuration (threads x {1, L+1} batches per round) and the fastest is the baseline for the
+remaining repeats, interleaved with async (a configuration 10x slower on a loaded machine would
+otherwise dominate the run time). The async run uses 1 thread per actor (its stages overlap).
 
-- ``sync`` / ``async``: the chosen configuration's ``trajectories_per_s`` (mean), its
-  ``trajectories_per_s_runs`` and ``spread`` ((max - min) / mean), ``cores_used`` (CPU seconds
-  of the whole process tree per wall second over the loop, mean), ``final_win_draw`` (mean of
-  the greedy 200-game final evals; the same eval in both modes) and the run details.
-- ``sync_candidates``: every sync configuration measured, by threads per actor (the losers
-  only in the first round).
-- ``throughput_ratio``: async / best sync trajectories/s; ``core_limit``: cores / the best sync
-  configuration's cores_used (the ratio a perfect overlap could reach if it only filled idle
-  cores); ``async_cores_used``: the async run's own core use.
+Throughput is steady state: trajectories per second between the run's own per-step log lines,
+after the pipeline has filled (async: from the end of step L+1, the batches started before the
+first step was trained are not counted; sync: from the end of step 1), so start-up, warm start
+and the final eval are not counted; evals during the loop are off. Quality comes from the final
+greedy eval on at least 200 held-out episodes, the same in every run. Prints one JSON object:
+
+- ``async`` / ``sync_best``: ``trajectories_per_s`` (mean over repeats), ``in_flight``
+  (trajectories played at once at most), ``threads``, the runs, ``spread`` ((max - min) / mean),
+  ``cores_used`` (CPU seconds of the process tree per wall second), ``final_quality``.
+- ``sync_runs``: every sync configuration measured (the losers only in the first round).
+- ``ratio_steady_state``: async / best sync trajectories/s (means); ``ratios_per_repeat``: the
+  same per interleaved repeat; ``core_limit``: cores / the best sync configuration's cores_used.
 """
 
 from __future__ import annotations
@@ -62,14 +65,17 @@ def tree_cpu_s() -> float:
     return total
 
 
-def run_once(lag: int, threads: int, overrides: list[str], out: str,
+def run_once(lag: int, threads: int, rounds: int, overrides: list[str], out: str,
              quality_key: str = "win_draw_rate") -> dict[str, object]:
-    """One `earl train` run; the loop's steady-state throughput and core use."""
+    """One `earl train` run (`rounds` batches per step); its steady-state throughput."""
     from earl.config import load_config
     from earl.run import train
 
+    base = load_config(None, overrides)
+    steps = max(3, -(-base.steps // rounds)) if base.steps < 100000 else base.steps
     cfg = load_config(None, [*overrides, f"--max_policy_lag={lag}", f"--output_dir={out}",
-                             f"--placement.threads_per_actor={threads}"])
+                             f"--placement.threads_per_actor={threads}",
+                             f"--batch_size={base.batch_size * rounds}", f"--steps={steps}"])
     marks: list[tuple[float, float]] = []  # (wall, CPU of the whole process tree) per step
 
     def on_log(line: str) -> None:
@@ -80,16 +86,18 @@ def run_once(lag: int, threads: int, overrides: list[str], out: str,
     with redirect_stdout(io.StringIO()):
         res = train(cfg, log=on_log)
     wall = time.perf_counter() - t0
-    if len(marks) < 2:
+    fill = lag  # async: the marks of the first lag+1 steps include batches started before
+    if len(marks) < fill + 2:
         raise RuntimeError(f"{len(marks)} step lines logged in {wall:.0f} s (steps {res.steps}, "
-                           f"stopped by {getattr(res, 'stopped', '?')!r}); raise --steps or the "
-                           "time limit")
-    loop_s = marks[-1][0] - marks[0][0]
-    trajectories = (len(marks) - 1) * cfg.batch_size
+                           f"stopped by {getattr(res, 'stopped', '?')!r}); the steady state "
+                           f"starts after step {fill + 1}: raise --steps or the time limit")
+    loop_s = marks[-1][0] - marks[fill][0]
+    trajectories = (len(marks) - 1 - fill) * cfg.batch_size
     return {"max_policy_lag": lag, "threads_per_actor": threads, "steps": len(marks),
+            "batch_size": cfg.batch_size, "in_flight": cfg.batch_size * (lag + 1),
             "trajectories": trajectories, "loop_seconds": round(loop_s, 2),
             "trajectories_per_s": round(trajectories / loop_s, 2),
-            "cores_used": round((marks[-1][1] - marks[0][1]) / loop_s, 3),
+            "cores_used": round((marks[-1][1] - marks[fill][1]) / loop_s, 3),
             "final_win_draw": res.eval.get("win_draw_rate", float("nan")),
             "final_quality": res.eval[quality_key], "wall_s": round(wall, 1)}
 
@@ -99,7 +107,8 @@ def summarize(runs: list[dict[str, object]]) -> dict[str, object]:
     tps = [float(r["trajectories_per_s"]) for r in runs]  # type: ignore[arg-type]
     mean = statistics.fmean(tps)
     return {"max_policy_lag": runs[0]["max_policy_lag"],
-            "threads_per_actor": runs[0]["threads_per_actor"], "repeats": len(runs),
+            "threads": runs[0]["threads_per_actor"], "in_flight": runs[0]["in_flight"],
+            "batch_size": runs[0]["batch_size"], "repeats": len(runs),
             "trajectories_per_s": round(mean, 2), "trajectories_per_s_runs": tps,
             "trajectories_per_s_stdev": round(statistics.stdev(tps), 2) if len(tps) > 1 else 0.0,
             "spread": round((max(tps) - min(tps)) / mean, 3),
@@ -125,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, default=4.5, help="loop budget per run (full mode)")
     p.add_argument("--sync-threads", default="1,2",
                    help="threads per actor tried for the sync baseline (the best one is used)")
+    p.add_argument("--sync-rounds", default="",
+                   help="batches per sync step tried (default: 1 and lag+1, the async run's "
+                        "batches in flight)")
     _results.add_flag(p)
     a = p.parse_args(argv)
     begun = _results.start()
@@ -141,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     # modes run the same steps (quick) or the same loop budget (full); the final eval compares.
     if a.quick:
         common = ["--steps=10", "--time_limit_minutes=30", "--warm_start.steps=0",
-                  "--batch_size=32", "--group_size=8", "--eval_every=0", "--eval_games=20",
+                  "--batch_size=32", "--group_size=8", "--eval_every=0", "--eval_games=200",
                   "--seed=0"]
     else:
         common = ["--steps=100000", f"--time_limit_minutes={a.minutes}", "--eval_every=0",
@@ -154,41 +166,48 @@ def main(argv: list[str] | None = None) -> int:
 
         here = os.path.dirname(os.path.abspath(__file__))
         train = write_tasks(os.path.join(tmp_tasks.name, "train.jsonl"), 512, seed=1)
-        held = write_tasks(os.path.join(tmp_tasks.name, "eval.jsonl"), 32, seed=2)
+        held = write_tasks(os.path.join(tmp_tasks.name, "eval.jsonl"), 200, seed=2)
         common = [f"--agent={here}/_agentic_workload.py:agent", f"--tasks={train}",
                   f"--eval_tasks={held}", "--max_tokens=8", "--batch_size=32",
                   "--group_size=4", "--eval_every=0", "--placement.reference=0",
                   "--model.max_model_len=1024", "--warm_start.steps=0", "--seed=0",
-                  "--steps=8" if a.quick else "--steps=100000",
+                  "--steps=10" if a.quick else "--steps=100000",
                   "--time_limit_minutes=30" if a.quick else f"--time_limit_minutes={a.minutes}"]
         quality_key = "reward"
-    configs = [(0, t) for t in sync_threads] + [(a.lag, 1)]
-    runs: dict[tuple[int, int], list[dict[str, object]]] = {c: [] for c in configs}
+    rounds = [int(x) for x in a.sync_rounds.split(",")] if a.sync_rounds else \
+        sorted({1, a.lag + 1})
+    Config = tuple[int, int, int]  # (lag, threads, batches per step)
+    sync_configs: list[Config] = [(0, t, m) for t in sync_threads for m in rounds]
+    async_config: Config = (a.lag, 1, 1)
+    configs = [*sync_configs, async_config]
+    runs: dict[Config, list[dict[str, object]]] = {c: [] for c in configs}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
-        for rep in range(a.repeats):  # interleaved: sync t1, sync t2, async, sync t1, ...
-            for lag, threads in configs:
-                r = run_once(lag, threads, common, os.path.join(d, f"lag{lag}-t{threads}-{rep}"),
-                             quality_key)
-                runs[(lag, threads)].append(r)
-                print(f"lag {lag} threads {threads} rep {rep}: {r['trajectories_per_s']} traj/s, "
-                      f"{r['cores_used']} cores ({time.perf_counter() - t0:.0f} s)",
-                      file=sys.stderr, flush=True)
-            if rep == 0:  # the faster sync configuration of round 0 goes on alone
-                best_t = max(sync_threads, key=lambda t: float(
-                    runs[(0, t)][0]["trajectories_per_s"]))  # type: ignore[arg-type]
-                configs = [(0, best_t), (a.lag, 1)]
-    cands = {t: summarize(runs[(0, t)]) for t in sync_threads}
-    best = cands[best_t]
-    asyn = summarize(runs[(a.lag, 1)])
+        for rep in range(a.repeats):  # interleaved: every sync setting, async, best sync, ...
+            for lag, threads, m in configs:
+                r = run_once(lag, threads, m, common,
+                             os.path.join(d, f"lag{lag}-t{threads}-m{m}-{rep}"), quality_key)
+                runs[(lag, threads, m)].append(r)
+                print(f"lag {lag} threads {threads} rounds {m} rep {rep}: "
+                      f"{r['trajectories_per_s']} traj/s, {r['cores_used']} cores "
+                      f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+            if rep == 0:  # the fastest sync configuration of round 0 goes on alone
+                best_c = max(sync_configs, key=lambda c: float(
+                    runs[c][0]["trajectories_per_s"]))  # type: ignore[arg-type]
+                configs = [best_c, async_config]
+    best = summarize(runs[best_c])
+    asyn = summarize(runs[async_config])
     cores = os.cpu_count() or 1
     tmp_tasks.cleanup()
+    per_repeat = [round(float(x["trajectories_per_s"]) / float(y["trajectories_per_s"]), 3)  # type: ignore[arg-type]
+                  for x, y in zip(runs[async_config], runs[best_c], strict=True)]
     out = {"bench": "async_vs_sync", "workload": a.workload, "quick": a.quick,
            "repeats": a.repeats, "quality_key": quality_key,
-           "sync": best, "async": asyn,
-           "sync_candidates": {str(t): s for t, s in cands.items()},
-           "throughput_ratio": round(float(asyn["trajectories_per_s"])  # type: ignore[arg-type]
-                                     / float(best["trajectories_per_s"]), 3),  # type: ignore[arg-type]
+           "sync_best": best, "async": asyn,
+           "sync_runs": [summarize(runs[c]) for c in sync_configs],
+           "ratio_steady_state": round(float(asyn["trajectories_per_s"])  # type: ignore[arg-type]
+                                       / float(best["trajectories_per_s"]), 3),  # type: ignore[arg-type]
+           "ratios_per_repeat": per_repeat,
            "final_win_draw_delta": round(float(asyn["final_win_draw"])  # type: ignore[arg-type]
                                          - float(best["final_win_draw"]), 4),  # type: ignore[arg-type]
            "final_quality_delta": round(float(asyn["final_quality"])  # type: ignore[arg-type]

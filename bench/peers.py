@@ -25,14 +25,17 @@ Tasks (`--task`):
 EARL runs through its public CLI (`earl train --agent [--reward]`, its default placement: vLLM
 rollout, producer and trainer actors) with `max_policy_lag` `--earl-lag` (4 agentic, 1 echo).
 TRL runs through `bench/_peers_trl.py` with its natural CPU configuration (transformers
-generation, one process, torch with `--trl-threads` threads, 1 by default: 2 made `generate`
-~20x slower on a loaded host and changed nothing on a quiet one). TRL gets its best
-configuration of `steps_per_generation` (one generation feeds that many optimizer steps, its
-own staleness knob): round 0 runs each of `--trl-steps-per-generation` (default 1 and LAG+1,
-i.e. on-policy and EARL's staleness bound), and the fastest goes on. Each side runs in its own
-process tree, sides alternate, and the parent samples the tree's memory every 0.25 s.
+generation, one process) and gets its best configuration, chosen in the same invocation: round
+0 runs every combination of its multi-turn loop's pace (`--trl-pace`: "episode", each episode
+at its own pace with generation batched over whichever episodes wait for the model, or "turn",
+every live episode's turn together, then every tool call at once), its torch threads
+(`--trl-threads`, default 1,2; 1 in --quick) and its `steps_per_generation` (one generation feeds
+that many optimizer steps, its own staleness knob; default 1 and LAG+1, on-policy and EARL's
+staleness bound); the fastest goes on. Each side runs in its own process tree, sides alternate,
+and the parent samples the tree's memory every 0.25 s.
 
-Prints one JSON object: ``earl`` and ``trl`` (means over rounds, plus per-round ``runs``):
+Prints one JSON object: ``earl`` and ``trl_best`` (means over rounds, plus per-round ``runs``;
+``trl_best.config`` is its configuration):
 
 - ``trajectories_per_s``: steady-state loop rate, trajectories from the end of the first step
   to the end of the last (start-up, the first step's warm-up and the final eval not counted);
@@ -61,11 +64,11 @@ shorter episodes on average (its ``turns_mean`` says how much) and of generation
 groups; with its own ``ratio_trajectories_per_s``, ``ratio_turns_per_s``,
 ``ratio_tokens_per_s`` and ``quality_delta`` against the same TRL runs.
 
-Top level: ``ratio_trajectories_per_s``, ``ratio_turns_per_s`` and ``ratio_tokens_per_s`` (EARL
-at its default, no over-sampling, / TRL's best),
-``quality_delta`` (EARL - TRL final eval reward), ``trl_candidates`` (every TRL configuration
-measured, by `steps_per_generation`), ``trl_steps_per_generation`` (the one compared),
-``spread`` per side, the settings, and the machine's load average at the start and end.
+Top level: ``ratio_trajectories_per_s``, ``ratio_trajectories_per_cpu_s``,
+``ratio_turns_per_s`` and ``ratio_tokens_per_s`` (EARL at its default, no over-sampling, /
+TRL's best), ``quality_delta`` (EARL - TRL final eval reward), ``eval`` (each side's final eval),
+``trl_runs`` (every TRL configuration measured, with its configuration), ``spread`` per side,
+the settings, and the machine's load average at the start and end.
 """
 
 from __future__ import annotations
@@ -191,7 +194,8 @@ def run_earl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: 
            f"--seed={r['seed']}", f"--model.path={model}", "--eval_every=0",
            f"--eval_games={n_eval}", "--placement.reference=0",
            "--checkpoint_every=1000000", f"--optim.lr={r['lr']}",
-           f"--algorithm.temperature={r['temperature']}", f"--algorithm.clip={r['clip']}",
+           f"--algorithm.temperature={r['temperature']}", f"--algorithm.clip_low={r['clip']}",
+           f"--algorithm.clip_high={r['clip']}",
            "--algorithm.kl_coef=0.0", "--algorithm.name=grpo", f"--max_policy_lag={lag}",
            f"--over_sample_groups={over_sample}"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -212,11 +216,13 @@ def run_earl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: 
 
 
 def run_trl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: float,
-            threshold: float, threads: int, spg: int) -> dict[str, Any]:
+            threshold: float, threads: int, spg: int, pace: str = "episode") -> dict[str, Any]:
     """One `GRPOTrainer` run (bench/_peers_trl.py) in its own process; `spg` is its
-    `steps_per_generation` (one generation feeds that many optimizer steps)."""
+    `steps_per_generation` (one generation feeds that many optimizer steps), `pace` its
+    multi-turn loop's ("episode" or "turn", `bench/_peers_trl_agentic.py`)."""
     cfg = {**RECIPE, "task": task, "model": str(model), "train": str(train), "eval": str(ev),
-           "out": str(out), "seconds": seconds, "threads": threads, "steps_per_generation": spg}
+           "out": str(out), "seconds": seconds, "threads": threads, "steps_per_generation": spg,
+           "pace": pace}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "OMP_NUM_THREADS": str(threads)}
     stdout, _, peak, cpu = run_tree([sys.executable, str(HERE / "_peers_trl.py"), json.dumps(cfg)],
@@ -227,7 +233,7 @@ def run_trl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: f
     s = summarize(steps, RECIPE["batch_size"], gen_len, res["wall_s"], cpu, threshold)
     fe = res["final_eval"]
     return {**s, "peak_rss_mb": round(peak), "turns_mean": round(res["turns_mean"], 2),
-            "steps_per_generation": spg,
+            "steps_per_generation": spg, "threads": threads, "pace": pace,
             "final_eval": {"reward": round(fe["reward"], 3), "accuracy": round(fe["accuracy"], 3)}}
 
 
@@ -254,7 +260,8 @@ def _mean(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def _versus(side: dict[str, Any], trl: dict[str, Any]) -> dict[str, float]:
     """`side`'s ratios of the rates to TRL's, and its eval reward minus TRL's."""
     out = {f"ratio_{k}": round(side[k] / max(trl[k], 1e-9), 2)
-           for k in ("trajectories_per_s", "tokens_per_s", "turns_per_s")}
+           for k in ("trajectories_per_s", "trajectories_per_cpu_s", "tokens_per_s",
+                     "turns_per_s")}
     return {**out, "quality_delta": round(side["final_eval"]["reward"]
                                           - trl["final_eval"]["reward"], 3)}
 
@@ -277,8 +284,10 @@ def main() -> None:
     ap.add_argument("--trl-steps-per-generation", default=None,
                     help="TRL configurations tried in round 0, the fastest goes on (default "
                          "'1,LAG+1': on-policy, and EARL's staleness bound)")
-    ap.add_argument("--trl-threads", type=int, default=1,
-                    help="torch threads for TRL (1 is its fastest on this loaded 2-core host)")
+    ap.add_argument("--trl-threads", default=None,
+                    help="torch threads tried for TRL in round 0 (default 1,2; 1 with --quick)")
+    ap.add_argument("--trl-pace", default="episode,turn",
+                    help="TRL multi-turn loops tried in round 0 (agentic task): episode, turn")
     _results.add_flag(ap)
     a = ap.parse_args()
     begun = _results.start()
@@ -289,8 +298,12 @@ def main() -> None:
     if a.threshold is None:
         a.threshold = 0.5 if a.task == "agentic" else 0.3
     spgs = [int(x) for x in (a.trl_steps_per_generation or f"1,{a.earl_lag + 1}").split(",")]
+    threads = [int(x) for x in (a.trl_threads or ("1" if a.quick else "1,2")).split(",")]
+    paces = a.trl_pace.split(",") if a.task == "agentic" else ["turn"]
+    TrlConfig = tuple[str, int, int]  # (pace, threads, steps_per_generation)
+    configs: list[TrlConfig] = [(p, t, g) for p in paces for t in threads for g in spgs]
     rounds = a.rounds or (1 if a.quick else 2)
-    seconds = a.seconds or (120.0 if a.quick else 240.0)
+    seconds = a.seconds or (100.0 if a.quick else 240.0)
     from earl.config import ModelConfig, RunConfig
     from earl.resolve import model_folder
 
@@ -306,7 +319,7 @@ def main() -> None:
             train, ev = _peers_task.write_data(root / "data", 4000, RECIPE["seed"])
         earl_runs: list[dict[str, Any]] = []
         over_runs: list[dict[str, Any]] = []  # EARL with over-sampled groups
-        trl_runs: dict[int, list[dict[str, Any]]] = {g: [] for g in spgs}
+        trl_runs: dict[TrlConfig, list[dict[str, Any]]] = {c: [] for c in configs}
         for i in range(rounds):  # alternate sides, and which goes first, across rounds
             order = ("earl", "trl") if i % 2 == 0 else ("trl", "earl")
             for side in order:
@@ -317,23 +330,29 @@ def main() -> None:
                         over_runs.append(run_earl(a.task, model, train, ev,
                                                   root / f"earl{i}_over", seconds, a.threshold,
                                                   a.earl_lag, a.earl_over_sample))
-                for g in spgs if side == "trl" else ():
-                    trl_runs[g].append(run_trl(a.task, model, train, ev, root / f"trl{i}_{g}",
-                                               seconds, a.threshold, a.trl_threads, g))
+                for c in configs if side == "trl" else ():
+                    pace, th, g = c
+                    trl_runs[c].append(run_trl(a.task, model, train, ev,
+                                               root / f"trl{i}_{pace}_{th}_{g}", seconds,
+                                               a.threshold, th, g, pace))
                 print(f"[peers] round {i} {side} done", file=sys.stderr, flush=True)
             if i == 0:  # TRL's fastest configuration of round 0 goes on alone
-                spgs = [max(spgs, key=lambda g: trl_runs[g][0]["trajectories_per_s"])]
-    best = spgs[0]
-    e, t = _mean(earl_runs), _mean(trl_runs[best])
+                configs = [max(configs, key=lambda c: trl_runs[c][0]["trajectories_per_s"])]
+    best = configs[0]
+
+    def config(c: TrlConfig) -> dict[str, Any]:
+        return {"pace": c[0], "threads": c[1], "steps_per_generation": c[2]}
+
+    e, t = _mean(earl_runs), {**_mean(trl_runs[best]), "config": config(best)}
     over = {**_mean(over_runs), "over_sample_groups": a.earl_over_sample} if over_runs else None
     out = {
-        "earl": e, "trl": t,
+        "earl": e, "trl_best": t,
         "earl_over_sampled": over and {**over, **_versus(over, t)},
-        "trl_candidates": {str(g): {k: v for k, v in _mean(r).items() if k != "runs"}
-                           for g, r in trl_runs.items()},
-        "trl_steps_per_generation": best, **_versus(e, t),
+        "trl_runs": [{"config": config(c), **{k: v for k, v in _mean(r).items() if k != "runs"}}
+                     for c, r in trl_runs.items()],
+        **_versus(e, t), "eval": {"earl": e["final_eval"], "trl_best": t["final_eval"]},
         "task": a.task, "threshold": a.threshold, "rounds": rounds, "budget_s": seconds,
-        "recipe": RECIPE, "earl_max_policy_lag": a.earl_lag, "model": model.name, "trl_threads": a.trl_threads,
+        "recipe": RECIPE, "earl_max_policy_lag": a.earl_lag, "model": model.name,
         "loadavg_start": round(load0, 2), "loadavg_end": round(os.getloadavg()[0], 2),
         "cpus": os.cpu_count()}
     print(json.dumps(out))

@@ -44,6 +44,11 @@ def _x(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else "-"
 
 
+def _main_job(r: Result) -> str:
+    return (f"{r['metric']} **{r['eval']:.3f}** after {r['steps']} steps in "
+            f"{r['wall_minutes']:.1f} min (warm start alone {r['eval_start']:.3f})")
+
+
 def _rpc(r: Result) -> str:
     s = (f"round trip {r['rtt_us_median']:.0f} us median, "
          f"{r['calls_per_s_pipelined'] / 1e3:.0f}k pipelined calls/s; "
@@ -141,20 +146,34 @@ def _openai(r: Result) -> str:
 
 
 def _async(r: Result) -> str:
-    a, s = r["async"], r["sync"]
-    best = f", the best of {len(r['sync_candidates'])} settings" if len(r["sync_candidates"]) > 1 \
-        else ""
-    return (f"async (lag {a['max_policy_lag']}) {a['trajectories_per_s']:.1f} traj/s; sync (lag 0"
-            f"{best}) {s['trajectories_per_s']:.1f} traj/s: **{r['throughput_ratio']:.2f}x**; "
-            f"final {r['quality_key']} {a['final_quality']:.2f} vs {s['final_quality']:.2f} "
-            f"({r['repeats']} repeat{'s' if r['repeats'] > 1 else ''})")
+    a = r["async"]
+    if "sync_best" not in r:  # files from before the matched-concurrency sync baseline
+        s = r["sync"]
+        return (f"async (lag {a['max_policy_lag']}) {a['trajectories_per_s']:.1f} traj/s; sync "
+                f"(lag 0) {s['trajectories_per_s']:.1f} traj/s: **{r['throughput_ratio']:.2f}x**"
+                f"; final {r['quality_key']} {a['final_quality']:.2f} vs "
+                f"{s['final_quality']:.2f} ({r['repeats']} repeats)")
+    s, per = r["sync_best"], r["ratios_per_repeat"]
+    return (f"steady state, async (lag {a['max_policy_lag']}, {a['in_flight']} in flight) "
+            f"{a['trajectories_per_s']:.1f} traj/s vs the best of {len(r['sync_runs'])} sync "
+            f"settings ({s['in_flight']} in flight, {s['threads']} threads) "
+            f"{s['trajectories_per_s']:.1f}: **{r['ratio_steady_state']:.2f}x** (per repeat "
+            f"{min(per):.2f}-{max(per):.2f}); final {r['quality_key']} "
+            f"{a['final_quality']:.2f} vs {s['final_quality']:.2f}")
 
 
 def _peers(r: Result) -> str:
-    e, t = r["earl"], r["trl"]
-    s = (f"EARL {e['trajectories_per_s']:.1f} traj/s, TRL {t['trajectories_per_s']:.1f}: "
-         f"**{r['ratio_trajectories_per_s']:.2f}x** (eval reward {e['final_eval']['reward']:.2f} "
-         f"vs {t['final_eval']['reward']:.2f})")
+    e = r["earl"]
+    t = r.get("trl_best") or r["trl"]  # "trl": files from before TRL's configuration sweep
+    s = (f"EARL {e['trajectories_per_s']:.1f} traj/s, TRL's best "
+         f"{t['trajectories_per_s']:.1f}: **{r['ratio_trajectories_per_s']:.2f}x**")
+    if "ratio_trajectories_per_cpu_s" in r:
+        s += f", per CPU-second {r['ratio_trajectories_per_cpu_s']:.2f}x"
+    if "config" in t:
+        c = t["config"]
+        s += (f" (TRL {c['pace']} pace, {c['threads']} thread(s), steps_per_generation "
+              f"{c['steps_per_generation']}, best of {len(r['trl_runs'])})")
+    s += (f"; eval reward {e['final_eval']['reward']:.2f} vs {t['final_eval']['reward']:.2f}")
     if r.get("earl_over_sampled"):
         s += f"; over-sampled EARL {r['earl_over_sampled']['ratio_turns_per_s']:.2f}x turns/s"
     return s
@@ -200,6 +219,8 @@ def _parallel(r: Result) -> str:
 
 # (result name, what is measured, figure); the table's rows, in order
 ROWS: list[tuple[str, str, Callable[[Result], str]]] = [
+    ("main_job", "the main job: `earl train`, Tic-Tac-Toe, tiny model, held-out games", _main_job),
+    ("main_job_calc", "calc recipe: tool use, held-out accuracy", _main_job),
     ("rpc", "actor RPC, one caller, one actor", _rpc),
     ("dispatch", "data plane, 256 MiB point to point, receiver reads every byte", _transports),
     ("dispatch", "layout-aware dispatch: 1 GiB, 2 producers -> DP2xTP2", _layout),

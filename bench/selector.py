@@ -93,8 +93,8 @@ CONFIGS: dict[str, list[str]] = {
     "static_small": ["--placement.micro_batch_tokens=65536"],
     "static_fast": ["--placement.context_window=2048", "--placement.micro_batch_tokens=65536"],
     "static_safe": ["--placement.context_window=2048", "--placement.micro_batch_tokens=2048"],
-    "selector": ["--placement.micro_batch_tokens=65536", "--selector=on"],
-    "selector_lean": ["--placement.micro_batch_tokens=65536", "--selector=on",
+    "selector": ["--placement.micro_batch_tokens=65536", "--selector.mode=on"],
+    "selector_lean": ["--placement.micro_batch_tokens=65536", "--selector.mode=on",
                       "--selector.initial_context=WINDOW"],
     # the learning comparison: cuts contexts to the initial window, at a budget that fits
     "truncate": ["--placement.micro_batch_tokens=2048"],

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1900)]
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"trajectories_per_s", "tokens_per_s", "seconds_to_threshold", "final_eval",
         "peak_rss_mb"}
@@ -27,11 +27,11 @@ def test_bench_peers_quick() -> None:
     pytest.importorskip("trl", reason="TRL is the peer: pip install 'earl[peers]' (trl==1.16.0)")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "peers.py"), "--json", "--quick"],
-                       capture_output=True, text=True, timeout=1100, env=env, check=False,
+                       capture_output=True, text=True, timeout=1800, env=env, check=False,
                        cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
-    earl, trl, over = res["earl"], res["trl"], res["earl_over_sampled"]
+    earl, trl, over = res["earl"], res["trl_best"], res["earl_over_sampled"]
     max_tokens, batch = res["recipe"]["max_tokens"], res["recipe"]["batch_size"]
     for side in (earl, trl, over):
         # TRL's gen_len_mean is the mean of its per-step means (`completions/mean_length`) and
@@ -61,13 +61,20 @@ def test_bench_peers_quick() -> None:
     assert res["task"] == "agentic"
     # the same task on both sides: mean turns per trajectory agree (~150 groups each)
     assert earl["turns_mean"] == pytest.approx(trl["turns_mean"], rel=0.35)
-    # TRL is compared in its fastest configuration of those measured, on-policy included
-    cands = res["trl_candidates"]
-    assert set(cands) == {"1", str(res["earl_max_policy_lag"] + 1)}
-    assert trl["trajectories_per_s"] == max(c["trajectories_per_s"] for c in cands.values())
-    assert trl["runs"][0]["steps_per_generation"] == res["trl_steps_per_generation"]
+    # TRL is compared in its fastest configuration of those measured: both multi-turn paces
+    # (each episode at its own pace, and turn by turn), on-policy and EARL's staleness bound
+    tried = {(r["config"]["pace"], r["config"]["steps_per_generation"]) for r in res["trl_runs"]}
+    lag = res["earl_max_policy_lag"]
+    assert tried == {(p, g) for p in ("episode", "turn") for g in (1, lag + 1)}
+    assert trl["trajectories_per_s"] == max(r["trajectories_per_s"] for r in res["trl_runs"])
+    run = trl["runs"][0]
+    assert {"pace": run["pace"], "threads": run["threads"],
+            "steps_per_generation": run["steps_per_generation"]} == trl["config"]
     assert res["ratio_trajectories_per_s"] == pytest.approx(
         earl["trajectories_per_s"] / trl["trajectories_per_s"], rel=0.02)
+    assert res["ratio_trajectories_per_cpu_s"] == pytest.approx(
+        earl["trajectories_per_cpu_s"] / trl["trajectories_per_cpu_s"], rel=0.02)
+    assert res["eval"] == {"earl": earl["final_eval"], "trl_best": trl["final_eval"]}
     assert res["ratio_tokens_per_s"] == pytest.approx(
         earl["tokens_per_s"] / trl["tokens_per_s"], rel=0.02)
     assert res["quality_delta"] == pytest.approx(

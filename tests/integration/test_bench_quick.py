@@ -46,16 +46,21 @@ def test_rollout_quick() -> None:
 def check_async_vs_sync(res: dict, repeats: int, sync_threads: list[int]) -> None:  # type: ignore[type-arg]
     """The invariants of bench/async_vs_sync.py's JSON (also usable on a saved full run)."""
     assert res["bench"] == "async_vs_sync" and res["repeats"] == repeats
-    sync, asyn = res["sync"], res["async"]
-    assert sync["max_policy_lag"] == 0 and asyn["max_policy_lag"] >= 1
-    cands = res["sync_candidates"]
-    assert sorted(cands) == sorted(str(t) for t in sync_threads)
-    # the faster sync configuration of the first round is the baseline and gets every repeat
-    assert sync == cands[str(sync["threads_per_actor"])]
-    for other in cands.values():
+    sync, asyn = res["sync_best"], res["async"]
+    lag = asyn["max_policy_lag"]
+    assert sync["max_policy_lag"] == 0 and lag >= 1
+    # every (threads, batches per round) sync setting was tried, including the async run's
+    # concurrency: lag + 1 batches in flight
+    tried = {(r["threads"], r["in_flight"]) for r in res["sync_runs"]}
+    batch = asyn["batch_size"]
+    assert tried == {(t, batch * m) for t in sync_threads for m in (1, lag + 1)}
+    assert asyn["in_flight"] == batch * (lag + 1)
+    # the fastest sync setting of the first round is the baseline and gets every repeat
+    assert sync in res["sync_runs"]
+    for other in res["sync_runs"]:
         assert other["trajectories_per_s_runs"][0] <= sync["trajectories_per_s_runs"][0]
         assert other["repeats"] == (repeats if other == sync else 1)
-    for mode in (*cands.values(), asyn):
+    for mode in (*res["sync_runs"], asyn):
         runs = mode["trajectories_per_s_runs"]
         assert len(runs) == mode["repeats"] == len(mode["steps"])
         assert mode["trajectories_per_s"] == pytest.approx(statistics.fmean(runs), abs=0.01)
@@ -63,10 +68,11 @@ def check_async_vs_sync(res: dict, repeats: int, sync_threads: list[int]) -> Non
                                                abs=2e-3)
         # CPU of the process tree per wall second: some work, never more than every core
         assert 0.05 < mode["cores_used"] <= res["cores"] * 1.05
-        assert mode["final_win_draw"] == pytest.approx(statistics.fmean(
-            mode["final_win_draw_runs"]), abs=1e-3)
-    assert res["throughput_ratio"] == pytest.approx(
+        assert mode["final_quality"] == pytest.approx(statistics.fmean(
+            mode["final_quality_runs"]), abs=1e-3)
+    assert res["ratio_steady_state"] == pytest.approx(
         asyn["trajectories_per_s"] / sync["trajectories_per_s"], abs=2e-3)
+    assert len(res["ratios_per_repeat"]) == repeats
     assert res["async_cores_used"] == asyn["cores_used"]
     assert res["core_limit"] == pytest.approx(res["cores"] / sync["cores_used"], abs=2e-3)
 
@@ -76,8 +82,8 @@ def check_async_vs_sync(res: dict, repeats: int, sync_threads: list[int]) -> Non
 def test_async_vs_sync_quick() -> None:
     res = _bench("async_vs_sync", "--repeats", "2", "--sync-threads", "1", timeout=1790)
     check_async_vs_sync(res, 2, [1])
-    assert res["async"]["repeats"] == res["sync"]["repeats"] == 2
-    assert res["sync"]["steps"] == res["async"]["steps"] == [10, 10]  # --quick: 10 steps each
+    assert res["async"]["repeats"] == res["sync_best"]["repeats"] == 2
+    assert res["async"]["steps"] == [10, 10]  # --quick: 10 steps (sync: the same trajectories)
 
 
 @pytest.mark.slow
