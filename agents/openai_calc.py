@@ -6,15 +6,19 @@ api_key=rollout.api_key)`) and runs its own tool calls, as an agent written for 
 would. EARL records every request token-exactly behind the endpoint. Train it with
 `earl train --agent agents/openai_calc.py:agent --tasks FILE.jsonl` (tasks are
 `{"question": ..., "answer": ...}` lines, e.g. from `earl.envs.arithmetic.CalcTasks`).
+`warm_start_transcripts` writes supervised transcripts in this agent's own format for
+`--warm_start.data` (a model that never calls tools learns the call format from them first).
 """
 
 from __future__ import annotations
 
 import json
+import random
+import re
 
 from earl.envs.arithmetic import calculator, score
 
-__all__ = ["MODEL", "SYSTEM", "TOOLS", "agent"]
+__all__ = ["MODEL", "SYSTEM", "TOOLS", "agent", "warm_start_transcripts"]
 
 MODEL = "earl-policy"  # the name the endpoint serves (EndpointConfig.model)
 SYSTEM = "Solve the problem. Use the tool if it helps. End with the number."
@@ -62,3 +66,24 @@ async def agent(rollout, sample, max_turns: int = 4) -> float:  # type: ignore[n
                              "content": _run_tool(call.function.name, call.function.arguments)})
         final = ""  # the reward reads the model's last answer, never a tool's output
     return score(final, int(answer))
+
+
+def warm_start_transcripts(tasks: list[dict[str, object]], seed: int = 0
+                           ) -> list[dict[str, object]]:
+    """One `warm_start.data` line per task, as this agent's session would look: the system
+    prompt and `TOOLS`, a calculator call on the question's first two numbers joined by an
+    operator drawn from + - * (the call format is taught, not which operator a question needs),
+    the tool's result, and that result as the answer."""
+    rng = random.Random(seed)
+    out: list[dict[str, object]] = []
+    for task in tasks:
+        question = str(task["question"])
+        a, b = re.findall(r"\d+", question)[:2]
+        expression = f"{a}{rng.choice('+-*')}{b}"
+        call = {"name": "calculator", "arguments": {"expression": expression}}
+        result = calculator(expression)
+        out.append({"tools": TOOLS, "messages": [
+            {"role": "system", "content": SYSTEM}, {"role": "user", "content": question},
+            {"role": "assistant", "content": f"<tool_call>{json.dumps(call)}</tool_call>"},
+            {"role": "tool", "content": result}, {"role": "assistant", "content": result}]})
+    return out

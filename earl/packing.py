@@ -115,7 +115,16 @@ def _varlen_attention(
     dropout: float = 0.0,
     **kwargs: object,
 ) -> tuple[Tensor, None]:
-    """Causal attention per packed sample; ``query`` is ``[1, H, T, D]``, output ``[1, T, H, D]``."""
+    """Causal attention per packed sample; ``query`` is ``[1, H, T, D]``, output ``[1, T, H, D]``.
+
+    With ``earl_segments`` (a shared-prefix layout, `earl.packing_prefix.shared_forward`) each
+    sample also sees the prefix it shares with others.
+    """
+    segments = kwargs.get("earl_segments")
+    if segments is not None:
+        from earl.packing_prefix import shared_attention
+
+        return shared_attention(query, key, value, segments, scaling, dropout), None  # type: ignore[arg-type]
     cu = kwargs.get("cu_seq_lens_q")
     if not isinstance(cu, Tensor):
         raise TypeError(

@@ -26,6 +26,7 @@ import contextlib
 import os
 import resource
 import signal
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, Self
 
@@ -46,10 +47,13 @@ class Slot:
         name: unique within its pool.
         cores: CPU cores the actor may run on (empty: no restriction).
         memory_mib: memory budget of the actor and its children (None: none).
-        gpu: GPU index (sets CUDA_VISIBLE_DEVICES in the actor), or None on CPU.
+        gpus: GPU indices as this process numbers them (torch.cuda's order): the actor sees
+            exactly these (`env` sets its CUDA_VISIBLE_DEVICES), as its devices 0, 1, ...;
+            empty on CPU. A tensor-parallel vLLM replica holds its TP group's GPUs in one slot.
         memory_cgroup / cpuset_cgroup: cgroup v1 directories ("" when not used).
         memory_enforcement: "cgroup" (kernel OOM killer), "rlimit" (RLIMIT_AS, allocation fails),
-            "device" (a GPU slot: `memory_mib` is the GPU's memory, which CUDA's OOM enforces)
+            "device" (a GPU slot: `memory_mib` is the budget on each of its GPUs, which CUDA's
+            OOM enforces)
             or "none" (limits NOT enforced: the budget is only advisory).
         cpu_enforcement: "cpuset", "affinity" (sched_setaffinity) or "none".
     """
@@ -57,7 +61,7 @@ class Slot:
     name: str
     cores: tuple[int, ...] = ()
     memory_mib: int | None = None
-    gpu: int | None = None
+    gpus: tuple[int, ...] = ()
     memory_cgroup: str = ""
     cpuset_cgroup: str = ""
     memory_enforcement: MemoryEnforcement = "none"
@@ -70,14 +74,37 @@ class Slot:
         cpu_ok = not self.cores or self.cpu_enforcement != "none"
         return mem_ok and cpu_ok
 
-    def env(self) -> dict[str, str]:
-        """Environment variables an actor in this slot needs (GPU visibility, thread count)."""
+    def env(self, parent: Mapping[str, str] | None = None) -> dict[str, str]:
+        """Environment variables an actor in this slot needs (GPU visibility, thread count).
+
+        Args:
+            parent: the launching process's environment (default `os.environ`). When it
+                restricts the GPUs already (CUDA_VISIBLE_DEVICES="4,5,6,7"), slot indices
+                count within that list, so GPU 1 of the slot is the parent's "5".
+
+        Raises:
+            ValueError: a slot GPU beyond the parent's CUDA_VISIBLE_DEVICES.
+        """
         out: dict[str, str] = {}
-        if self.gpu is not None:
-            out["CUDA_VISIBLE_DEVICES"] = str(self.gpu)
+        if self.gpus:
+            out["CUDA_VISIBLE_DEVICES"] = ",".join(_visible(self.gpus, parent))
         if self.cores:
             out["OMP_NUM_THREADS"] = str(len(self.cores))
         return out
+
+
+def _visible(gpus: tuple[int, ...], parent: Mapping[str, str] | None) -> list[str]:
+    """The CUDA_VISIBLE_DEVICES entries of `gpus`, through the parent's own list if it has one."""
+    env = os.environ if parent is None else parent
+    seen = env.get("CUDA_VISIBLE_DEVICES")
+    if seen is None:
+        return [str(g) for g in gpus]
+    names = [n.strip() for n in seen.split(",") if n.strip()]
+    far = [g for g in gpus if g >= len(names)]
+    if far:
+        raise ValueError(f"slot GPU(s) {far} beyond this process's CUDA_VISIBLE_DEVICES="
+                         f"{seen!r} ({len(names)} GPU(s)); number slot GPUs within it")
+    return [names[g] for g in gpus]
 
 
 def detect_gpus() -> int:
@@ -248,18 +275,20 @@ class SlotPool:
         return base
 
     def create(self, name: str, *, cores: tuple[int, ...] | list[int] = (),
-               memory_mib: int | None = None, gpu: int | None = None) -> Slot:
+               memory_mib: int | None = None, gpus: tuple[int, ...] | list[int] = ()) -> Slot:
         """Make a slot (its cgroups too, when enforceable).
 
         Args:
             name: letters, digits, '-' or '_'.
             cores: CPU cores (a cpuset, or affinity in the fallback).
-            memory_mib: the budget: host memory on CPU (a memory cgroup), the GPU's memory
-                for a GPU slot (enforced by the device itself).
-            gpu: GPU index (`detect_gpus()` says how many there are).
+            memory_mib: the budget: host memory on CPU (a memory cgroup), the memory on each
+                GPU for a GPU slot (enforced by the device itself).
+            gpus: GPU indices (`detect_gpus()` says how many there are); a TP group's GPUs
+                in one slot.
 
         Raises:
-            ValueError: bad name, a name in use, cores this machine lacks, memory_mib < 16.
+            ValueError: bad name, a name in use, cores this machine lacks, memory_mib < 16,
+                a negative or repeated GPU index.
         """
         if not name or not name.replace("-", "").replace("_", "").isalnum():
             raise ValueError(f"slot name must be letters, digits, '-' or '_', got {name!r}")
@@ -271,10 +300,13 @@ class SlotPool:
             raise ValueError(f"slot {name!r}: cores {cores} outside this machine's 0-{ncpu - 1}")
         if memory_mib is not None and memory_mib < 16:
             raise ValueError(f"slot {name!r}: memory_mib must be >= 16, got {memory_mib}")
+        gpus = tuple(gpus)
+        if any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
+            raise ValueError(f"slot {name!r}: gpus {gpus} must be distinct indices >= 0")
         mem_dir = cpu_dir = ""
         mem_enf: MemoryEnforcement = "none"
         cpu_enf: CpuEnforcement = "none"
-        if memory_mib is not None and gpu is not None:
+        if memory_mib is not None and gpus:
             mem_enf = "device"
         elif memory_mib is not None:
             mem_enf = self.memory_enforcement
@@ -291,7 +323,7 @@ class SlotPool:
                 _write(os.path.join(cpu_dir, "cpuset.cpus"), ",".join(map(str, cores)))
                 with open(os.path.join(self._cpu_base, "cpuset.mems")) as f:
                     _write(os.path.join(cpu_dir, "cpuset.mems"), f.read().strip())
-        slot = Slot(name=name, cores=cores, memory_mib=memory_mib, gpu=gpu,
+        slot = Slot(name=name, cores=cores, memory_mib=memory_mib, gpus=gpus,
                     memory_cgroup=mem_dir, cpuset_cgroup=cpu_dir, memory_enforcement=mem_enf,
                     cpu_enforcement=cpu_enf)
         self._slots[name] = slot

@@ -75,6 +75,13 @@ class Job:
             from earl.loop.selection_actors import run_slots
 
             self.slots = run_slots(cfg.placement)
+        elif cfg.placement.device == "cuda":  # every rank on its own GPU(s)
+            import torch
+
+            from earl.loop.devices import gpu_slots
+
+            self.slots = gpu_slots(cfg.placement, reference=self.n_reference,
+                                   gpus=torch.cuda.device_count())
         self.wall_before = 0.0  # wall seconds of earlier (resumed-from) segments
         self.metrics: Metrics | None = None
         self._attempt: Attempt | None = None
@@ -108,7 +115,10 @@ class Job:
 
     @property
     def n_reference(self) -> int:
-        """Reference actors: only when a KL term reads their log-probs."""
+        """Reference actors: only when a KL term reads their log-probs (with LoRA the
+        trainer's own base model, its adapter off, is the reference)."""
+        if self.cfg.lora.on:
+            return 0
         return self.cfg.placement.reference if self.cfg.algorithm.kl_coef > 0 else 0
 
     def elapsed(self) -> float:

@@ -61,7 +61,7 @@ async def train_attempt(job: Job, resume: bool) -> RunResult:
             on_eval=lambda ev: keep_best(job, ev), clock=job.elapsed,
             selection=parts.selection)
         stopped = await schedule.run()
-        await parts.actors.trainer[0].save_hf.call_one(str(job.weights))
+        await parts.actors.trainer.save_hf.call(str(job.weights))  # a collective under TP/FSDP
         selected = await select_final(job)
         final = await evaluate(job, "final") if parts.evaluation is not None else {}
         await parts.actors.rollout.close.call()
@@ -79,7 +79,7 @@ async def restore(job: Job, trainer_ckpt: str, producer_states: list[dict[str, o
         raise CheckpointError(f"--resume: the trainer checkpoint is of step {got[0]}, "
                               f"the manifest says {step}")
     await job.attempt.production.load_states(producer_states)
-    await actors.trainer[0].save_hf.call_one(str(job.weights))
+    await actors.trainer.save_hf.call(str(job.weights))  # every rank: TP/FSDP gather
     await actors.rollout.update_weights_from_path.call(str(job.weights), step, "drain")
     job.log(f"resumed from step {step} ({job.out / 'checkpoint'})")
 
@@ -120,7 +120,7 @@ async def keep_best(job: Job, ev: dict[str, float]) -> None:
     """Log a validation eval; keep the weights of the best one (`select_best`)."""
     job.log(f"eval @ step {int(ev['step'])}: {fmt(ev, job.recipe.target_key)}")
     if job.cfg.select_best and job.state.best[0] == int(ev["step"]):
-        await job.attempt.actors.trainer[0].save_hf.call_one(str(job.best_dir))
+        await job.attempt.actors.trainer.save_hf.call(str(job.best_dir))  # every rank joins
 
 
 async def select_final(job: Job) -> int:

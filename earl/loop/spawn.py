@@ -101,7 +101,11 @@ async def spawn_trainer(job: Job) -> Any:
                          threads=pl.threads_per_actor, seed=cfg.seed, device=pl.device,
                          temperature=cfg.algorithm.temperature,
                          micro_batch_tokens=pl.micro_batch_tokens,
-                         dist_url=free_dist_url() if pl.trainer > 1 else None)
+                         dist_url=free_dist_url() if pl.trainer > 1 else None,
+                         lora=cfg.lora, shared_prefix=pl.shared_prefix,
+                         dtype=pl.dtype, tp=pl.trainer_tp,  # type: ignore[arg-type]
+                         # DDP does not compose with tensor parallel; FSDP2 does
+                         parallel="fsdp" if 1 < pl.trainer_tp < pl.trainer else "ddp")
     return await job.rt.spawn("trainer", TrainerActor, tcfg, n=pl.trainer, env=job.env,
                               slot=_slots(job, "trainer", pl.trainer))
 
@@ -112,10 +116,13 @@ async def spawn_reference(job: Job) -> Any:
 
     if job.n_reference == 0:
         return None
-    rcfg = ReferenceConfig(model=str(job.start), threads=job.cfg.placement.threads_per_actor,
-                           temperature=job.cfg.algorithm.temperature)
+    pl = job.cfg.placement
+    rcfg = ReferenceConfig(model=str(job.start), threads=pl.threads_per_actor,
+                           temperature=job.cfg.algorithm.temperature, device=pl.device,
+                           dtype=pl.dtype)
+    slot = _slots(job, "reference", job.n_reference) if pl.device == "cuda" else None
     return await job.rt.spawn("reference", ReferenceActor, rcfg, n=job.n_reference,
-                              env=job.env, restart=job.healer.policy("reference"))
+                              env=job.env, restart=job.healer.policy("reference"), slot=slot)
 
 
 async def spawn_rollout(job: Job, actors: Actors, version: int, setting: Setting | None,
@@ -130,12 +137,15 @@ async def spawn_rollout(job: Job, actors: Actors, version: int, setting: Setting
     ecfg = EngineConfig(model=str(serve),
                         max_model_len=pl.context_window or job.max_model_len,
                         threads=pl.threads_per_actor, seed=cfg.seed,
-                        kv_cache_gb=pl.kv_cache_gb, dtype="float32")
+                        kv_cache_gb=pl.kv_cache_gb, dtype=pl.dtype, device=pl.device,
+                        tensor_parallel_size=pl.rollout_tp)
     if setting is not None and reconfigurer is not None:
         changes, n, slot = reconfigurer.rollout_spawn(setting)
         ecfg = replace(ecfg, **changes)
     else:
         n, slot = pl.rollout, _slots(job, "rollout", pl.rollout)
+        if pl.device == "cuda" and slot:  # vLLM's share of each GPU: the slot's budget
+            ecfg = replace(ecfg, gpu_memory_mib=slot[0].memory_mib or 0)
     group = await job.rt.spawn("rollout", RolloutActor, ecfg, version, n=n, env=job.env,
                                slot=slot, restart=job.healer.policy("rollout"))
     await actors.use_rollout(group)

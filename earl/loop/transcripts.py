@@ -1,5 +1,6 @@
 """Supervised warm-start data from transcripts: `warm_start.data` = a JSONL file whose lines are
-`{"messages": [{"role": ..., "content": ...}, ...]}`.
+`{"messages": [{"role": ..., "content": ...}, ...]}`, with an optional `"tools": [...]` (function
+schemas, as in OpenAI's fine-tuning files) rendered into the first prompt as a rollout's are.
 
 Each transcript is tokenized exactly as a rollout would see it (first prompt, then each
 assistant turn's text and end token, then continuations), so the warm start trains the same
@@ -26,8 +27,9 @@ def transcript_targets(codec: ChatCodec, path: str) -> tuple[list[np.ndarray], l
             the file and line).
     """
     ids_out, tgt_out = [], []
-    for lineno, rec in enumerate(load_jsonl(path, what="warm_start.data"), 1):
-        msgs = rec.get("messages") if isinstance(rec, dict) else None
+    for lineno, sample in enumerate(load_jsonl(path, what="warm_start.data"), 1):
+        rec: dict[str, object] = sample if isinstance(sample, dict) else {}
+        msgs = rec.get("messages")
         if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m
                                                  for m in msgs):
             raise ValueError(f"warm_start.data: {path} sample {lineno} must be "
@@ -36,7 +38,13 @@ def transcript_targets(codec: ChatCodec, path: str) -> tuple[list[np.ndarray], l
         if first is None or first == 0:
             raise ValueError(f"warm_start.data: {path} sample {lineno} needs a user message "
                              "followed by at least one assistant message")
-        ids = codec.encode_prompt(msgs[:first])
+        tools = rec.get("tools")
+        if tools is not None and not (isinstance(tools, list)
+                                      and all(isinstance(t, dict) for t in tools)):
+            raise ValueError(f"warm_start.data: {path} sample {lineno}: \"tools\" must be a "
+                             'list of function schemas, e.g. [{"type": "function", '
+                             '"function": {"name": ...}}]')
+        ids = codec.encode_prompt(msgs[:first], tools=tools)
         rows: list[tuple[int, int, float]] = []
         i = first
         while i < len(msgs):

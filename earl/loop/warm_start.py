@@ -1,9 +1,9 @@
 """The supervised warm start before RL: it writes the run's starting policy, `weights_start`.
 
 With `warm_start.steps` > 0 and transcripts (the recipe's generator, or `warm_start.data`, a
-JSONL file), a short-lived `Learner` actor trains the base model on the assistant turns;
-otherwise the base model is copied. The result is the policy the rollout starts from and the
-KL anchor of the reference.
+JSONL file), a short-lived `Learner` actor trains the base model on the assistant turns (with
+`lora`, adapters merged into the weights it writes); otherwise the base model is copied. The
+result is the policy the rollout starts from and the KL anchor of the reference.
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ async def warm_start(job: Job, base: str) -> None:
             assert source is not None
             ids, tgts = await source(codec, max(4 * w.batch_size, 512), cfg.seed)
         learner = await job.rt.spawn("warmstart", Learner, base, seed=cfg.seed,
-                                     threads=cfg.placement.threads_per_actor, env=job.env)
+                                     threads=cfg.placement.threads_per_actor, lora=cfg.lora,
+                                     dtype=cfg.placement.dtype,
+                                     shared_prefix=cfg.placement.shared_prefix, env=job.env)
         losses = await learner[0].warm_start.call_one(ids, tgts, w.steps, w.batch_size, w.lr)
         await learner[0].save_weights.call_one(str(job.start))
         await job.rt.stop(learner)

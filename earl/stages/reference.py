@@ -42,6 +42,7 @@ class ReferenceConfig:
     token_budget: most padded tokens per forward pass (bounds the B x T x vocab logits).
     temperature: log-probs of softmax(logits / temperature), as the policy samples.
     threads: torch threads.
+    device: "cpu" or "cuda" (the first GPU this process sees: its slot's).
     """
 
     model: str
@@ -49,6 +50,7 @@ class ReferenceConfig:
     token_budget: int = 4096
     temperature: float = 1.0
     threads: int = 1
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.token_budget < 1:
@@ -57,6 +59,8 @@ class ReferenceConfig:
             raise ValueError(f"ReferenceConfig.temperature must be > 0, got {self.temperature}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"ReferenceConfig.dtype must be float32 or bfloat16, got {self.dtype}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"ReferenceConfig.device must be 'cpu' or 'cuda', got {self.device!r}")
 
 
 def microbatches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
@@ -83,6 +87,7 @@ class ReferenceModel:
         self.config = config
         self.model = AutoModelForCausalLM.from_pretrained(
             config.model, dtype=getattr(torch, config.dtype)).eval()
+        self.model.to(config.device)  # type: ignore[arg-type]
         self.model.requires_grad_(False)
         self.tokens_scored = 0
 
@@ -115,7 +120,9 @@ class ReferenceModel:
                     for row, i in enumerate(group):
                         want[row, : len(seqs[i])] = torch.from_numpy(np.asarray(masks[i]) > 0)
                 rows, cols = torch.nonzero(want[:, 1:], as_tuple=True)
-                lp = self._score(ids, mask, rows, cols + 1).numpy()
+                dev = self.config.device  # inputs go over; log-probs come back to the host
+                lp = self._score(ids.to(dev), mask.to(dev), rows.to(dev),
+                                 (cols + 1).to(dev)).cpu().numpy()
             rows_np, cols_np = rows.numpy(), cols.numpy() + 1
             for row, i in enumerate(group):
                 res = np.zeros(len(seqs[i]), np.float32)

@@ -35,6 +35,36 @@ def free_dist_url(host: str = "127.0.0.1") -> str:
         return f"tcp://{host}:{s.getsockname()[1]}"
 
 
+def own_gpu(rank: int, visible: int) -> int:
+    """The CUDA index of trainer rank `rank`'s own GPU among the `visible` ones it sees.
+
+    A rank whose slot pins it to one GPU (CUDA_VISIBLE_DEVICES of one entry) uses device 0;
+    a rank that sees several (no slots, one host) uses the one of its rank, so that no two
+    ranks share a GPU (NCCL refuses that).
+
+    Raises:
+        ValueError: no GPU visible, or fewer visible GPUs than ranks.
+    """
+    if visible < 1:
+        raise ValueError(f"TrainerConfig.device='cuda' but trainer rank {rank} sees no GPU; "
+                         "use device='cpu' or make a GPU visible (CUDA_VISIBLE_DEVICES)")
+    if visible == 1:
+        return 0
+    if rank >= visible:
+        raise ValueError(f"trainer rank {rank} has no GPU of its own: it sees {visible}; run "
+                         "at most that many ranks, or give each rank a slot with its GPU "
+                         "(placement.device=cuda does)")
+    return rank
+
+
+def cuda_device(rank: int) -> torch.device:
+    """Rank `rank`'s own GPU (`own_gpu`), made this process's current CUDA device (NCCL and
+    megatron-core use the current device)."""
+    index = own_gpu(rank, torch.cuda.device_count())
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
 def init_distributed(rank: int, world_size: int, url: str | None, device: torch.device) -> bool:
     """Join the default process group when ``world_size > 1``; returns whether one is in use."""
     if world_size <= 1:

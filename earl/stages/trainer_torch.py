@@ -41,6 +41,7 @@ from earl.packing import (
     token_logprobs,
 )
 from earl.stages import trainer_dist as tdist
+from earl.stages.lora import LoraConfig, adapter_disabled, apply_lora, base_model, merged_weights
 from earl.stages.optim import OptimConfig
 from earl.stages.trainer_batch import MicroBatch, TrainBatch
 
@@ -68,6 +69,12 @@ class TrainerConfig:
         seed: torch seed for anything random in the trainer.
         log_entropy: compute the policy entropy metric even when ``loss.entropy_coef`` is 0.
         loss: the objective (see `earl.algorithms.LossConfig`).
+        lora: low-rank adapters (`earl.stages.lora.LoraConfig`; rank 0 = full fine-tuning).
+            With adapters the optimizer holds only them, `named_weights` gives the merged
+            weights, and a KL term reads the base policy (the adapter switched off) computed
+            here when the batch carries no reference log-probs.
+        shared_prefix: in training steps, run a prefix that several samples of a micro-batch
+            share (a GRPO group's prompt) once (`earl.packing_prefix`; exact, fewer tokens).
     """
 
     model: str
@@ -84,10 +91,14 @@ class TrainerConfig:
     seed: int = 0
     log_entropy: bool = True
     loss: LossConfig = field(default_factory=LossConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    shared_prefix: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.loss, dict):
             self.loss = LossConfig(**self.loss)
+        if isinstance(self.lora, dict):
+            self.lora = LoraConfig(**self.lora)
         if isinstance(self.optim, dict):
             self.optim = OptimConfig(**self.optim)
         if self.dtype not in ("float32", "bfloat16"):
@@ -98,6 +109,8 @@ class TrainerConfig:
         if self.attention not in ("varlen", "mask"):
             raise ValueError(f"TrainerConfig.attention must be 'varlen' or 'mask', got "
                              f"{self.attention!r}")
+        if self.shared_prefix and self.attention != "varlen":
+            raise ValueError("TrainerConfig.shared_prefix needs attention='varlen'")
         if self.parallel not in ("ddp", "fsdp"):
             raise ValueError(f"TrainerConfig.parallel must be 'ddp' or 'fsdp', got {self.parallel!r}")
         if self.tp < 1:
@@ -128,7 +141,7 @@ class TorchTrainer:
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         want_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-        self.device = torch.device("cuda", torch.cuda.current_device()) if want_cuda else torch.device("cpu")
+        self.device = tdist.cuda_device(rank) if want_cuda else torch.device("cpu")
         if world_size % config.tp:
             raise ValueError(f"TrainerConfig.tp={config.tp} does not divide world_size="
                              f"{world_size}: spawn dp * tp trainer ranks")
@@ -136,11 +149,15 @@ class TorchTrainer:
         self.distributed = tdist.init_distributed(rank, world_size, config.dist_url, self.device)
         self.mesh = tdist.build_mesh(world_size, config.tp, self.device) if self.distributed else None
         self.dp_group = tdist.dp_group(self.mesh)  # reductions over data: DP ranks only
+        if config.lora.on and self.distributed and (config.parallel == "fsdp" or config.tp > 1):
+            raise ValueError("TrainerConfig.lora: adapters train with DDP only; set "
+                             "parallel='ddp' and tp=1, or lora.rank=0 for full fine-tuning")
         torch.manual_seed(config.seed)
         self.module: nn.Module = self._load_model()  # the unwrapped model
         self.model = self._wrap_model(self.module) if self.distributed else self.module
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=config.optim.lr, betas=config.optim.betas,
+            [p for p in self.model.parameters() if p.requires_grad],  # LoRA: the adapters
+            lr=config.optim.lr, betas=config.optim.betas,
             eps=config.optim.adam_eps, weight_decay=config.optim.weight_decay,
             foreach=False if config.tp > 1 else None,  # foreach cannot mix DTensor and Tensor
         )
@@ -159,6 +176,8 @@ class TorchTrainer:
         hf.to(self.device)  # type: ignore[arg-type]
         set_attention(hf, self.config.attention)
         self._tied = set(getattr(hf, "all_tied_weights_keys", {}) or {})
+        if self.config.lora.on:
+            return apply_lora(hf, self.config.lora)
         return hf
 
     def _wrap_model(self, module: nn.Module) -> nn.Module:
@@ -175,6 +194,25 @@ class TorchTrainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _scored_logits(self, sub: MicroBatch, at: Tensor) -> Tensor:
+        """Logits predicting the tokens ``at`` of a micro-batch (the rows ``at - 1``)."""
+        if not self.config.shared_prefix:
+            return self._logits(sub.packed, keep=at - 1)
+        from earl.packing_prefix import share_prefixes, shared_forward
+
+        sp = share_prefixes(sub.packed, sub.loss_mask)
+        sp.input_ids = sp.input_ids.to(self.device)
+        sp.position_ids = sp.position_ids.to(self.device)
+        with self._autocast():
+            logits = shared_forward(self.model, sp, at - 1)
+        return self._scaled(logits)
+
+    def _scaled(self, logits: Tensor) -> Tensor:
+        logits = logits.float()
+        if self.config.temperature != 1.0:
+            logits = logits / self.config.temperature
+        return logits
+
     def _logits(self, packed: Packed, keep: Tensor | None = None) -> Tensor:
         on_dev = Packed(
             input_ids=packed.input_ids.to(self.device),
@@ -185,10 +223,7 @@ class TorchTrainer:
         )
         with self._autocast():
             logits = self._forward(on_dev, None if keep is None else keep.to(self.device))
-        logits = logits.float()
-        if self.config.temperature != 1.0:
-            logits = logits / self.config.temperature
-        return logits
+        return self._scaled(logits)
 
     def _plan(self, batch: TrainBatch,
               micro_batches: list[list[int]] | None = None) -> list[list[int] | None]:
@@ -272,7 +307,7 @@ class TorchTrainer:
             for name, v in metrics.items():
                 sums[name] = sums.get(name, torch.zeros((), dtype=torch.float64)) + v.double().cpu()
         # a rank may have run only padding micro-batches: report the names the config implies
-        names = _metric_names(cfg, want_entropy, batch)
+        names = _metric_names(cfg, want_entropy, batch, self._reference_here)
         assert set(sums) <= set(names), (sorted(sums), names)
         zero = torch.zeros((), dtype=torch.float64)
         vec = tdist.all_reduce(torch.stack([sums.get(n, zero) for n in names]),
@@ -286,10 +321,18 @@ class TorchTrainer:
         self, sub: MicroBatch, denom: float, want_entropy: bool
     ) -> tuple[Tensor, dict[str, Tensor]]:
         dev = self.device
+
+        def opt(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.to(dev)
+
         # Every loss term is masked: the LM head runs only where a trained token is predicted.
         at = scored_positions(sub.packed, sub.loss_mask).to(dev)
-        logits = self._logits(sub.packed, keep=at - 1)
+        logits = self._scored_logits(sub, at)
         logprobs = token_logprobs(logits, sub.packed, at)
+        ref_logprobs = opt(sub.ref_logprobs)
+        if ref_logprobs is None and self._reference_here:
+            with torch.no_grad(), adapter_disabled(self.module):
+                ref_logprobs = token_logprobs(self._scored_logits(sub, at), sub.packed, at)
         entropy = None
         if want_entropy:
             if self.config.loss.entropy_coef > 0:
@@ -297,10 +340,6 @@ class TorchTrainer:
             else:
                 with torch.no_grad():
                     entropy = token_entropy(logits, sub.packed, at)
-
-        def opt(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t.to(dev)
-
         return policy_objective(
             self.config.loss,
             logprobs=logprobs,
@@ -309,7 +348,7 @@ class TorchTrainer:
             seq_ids=sub.packed.seq_ids.to(dev),
             old_logprobs=opt(sub.old_logprobs),
             rollout_logprobs=opt(sub.rollout_logprobs),
-            ref_logprobs=opt(sub.ref_logprobs),
+            ref_logprobs=ref_logprobs,
             entropy=entropy,
             denom=denom,
         )
@@ -354,6 +393,11 @@ class TorchTrainer:
     # ------------------------------------------------------------------ weights
 
     @property
+    def _reference_here(self) -> bool:
+        """A KL term against the base policy this trainer computes itself (adapters off)."""
+        return self.config.lora.on and self.config.loss.kl_coef > 0
+
+    @property
     def collective_weights(self) -> bool:
         """Whether reading full weights is a collective (FSDP or TP: every rank must join)."""
         return self.distributed and (self.config.parallel == "fsdp" or self.tp > 1)
@@ -361,8 +405,12 @@ class TorchTrainer:
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """``(HF name, tensor)`` of every weight, tied duplicates (``lm_head``) left out.
 
-        Under FSDP this gathers each tensor: every rank must iterate it fully.
+        Under FSDP this gathers each tensor: every rank must iterate it fully. With LoRA these
+        are the merged weights (base + adapters), what the rollout serves.
         """
+        if self.config.lora.on:
+            yield from ((n, t) for n, t in merged_weights(self.module) if n not in self._tied)
+            return
         for name, t in tdist.named_full_params(self.model):
             if name not in self._tied:
                 yield name, t.detach()
@@ -388,7 +436,7 @@ class TorchTrainer:
         return out
 
     def _hf_for_saving(self) -> nn.Module:
-        return self.module
+        return base_model(self.module)
 
     def save_checkpoint(self, path: str | Path) -> None:
         """Save model, optimizer, schedule, step and this rank's RNG under folder ``path``."""
@@ -412,12 +460,13 @@ class TorchTrainer:
         self.distributed = False
 
 
-def _metric_names(cfg: LossConfig, want_entropy: bool, batch: TrainBatch) -> list[str]:
+def _metric_names(cfg: LossConfig, want_entropy: bool, batch: TrainBatch,
+                  reference_here: bool = False) -> list[str]:
     """The loss-term metrics ``policy_objective`` reports for this config and batch columns."""
     agreed = {"loss", "pg_loss", "clip_frac", "approx_kl_old"}
     if cfg.off_policy != "none":
         agreed.add("is_weight")
-    if batch.ref_logprobs is not None:
+    if batch.ref_logprobs is not None or reference_here:
         agreed.add("kl")
     if want_entropy:
         agreed.add("entropy")

@@ -1,6 +1,6 @@
-"""How `VLLMEngine`'s vLLM core is configured and built: the engine config, the CPU thread
-binding of tensor-parallel workers, the sockets vLLM may open, and the weight reload that runs
-inside every vLLM worker.
+"""How `VLLMEngine`'s vLLM core is configured and built: the engine config (CPU, or CUDA with
+the slot's share of each GPU), the CPU thread binding of tensor-parallel workers, the sockets
+vLLM may open, and the weight reload that runs inside every vLLM worker.
 
 This module builds and loads; it does not schedule requests (that is `earl.stages.vllm_engine`).
 What listens where, and why, is in docs/security/vllm-sockets.md.
@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EngineConfig", "build_llm_engine", "cpu_binding", "reload_worker",
-           "save_safetensors", "tmp_root"]
+__all__ = ["EngineConfig", "build_llm_engine", "cpu_binding", "engine_args",
+           "gpu_memory_utilization", "reload_worker", "save_safetensors", "tmp_root"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,6 +52,12 @@ class EngineConfig:
         cpu_bind: ``VLLM_CPU_OMP_THREADS_BIND`` for tensor_parallel_size > 1, one core list per
             worker separated by ``|`` (e.g. ``"0|1"``). None: this process's allowed cores
             split evenly (vLLM's automatic binding asserts on a one-NUMA-node host).
+        device: "cpu" (the vllm-cpu build) or "cuda" (vLLM's CUDA build, on the GPUs this
+            process sees: its slot's CUDA_VISIBLE_DEVICES; TP workers take them in order).
+        gpu_memory_mib: on CUDA, the budget on each GPU (the slot's memory); vLLM's
+            ``gpu_memory_utilization`` is it over the GPU's memory, and vLLM fills what the
+            weights leave of it with KV cache (``kv_cache_gb`` is not used). 0: vLLM's default
+            share (0.9).
     """
 
     model: str
@@ -65,8 +71,15 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     cpu_bind: str | None = None
+    device: str = "cpu"
+    gpu_memory_mib: int = 0
 
     def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"EngineConfig.device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.gpu_memory_mib < 0:
+            raise ValueError("EngineConfig.gpu_memory_mib must be >= 0 (0 = vLLM's default "
+                             f"share), got {self.gpu_memory_mib}")
         if self.tensor_parallel_size < 1:
             raise ValueError("EngineConfig.tensor_parallel_size must be >= 1, got "
                              f"{self.tensor_parallel_size}")
@@ -102,8 +115,9 @@ def build_llm_engine(cfg: EngineConfig) -> tuple[Any, bool]:
         os.environ["VLLM_RPC_BASE_PATH"] = _private_socket_dir()
     tp = cfg.tensor_parallel_size
     if tp > 1:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_bind or cpu_binding(tp)
-        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+        if cfg.device == "cpu":
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_bind or cpu_binding(tp)
+            os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
         # The workers meet over gloo, which speaks TCP only: keep it on loopback, whatever the
         # host name resolves to (gloo's default binds the host name's address).
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
@@ -111,18 +125,9 @@ def build_llm_engine(cfg: EngineConfig) -> tuple[Any, bool]:
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    args = EngineArgs(model=cfg.model, dtype=cfg.dtype, max_model_len=cfg.max_model_len,  # type: ignore[arg-type]
-                      enforce_eager=True, seed=cfg.seed, max_num_seqs=cfg.max_num_seqs,
-                      logprobs_mode=cfg.logprobs_mode,  # type: ignore[arg-type]
-                      enable_prefix_caching=cfg.enable_prefix_caching,
-                      # vLLM 0.32 on CPU crashes when a seeded request's prefill is split
-                      # across steps ("CPU Generator does not use offset"): no chunking.
-                      enable_chunked_prefill=False,
-                      max_num_batched_tokens=max(cfg.max_model_len, 2048),
-                      async_scheduling=False, disable_log_stats=True,
-                      kv_cache_memory_bytes=int(cfg.kv_cache_gb * (1 << 30)),
-                      tensor_parallel_size=tp,
-                      distributed_executor_backend="mp" if tp > 1 else None)
+    total = torch.cuda.get_device_properties(0).total_memory >> 20 if cfg.device == "cuda" \
+        else None
+    args = EngineArgs(**engine_args(cfg, gpu_total_mib=total))
     with _single_process_groups() if tp == 1 else contextlib.nullcontext():
         eng = LLMEngine.from_engine_args(args, enable_multiprocessing=False)
     # Every weight reload warns "Failed to load weights" for layers with nothing to load
@@ -131,6 +136,53 @@ def build_llm_engine(cfg: EngineConfig) -> tuple[Any, bool]:
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(
         logging.ERROR)
     return eng, bool(getattr(eng.model_config.hf_config, "tie_word_embeddings", False))
+
+
+def engine_args(cfg: EngineConfig, *, gpu_total_mib: int | None = None) -> dict[str, Any]:
+    """vLLM ``EngineArgs`` keywords for `cfg`; `gpu_total_mib`: the memory of one of this
+    process's GPUs (CUDA only), which turns the slot's budget into vLLM's
+    ``gpu_memory_utilization``.
+
+    Raises:
+        ValueError: CUDA without `gpu_total_mib`, or a budget beyond the GPU's memory.
+    """
+    tp = cfg.tensor_parallel_size
+    out: dict[str, Any] = {
+        "model": cfg.model, "dtype": cfg.dtype, "max_model_len": cfg.max_model_len,
+        "enforce_eager": True, "seed": cfg.seed, "max_num_seqs": cfg.max_num_seqs,
+        "logprobs_mode": cfg.logprobs_mode, "enable_prefix_caching": cfg.enable_prefix_caching,
+        # vLLM 0.32 on CPU crashes when a seeded request's prefill is split
+        # across steps ("CPU Generator does not use offset"): no chunking.
+        "enable_chunked_prefill": False,
+        "max_num_batched_tokens": max(cfg.max_model_len, 2048),
+        "async_scheduling": False, "disable_log_stats": True,
+        "kv_cache_memory_bytes": int(cfg.kv_cache_gb * (1 << 30)),
+        "tensor_parallel_size": tp,
+        "distributed_executor_backend": "mp" if tp > 1 else None}
+    if cfg.device == "cuda":
+        if gpu_total_mib is None:
+            raise ValueError("engine_args: EngineConfig.device='cuda' needs gpu_total_mib")
+        # kv_cache_memory_bytes would override the utilization: vLLM sizes the KV cache
+        out["kv_cache_memory_bytes"] = None
+        out["gpu_memory_utilization"] = gpu_memory_utilization(cfg.gpu_memory_mib,
+                                                               gpu_total_mib)
+    return out
+
+
+def gpu_memory_utilization(budget_mib: int, total_mib: int) -> float:
+    """vLLM's ``gpu_memory_utilization`` for a slot of `budget_mib` on a GPU of `total_mib`
+    (0: vLLM's default 0.9, which leaves room for the CUDA context and NCCL's buffers).
+
+    Raises:
+        ValueError: the budget exceeds the GPU's memory.
+    """
+    if budget_mib == 0:
+        return 0.9
+    if budget_mib > total_mib:
+        raise ValueError(f"EngineConfig.gpu_memory_mib={budget_mib} exceeds this GPU's "
+                         f"{total_mib} MiB; lower it (placement.rollout_slot_memory_mib in "
+                         "`earl train`) or set 0 for vLLM's default share")
+    return round(budget_mib / total_mib, 4)
 
 
 @contextlib.contextmanager
@@ -208,11 +260,12 @@ def reload_worker(worker: Any, *, items: Iterable[tuple[str, torch.Tensor]] | No
     else:
         worker.reload_weights(weights_path=path)
     if tied:  # vLLM reloads embed_tokens only; lm_head must point at it again
-        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
         model = worker.model_runner.get_model()
         model.lm_head.weight = model.model.embed_tokens.weight
-        dispatch_cpu_unquantized_gemm(model.lm_head, remove_weight=False)
+        if model.lm_head.weight.device.type == "cpu":  # vLLM on CPU repacks its GEMMs
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+            dispatch_cpu_unquantized_gemm(model.lm_head, remove_weight=False)
 
 
 def tmp_root() -> str | None:

@@ -181,7 +181,7 @@ async def test_the_policys_micro_batch_fits_a_real_slot_and_three_times_it_is_ki
 
 def test_a_gpu_slot_sets_device_visibility_and_leaves_host_memory_alone() -> None:
     with SlotPool(use_cgroups=False) as pool:
-        s = pool.create("gpu0", gpu=0, memory_mib=80 * 1024, cores=(0,))
+        s = pool.create("gpu0", gpus=(0,), memory_mib=80 * 1024, cores=(0,))
         assert s.memory_enforcement == "device" and not s.memory_cgroup
         assert s.env() == {"CUDA_VISIBLE_DEVICES": "0", "OMP_NUM_THREADS": "1"}
         assert s.limits_enforced

@@ -1,0 +1,108 @@
+"""Which GPUs each stage of a run gets, and the device slots that hand them to the actors.
+
+`plan_gpus` is a pure function of the placement: from GPU 0 up, the rollout replicas
+(`rollout_tp` consecutive GPUs each: one vLLM process and its TP workers), then the trainer
+ranks (one GPU each; ranks count TP fastest, so each TP group is on consecutive GPUs), then the
+reference actors (one GPU each). Every stage has GPUs of its own; nothing is colocated.
+`gpu_slots` makes the `SlotPool` whose slot "<stage><rank>" carries those GPUs: an actor rank
+spawned in it sees only them (`Slot.env` sets its CUDA_VISIBLE_DEVICES), as its devices 0, 1...
+
+    plan = plan_gpus(PlacementConfig(rollout=2, rollout_tp=2, trainer=4, trainer_tp=2),
+                     reference=0, gpus=8)
+    plan.rollout == ((0, 1), (2, 3)); plan.trainer == ((4,), (5,), (6,), (7,))
+
+Not here: CPU slots (`earl.loop.selection_actors.run_slots`), spawning (`earl.loop.spawn`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from earl.config import PlacementConfig
+    from earl.runtime.slots import SlotPool
+
+__all__ = ["STAGES", "GpuPlan", "gpu_slots", "plan_gpus"]
+
+STAGES = ("rollout", "trainer", "reference")
+
+Ranks = tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GpuPlan:
+    """Per stage, the GPUs of each of its ranks: rank r of a stage gets `stage[r]`."""
+
+    rollout: Ranks
+    trainer: Ranks
+    reference: Ranks
+
+    @property
+    def used(self) -> int:
+        """GPUs the plan takes."""
+        return sum(len(g) for stage in STAGES for g in getattr(self, stage))
+
+    def stages(self) -> dict[str, Ranks]:
+        return {stage: getattr(self, stage) for stage in STAGES}
+
+
+def plan_gpus(placement: PlacementConfig, *, reference: int, gpus: int) -> GpuPlan:
+    """The GPUs of every rank of every stage (see the module docstring).
+
+    Args:
+        placement: its `rollout`, `rollout_tp`, `trainer` and `trainer_tp`.
+        reference: reference actors that will run (0 without a KL term).
+        gpus: GPUs visible to the driver (`torch.cuda.device_count()`).
+
+    Raises:
+        ValueError: no GPU, or more GPUs needed than visible; names the fields to change.
+    """
+    pl = placement
+    if gpus < 1:
+        raise ValueError("config field 'placement.device': 'cuda' but no GPU is visible; use "
+                         "placement.device=cpu or make GPUs visible (CUDA_VISIBLE_DEVICES)")
+    assert pl.trainer % pl.trainer_tp == 0  # PlacementConfig checks it
+    need = pl.rollout * pl.rollout_tp + pl.trainer + reference
+    if need > gpus:
+        ref = f" + reference {reference}" if reference else ""
+        lower = "placement.rollout, placement.rollout_tp or placement.trainer"
+        if reference:
+            lower = ("placement.rollout, placement.rollout_tp, placement.trainer or "
+                     "placement.reference (0 with algorithm.kl_coef=0)")
+        raise ValueError(
+            f"config field 'placement': rollout {pl.rollout} x rollout_tp {pl.rollout_tp} + "
+            f"trainer {pl.trainer}{ref} = {need} GPUs, but {gpus} are visible and every rank "
+            f"needs its own; lower {lower} by {need - gpus} GPU(s) in all")
+    nxt = 0
+
+    def take(ranks: int, per_rank: int) -> Ranks:
+        nonlocal nxt
+        out = tuple(tuple(range(nxt + r * per_rank, nxt + (r + 1) * per_rank))
+                    for r in range(ranks))
+        nxt += ranks * per_rank
+        return out
+
+    return GpuPlan(rollout=take(pl.rollout, pl.rollout_tp), trainer=take(pl.trainer, 1),
+                   reference=take(reference, 1))
+
+
+def gpu_slots(placement: PlacementConfig, *, reference: int, gpus: int) -> SlotPool:
+    """A run's GPU slots: "rollout<r>", "trainer<r>", "reference<r>" with `plan_gpus`'s GPUs.
+
+    Rollout slots hold `placement.rollout_slot_memory_mib` on each GPU (vLLM's budget; none:
+    vLLM's default share); the others the whole GPU. No cgroups: the GPU is the limit.
+
+    Raises:
+        ValueError: as `plan_gpus`.
+    """
+    from earl.runtime.slots import SlotPool
+
+    plan = plan_gpus(placement, reference=reference, gpus=gpus)
+    pool = SlotPool(use_cgroups=False)
+    rollout_mib = placement.rollout_slot_memory_mib or None
+    for stage, ranks in plan.stages().items():
+        for r, own in enumerate(ranks):
+            pool.create(f"{stage}{r}", gpus=own,
+                        memory_mib=rollout_mib if stage == "rollout" else None)
+    return pool
