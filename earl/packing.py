@@ -118,13 +118,13 @@ def _varlen_attention(
     """Causal attention per packed sample; ``query`` is ``[1, H, T, D]``, output ``[1, T, H, D]``.
 
     With ``earl_segments`` (a shared-prefix layout, `earl.packing_prefix.shared_forward`) each
-    sample also sees the prefix it shares with others.
+    sample also sees the prefix it shares with others, through the attention function the
+    caller passes as ``earl_segment_attention`` (so this module imports nothing above it).
     """
     segments = kwargs.get("earl_segments")
     if segments is not None:
-        from earl.packing_prefix import shared_attention
-
-        return shared_attention(query, key, value, segments, scaling, dropout), None  # type: ignore[arg-type]
+        attend = kwargs["earl_segment_attention"]
+        return attend(query, key, value, segments, scaling, dropout), None  # type: ignore[operator]
     cu = kwargs.get("cu_seq_lens_q")
     if not isinstance(cu, Tensor):
         raise TypeError(

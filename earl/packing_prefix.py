@@ -167,5 +167,6 @@ def shared_forward(model: nn.Module, sp: SharedPacked, keep: Tensor) -> Tensor:
     dev = sp.input_ids.device
     out = model(input_ids=sp.input_ids[None], position_ids=sp.position_ids[None],
                 attention_mask=None, use_cache=False, earl_segments=sp.segments,
+                earl_segment_attention=shared_attention,
                 logits_to_keep=sp.rows.to(dev)[keep])
     return out.logits[0]
