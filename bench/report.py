@@ -78,6 +78,8 @@ def _rollout(r: Result) -> str:
     t = r["tiny"]
     s = (f"{t['sessions']} agent coroutines x {t['turns']} turns: {t['agent_loop_tok_s']:,.0f} "
          f"tok/s, **{t['ratio']:.2f}** of one vLLM batch per turn ({t['batched_ref_tok_s']:,.0f})")
+    if "ratio_min" in t:  # results saved before the repeats had one run per path
+        s += f" (median of {t['repeats']}, {t['ratio_min']:.2f}-{t['ratio_max']:.2f})"
     if "smollm2_135m" in r:
         s += f"; SmolLM2-135M {r['smollm2_135m']['ratio']:.2f}"
     return s

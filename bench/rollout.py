@@ -18,8 +18,11 @@ Prints one JSON object with, per model ("tiny"; and "smollm2_135m" unless --quic
 - ``batched_ref_tok_s``: the batched reference: the same prompts as one batch per turn, stepped
   inside the rollout actor's engine thread (`generate_batch`: no RPC or asyncio per request, no
   agent code). Not a ceiling: a different schedule of the same work.
-- ``ratio``: agent_loop_tok_s / batched_ref_tok_s; ``agent_tokens`` == ``batched_ref_tokens``
-  and the prompt token totals are reported so the equality can be checked.
+- ``ratio``: agent_loop_tok_s / batched_ref_tok_s, the median over ``repeats`` (default 3) pairs
+  of runs, the two paths alternated (batched first in even repeats, agents first in odd ones) so
+  drift on a shared machine hits both; ``ratio_min``/``ratio_max``/``ratios`` give the spread, and
+  the tok/s figures are medians too. ``agent_tokens`` == ``batched_ref_tokens`` (per run) and the
+  prompt token totals are reported so the equality can be checked.
 - ``weight_sync_s``: median wall time of `WeightPublisher.push` (shm, drain mode) from a state
   dict in this process's memory (the trainer's) until the replica serves the new weights;
   ``weight_sync_first_s`` the first (cold) push; ``weight_memcpy_s`` the time one memcpy of the
@@ -43,6 +46,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict
+from typing import Any
 
 import _results
 
@@ -66,12 +70,12 @@ FOLLOW_UP = {"role": "user", "content": "Go on."}
 
 
 def _first_message(path: int, i: int, prompt_words: int) -> list[dict[str, object]]:
-    """Session `i`'s opening message; `path` (1 agents, 2 batched, 3 warm-up) changes one digit,
-    so the runs share no cached prefix but have prompts of the same length."""
+    """Session `i`'s opening message; `path` (0 warm-up, then one number per path and repeat)
+    changes two digits, so no run reuses another's cached prefix, and prompts keep one length."""
     rng = random.Random(i)
     words = " ".join(rng.choice(("alpha", "beta", "gamma", "delta", "omega"))
                      for _ in range(prompt_words))
-    return [{"role": "user", "content": f"Run {path}. Session {i:04d}: {words}"}]
+    return [{"role": "user", "content": f"Run {path:02d}. Session {i:04d}: {words}"}]
 
 
 async def _agent_path(client: object, codec: object, *, sessions: int, turns: int,
@@ -103,9 +107,10 @@ async def _agent_path(client: object, codec: object, *, sessions: int, turns: in
 
 
 async def _batched_path(group: object, codec: object, *, sessions: int, turns: int,
-                        params: object, prompt_words: int) -> tuple[float, int, int]:
+                        params: object, prompt_words: int,
+                        path: int = 2) -> tuple[float, int, int]:
     """The batched reference: the agents' token work as one `generate_batch` per turn."""
-    batch = [codec.encode_prompt(_first_message(2, i, prompt_words))  # type: ignore[attr-defined]
+    batch = [codec.encode_prompt(_first_message(path, i, prompt_words))  # type: ignore[attr-defined]
              for i in range(sessions)]
     follow = codec.encode_continuation([FOLLOW_UP])  # type: ignore[attr-defined]
     end = codec.end_id  # type: ignore[attr-defined]
@@ -122,8 +127,8 @@ async def _batched_path(group: object, codec: object, *, sessions: int, turns: i
 
 
 async def bench_model(rt: object, name: str, path: str, *, dtype: str, sessions: int, turns: int,
-                      max_tokens: int, prompt_words: int, syncs: int,
-                      cast: str | None) -> dict[str, float | int | str]:
+                      max_tokens: int, prompt_words: int, syncs: int, cast: str | None,
+                      repeats: int) -> dict[str, Any]:
     import torch
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
@@ -144,17 +149,23 @@ async def bench_model(rt: object, name: str, path: str, *, dtype: str, sessions:
                             seed=SEED, stop_token_ids=codec.stop_ids)
     client = RolloutClient(g)
     work = {"sessions": sessions, "turns": turns, "params": params, "prompt_words": prompt_words}
-    await _agent_path(client, codec, tag=f"{name}-warm", path=3,  # warm-up, its own prompts
+    await _agent_path(client, codec, tag=f"{name}-warm", path=0,  # warm-up, its own prompts
                       **{**work, "sessions": 4})
 
-    s0 = await g[0].statistics.call_one()
-    ref_s, ref_tokens, ref_prompt = await _batched_path(g, codec, **work)  # type: ignore[arg-type]
-    s1 = await g[0].statistics.call_one()
-    agent_s, agent_tokens, agent_prompt = await _agent_path(
-        client, codec, tag=name, **work)  # type: ignore[arg-type]
-    s2 = await g[0].statistics.call_one()
     want = sessions * turns * max_tokens
-    assert agent_tokens == ref_tokens == want, (agent_tokens, ref_tokens, want)
+    runs: dict[str, list[tuple[float, int, int, Any, Any]]] = {"agent": [], "ref": []}
+    for rep in range(repeats):  # alternated, so drift on a shared machine hits both paths
+        for kind in (("ref", "agent") if rep % 2 == 0 else ("agent", "ref")):
+            s0 = await g[0].statistics.call_one()
+            if kind == "ref":
+                secs, gen, prompt = await _batched_path(g, codec, **work,  # type: ignore[arg-type]
+                                                        path=2 * rep + 2)
+            else:
+                secs, gen, prompt = await _agent_path(
+                    client, codec, tag=f"{name}-{rep}", path=2 * rep + 1, **work)  # type: ignore[arg-type]
+            s1 = await g[0].statistics.call_one()
+            assert gen == want, (kind, gen, want)
+            runs[kind].append((secs, gen, prompt, s0, s1))
 
     state = load_file(os.path.join(path, "model.safetensors"))
     pub = WeightPublisher(g, transport="shm", bucket_bytes=64 << 20,
@@ -167,20 +178,33 @@ async def bench_model(rt: object, name: str, path: str, *, dtype: str, sessions:
     assert check.versions == [syncs] * len(check.versions)
     warm = [r.seconds for r in results[1:]] or [results[0].seconds]
     await rt.stop(g)  # type: ignore[attr-defined]
-    ref_tok_s = ref_tokens / ref_s
-    agent_tok_s = agent_tokens / agent_s
+    ref_rates = [gen / secs for secs, gen, *_ in runs["ref"]]
+    agent_rates = [gen / secs for secs, gen, *_ in runs["agent"]]
+    ratios = sorted(a / r for a, r in zip(agent_rates, ref_rates, strict=True))
+
+    def steps(kind: str) -> int:
+        return sum(s1.steps - s0.steps for *_, s0, s1 in runs[kind])
+
+    def busy(kind: str) -> float:
+        return sum(s1.busy_s - s0.busy_s for *_, s0, s1 in runs[kind]) / sum(
+            secs for secs, *_ in runs[kind])
+
     return {
         "model": name, "dtype": dtype, "sessions": sessions, "turns": turns,
         "max_tokens": max_tokens, "min_tokens": max_tokens, "seed": SEED,
-        "start_s": round(start_s, 2),
-        "batched_ref_tokens": ref_tokens, "agent_tokens": agent_tokens,
-        "batched_ref_prompt_tokens": ref_prompt, "agent_prompt_tokens": agent_prompt,
-        "batched_ref_tok_s": round(ref_tok_s, 1), "agent_loop_tok_s": round(agent_tok_s, 1),
-        "ratio": round(agent_tok_s / ref_tok_s, 3),
+        "start_s": round(start_s, 2), "repeats": repeats,
+        "batched_ref_tokens": runs["ref"][0][1], "agent_tokens": runs["agent"][0][1],
+        "batched_ref_prompt_tokens": runs["ref"][0][2],
+        "agent_prompt_tokens": runs["agent"][0][2],
+        "batched_ref_tok_s": round(statistics.median(ref_rates), 1),
+        "agent_loop_tok_s": round(statistics.median(agent_rates), 1),
+        # the median of the per-repeat ratios (each pair ran back to back), with its spread
+        "ratio": round(statistics.median(ratios), 3),
+        "ratio_min": round(ratios[0], 3), "ratio_max": round(ratios[-1], 3),
+        "ratios": [round(x, 3) for x in ratios],
         # engine steps and the share of wall time the engine thread spent inside step()
-        "batched_ref_steps": s1.steps - s0.steps, "agent_steps": s2.steps - s1.steps,
-        "batched_ref_busy": round((s1.busy_s - s0.busy_s) / ref_s, 3),
-        "agent_busy": round((s2.busy_s - s1.busy_s) / agent_s, 3),
+        "batched_ref_steps": steps("ref"), "agent_steps": steps("agent"),
+        "batched_ref_busy": round(busy("ref"), 3), "agent_busy": round(busy("agent"), 3),
         "weight_bytes": results[0].nbytes, "weight_buckets": results[0].buckets,
         "weight_sync_s": round(statistics.median(warm), 4),
         "weight_sync_first_s": round(results[0].seconds, 4),
@@ -272,7 +296,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         tiny = await bench_model(
             rt, "tiny", str(default_model_dir()), dtype="float32",
             sessions=args.sessions, turns=2 if args.quick else 4,
-            max_tokens=64, prompt_words=6, syncs=3 if args.quick else 5, cast=None)
+            max_tokens=64, prompt_words=6, syncs=3 if args.quick else 5, cast=None,
+            repeats=args.repeats)
         out["tiny"] = tiny
         for k in ("batched_ref_tok_s", "agent_loop_tok_s", "ratio", "weight_sync_s"):
             out[k] = tiny[k]
@@ -281,7 +306,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
 
             out["smollm2_135m"] = await bench_model(
                 rt, "smollm2", str(smollm2_dir()), dtype="bfloat16", sessions=16, turns=2,
-                max_tokens=32, prompt_words=6, syncs=3, cast="bfloat16")
+                max_tokens=32, prompt_words=6, syncs=3, cast="bfloat16", repeats=args.repeats)
     return out
 
 
@@ -290,12 +315,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--quick", action="store_true", help="tiny model only, fewer turns (< 50 s)")
     ap.add_argument("--sessions", type=int, default=64, help="concurrent agent sessions")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of each path, alternated (ratio: median of the per-pair ratios)")
     ap.add_argument("--compare-engines", action="store_true",
                     help="also time EARL's in-process engine against vLLM AsyncLLM")
     ap.add_argument("--engine-only", choices=["inproc", "asyncllm"], help=argparse.SUPPRESS)
     ap.add_argument("--turns", type=int, default=4, help=argparse.SUPPRESS)
     _results.add_flag(ap)
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
     begun = _results.start()
     if args.engine_only:
         print(json.dumps(asyncio.run(engine_only(args.engine_only, args.sessions, args.turns))))
