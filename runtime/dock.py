@@ -9,7 +9,9 @@
 - `Dock` is the client every process uses: `put`/`put_nowait` (producers), `take`, `fetch`,
   `ack`, `release` (consumers), `statistics`.
 
-RPCs carry only metadata; column data goes warehouse -> consumer over runtime/transport.
+RPCs carry only metadata; column data goes warehouse -> consumer over runtime/transport, by
+locality: a consumer asks each warehouse its host once (`dock_host`) and has it send to its
+receiver of the kind `transport.route` picks (shm on one host, ucx or zmq across hosts).
 A warehouse that dies mid-fetch makes `fetch` raise `DockFetchError` after telling the index,
 which re-queues the lease's surviving samples and reports the lost groups via `take_lost`; the
 error names the shard and its actor's failure as data (`shard`, `died`).
@@ -24,7 +26,7 @@ import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -47,8 +49,10 @@ from earl.runtime.dock_index import (
 from earl.runtime.dock_warehouse import Warehouse, WarehouseStatistics
 from earl.runtime.errors import CausedByDeath, actor_label
 from earl.runtime.layout import Layout
-from earl.runtime.transport import Receiver, Sender, connect, get_transport
+from earl.runtime.locality import host_id
+from earl.runtime.transport import Receiver, Sender
 from earl.runtime.transport.base import Frame
+from earl.runtime.transport.route import Inbox, open_sender
 from earl.runtime.transport.shm_arena import ShmArena
 
 T = TypeVar("T")
@@ -249,7 +253,7 @@ class WarehouseHost:
         """Send the columns to a consumer's receiver; returns bytes sent."""
         header, bufs = self.warehouse.pack(sample_ids, columns)
         if address not in self._senders:
-            self._senders[address] = (connect(address), threading.Lock())
+            self._senders[address] = (open_sender(address), threading.Lock())
         sender, lock = self._senders[address]
 
         def send() -> None:
@@ -258,6 +262,11 @@ class WarehouseHost:
 
         await asyncio.to_thread(send)
         return sum(b.nbytes for b in bufs)
+
+    @endpoint
+    async def dock_host(self) -> str:
+        """This shard's `host_id()`: consumers pick the transport they fetch over by it."""
+        return host_id()
 
     @endpoint
     async def dock_mark_acked(self, sample_ids: list[str], stage: str) -> None:
@@ -296,13 +305,16 @@ class Dock:
     Args:
         index: the IndexActor group (one rank, or several sharding the index by group).
         warehouse: this process' shard (producers); None for pure consumers.
-        transport: how fetched columns reach this process (default: same-host shm).
+        transport: force how fetched columns reach this process ("shm", "ucx", "zmq"); empty:
+            by each warehouse's host (`transport.route`).
     """
 
     def __init__(self, index: ActorGroup, *, warehouse: Warehouse | None = None,  # type: ignore[type-arg]
-                 transport: str = "shm") -> None:
-        self.index, self.warehouse, self._transport = index, warehouse, transport
-        self._receiver: Receiver | None = None
+                 transport: str = "") -> None:
+        self.index, self.warehouse = index, warehouse
+        self.inbox = Inbox(transport or None)
+        self._hosts: dict[str, str] = {}  # shard -> its host id (asked once)
+        self._fetched: dict[str, int] = {}  # transport kind -> bytes received
         self._rr = itertools.count()
 
     async def put(self, sample_id: str, columns: Mapping[str, np.ndarray], *, group_id: str,
@@ -365,10 +377,13 @@ class Dock:
                     shard.take.call_one(*args, True, min(0.5, left or 0.5), at_least=at_least))
             start += 1
 
-    def receiver(self) -> Receiver:
-        if self._receiver is None:
-            self._receiver = get_transport(self._transport).listen()
-        return self._receiver
+    def receiver(self, peer_host: str | None = None) -> Receiver:
+        """Where a producer on `peer_host` (a `host_id()`; None: this host) sends to us."""
+        return self.inbox.for_peer(host_id() if peer_host is None else peer_host)
+
+    def fetched_bytes(self) -> dict[str, int]:
+        """Bytes `fetch` received so far, per transport kind (what carried the experience)."""
+        return dict(self._fetched)
 
     async def fetch(self, lease: Lease, *, timeout_s: float = 120.0) -> tuple[Batch, list[Frame]]:
         """Fetch a lease's columns straight from the warehouses holding them.
@@ -400,12 +415,34 @@ class Dock:
                 raise _ShardFailed(op.shard, e) from e
 
         try:
-            return await gather(ops, self.receiver(), request, timeout_s=timeout_s)
+            by_kind: dict[str, list[FetchOp]] = {}
+            for op in ops:
+                by_kind.setdefault(self.inbox.kind_for(await self._host_of(op.shard)),
+                                   []).append(op)
+            parts = await _gather_all({kind: (part, self.inbox.receiver(kind))
+                                       for kind, part in by_kind.items()}, request, timeout_s)
         except _ShardFailed as failed:
+            self._hosts.pop(failed.shard, None)  # a restarted shard may be elsewhere
             await self.index[index_rank].release.call_one(lease_id, failed.shard)
             if len(self.index) > 1:  # every index shard may hold groups from the dead warehouse
                 await self.index.drop_shard.call(failed.shard)
             raise DockFetchError.of(failed.shard, lease_id, failed.cause) from failed.cause
+        batch: Batch = {}
+        frames: list[Frame] = []
+        for kind, (part, got) in parts.items():
+            for sid, cols in part.items():
+                batch.setdefault(sid, {}).update(cols)
+            frames += got
+            self._fetched[kind] = self._fetched.get(kind, 0) + sum(f.nbytes for f in got)
+        return batch, frames
+
+    async def _host_of(self, shard: str) -> str:
+        if shard not in self._hosts:
+            try:
+                self._hosts[shard] = await (await _shard(shard)).dock_host.call_one()
+            except (ActorDied, ActorError, KeyError, ConnectionError) as e:
+                raise _ShardFailed(shard, e) from e
+        return self._hosts[shard]
 
     async def ack(self, lease: Lease) -> None:
         """Mark the lease consumed; raises LeaseError if it expired or was already acked."""
@@ -435,9 +472,7 @@ class Dock:
         )
 
     def close(self) -> None:
-        if self._receiver is not None:
-            self._receiver.close()
-            self._receiver = None
+        self.inbox.close()
 
 
 def _sum_dicts(ds: Iterable[dict[str, int]]) -> dict[str, int]:
@@ -445,6 +480,29 @@ def _sum_dicts(ds: Iterable[dict[str, int]]) -> dict[str, int]:
     for d in ds:
         for k, v in d.items():
             out[k] = out.get(k, 0) + v
+    return out
+
+
+async def _gather_all(
+    parts: Mapping[str, tuple[Sequence[FetchOp], Receiver]],
+    request: Callable[[FetchOp, str], Coroutine[object, object, None]], timeout_s: float,
+) -> dict[str, tuple[Batch, list[Frame]]]:
+    """`gather` each kind's fetches on its receiver, all at once; the first failure wins (the
+    frames the others got are released)."""
+    out: dict[str, tuple[Batch, list[Frame]]] = {}
+
+    async def one(kind: str, ops: Sequence[FetchOp], receiver: Receiver) -> None:
+        out[kind] = await gather(ops, receiver, request, timeout_s=timeout_s)
+
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for kind, (ops, receiver) in parts.items():
+                tg.create_task(one(kind, ops, receiver))
+    except BaseExceptionGroup as eg:
+        for _, frames in out.values():
+            for f in frames:
+                f.release()
+        raise eg.exceptions[0] from eg
     return out
 
 

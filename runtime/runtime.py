@@ -12,6 +12,8 @@ Over TCP every frame is authenticated (HMAC-SHA256), loopback included: unless
 every actor it spawns (in the bootstrap spec, never over TCP), along with the references and
 path roots the driver registered in `earl.runtime.registry`. The root also removes its run dir
 on exit and sweeps what killed runs left behind (`earl.runtime.cleanup`) when it starts and ends.
+Under the ray launcher the root serves on its Ray node's address, not loopback (actors on other
+nodes dial it), and each actor on its own node's (`earl.runtime.launch_ray`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import itertools
 import os
 import re
 import shutil
+import socket
 import sys
 import tempfile
 from collections.abc import Coroutine
@@ -51,9 +54,10 @@ BROKEN_GRACE_S = 0.5  # a dying process closes its sockets a moment before it is
 
 
 def make_launcher(name: str, ray_address: str | None = None,
-                  actor_log: str | None = None) -> Launcher:
+                  actor_log: str | None = None, config: RuntimeConfig | None = None) -> Launcher:
     """The launcher named `name` ("local" or "ray"); Ray is imported only for "ray".
-    `actor_log`: the file local actors' stdout and stderr go to (None: this process')."""
+    `actor_log`: the file local actors' stdout and stderr go to (None: this process').
+    `config`: where the ray launcher places groups (`ray_resources`, `ray_gpus`)."""
     if name == "local":
         from earl.runtime.launch_local import LocalLauncher
 
@@ -61,7 +65,9 @@ def make_launcher(name: str, ray_address: str | None = None,
     if name == "ray":
         from earl.runtime.launch_ray import RayLauncher
 
-        return RayLauncher(address=ray_address)
+        return RayLauncher(address=ray_address,
+                           resources=config.ray_resources if config else None,
+                           gpus=config.ray_gpus if config else None)
     raise ValueError(f"unknown launcher {name!r}: use 'local' or 'ray'")
 
 
@@ -93,6 +99,7 @@ class Runtime:
             config.launcher = launcher
             config.__post_init__()
         self.config = config
+        self.host = config.host  # what TCP servers bind (under Ray: the driver's node address)
         self.directory_address = _directory
         self.directory: Directory | None = None
         self.secret = config.secret_bytes
@@ -128,6 +135,10 @@ class Runtime:
         self._tg = asyncio.TaskGroup()
         await self._tg.__aenter__()
         if self.directory_address is None:
+            if cfg.launcher == "ray":  # actors on other nodes must reach the directory
+                self._launcher = self._make_launcher()
+                node = getattr(self._launcher, "node_address", self.host)
+                self.host = node if self.host in ("127.0.0.1", "localhost", "::1") else self.host
             self.directory = Directory()
             self._dir_server = Server(self.directory, "directory", spawn=self.task,
                                       max_bytes=cfg.max_message_bytes, secret=self.secret)
@@ -180,9 +191,27 @@ class Runtime:
             background_tasks=len(self._tasks))
 
     # ---- addresses ---------------------------------------------------------------------
+    def _make_launcher(self) -> Launcher:
+        return make_launcher(self.config.launcher, self.config.ray_address,
+                             self.config.actor_log, self.config)
+
+    async def free_address(self, name: str, n: int, rank: int = 0) -> tuple[str, int]:
+        """(address, port free there right now) on the host where rank `rank` of the group
+        `name` of `n` ranks will run (spawn it next): a rendezvous point for its ranks, e.g. a
+        torch process group's. Under Ray that is the node of the rank's bundle."""
+        if self._launcher is None:
+            self._launcher = self._make_launcher()
+        reserve = getattr(self._launcher, "free_address", None)
+        if reserve is not None:
+            host, port = await reserve(name, n, rank)
+            return str(host), int(port)
+        with socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET) as s:
+            s.bind((self.host, 0))
+            return self.host, int(s.getsockname()[1])
+
     def _bind(self, name: str, rank: int = 0) -> str:
         if self.config.use_tcp:
-            return f"tcp:{self.config.host}:0"
+            return f"tcp:[{self.host}]:0" if ":" in self.host else f"tcp:{self.host}:0"
         return self.socket_path(name, rank)
 
     def socket_path(self, name: str, rank: int) -> str:
@@ -247,8 +276,7 @@ class Runtime:
             raise ValueError("slot= needs the local launcher (a slot is a cgroup on this host)")
         call = pack_call(args, kwargs)  # fails here, not in the child, if an argument can't travel
         if self._launcher is None:
-            self._launcher = make_launcher(self.config.launcher, self.config.ray_address,
-                                           self.config.actor_log)
+            self._launcher = self._make_launcher()
         main_file = None
         if cls.__module__ in ("__main__", "__mp_main__"):
             main_file = getattr(sys.modules["__main__"], "__file__", None)
@@ -257,7 +285,7 @@ class Runtime:
             name=name, rank=r, world_size=n, cls_module=cls.__module__,
             cls_qualname=cls.__qualname__, main_file=main_file, call=call,
             bind=self._bind(name, r), directory=self.directory_address or "",
-            run_dir=self.run_dir, host=cfg.host, tcp=cfg.use_tcp, secret=self.secret,
+            run_dir=self.run_dir, host=self.host, tcp=cfg.use_tcp, secret=self.secret,
             max_message_bytes=cfg.max_message_bytes, sys_path=list(sys.path), slot=slots[r],
             refs=registry.registered(), roots=registry.allowed_roots())
             for r in range(n)]

@@ -189,6 +189,10 @@ class HealingTraining:
     def seconds(self) -> dict[str, float]:
         return self.inner.seconds
 
+    @property
+    def flows(self) -> dict[str, float]:
+        return self.inner.flows
+
     async def train(self, batch: int, samples: int, lr_scale: float) -> dict[str, float]:
         while True:
             try:

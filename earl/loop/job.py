@@ -67,6 +67,11 @@ class Job:
         self.env = {"OMP_NUM_THREADS": str(cfg.placement.threads_per_actor),
                     "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
                     "TRANSFORMERS_VERBOSITY": "error", **self.hooks.env}
+        # placement.transport forces one data-plane transport for every pair ("": by locality)
+        if prefer := cfg.placement.transport:
+            from earl.runtime.transport.route import ENV_PREFER
+
+            self.env[ENV_PREFER] = prefer
         self.trace = trace
         self.tracer = Tracer(trace)
         self.healer = Healer(max_restarts=cfg.max_restarts, log=log, tracer=self.tracer)
@@ -75,7 +80,8 @@ class Job:
             from earl.loop.selection_actors import run_slots
 
             self.slots = run_slots(cfg.placement)
-        elif cfg.placement.device == "cuda":  # every rank on its own GPU(s)
+        elif cfg.placement.device == "cuda" and cfg.placement.launcher == "local":
+            # every rank on its own GPU(s); under Ray its bundle asks for them
             import torch
 
             from earl.loop.devices import gpu_slots

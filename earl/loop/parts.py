@@ -103,13 +103,16 @@ class ActorTraining:
     The driver leases the batch (metadata), the dispatcher plans it for the trainer's layout
     (`earl.stages.trainer_feed`), and each DP replica's leader fetches its slice straight
     from the producers' and the reference's shards. The groups are read from `actors` at each
-    call (the selector may have re-created them)."""
+    call (the selector may have re-created them). `flows` holds the bytes each transport
+    carried in the last step (``transport/experience_bytes/<kind>``: warehouses -> trainer
+    leaders; ``transport/weights_bytes/<kind>``: trainer -> rollout replicas)."""
 
     def __init__(self, actors: Actors, columns: list[str], tracer: Tracer | None = None
                  ) -> None:
         self.actors, self.columns = actors, columns
         self.tracer = tracer or Tracer(False)
         self.seconds = {"train_s": 0.0, "sync_s": 0.0}  # of the last step, for the metrics
+        self.flows: dict[str, float] = {}
 
     async def train(self, batch: int, samples: int, lr_scale: float) -> dict[str, float]:
         from earl.stages.trainer_feed import train_from_dock
@@ -121,13 +124,15 @@ class ActorTraining:
                                             lr_scale=lr_scale,
                                             micro_batch_tokens=a.micro_batch_tokens)
         self.seconds["train_s"] = time.perf_counter() - t0
-        return dict(metrics)
+        self.flows = {k: v for k, v in metrics.items() if k.startswith("transport/")}
+        return {k: v for k, v in metrics.items() if not k.startswith("transport/")}
 
     async def publish(self, version: int) -> None:
         t0 = time.perf_counter()
         with self.tracer.span("push_weights", actor="trainer", version=version):
-            await self.actors.trainer.push_weights.call(self.actors.rollout, version)
+            synced = await self.actors.trainer.push_weights.call(self.actors.rollout, version)
         self.seconds["sync_s"] = time.perf_counter() - t0
+        self.flows.update({k: v for k, v in synced[0].items() if k.startswith("transport/")})
 
 
 class ActorEvaluation:

@@ -93,15 +93,18 @@ def _slots(job: Job, actor: str, n: int) -> Any:
 
 
 async def spawn_trainer(job: Job) -> Any:
-    from earl.stages.trainer import TrainerActor, free_dist_url
+    from earl.stages.trainer import TrainerActor
     from earl.stages.trainer_torch import TrainerConfig
 
     cfg, pl = job.cfg, job.cfg.placement
+    dist_url = None
+    if pl.trainer > 1:  # the rendezvous on rank 0's host (under Ray, maybe another node)
+        host, port = await job.rt.free_address("trainer", pl.trainer)
+        dist_url = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
     tcfg = TrainerConfig(model=str(job.start), optim=cfg.optim, loss=cfg.algorithm.loss(),
                          threads=pl.threads_per_actor, seed=cfg.seed, device=pl.device,
                          temperature=cfg.algorithm.temperature,
-                         micro_batch_tokens=pl.micro_batch_tokens,
-                         dist_url=free_dist_url() if pl.trainer > 1 else None,
+                         micro_batch_tokens=pl.micro_batch_tokens, dist_url=dist_url,
                          lora=cfg.lora, shared_prefix=pl.shared_prefix,
                          dtype=pl.dtype, tp=pl.trainer_tp,  # type: ignore[arg-type]
                          # DDP does not compose with tensor parallel; FSDP2 does

@@ -2,8 +2,8 @@
 
 `StepLog` is the schedule's `observe` callback: from a `StepRecord` (the batch's episodes, the
 trainer's metrics, the step's seconds) it writes a row to `metrics.jsonl` (reward, failure
-and truncation rates, context lengths, staleness, seconds per phase, restarts) and prints the
-progress line.
+and truncation rates, context lengths, staleness, seconds per phase, restarts, bytes per
+transport of each flow) and prints the progress line.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ class StepLog:
     def __init__(self, job: Job, log: Callable[[str], None]) -> None:
         self.job, self.log = job, log
         self._reference_total = 0.0
+        self._reference_bytes: dict[str, int] = {}
 
     async def __call__(self, r: StepRecord) -> None:
         from earl.observe import progress_line
@@ -35,7 +36,9 @@ class StepLog:
         assert job.metrics is not None
         rec = step_row(r, steps=job.cfg.steps)
         rec.update(job.attempt.training.seconds)
+        rec.update(job.attempt.training.flows)  # bytes per transport: experience, weights
         rec.update(reference_s=await self._reference_busy(), wall_s=job.elapsed())
+        rec.update(await self._reference_flows())
         rec.update(job.healer.metrics())  # restarts/<actor>, rewinds
         job.metrics.log(rec)
         self.log(progress_line(rec))
@@ -50,6 +53,19 @@ class StepLog:
         total = sum(await reference.busy_seconds.call())
         last, self._reference_total = self._reference_total, total
         return total - last
+
+    async def _reference_flows(self) -> dict[str, float]:
+        """Bytes each transport carried warehouses -> reference since the last step."""
+        reference = self.job.attempt.actors.reference
+        if reference is None:
+            return {}
+        total: dict[str, int] = {}
+        for part in await reference.fetched_bytes.call():
+            for kind, n in part.items():
+                total[kind] = total.get(kind, 0) + n
+        last, self._reference_bytes = self._reference_bytes, total
+        return {f"transport/reference_bytes/{k}": float(n - last.get(k, 0))
+                for k, n in total.items() if n > last.get(k, 0)}
 
 
 def step_row(r: StepRecord, *, steps: int) -> dict[str, Any]:

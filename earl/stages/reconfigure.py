@@ -31,7 +31,6 @@ from earl.runtime import ActorGroup, RestartPolicy, Runtime
 from earl.runtime.layout import Layout
 from earl.stages.rollout import RolloutActor
 from earl.stages.trainer import TrainerActor
-from earl.stages.trainer_dist import free_dist_url
 
 __all__ = ["ReconfigTimes", "reconfigure_rollout", "reconfigure_trainer"]
 
@@ -88,9 +87,6 @@ async def reconfigure_trainer(
                          "trainer runs dp x tp only")
     cfg = await group[0].trainer_config.call_one()
     parallel = "fsdp" if new_layout.tp > 1 and new_layout.dp > 1 else cfg.parallel
-    new_cfg = dataclasses.replace(
-        cfg, tp=new_layout.tp, parallel=parallel,
-        dist_url=free_dist_url() if new_layout.world_size > 1 else None, **changes)
     path = str(checkpoint_dir)
     t0 = time.perf_counter()
     await group.save_checkpoint.call(path)
@@ -98,6 +94,12 @@ async def reconfigure_trainer(
     await group.close.call()
     await rt.stop(group)
     t2 = time.perf_counter()
+    dist_url = None
+    if new_layout.world_size > 1:  # rank 0's host (under Ray, maybe another node than ours)
+        host, port = await rt.free_address(group.name, new_layout.world_size)
+        dist_url = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+    new_cfg = dataclasses.replace(cfg, tp=new_layout.tp, parallel=parallel, dist_url=dist_url,
+                                  **changes)
     new = await rt.spawn(group.name, TrainerActor, new_cfg, n=new_layout.world_size, env=env,
                          slot=slot)
     t3 = time.perf_counter()

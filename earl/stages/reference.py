@@ -234,3 +234,8 @@ class ReferenceActor(WarehouseHost, Actor):
     async def busy_seconds(self) -> float:
         """Seconds spent in forward passes so far (the reference stage's share of a step)."""
         return self.busy_s
+
+    @endpoint
+    async def fetched_bytes(self) -> dict[str, int]:
+        """Bytes fetched from the dock so far, per transport kind (see `Dock.fetched_bytes`)."""
+        return {} if self._dock is None else self._dock.fetched_bytes()

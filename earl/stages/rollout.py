@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     import torch
 
     from earl.runtime.transport import Frame, Receiver
+    from earl.runtime.transport.route import Inbox
 
 for _cls in (SamplingParams, Generation, EngineConfig, RolloutStatistics):
     message(_cls)
@@ -63,7 +64,8 @@ class RolloutActor(Actor):
         self.config = config
         self.engine = VLLMEngine(config, policy_version=policy_version, on_death=_die)
         self._staged: list[tuple[str, torch.Tensor]] = []
-        self._receiver: Receiver | None = None
+        self._inbox: Inbox | None = None  # weight receivers, one per transport kind
+        self._receiver: Receiver | None = None  # the one the publisher sends to
 
     async def setup(self) -> None:
         await self.engine.start()
@@ -99,12 +101,17 @@ class RolloutActor(Actor):
         return await self.engine.update_weights(path=path, version=version, mode=mode)
 
     @endpoint
-    async def weights_address(self) -> str:
-        """Address of this replica's shm receiver for `WeightPublisher` (created once)."""
-        if self._receiver is None:
-            from earl.runtime.transport import get_transport
+    async def weights_address(self, peer_host: str = "", transport: str = "") -> str:
+        """Address of the receiver `WeightPublisher` sends buckets to, for a publisher on
+        `peer_host` (a `host_id()`; empty: this host): shm on this host, ucx or zmq from
+        another (`transport.route`), or the kind `transport` names. Made once per kind."""
+        from earl.runtime.locality import host_id
+        from earl.runtime.transport.route import Inbox
 
-            self._receiver = get_transport("shm").listen()
+        if self._inbox is None:
+            self._inbox = Inbox()
+        kind = transport or self._inbox.kind_for(peer_host or host_id())
+        self._receiver = self._inbox.receiver(kind)
         return str(self._receiver.address)
 
     @endpoint
@@ -118,7 +125,7 @@ class RolloutActor(Actor):
     @endpoint
     async def commit_weights(self, version: int | None = None, mode: UpdateMode = "inflight",
                              frames: int = 0) -> float:
-        """Load the staged buckets plus `frames` buckets arriving on the shm receiver, all in one
+        """Load the staged buckets plus `frames` buckets arriving on the weights receiver, all in one
         in-place reload that consumes frames as they come (call it before sending them);
         returns the seconds the engine spent loading, receiving included."""
         staged, self._staged = self._staged, []
@@ -157,8 +164,8 @@ class RolloutActor(Actor):
     @endpoint
     async def close(self) -> None:
         await self.engine.close()
-        if self._receiver is not None:
-            self._receiver.close()
+        if self._inbox is not None:
+            self._inbox.close()
 
 
 def _die(exc: BaseException) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
@@ -38,6 +37,7 @@ from earl.stages.optim import OptimConfig
 from earl.stages.trainer_batch import TrainBatch
 from earl.stages.trainer_dist import free_dist_url
 from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
+from earl.stages.weights import PushTransport
 
 __all__ = ["TorchTrainer", "TrainBatch", "TrainerActor", "TrainerConfig", "free_dist_url"]
 
@@ -75,6 +75,7 @@ class TrainerActor(Actor):
         self._lock = asyncio.Lock()
         self._dock: Dock | None = None  # made on first use
         self._peers: dict[int, Sender] = {}  # this replica's other ranks (leader only)
+        self._leader_host: str | None = None  # this replica's leader's host (peers only)
         self._publisher: WeightPublisher | None = None  # one per trainer life (and rollout group)
         self._publisher_key: tuple[object, ...] = ()
 
@@ -111,10 +112,15 @@ class TrainerActor(Actor):
         lease (`earl.stages.trainer_feed.train_from_dock` does all of it).
         """
         replica = plan.for_rank(self.rank)
+        before = self._dock.fetched_bytes() if self._dock is not None else {}
         batch = await self._fetch_planned(plan, index, timeout_s)
         pos = {sid: i for i, sid in enumerate(replica.sample_ids)}
         micro = [[pos[sid] for sid in mb] for mb in replica.micro_batches]
         metrics = await self._run(lambda t: t.train_step(batch, lr_scale, micro))
+        assert self._dock is not None
+        for kind, n in self._dock.fetched_bytes().items():  # what carried this step's data
+            if n > before.get(kind, 0):
+                metrics[f"transport/experience_bytes/{kind}"] = float(n - before.get(kind, 0))
         for r in replica.ranks:  # peers have read the forwarded pages by now: free them
             wait = getattr(self._peers.get(r), "wait_released", None)
             if wait is not None:
@@ -125,7 +131,8 @@ class TrainerActor(Actor):
                              timeout_s: float) -> TrainBatch:
         from earl.runtime import context
         from earl.runtime.dock import Dock
-        from earl.runtime.transport import connect
+        from earl.runtime.locality import host_id
+        from earl.runtime.transport.route import open_sender
 
         if self._dock is None:
             self._dock = Dock(await context().lookup(index))
@@ -138,10 +145,14 @@ class TrainerActor(Actor):
                 group = await context().lookup(self.name)
                 for r in peers:
                     if r not in self._peers:
-                        self._peers[r] = connect(await group[r].data_address.call_one(index))
+                        self._peers[r] = open_sender(
+                            await group[r].data_address.call_one(index, host_id()))
                 forward_frames(frames, [self._peers[r] for r in peers])
         else:
-            receiver = self._dock.receiver()
+            if self._leader_host is None:
+                group = await context().lookup(self.name)
+                self._leader_host = await group[replica.leader].data_host.call_one()
+            receiver = self._dock.receiver(self._leader_host)
             data, frames = await asyncio.to_thread(receive_replica, receiver,
                                                    len(replica.fetches), timeout_s=timeout_s)
         try:
@@ -151,15 +162,22 @@ class TrainerActor(Actor):
                 f.release()
 
     @endpoint
-    async def data_address(self, index: str = "dock") -> str:
-        """Address where this rank receives its replica's data (from the warehouses, or
-        forwarded by its replica leader); `index` names the dock's index group."""
+    async def data_address(self, index: str = "dock", peer_host: str | None = None) -> str:
+        """Address where this rank receives its replica's data forwarded by its replica leader
+        on `peer_host` (a `host_id()`; None: this host); `index` names the dock's index group."""
         from earl.runtime import context
         from earl.runtime.dock import Dock
 
         if self._dock is None:
             self._dock = Dock(await context().lookup(index))
-        return str(self._dock.receiver().address)
+        return str(self._dock.receiver(peer_host).address)
+
+    @endpoint
+    async def data_host(self) -> str:
+        """This rank's `host_id()` (its replica peers pick their transport to it by it)."""
+        from earl.runtime.locality import host_id
+
+        return host_id()
 
     @endpoint
     async def accumulate(self, batch: TrainBatch) -> dict[str, float]:
@@ -193,14 +211,15 @@ class TrainerActor(Actor):
 
     @endpoint
     async def push_weights(self, rollout: ActorGroup[Any], version: int | None = None,
-                           transport: Literal["shm", "rpc"] = "shm",
+                           transport: PushTransport = "auto",
                            bucket_bytes: int = 64 << 20) -> dict[str, float]:
         """Send the current weights to every replica of ``rollout`` (call on all ranks).
 
         Rank 0 sends; other ranks only take part in FSDP's / TP's gathers. Rank 0 keeps one
         `WeightPublisher` (its connections and warm buffers) for as long as it pushes to the
-        same rollout group with the same settings. Returns the `WeightSync` numbers (seconds,
-        bytes, buckets, load_s, version) on rank 0, ``{}`` elsewhere.
+        same rollout group with the same settings. `transport`: see `WeightPublisher` ("auto":
+        each replica's by locality). Returns the `WeightSync` numbers (seconds, bytes, buckets,
+        load_s, version, and ``transport/weights_bytes/<kind>``) on rank 0, ``{}`` elsewhere.
         """
         assert self.trainer is not None
         ver = self.trainer.step if version is None else version
@@ -215,9 +234,9 @@ class TrainerActor(Actor):
         except BaseException:
             self._close_publisher()  # reconnect next time (e.g. a replica was restarted)
             raise
-        return {k: float(v) for k, v in asdict(sync).items()}
+        return sync.metrics()
 
-    def _publisher_for(self, rollout: ActorGroup[Any], transport: Literal["shm", "rpc"],
+    def _publisher_for(self, rollout: ActorGroup[Any], transport: PushTransport,
                        bucket_bytes: int) -> WeightPublisher:
         from earl.stages.weights import WeightPublisher
 

@@ -35,6 +35,34 @@ def free_dist_url(host: str = "127.0.0.1") -> str:
         return f"tcp://{host}:{s.getsockname()[1]}"
 
 
+def interface_of(address: str) -> str | None:
+    """The network interface that holds `address` on this host (None: no such interface)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == address for a in addrs):
+            return name
+    return None
+
+
+def use_node_interface() -> None:
+    """Make gloo and NCCL talk over the interface of this node's routable address
+    (`earl.runtime.locality.node_address`, set by the Ray launcher), unless the user chose one
+    ($GLOO_SOCKET_IFNAME / $NCCL_SOCKET_IFNAME). By default gloo binds what the hostname resolves
+    to, or loopback where that is not bindable, which peers on other hosts cannot reach."""
+    import os
+
+    from earl.runtime.locality import node_address
+
+    address = node_address()
+    if address in ("127.0.0.1", "::1"):
+        return
+    name = interface_of(address)
+    if name is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
+
+
 def own_gpu(rank: int, visible: int) -> int:
     """The CUDA index of trainer rank `rank`'s own GPU among the `visible` ones it sees.
 
@@ -81,6 +109,7 @@ def init_distributed(rank: int, world_size: int, url: str | None, device: torch.
             "address, e.g. earl.stages.trainer_dist.free_dist_url()"
         )
     backend = "nccl" if device.type == "cuda" else "gloo"
+    use_node_interface()
     dist.init_process_group(backend, init_method=url, rank=rank, world_size=world_size)
     return True
 

@@ -65,7 +65,8 @@ async def train_from_dock(trainer: ActorGroup[TrainerActor], dock: Dock, n: int,
         layout, micro_batch_tokens: the trainer's, asked from rank 0 when not given.
 
     Returns:
-        Rank 0's step metrics (global over the replicas), plus ``dispatch_replicas``.
+        Rank 0's step metrics (global over the replicas), plus ``dispatch_replicas`` and the
+        bytes each transport carried to the replica leaders (``transport/experience_bytes/<kind>``).
 
     Raises:
         ValueError: `n` samples cannot feed the layout (fewer samples than replicas).
@@ -91,5 +92,9 @@ async def train_from_dock(trainer: ActorGroup[TrainerActor], dock: Dock, n: int,
         raise
     await dock.ack(lease)
     metrics = dict(results[0])
+    for rank_metrics in results[1:]:  # bytes per transport: every replica leader's fetch
+        for k, v in rank_metrics.items():
+            if k.startswith("transport/"):
+                metrics[k] = metrics.get(k, 0.0) + v
     metrics["dispatch_replicas"] = float(layout.dp)
     return metrics

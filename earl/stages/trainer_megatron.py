@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from earl.packing import Packed
 from earl.stages import trainer_dist as tdist
-from earl.stages.trainer_dist import free_dist_url
+from earl.stages.trainer_dist import free_dist_url, use_node_interface
 from earl.stages.trainer_megatron_convert import QwenShape, hf_to_mcore, mcore_to_hf
 from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
 
@@ -51,6 +51,7 @@ def init_megatron_parallel(rank: int, world_size: int, url: str | None,
         if world_size > 1 and url is None:
             raise ValueError("TrainerConfig.dist_url is needed with world_size > 1 "
                              "(earl.stages.trainer_dist.free_dist_url())")
+        use_node_interface()  # gloo/NCCL over the interface peers on other hosts can reach
         dist.init_process_group(backend, init_method=url or free_dist_url(), rank=rank,
                                 world_size=world_size)
     if not parallel_state.model_parallel_is_initialized():

@@ -2,7 +2,8 @@
 
 `choose()` applies the locality rule: CUDA tensors -> ``nccl``; same host -> ``shm``; other
 hosts -> ``ucx`` when ucxx imports, else ``zmq``. `connect(address)` opens a sender for any
-receiver address, dispatching on its ``<name>://`` scheme.
+receiver address, dispatching on its ``<name>://`` scheme. The job's data flows apply the rule
+per producer -> consumer pair through `route` (host ids exchanged, one receiver per kind).
 """
 
 from __future__ import annotations

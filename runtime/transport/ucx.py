@@ -9,10 +9,14 @@ after `Frame.release()`.
 
 Network devices: loopback only (``UCX_NET_DEVICES=lo``) unless a `host` is configured; then UCX
 uses every device and each frame is authenticated: its control message carries a sequence
-number, the control message's HMAC (checked before the receiver allocates anything) and the
-payload's HMAC (checked before the frame is handed out), under the run's secret (see `auth`).
+number and the sender's nonce, the control message's HMAC (checked before the receiver allocates
+anything) and the payload's Poly1305 tag (checked before the frame is handed out), under the
+run's secret (see `auth`).
 
-Not here: the choice between UCX transports (UCX_TLS decides: sm, tcp, rc...).
+`tls` (None: UCX's own choice, or `$UCX_TLS`) restricts the UCX transports of both ends'
+workers, e.g. ``"tcp"`` for a link that must cross hosts over TCP.
+
+Not here: choosing between UCX transports by hardware (UCX does: sm, tcp, rc...).
 """
 
 from __future__ import annotations
@@ -25,12 +29,13 @@ from functools import partial
 
 import numpy as np
 
-from earl.runtime.transport.auth import MAC_LEN, Mac, is_loopback, key_for
+from earl.runtime.transport.auth import MAC_LEN, NONCE_LEN, TAG_LEN, Mac, is_loopback, key_for
 from earl.runtime.transport.base import Buffer, BufferPool, Frame, TransportError, as_bytes_view
 
 _CTRL_TAG = 1
 _CTRL_BYTES = 64 * 1024
-_AUTH_BYTES = 8 + 2 * MAC_LEN  # seq, control MAC, payload MAC (authenticated channels only)
+# seq, the sender's nonce, the control message's HMAC, the payload's Poly1305 tag
+_AUTH_BYTES = 8 + NONCE_LEN + MAC_LEN + TAG_LEN  # (authenticated channels only)
 _MAX_BUFS = (_CTRL_BYTES - 24 - _AUTH_BYTES) // 8
 _CHANNEL = b"ucx"
 
@@ -45,9 +50,11 @@ def _ucx():  # type: ignore[no-untyped-def]
     return ucx_api, Array
 
 
-def _worker(loopback: bool):  # type: ignore[no-untyped-def]
+def _worker(loopback: bool, tls: str | None = None):  # type: ignore[no-untyped-def]
     ucx_api, _ = _ucx()
     config = {"NET_DEVICES": "lo"} if loopback else {}
+    if tls:
+        config["TLS"] = tls
     ctx = ucx_api.UCXContext(config_dict=config,
                              feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
     worker = ucx_api.UCXWorker(ctx)
@@ -70,15 +77,20 @@ def _wait(worker, requests, deadline: float | None) -> bool:  # type: ignore[no-
 
 
 class UcxSender:
+    """Args: see `UcxReceiver`; send_timeout_s: how long one frame may wait for the receiver to
+    take it (TransportError after)."""
+
     def __init__(self, address: str, *, host: str = "127.0.0.1", secret: bytes | None = None,
-                 authenticate: bool | None = None) -> None:
+                 authenticate: bool | None = None, tls: str | None = None,
+                 send_timeout_s: float = 120.0) -> None:
         if not address.startswith("ucx://"):
             raise ValueError(f"address {address!r} is not a ucx:// address")
+        self.send_timeout_s = send_timeout_s
         key = key_for(host, secret, "ucx", authenticate)
         self._mac = None if key is None else Mac(key, _CHANNEL)
-        self._seq = 0
+        self._seq, self._nonce = 0, os.urandom(NONCE_LEN)
         ucx_api, self._Array = _ucx()
-        self._ctx, self._worker = _worker(is_loopback(host))
+        self._ctx, self._worker = _worker(is_loopback(host), tls)
         remote = ucx_api.UCXAddress.create_from_buffer(bytes.fromhex(address[len("ucx://") :]))
         self._ep = ucx_api.UCXEndpoint.create_from_worker_address(self._worker, remote, False)
         self._api = ucx_api
@@ -106,8 +118,9 @@ class UcxSender:
         ctrl = struct.pack(f"<QQI{len(sizes)}Q", self._tag, len(header), len(sizes), *sizes)
         if self._mac is not None:
             seq, self._seq = self._seq, self._seq + 1
-            ctrl += seq.to_bytes(8, "little")
-            ctrl += self._mac.digest(seq, [ctrl]) + self._mac.digest(seq, [header, *views])
+            ctrl += seq.to_bytes(8, "little") + self._nonce
+            ctrl += self._mac.digest(seq, [ctrl]) + self._mac.seal(self._nonce, seq,
+                                                                   [header, *views])
         self._ctrl[: len(ctrl)] = np.frombuffer(ctrl, np.uint8)
         tag = self._api.UCXXTag
         reqs = [self._ep.tag_send(self._Array(self._ctrl[: len(ctrl)]), tag(_CTRL_TAG))]
@@ -116,27 +129,34 @@ class UcxSender:
             reqs.append(self._ep.tag_send(self._Array(hdr), tag(self._tag)))
         reqs += [self._ep.tag_send(self._Array(p), tag(self._tag)) for p in payload if p.nbytes]
         try:
-            _wait(self._worker, reqs, None)
+            done = _wait(self._worker, reqs, time.monotonic() + self.send_timeout_s)
         except Exception as e:
             raise TransportError(f"ucx send failed: {e}") from e
+        if not done:
+            raise TransportError(f"ucx send timed out after {self.send_timeout_s} s: the receiver "
+                                 "took nothing (gone, or not receiving)")
 
     def close(self) -> None:
-        self._ep.close_blocking() if hasattr(self._ep, "close_blocking") else None
+        # Not close_blocking: it hangs (even with a bounded period) while the receiver's worker
+        # is idle. Every frame was received before a caller closes (its protocol confirms it).
+        self._ep.close()
+        self._worker.progress()
 
 
 class UcxReceiver:
     """Args: host: loopback (default) keeps UCX on the lo device; anything else uses every
     device and authenticates frames with `secret` or the run's secret; authenticate: force or
-    skip that (None: off loopback only; both ends must agree)."""
+    skip that (None: off loopback only; both ends must agree); tls: UCX transports to use
+    (None: UCX's choice)."""
 
     def __init__(self, *, host: str = "127.0.0.1", secret: bytes | None = None,
-                 authenticate: bool | None = None) -> None:
+                 authenticate: bool | None = None, tls: str | None = None) -> None:
         key = key_for(host, secret, "ucx", authenticate)
         self._mac = None if key is None else Mac(key, _CHANNEL)
-        self._last: dict[int, int] = {}  # sender tag -> last sequence number accepted
+        self._last: dict[bytes, int] = {}  # sender nonce -> last sequence number accepted
         ucx_api, self._Array = _ucx()
         self._api = ucx_api
-        self._ctx, self._worker = _worker(is_loopback(host))
+        self._ctx, self._worker = _worker(is_loopback(host), tls)
         self._addr = self._worker.address.tobytes().hex()
         self._ctrl = np.zeros(_CTRL_BYTES, np.uint8)
         self._ctrl_req = None
@@ -158,7 +178,7 @@ class UcxReceiver:
         if n > _MAX_BUFS:
             raise TransportError(f"ucx control message declares {n} buffers; dropped")
         sizes = struct.unpack_from(f"<{n}Q", self._ctrl.data, 20)
-        seq = self._check_ctrl(sender_tag, 20 + 8 * n)  # before allocating what it declares
+        seq, nonce = self._check_ctrl(20 + 8 * n)  # before allocating what it declares
         header = np.empty(hlen, np.uint8)
         total = sum(sizes)
         buf = self._pool.take(total)
@@ -177,9 +197,9 @@ class UcxReceiver:
             bufs.append(mv[off : off + s])
             off += s
         if self._mac is not None:
-            end = 20 + 8 * n + 8 + MAC_LEN
+            end = 20 + 8 * n + 8 + NONCE_LEN + MAC_LEN
             try:
-                self._mac.check(seq, [header, *bufs], self._ctrl[end:end + MAC_LEN])
+                self._mac.open(nonce, seq, [header, *bufs], self._ctrl[end:end + TAG_LEN])
             except TransportError:
                 self._pool.give(buf)
                 raise
@@ -187,16 +207,19 @@ class UcxReceiver:
         return Frame(header=header.tobytes(), buffers=bufs,
                      _on_release=partial(self._pool.give, buf))
 
-    def _check_ctrl(self, sender_tag: int, n: int) -> int:
-        """The control message's sequence number, once its MAC and order check out."""
+    def _check_ctrl(self, n: int) -> tuple[int, bytes]:
+        """The control message's sequence number and sender nonce, once its MAC and order
+        check out."""
         if self._mac is None:
-            return 0
+            return 0, b""
         seq = int.from_bytes(self._ctrl[n:n + 8].tobytes(), "little")
-        self._mac.check(seq, [self._ctrl[:n + 8]], self._ctrl[n + 8:n + 8 + MAC_LEN])
-        if seq <= self._last.get(sender_tag, -1):
+        nonce = self._ctrl[n + 8:n + 8 + NONCE_LEN].tobytes()
+        end = n + 8 + NONCE_LEN
+        self._mac.check(seq, [self._ctrl[:end]], self._ctrl[end:end + MAC_LEN])
+        if seq <= self._last.get(nonce, -1):
             raise TransportError("ucx control message replayed; dropped")
-        self._last[sender_tag] = seq
-        return seq
+        self._last[nonce] = seq
+        return seq, nonce
 
     def close(self) -> None:
         self._pool.clear()
@@ -208,8 +231,8 @@ class UcxTransport:
     name = "ucx"
 
     def __init__(self, *, host: str = "127.0.0.1", secret: bytes | None = None,
-                 authenticate: bool | None = None) -> None:
-        self._opts = {"host": host, "secret": secret, "authenticate": authenticate}
+                 authenticate: bool | None = None, tls: str | None = None) -> None:
+        self._opts = {"host": host, "secret": secret, "authenticate": authenticate, "tls": tls}
 
     def listen(self) -> UcxReceiver:
         return UcxReceiver(**self._opts)  # type: ignore[arg-type]

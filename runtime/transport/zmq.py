@@ -6,7 +6,7 @@ valid as long as the views are referenced. Slower than shm/ucx (fresh receive bu
 but needs nothing but a socket.
 
 A TCP receiver binds loopback unless given a `host`; off loopback every message starts with an
-auth part (sender nonce, sequence number, HMAC-SHA256 under the run's secret: see `auth`) and
+auth part (sender nonce, sequence number, Poly1305 tag under the run's secret: see `auth`) and
 the receiver drops messages that fail it, or replay a sequence number, before handing them out.
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import zmq
 
-from earl.runtime.transport.auth import MAC_LEN, Mac, advertised, key_for
+from earl.runtime.transport.auth import NONCE_LEN, TAG_LEN, Mac, advertised, key_for
 from earl.runtime.transport.base import Buffer, Frame, TransportError, as_bytes_view
 
 log = logging.getLogger("earl.runtime")
@@ -43,7 +43,7 @@ class ZmqSender:
         host = _tcp_host(address)
         key = None if host is None else key_for(host, secret, "zmq", authenticate)
         self._mac = None if key is None else Mac(key, _CHANNEL)
-        self._nonce = os.urandom(16)
+        self._nonce = os.urandom(NONCE_LEN)
         self._seq = 0
         self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 5000)
@@ -54,7 +54,7 @@ class ZmqSender:
         parts: list[Buffer] = [header, *(as_bytes_view(b) for b in buffers)]
         if self._mac is not None:
             seq = self._seq.to_bytes(8, "little")
-            parts.insert(0, self._nonce + seq + self._mac.digest(self._seq, [self._nonce, *parts]))
+            parts.insert(0, self._nonce + seq + self._mac.seal(self._nonce, self._seq, parts))
             self._seq += 1
         try:
             # copy=False + track: return only once zmq is done with the caller's memory
@@ -114,13 +114,13 @@ class ZmqReceiver:
     def _authentic(self, parts: list[zmq.Frame]) -> bool:
         assert self._mac is not None
         auth = parts[0].bytes
-        if len(parts) < 2 or len(auth) != 24 + MAC_LEN:
+        if len(parts) < 2 or len(auth) != 24 + TAG_LEN:
             return False
         nonce, seq = auth[:16], int.from_bytes(auth[16:24], "little")
         if seq <= self._last.get(nonce, -1):
             return False  # a replay
         try:
-            self._mac.check(seq, [nonce, *(p.buffer for p in parts[1:])], auth[24:])
+            self._mac.open(nonce, seq, [p.buffer for p in parts[1:]], auth[24:])
         except TransportError:
             return False
         self._last[nonce] = seq

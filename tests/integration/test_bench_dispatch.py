@@ -3,6 +3,7 @@ tie its figures together (slow tier)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -10,6 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hosts import unavailable
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "dispatch.py"
 MiB = 1 << 20
@@ -46,3 +50,39 @@ def test_dispatch_bench_quick() -> None:
     rss = lay["driver_peak_rss_MB"]
     # the single controller holds the data; the decentralized driver only metadata
     assert rss["single_controller"] > rss["decentralized"] + lay["bytes"] / MiB * 0.9
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+def test_dispatch_bench_cross_host() -> None:
+    pytest.importorskip("ray")
+    out = subprocess.run(
+        [sys.executable, str(BENCH), "--json", "--quick", "--cross-host-only",
+         "--cross-host-mib", "8"],
+        capture_output=True, text=True, timeout=290, check=False,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])["cross_host"]
+    assert res["layout"] == "DP=2xTP=2" and res["producers"] == 2
+    assert res["hosts"]["producers"] != res["hosts"]["trainer"]
+    # the experience is every sample's six columns: 8+1+4+4+4+4 bytes per token
+    assert res["bytes"] == res["samples"] * res["seq_len"] * 25 <= 8 * MiB
+    # every consumer checksummed every byte of its DP half (a mismatch fails the run)
+    assert res["bytes_checked"] == {"decentralized": 2 * res["bytes"],
+                                    "single_controller": 2 * res["bytes"]}
+    ucx = importlib.util.find_spec("ucxx") is not None
+    assert res["transport"] == ("ucx" if ucx else "zmq") and res["tp_transport"] == "shm"
+    for mode in ("decentralized", "single_controller", "single_controller_own_host"):
+        st = res[mode]
+        assert len(st["reps"]) == 3 and st["median"] == pytest.approx(statistics.median(st["reps"]))
+        assert st["min"] == min(st["reps"]) and st["max"] == max(st["reps"])
+        assert res[f"{mode}_s"] == st["median"] > 0
+        if mode in res["driver_peak_rss_MB"]:
+            assert res["driver_peak_rss_MB"][mode]["run"] > 0
+    assert res["speedup"] == pytest.approx(res["single_controller_s"] / res["decentralized_s"],
+                                           rel=0.05, abs=0.01)
+    assert res["speedup_own_host"] == pytest.approx(
+        res["single_controller_own_host_s"] / res["decentralized_s"], rel=0.05, abs=0.01)
+    assert res["tcp_bytes"] == res["bytes"] and res["tcp_GBps"] > 0 and res["mac_GBps"] > 0

@@ -42,7 +42,8 @@ async def rt(local_ray):
 async def test_ray_placed_actors_talk_over_earl_sockets(rt):
     g = await rt.spawn("rc", Counter, 10, n=2, restart=RestartPolicy(max_restarts=1,
                                                                      backoff_s=0.0))
-    assert all(a.startswith("tcp:127.0.0.1:") for a in g.addresses)
+    node = ray.util.get_node_ip_address()  # bound on the Ray node's address
+    assert all(a.startswith(f"tcp:{node}:") for a in g.addresses)
     assert rt.secret is not None  # the per-run secret reached the Ray-placed processes
     with pytest.raises(ValueError, match="requires a shared secret"):
         await connect(g.addresses[0], "rc[0]", max_bytes=1 << 20, secret=None)

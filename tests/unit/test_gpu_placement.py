@@ -91,7 +91,6 @@ def test_dtype_is_settable_from_the_run_config_and_checked() -> None:
 
 
 @pytest.mark.parametrize(("overrides", "words"), [
-    (["--placement.launcher=ray"], ["'placement.launcher'", "launcher=local"]),
     (["--placement.slot_memory_mib=2048"], ["'placement.slot_memory_mib'", "leave it 0"]),
     (["--selector=on"], ["'placement.device'", "--selector off"]),
 ])

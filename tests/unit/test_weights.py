@@ -40,3 +40,27 @@ def test_encode_decode_round_trip(dtype: torch.dtype | None) -> None:
             assert torch.equal(got, want)
     for _, t in next(iter(iter_buckets(sd, 1 << 20, dtype))):
         assert t.is_contiguous()
+
+
+async def test_a_send_to_a_dead_replica_raises_its_death() -> None:
+    """A network send fails before the replicas' commit call does: the push raises the commit's
+    error (naming the dead replica, so healing restarts it), not the bare transport error."""
+    import asyncio
+
+    from earl.runtime.errors import ActorDied
+    from earl.runtime.transport import TransportError
+    from earl.stages.weights import _explain_send_failure
+
+    async def commit_fails() -> None:
+        await asyncio.sleep(0.01)
+        raise ActorDied("rollout[0]", "killed by SIGKILL", cause="killed")
+
+    commit = asyncio.ensure_future(commit_fails())
+    with pytest.raises(ActorDied) as err:
+        await _explain_send_failure(commit, TransportError("ucx send failed"))
+    assert (err.value.group, err.value.rank) == ("rollout", 0)
+    assert isinstance(err.value.__cause__, TransportError)
+    pending = asyncio.ensure_future(asyncio.sleep(10))  # no commit error: the send error stands
+    await _explain_send_failure(pending, TransportError("x"), timeout=0.01)
+    await asyncio.sleep(0)
+    assert pending.cancelled()
