@@ -74,6 +74,15 @@ def _layout(r: Result) -> str:
             f"(**{lay['speedup']:.2f}x** slower), driver RSS {rss['single_controller']:.0f} MB")
 
 
+def _cross_host(r: Result) -> str:
+    c = r["cross_host"]
+    return (f"over {c['transport']} (+ {c['tp_transport']} to TP peers): {c['decentralized_s']:.2f} s; "
+            f"Ray single controller {c['single_controller_s']:.2f} s with its driver beside the "
+            f"trainer (**{c['speedup']:.2f}x**), {c['single_controller_own_host_s']:.2f} s with "
+            f"its driver on a third host (**{c['speedup_own_host']:.2f}x**); caps: TCP "
+            f"{c['tcp_GBps']:.2f} GB/s, MAC {c['mac_GBps']:.2f} GB/s")
+
+
 def _rollout(r: Result) -> str:
     t = r["tiny"]
     s = (f"{t['sessions']} agent coroutines x {t['turns']} turns: {t['agent_loop_tok_s']:,.0f} "
@@ -226,6 +235,8 @@ ROWS: list[tuple[str, str, Callable[[Result], str]]] = [
     ("rpc", "actor RPC, one caller, one actor", _rpc),
     ("dispatch", "data plane, 256 MiB point to point, receiver reads every byte", _transports),
     ("dispatch", "layout-aware dispatch: 1 GiB, 2 producers -> DP2xTP2", _layout),
+    ("dispatch_cross_host", ("the same across two hosts (namespaces): 256 MiB on host B -> "
+     "DP2xTP2 on host A"), _cross_host),
     ("rollout", "rollout: agent coroutines through the vLLM rollout actor", _rollout),
     ("rollout", "weight sync, trainer -> vLLM", _weights),
     ("openai_endpoint", "OpenAI-compatible endpoint", _openai),
