@@ -72,12 +72,13 @@ from dispatch import (
     _peak_rss_mb,
     _reset_peak_rss,
     checksum,
+    plan_all,
 )
 
-from earl.runtime.dispatch import FetchOp, forward, gather_replica, plan_step, receive_replica
-from earl.runtime.dock_index import DockIndex, SampleInfo
+from earl.runtime.dispatch import FetchOp, forward, gather_replica, receive_replica
+from earl.runtime.dock_index import SampleInfo
 from earl.runtime.dock_warehouse import Warehouse
-from earl.runtime.layout import FixedCount, Layout
+from earl.runtime.layout import Layout
 from earl.runtime.locality import ENV_ADDRESS, host_id
 from earl.runtime.transport import Sender
 from earl.runtime.transport.auth import set_run_secret
@@ -211,12 +212,7 @@ def role_dec_driver() -> None:
         assert all(p["host"] == producer_host for p in prods) and producer_host != host_id()
         infos = [SampleInfo(**i) for p in prods for i in p["infos"]]
         ctls = {p["infos"][0]["shard"]: p["ctl"] for p in prods}
-        index = DockIndex(stages=["train"], capacity=len(infos))  # metadata only
-        for info in infos:
-            index.register(info)
-        lease = index.take("train", list(COLUMNS), len(infos), whole_groups=False)
-        plan = plan_step(lease, layout, FixedCount(micro_batch_size=1))
-        nbytes = sum(sum(i.columns.values()) for i in infos)
+        _, plan, nbytes = plan_all(infos, layout)  # metadata only
         rss0 = _peak_rss_mb()
         _reset_peak_rss()
         kinds: set[str] = set()

@@ -58,6 +58,7 @@ import numpy as np
 import zmq
 
 from earl.runtime.dispatch import (
+    DispatchPlan,
     FetchOp,
     forward,
     gather_replica,
@@ -65,7 +66,7 @@ from earl.runtime.dispatch import (
     receive_replica,
     replicate,
 )
-from earl.runtime.dock_index import DockIndex
+from earl.runtime.dock_index import DockIndex, Lease, SampleInfo
 from earl.runtime.dock_warehouse import Warehouse, unpack_batch
 from earl.runtime.layout import FixedCount, Layout
 from earl.runtime.transport import available, connect, get_transport, pack_arrays
@@ -294,6 +295,17 @@ def _consumer(rank: int, conn) -> None:
     recv.close()
 
 
+def plan_all(infos: list[SampleInfo], layout: Layout) -> tuple[Lease, DispatchPlan, int]:
+    """The lease of every sample of `infos` for one step, the dispatcher's plan of it (metadata
+    only, as the driver holds it), and the experience's bytes."""
+    index = DockIndex(stages=["train"], capacity=len(infos))
+    for info in infos:
+        index.register(info)
+    lease = index.take("train", list(COLUMNS), len(infos), whole_groups=False)
+    plan = plan_step(lease, layout, FixedCount(micro_batch_size=1))
+    return lease, plan, sum(sum(i.columns.values()) for i in infos)
+
+
 def _reset_peak_rss() -> None:
     with open("/proc/self/clear_refs", "w") as f:  # "5" resets VmHWM (Linux >= 4.0)
         f.write("5")
@@ -348,12 +360,7 @@ def _layout_bench(total_bytes: int, reps: int, seq_len: int = 32768) -> dict[str
             shard_ctl[f"w{k}"] = ctl
             infos += inf
         addrs = [conn.recv() for _, conn in cons]
-        index = DockIndex(stages=["train"], capacity=len(infos))  # metadata only
-        for info in infos:
-            index.register(info)
-        lease = index.take("train", list(COLUMNS), len(infos), whole_groups=False)
-        plan = plan_step(lease, layout, FixedCount(micro_batch_size=1))
-        nbytes = sum(sum(i.columns.values()) for i in infos)
+        lease, plan, nbytes = plan_all(infos, layout)
         rss0 = _peak_rss_mb()
         _reset_peak_rss()
 

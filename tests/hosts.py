@@ -42,6 +42,8 @@ from itertools import count
 from pathlib import Path
 from typing import Any
 
+from earl.runtime.cleanup import pid_alive
+
 __all__ = ["Host", "RayCluster", "hosts", "ray_cluster", "sweep", "unavailable"]
 
 SUBNET = "10.213.0"  # host i (from 0) gets SUBNET.{i+1}/24
@@ -140,16 +142,6 @@ def _names(prefix: str) -> str:
     return f"{prefix}{os.getpid():x}g{next(_seq) % 10}"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _keep(h: Host) -> set[int]:
     """The holder and the processes the caller started on `h` (and their children)."""
     import psutil
@@ -197,7 +189,7 @@ def sweep(prefix: str = "eh") -> list[str]:
     for line in _ip("netns", "list", check=False).stdout.splitlines():
         name = line.split()[0] if line.split() else ""
         m = pat.match(name)
-        if m and not _pid_alive(int(m.group(1), 16)):
+        if m and not pid_alive(int(m.group(1), 16)):
             _kill_netns(name)
             _ip("netns", "del", name, check=False)
             removed.append(name)
@@ -205,7 +197,7 @@ def sweep(prefix: str = "eh") -> list[str]:
         parts = line.split(":")
         name = parts[1].strip().split("@")[0] if len(parts) > 1 else ""
         m = pat.match(name)
-        if m and not _pid_alive(int(m.group(1), 16)):
+        if m and not pid_alive(int(m.group(1), 16)):
             _ip("link", "del", name, check=False)
             removed.append(name)
     return removed
