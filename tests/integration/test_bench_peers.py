@@ -61,15 +61,20 @@ def test_bench_peers_quick() -> None:
     assert res["task"] == "agentic"
     # the same task on both sides: mean turns per trajectory agree (~150 groups each)
     assert earl["turns_mean"] == pytest.approx(trl["turns_mean"], rel=0.35)
-    # TRL is compared in its fastest configuration of those measured: both multi-turn paces
-    # (each episode at its own pace, and turn by turn), on-policy and EARL's staleness bound
-    tried = {(r["config"]["pace"], r["config"]["steps_per_generation"]) for r in res["trl_runs"]}
+    # TRL is compared in its fastest configuration of those measured: GRPOTrainer in both
+    # multi-turn paces (each episode at its own pace, and turn by turn), on-policy and EARL's
+    # staleness bound (AsyncGRPOTrainer is off in --quick)
+    tried = {(r["config"]["trainer"], r["config"]["pace"], r["config"]["steps_per_generation"],
+              r["config"]["max_staleness"]) for r in res["trl_runs"]}
     lag = res["earl_max_policy_lag"]
-    assert tried == {(p, g) for p in ("episode", "turn") for g in (1, lag + 1)}
+    assert tried == {("GRPOTrainer", p, g, g - 1)
+                     for p in ("episode", "turn") for g in (1, lag + 1)}
+    assert all(r["seconds"] == res["budget_s"] for r in res["trl_runs"])
     assert trl["trajectories_per_s"] == max(r["trajectories_per_s"] for r in res["trl_runs"])
     run = trl["runs"][0]
-    assert {"pace": run["pace"], "threads": run["threads"],
-            "steps_per_generation": run["steps_per_generation"]} == trl["config"]
+    assert {k: run[k] for k in ("trainer", "pace", "threads", "steps_per_generation",
+                                "queue_maxsize")} == \
+        {k: v for k, v in trl["config"].items() if k != "max_staleness"}
     assert res["ratio_trajectories_per_s"] == pytest.approx(
         earl["trajectories_per_s"] / trl["trajectories_per_s"], rel=0.02)
     assert res["ratio_trajectories_per_cpu_s"] == pytest.approx(

@@ -39,8 +39,8 @@ def test_episodes_play_every_turn_and_mask_only_model_tokens(paced: bool,
         return "obs"
 
     monkeypatch.setattr(work, "observe", observe)
-    samples = [{"id": 0, "turns": 2, "seed": 0}] + [{"id": i, "turns": 4, "seed": i}
-                                                    for i in range(1, 4)]
+    samples = [{"id": 0, "turns": 2, "seed": 0, "key": 7}] + [
+        {"id": i, "turns": 4, "seed": i, "key": 7} for i in range(1, 4)]
     batches: list[int] = []
     when: list[float] = []
     t0 = time.perf_counter()
@@ -56,7 +56,7 @@ def test_episodes_play_every_turn_and_mask_only_model_tokens(paced: bool,
     for s, mask, comp in zip(samples, out["env_mask"], out["completion_ids"], strict=True):
         assert len(mask) == len(comp) and sum(mask) == 2 * s["turns"]  # model tokens only
         assert mask[:2] == [1, 1] and 0 in mask  # observations follow the turns, masked
-    assert out["episode_reward"] == [1.0] * 4
+    assert out["episode_reward"] == [1.0] * 4  # every reply ("7") says the key
     assert sum(batches) == sum(s["turns"] for s in samples)
     early = sum(n for n, t in zip(batches, when, strict=True) if t < 0.15)
     if paced:  # the fast episodes ran their 4 turns while the slow one waited on its tool
