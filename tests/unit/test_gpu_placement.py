@@ -161,6 +161,9 @@ class FakeRuntime:
         self.spawned[name] = (args, kwargs)
         return name
 
+    async def free_address(self, name: str, n: int, rank: int = 0) -> tuple[str, int]:
+        return "127.0.0.1", 29500  # the rendezvous of a group's rank 0 (Runtime.free_address)
+
 
 def _job(tmp_path: Path, overrides: list[str]) -> Any:
     from earl.loop.healing import Healer
