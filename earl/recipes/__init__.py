@@ -1,5 +1,6 @@
 """Shipped recipes (`earl train --recipe NAME`), one package per task, each written only against
 the public API: `tictactoe` (the default main job, with its critic and evaluation), `calc`
-(multi-turn math with the calculator tool) and `connect4` (EARL's evaluation game, growing
-contexts). Each package defines `recipe`; `earl.recipe.recipe_names` finds them by scanning this
+(multi-turn math with the calculator tool), `calc_smollm2` (the same on SmolLM2-135M with LoRA),
+`connect4` (EARL's evaluation game, long contexts) and `gauntlet` (Tic-Tac-Toe games in one
+context until the first loss: contexts grow as the agent learns). Each package defines `recipe`; `earl.recipe.recipe_names` finds them by scanning this
 folder, so a new recipe is a new folder and nothing else."""
