@@ -23,8 +23,8 @@ reads), and each of the 4 trainer ranks on A checksums every byte of its DP half
   driver node of a cluster whose trainer ranks are elsewhere, where a single controller's bytes
   cross the network twice (B -> C, C -> A). The decentralized path does not depend on where
   its driver is (it sees metadata only), so its figure stands for both layouts.
-- the caps: a raw TCP stream from B to A (after an HMAC challenge), and the data-plane MAC
-  (Poly1305, `auth.Mac.seal`) on one core.
+- the caps (bench/_cross_host_caps.py): a raw TCP stream from B to A (after an HMAC
+  challenge), and the data-plane MAC (Poly1305, `auth.Mac.seal`) on one core.
 
 Keys of ``cross_host``: ``bytes`` (the experience; ``bytes_checked``: what the consumers
 checksummed, each DP half by both TP ranks), ``transport`` / ``tp_transport`` (what carried
@@ -47,11 +47,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -62,6 +60,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _cross_host_caps import (
+    TIMEOUT_S,
+    emit,
+    mac_gbps,
+    role_config,
+    role_tcp_recv,
+    role_tcp_send,
+)
 from dispatch import (
     _FILL,
     _WORDS,
@@ -71,7 +77,6 @@ from dispatch import (
     _fill,
     _peak_rss_mb,
     _reset_peak_rss,
-    checksum,
     plan_all,
 )
 
@@ -88,22 +93,11 @@ from earl.runtime.transport.shm_arena import ShmArena
 ROOT = Path(__file__).resolve().parents[1]
 SEQ_LEN = 32768
 CTX = mp.get_context("spawn")
-TIMEOUT_S = 300.0
 
 
 def samples_for(total_bytes: int) -> int:
     """How many samples (a multiple of 8, at least 8) make about `total_bytes`."""
     return max(8, total_bytes // (SEQ_LEN * BYTES_PER_TOKEN) // 8 * 8)
-
-
-def _emit(obj: object) -> None:
-    print(json.dumps(obj), flush=True)
-
-
-def _config() -> dict[str, Any]:
-    cfg: dict[str, Any] = json.loads(sys.stdin.readline())
-    set_run_secret(bytes.fromhex(cfg["secret"]))
-    return cfg
 
 
 def _on_eof(stop: threading.Event) -> None:
@@ -119,7 +113,7 @@ def _on_eof(stop: threading.Event) -> None:
 
 def role_producer() -> None:
     """A warehouse shard on host B, serving fetch requests until stdin closes."""
-    cfg = _config()
+    cfg = role_config()
     wh = Warehouse(cfg["name"], arena=ShmArena())
     infos = []
     for i in range(cfg["first"], cfg["first"] + cfg["n"]):
@@ -127,7 +121,7 @@ def role_producer() -> None:
         infos.append(wh.put(sid, {c: np.full(SEQ_LEN, x) for c, x in _fill(sid).items()},
                             group_id=f"g{i}"))
     ctl = Inbox(prefer="zmq").receiver("zmq")  # TCP on this host's address, authenticated
-    _emit({"ctl": ctl.address, "host": host_id(),
+    emit({"ctl": ctl.address, "host": host_id(),
            "infos": [dataclasses.asdict(i) for i in infos]})
     stop = threading.Event()
     _on_eof(stop)
@@ -195,7 +189,7 @@ def _consumer(secret: bytes, conn) -> None:  # type: ignore[no-untyped-def]
 
 def role_dec_driver() -> None:
     """On host A: plan the step, time `reps` + 1 decentralized steps (the first is warm-up)."""
-    cfg = _config()
+    cfg = role_config()
     layout = Layout(dp=2, tp=2)
     cons = []
     for _ in range(layout.world_size):
@@ -238,7 +232,7 @@ def role_dec_driver() -> None:
 
         times = [step() for _ in range(cfg["reps"] + 1)][1:]
         (kind,) = kinds
-        _emit({"times": times, "fetch_s": fetches[1:], "bytes": nbytes, "samples": len(infos), "transport": kind,
+        emit({"times": times, "fetch_s": fetches[1:], "bytes": nbytes, "samples": len(infos), "transport": kind,
                "tp_transport": addrs[0].split("://", 1)[0], "bytes_checked": 2 * nbytes,
                "rss_idle_MB": rss0, "rss_MB": _peak_rss_mb()})
     finally:
@@ -255,7 +249,7 @@ def role_dec_driver() -> None:
 
 def role_sc_driver() -> None:
     """On host A, inside the Ray cluster (RAY_ADDRESS set): time `reps` + 1 steps."""
-    cfg = _config()
+    cfg = role_config()
     import ray
 
     ray.init(log_to_driver=False, configure_logging=False)
@@ -326,90 +320,9 @@ def role_sc_driver() -> None:
         return time.perf_counter() - t
 
     times = [step(i) for i in range(reps + 1)][1:]
-    _emit({"times": times, "bytes": nbytes, "bytes_checked": 2 * nbytes,
+    emit({"times": times, "bytes": nbytes, "bytes_checked": 2 * nbytes,
            "rss_idle_MB": rss0, "rss_MB": _peak_rss_mb()})
     ray.shutdown()
-
-
-# -- the caps: raw TCP between the hosts, HMAC-SHA256 on one core -----------------------------
-
-
-def _challenge(conn: socket.socket, key: bytes) -> None:
-    nonce = os.urandom(16)
-    conn.sendall(nonce)
-    mac = _recv_exact(conn, 32)
-    if not hmac.compare_digest(mac, hmac.digest(key, nonce, "sha256")):
-        raise ConnectionError("tcp probe: the sender failed the challenge")
-
-
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = conn.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("tcp probe: peer closed")
-        buf += chunk
-    return bytes(buf)
-
-
-def _payload(nbytes: int) -> np.ndarray:
-    return np.arange(nbytes // 8, dtype=np.uint64).view(np.uint8)
-
-
-def role_tcp_recv() -> None:
-    """On host A: accept the sender (after it answers an HMAC challenge), time each transfer
-    from "go" to having received and checksummed every byte."""
-    cfg = _config()
-    srv = socket.create_server((cfg["address"], 0))
-    _emit({"port": srv.getsockname()[1]})
-    conn, _ = srv.accept()
-    _challenge(conn, bytes.fromhex(cfg["secret"]))
-    nbytes = cfg["bytes"]
-    want = checksum(_payload(nbytes))
-    buf = np.empty(nbytes, np.uint8)
-    buf[:] = 0  # warm
-    view = memoryview(buf)  # type: ignore[arg-type]
-    times = []
-    for _ in range(cfg["reps"] + 1):
-        t = time.perf_counter()
-        conn.sendall(b"g")
-        got = 0
-        while got < nbytes:
-            k = conn.recv_into(view[got:])
-            if not k:
-                raise ConnectionError("tcp probe: sender closed")
-            got += k
-        ok = checksum(buf) == want
-        times.append(time.perf_counter() - t)
-        assert ok, "tcp probe: corrupted bytes"
-    conn.sendall(b"s")
-    _emit({"times": times[1:]})
-
-
-def role_tcp_send() -> None:
-    cfg = _config()
-    conn = socket.create_connection((cfg["address"], cfg["port"]), timeout=TIMEOUT_S)
-    nonce = _recv_exact(conn, 16)
-    conn.sendall(hmac.digest(bytes.fromhex(cfg["secret"]), nonce, "sha256"))
-    payload = _payload(cfg["bytes"])
-    while _recv_exact(conn, 1) == b"g":
-        conn.sendall(payload.data)
-    conn.close()
-
-
-def mac_gbps(nbytes: int = 64 << 20, reps: int = 3) -> float:
-    """The data-plane MAC (`Mac.seal`: what authenticates each cross-host payload, at both
-    ends) on one core."""
-    from earl.runtime.transport.auth import NONCE_LEN, Mac
-
-    a = np.ones(nbytes, np.uint8)
-    mac, nonce = Mac(b"k" * 32, b"bench"), os.urandom(NONCE_LEN)
-    times = []
-    for i in range(reps):
-        t = time.perf_counter()
-        mac.seal(nonce, i, [a])
-        times.append(time.perf_counter() - t)
-    return nbytes / statistics.median(times) / 1e9
 
 
 # -- orchestration, in the bench's own process --------------------------------------------------
