@@ -218,6 +218,38 @@ def concat_micro_batch(
     return (np.concatenate(parts) if parts else np.empty(0)), cu
 
 
+async def gather_many(
+    parts: Mapping[str, tuple[Sequence[FetchOp], Receiver]],
+    request: Callable[[FetchOp, str], Coroutine[object, object, None]],
+    *,
+    timeout_s: float = 120.0,
+) -> tuple[Batch, list[Frame], dict[str, int]]:
+    """`gather` over several receivers at once (a consumer's one per transport kind: its
+    warehouses sit on several hosts), keyed by name: one batch, every frame, and the bytes each
+    key's receiver got. The first failure wins; the frames the others got are released."""
+    out: dict[str, tuple[Batch, list[Frame]]] = {}
+
+    async def one(key: str, ops: Sequence[FetchOp], receiver: Receiver) -> None:
+        out[key] = await gather(ops, receiver, request, timeout_s=timeout_s)
+
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for key, (ops, receiver) in parts.items():
+                tg.create_task(one(key, ops, receiver))
+    except BaseExceptionGroup as eg:
+        for _, done in out.values():
+            for f in done:
+                f.release()
+        raise eg.exceptions[0] from eg
+    batch: Batch = {}
+    frames: list[Frame] = []
+    for part, got in out.values():
+        for sid, cols in part.items():
+            batch.setdefault(sid, {}).update(cols)
+        frames += got
+    return batch, frames, {key: sum(f.nbytes for f in got) for key, (_, got) in out.items()}
+
+
 __all__ = [
     "Batch",
     "DispatchPlan",
@@ -226,6 +258,7 @@ __all__ = [
     "concat_micro_batch",
     "forward",
     "gather",
+    "gather_many",
     "gather_replica",
     "plan_step",
     "receive_replica",

@@ -26,14 +26,14 @@ import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
 
 from earl.runtime import Actor, ActorDied, ActorError, ActorGroup, context, endpoint, wire
-from earl.runtime.dispatch import Batch, DispatchPlan, FetchOp, ReplicaPlan, gather
+from earl.runtime.dispatch import Batch, DispatchPlan, FetchOp, ReplicaPlan, gather_many
 from earl.runtime.dock_index import (
     CONTRACT_COLUMNS,
     DockIndex,
@@ -419,21 +419,17 @@ class Dock:
             for op in ops:
                 by_kind.setdefault(self.inbox.kind_for(await self._host_of(op.shard)),
                                    []).append(op)
-            parts = await _gather_all({kind: (part, self.inbox.receiver(kind))
-                                       for kind, part in by_kind.items()}, request, timeout_s)
+            batch, frames, got = await gather_many(
+                {kind: (part, self.inbox.receiver(kind)) for kind, part in by_kind.items()},
+                request, timeout_s=timeout_s)
         except _ShardFailed as failed:
             self._hosts.pop(failed.shard, None)  # a restarted shard may be elsewhere
             await self.index[index_rank].release.call_one(lease_id, failed.shard)
             if len(self.index) > 1:  # every index shard may hold groups from the dead warehouse
                 await self.index.drop_shard.call(failed.shard)
             raise DockFetchError.of(failed.shard, lease_id, failed.cause) from failed.cause
-        batch: Batch = {}
-        frames: list[Frame] = []
-        for kind, (part, got) in parts.items():
-            for sid, cols in part.items():
-                batch.setdefault(sid, {}).update(cols)
-            frames += got
-            self._fetched[kind] = self._fetched.get(kind, 0) + sum(f.nbytes for f in got)
+        for kind, n in got.items():
+            self._fetched[kind] = self._fetched.get(kind, 0) + n
         return batch, frames
 
     async def _host_of(self, shard: str) -> str:
@@ -480,29 +476,6 @@ def _sum_dicts(ds: Iterable[dict[str, int]]) -> dict[str, int]:
     for d in ds:
         for k, v in d.items():
             out[k] = out.get(k, 0) + v
-    return out
-
-
-async def _gather_all(
-    parts: Mapping[str, tuple[Sequence[FetchOp], Receiver]],
-    request: Callable[[FetchOp, str], Coroutine[object, object, None]], timeout_s: float,
-) -> dict[str, tuple[Batch, list[Frame]]]:
-    """`gather` each kind's fetches on its receiver, all at once; the first failure wins (the
-    frames the others got are released)."""
-    out: dict[str, tuple[Batch, list[Frame]]] = {}
-
-    async def one(kind: str, ops: Sequence[FetchOp], receiver: Receiver) -> None:
-        out[kind] = await gather(ops, receiver, request, timeout_s=timeout_s)
-
-    try:
-        async with asyncio.TaskGroup() as tg:
-            for kind, (ops, receiver) in parts.items():
-                tg.create_task(one(kind, ops, receiver))
-    except BaseExceptionGroup as eg:
-        for _, frames in out.values():
-            for f in frames:
-                f.release()
-        raise eg.exceptions[0] from eg
     return out
 
 
