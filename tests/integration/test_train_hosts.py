@@ -2,8 +2,8 @@
 cluster over their addresses: the rollout replica and the producer (whose warehouse holds the
 experience) on host b; the trainer, the reference and the dock's index on host a. The metrics
 must show weights (a -> b) and experience (b -> a) crossing the boundary over the network
-transport, never over shared memory, and a SIGKILL of the remote rollout replica mid-run must
-heal as on one host (restarted on b, every step reached)."""
+transport, never over shared memory, and a SIGKILL of the remote rollout replica as training
+starts must heal as on one host (restarted on b, every step reached)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow, pytest.mark.t
               pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))]
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 4
+STEPS = 6
 
 
 def _actors_on(h: Host, group: str) -> list[int]:
@@ -66,7 +66,9 @@ def test_train_across_two_hosts_heals_a_remote_rollout(tmp_path: Path) -> None:
         killed = 0
         deadline = time.monotonic() + 600
         while proc.poll() is None and time.monotonic() < deadline:
-            if not killed and len(_steps(out / "metrics.jsonl")) >= 1:
+            # as training starts (after the warm start and the first eval): the steps of a tiny
+            # model come fast, so waiting for a logged step could land after the last one
+            if not killed and "eval at start" in (tmp_path / "train.log").read_text():
                 remote = _actors_on(b, "rollout")
                 assert len(remote) == 1, remote  # one replica, on b
                 assert _actors_on(a, "rollout") == [] and len(_actors_on(a, "trainer")) == 1
@@ -77,7 +79,7 @@ def test_train_across_two_hosts_heals_a_remote_rollout(tmp_path: Path) -> None:
         log.close()
     err = (tmp_path / "train.log").read_text()[-4000:]
     assert proc.returncode == 0, err
-    assert killed, "the run ended before its first step was logged"
+    assert killed, "the run ended before its training started"
     res = json.loads(stdout.strip().splitlines()[-1])
     assert res["steps"] == STEPS, res
     rows = _steps(out / "metrics.jsonl")
