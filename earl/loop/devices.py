@@ -3,13 +3,16 @@
 `plan_gpus` is a pure function of the placement: from GPU 0 up, the rollout replicas
 (`rollout_tp` consecutive GPUs each: one vLLM process and its TP workers), then the trainer
 ranks (one GPU each; ranks count TP fastest, so each TP group is on consecutive GPUs), then the
-reference actors (one GPU each). Every stage has GPUs of its own; nothing is colocated.
+reference actors (one GPU each): every stage has GPUs of its own. With ``placement.colocate``
+the stages share the trainer ranks' GPUs instead (trainer rank r on GPU r, rollout replica r on
+GPUs r*rollout_tp.., reference r on GPU r) and take turns on them (`earl.loop.colocation`).
 `gpu_slots` makes the `SlotPool` whose slot "<stage><rank>" carries those GPUs: an actor rank
 spawned in it sees only them (`Slot.env` sets its CUDA_VISIBLE_DEVICES), as its devices 0, 1...
 
     plan = plan_gpus(PlacementConfig(rollout=2, rollout_tp=2, trainer=4, trainer_tp=2),
                      reference=0, gpus=8)
     plan.rollout == ((0, 1), (2, 3)); plan.trainer == ((4,), (5,), (6,), (7,))
+    # with colocate=True on 4 GPUs: rollout ((0, 1), (2, 3)), trainer ((0,), (1,), (2,), (3,))
 
 Not here: CPU slots (`earl.loop.selection_actors.run_slots`), spawning (`earl.loop.spawn`).
 """
@@ -23,9 +26,10 @@ if TYPE_CHECKING:
     from earl.config import PlacementConfig
     from earl.runtime.slots import SlotPool
 
-__all__ = ["STAGES", "GpuPlan", "gpu_slots", "plan_gpus"]
+__all__ = ["COLOCATED_SHARE", "STAGES", "GpuPlan", "gpu_memory_mib", "gpu_slots", "plan_gpus"]
 
 STAGES = ("rollout", "trainer", "reference")
+COLOCATED_SHARE = 0.5  # vLLM's share of a GPU it shares with a trainer rank (verl's default)
 
 Ranks = tuple[tuple[int, ...], ...]
 
@@ -63,6 +67,17 @@ def plan_gpus(placement: PlacementConfig, *, reference: int, gpus: int) -> GpuPl
         raise ValueError("config field 'placement.device': 'cuda' but no GPU is visible; use "
                          "placement.device=cpu or make GPUs visible (CUDA_VISIBLE_DEVICES)")
     assert pl.trainer % pl.trainer_tp == 0  # PlacementConfig checks it
+    if pl.colocate:  # PlacementConfig checks that rollout and reference fit the trainer's GPUs
+        if pl.trainer > gpus:
+            raise ValueError(
+                f"config field 'placement.trainer': {pl.trainer} colocated ranks need "
+                f"{pl.trainer} GPUs, but {gpus} are visible; lower placement.trainer (and "
+                "placement.rollout x rollout_tp with it) to at most that")
+        tp = pl.rollout_tp
+        return GpuPlan(rollout=tuple(tuple(range(r * tp, (r + 1) * tp))
+                                     for r in range(pl.rollout)),
+                       trainer=tuple((r,) for r in range(pl.trainer)),
+                       reference=tuple((r,) for r in range(reference)))
     need = pl.rollout * pl.rollout_tp + pl.trainer + reference
     if need > gpus:
         ref = f" + reference {reference}" if reference else ""
@@ -91,7 +106,8 @@ def gpu_slots(placement: PlacementConfig, *, reference: int, gpus: int) -> SlotP
     """A run's GPU slots: "rollout<r>", "trainer<r>", "reference<r>" with `plan_gpus`'s GPUs.
 
     Rollout slots hold `placement.rollout_slot_memory_mib` on each GPU (vLLM's budget; none:
-    vLLM's default share); the others the whole GPU. No cgroups: the GPU is the limit.
+    vLLM's default share, or half of each GPU when colocated, `COLOCATED_SHARE`); the others
+    the whole GPU. No cgroups: the GPU is the limit.
 
     Raises:
         ValueError: as `plan_gpus`.
@@ -101,8 +117,17 @@ def gpu_slots(placement: PlacementConfig, *, reference: int, gpus: int) -> SlotP
     plan = plan_gpus(placement, reference=reference, gpus=gpus)
     pool = SlotPool(use_cgroups=False)
     rollout_mib = placement.rollout_slot_memory_mib or None
+    if rollout_mib is None and placement.colocate:
+        rollout_mib = int(gpu_memory_mib() * COLOCATED_SHARE)
     for stage, ranks in plan.stages().items():
         for r, own in enumerate(ranks):
             pool.create(f"{stage}{r}", gpus=own,
                         memory_mib=rollout_mib if stage == "rollout" else None)
     return pool
+
+
+def gpu_memory_mib() -> int:
+    """The memory of this process's first GPU, in MiB."""
+    import torch
+
+    return int(torch.cuda.get_device_properties(0).total_memory >> 20)

@@ -62,8 +62,10 @@ async def train_attempt(job: Job, resume: bool) -> RunResult:
             selection=parts.selection)
         stopped = await schedule.run()
         await parts.actors.trainer.save_hf.call(str(job.weights))  # a collective under TP/FSDP
-        selected = await select_final(job)
-        final = await evaluate(job, "final") if parts.evaluation is not None else {}
+        async with (parts.selection.using() if parts.selection is not None
+                    else contextlib.nullcontext()):  # colocated: the rollout's turn
+            selected = await select_final(job)
+            final = await evaluate(job, "final") if parts.evaluation is not None else {}
         await parts.actors.rollout.close.call()
     return write_result(job, state, final, stopped, selected)
 

@@ -17,6 +17,7 @@ from earl.recipe import Metric, Recipe, TaskSource
 from earl.runtime import ActorGroup
 from earl.stages.batch_types import BatchResult, Episode, GroupTask
 from earl.stages.producer import ProducerActor
+from earl.stages.weights import PushTransport
 
 __all__ = ["ActorEvaluation", "ActorProduction", "ActorTraining"]
 
@@ -107,9 +108,10 @@ class ActorTraining:
     carried in the last step (``transport/experience_bytes/<kind>``: warehouses -> trainer
     leaders; ``transport/weights_bytes/<kind>``: trainer -> rollout replicas)."""
 
-    def __init__(self, actors: Actors, columns: list[str], tracer: Tracer | None = None
-                 ) -> None:
+    def __init__(self, actors: Actors, columns: list[str], tracer: Tracer | None = None, *,
+                 weights_transport: PushTransport = "auto") -> None:
         self.actors, self.columns = actors, columns
+        self.weights_transport = weights_transport  # placement.weights_transport
         self.tracer = tracer or Tracer(False)
         self.seconds = {"train_s": 0.0, "sync_s": 0.0}  # of the last step, for the metrics
         self.flows: dict[str, float] = {}
@@ -130,7 +132,8 @@ class ActorTraining:
     async def publish(self, version: int) -> None:
         t0 = time.perf_counter()
         with self.tracer.span("push_weights", actor="trainer", version=version):
-            synced = await self.actors.trainer.push_weights.call(self.actors.rollout, version)
+            synced = await self.actors.trainer.push_weights.call(
+                self.actors.rollout, version, self.weights_transport)
         self.seconds["sync_s"] = time.perf_counter() - t0
         self.flows.update({k: v for k, v in synced[0].items() if k.startswith("transport/")})
 

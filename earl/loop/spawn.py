@@ -27,7 +27,8 @@ from earl.loop.parts import ActorEvaluation, ActorProduction, ActorTraining
 
 if TYPE_CHECKING:
     from earl.loop.job import Job
-    from earl.loop.selection import Selection, Setting
+    from earl.loop.schedule import Selection
+    from earl.loop.selection import Setting
     from earl.loop.selection_actors import ActorReconfigurer
 
 __all__ = ["Attempt", "spawn_attempt"]
@@ -41,7 +42,7 @@ class Attempt:
     production: HealingProduction
     training: HealingTraining
     evaluation: HealingEvaluation | None
-    selection: Selection | None
+    selection: Selection | None  # the selector's, or colocation's turns (earl.loop.colocation)
     reconfigurer: ActorReconfigurer | None
 
 
@@ -59,7 +60,8 @@ async def spawn_attempt(job: Job, version: int) -> Attempt:
         dock = LedgerDock(await job.rt.lookup("dock"), job.healer)
         actors = Actors(trainer=trainer, dock=dock, reference=await spawn_reference(job),
                         micro_batch_tokens=pl.micro_batch_tokens)
-        selection = reconfigurer = None
+        selection: Selection | None = None
+        reconfigurer = None
         if cfg.selector.on:  # its first plan sets up the rollout replicas
             from earl.loop.selection_actors import selection_for_run
 
@@ -68,6 +70,10 @@ async def spawn_attempt(job: Job, version: int) -> Attempt:
                                                                    reconfigurer))
         else:
             await spawn_rollout(job, actors, version, None, None)
+            if pl.colocate:  # the stages take turns on shared devices
+                from earl.loop.colocation import Colocation
+
+                selection = Colocation(actors, job.tracer)
         actors.use_producers(await spawn_producers(job, version))
     columns = ["input_ids", "loss_mask", "advantages", "rollout_logprobs"]
     if job.n_reference > 0:
@@ -79,7 +85,10 @@ async def spawn_attempt(job: Job, version: int) -> Attempt:
     evaluation = ActorEvaluation(actors.producers, job.recipe,
                                  size=cfg.eval_games or cfg.DEFAULT_EVAL_GAMES) \
         if job.recipe.eval else None
-    parts = heal(production, ActorTraining(actors, columns, job.tracer), evaluation,
+    training = ActorTraining(actors, columns, job.tracer,
+                             weights_transport=pl.weights_transport or "auto",  # type: ignore[arg-type]
+                             )
+    parts = heal(production, training, evaluation,
                  healer=job.healer, rt=job.rt, out=job.out)
     return Attempt(actors=actors, production=parts.production, training=parts.training,
                    evaluation=parts.evaluation, selection=selection, reconfigurer=reconfigurer)
@@ -141,7 +150,8 @@ async def spawn_rollout(job: Job, actors: Actors, version: int, setting: Setting
                         max_model_len=pl.context_window or job.max_model_len,
                         threads=pl.threads_per_actor, seed=cfg.seed,
                         kv_cache_gb=pl.kv_cache_gb, dtype=pl.dtype, device=pl.device,
-                        tensor_parallel_size=pl.rollout_tp)
+                        tensor_parallel_size=pl.rollout_tp,
+                        sleep_mode=pl.colocate and pl.device == "cuda")
     if setting is not None and reconfigurer is not None:
         changes, n, slot = reconfigurer.rollout_spawn(setting)
         ecfg = replace(ecfg, **changes)

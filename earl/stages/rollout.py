@@ -19,25 +19,25 @@ Example:
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import time
 import traceback
 from collections import OrderedDict
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from earl.engine import ContextLengthError, Generation, SamplingParams
 from earl.runtime import Actor, ActorError, ActorGroup, endpoint
 from earl.runtime.wire import message
 from earl.stages.vllm_engine import EngineConfig, RolloutStatistics, UpdateMode, VLLMEngine
-from earl.stages.weights import decode_bucket
+from earl.stages.weights_inbox import WeightInbox
 
 if TYPE_CHECKING:
     import torch
 
-    from earl.runtime.transport import Frame, Receiver
-    from earl.runtime.transport.route import Inbox
+    from earl.runtime.transport import Frame
 
 for _cls in (SamplingParams, Generation, EngineConfig, RolloutStatistics):
     message(_cls)
@@ -64,8 +64,7 @@ class RolloutActor(Actor):
         self.config = config
         self.engine = VLLMEngine(config, policy_version=policy_version, on_death=_die)
         self._staged: list[tuple[str, torch.Tensor]] = []
-        self._inbox: Inbox | None = None  # weight receivers, one per transport kind
-        self._receiver: Receiver | None = None  # the one the publisher sends to
+        self._weights = WeightInbox(config.device)  # where weight pushes arrive
 
     async def setup(self) -> None:
         await self.engine.start()
@@ -101,18 +100,17 @@ class RolloutActor(Actor):
         return await self.engine.update_weights(path=path, version=version, mode=mode)
 
     @endpoint
-    async def weights_address(self, peer_host: str = "", transport: str = "") -> str:
-        """Address of the receiver `WeightPublisher` sends buckets to, for a publisher on
-        `peer_host` (a `host_id()`; empty: this host): shm on this host, ucx or zmq from
-        another (`transport.route`), or the kind `transport` names. Made once per kind."""
-        from earl.runtime.locality import host_id
-        from earl.runtime.transport.route import Inbox
+    async def weights_address(self, peer_host: str = "", transport: str = "",
+                              peer_gpu: str = "", key: bytes = b"") -> str:
+        """Where `WeightPublisher` sends buckets, for a publisher on `peer_host` (a
+        `host_id()`; empty: this host) on GPU `peer_gpu` (its UUID; empty on CPU): the kind
+        `transport` names, else by locality (`WeightInbox`). `key`: a gloo/nccl pair's secret."""
+        return self._weights.address(peer_host, transport, peer_gpu, key)
 
-        if self._inbox is None:
-            self._inbox = Inbox()
-        kind = transport or self._inbox.kind_for(peer_host or host_id())
-        self._receiver = self._inbox.receiver(kind)
-        return str(self._receiver.address)
+    @endpoint
+    async def ipc_bucket(self, message: dict[str, Any]) -> None:
+        """One bucket over CUDA IPC for the reload in progress; returns once it is loaded."""
+        await asyncio.wrap_future(self._weights.put_ipc(message))
 
     @endpoint
     async def stage_bucket(self, names: list[str], tensors: list[torch.Tensor]) -> int:
@@ -125,28 +123,34 @@ class RolloutActor(Actor):
     @endpoint
     async def commit_weights(self, version: int | None = None, mode: UpdateMode = "inflight",
                              frames: int = 0) -> float:
-        """Load the staged buckets plus `frames` buckets arriving on the weights receiver, all in one
-        in-place reload that consumes frames as they come (call it before sending them);
-        returns the seconds the engine spent loading, receiving included."""
+        """Load the staged buckets plus `frames` buckets arriving through `weights_address`'s
+        kind, all in one in-place reload that consumes buckets as they come (call it before
+        sending them); returns the seconds the engine spent loading, receiving included."""
         staged, self._staged = self._staged, []
         if not staged and not frames:
             raise ValueError("commit_weights: nothing staged; send buckets first")
-        if frames and self._receiver is None:
-            raise ValueError("commit_weights(frames>0) before weights_address()")
         got: list[Frame] = []
-        receiver = self._receiver
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:  # runs in the engine thread
             yield from staged
-            for _ in range(frames):
-                got.append(receiver.recv(60.0))  # type: ignore[union-attr]
-                yield from decode_bucket(got[-1].header, got[-1].buffers)
+            yield from self._weights.stream(frames, got)
 
         try:
             return await self.engine.update_weights(stream(), version=version, mode=mode)
         finally:
             for f in got:  # vLLM has copied the views into its parameters by now
                 f.release()
+
+    @endpoint
+    async def sleep(self) -> bool:
+        """Release the engine's GPU memory until `wake` (colocated placement: the trainer
+        takes the GPU); False where nothing is released (CPU). See `VLLMEngine.sleep`."""
+        return await self.engine.sleep()
+
+    @endpoint
+    async def wake(self) -> bool:
+        """The engine's weights and KV cache back on the GPU (see `VLLMEngine.wake`)."""
+        return await self.engine.wake()
 
     @endpoint
     async def rebuild(self, config: EngineConfig, policy_version: int) -> float:
@@ -164,8 +168,7 @@ class RolloutActor(Actor):
     @endpoint
     async def close(self) -> None:
         await self.engine.close()
-        if self._inbox is not None:
-            self._inbox.close()
+        self._weights.close()
 
 
 def _die(exc: BaseException) -> None:

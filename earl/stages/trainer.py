@@ -36,6 +36,7 @@ from earl.stages.lora import LoraConfig
 from earl.stages.optim import OptimConfig
 from earl.stages.trainer_batch import TrainBatch
 from earl.stages.trainer_dist import free_dist_url
+from earl.stages.trainer_offload import Moved
 from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
 from earl.stages.weights import PushTransport
 
@@ -254,6 +255,18 @@ class TrainerActor(Actor):
         self._publisher, self._publisher_key = None, ()
 
     @endpoint
+    async def offload(self) -> dict[str, float]:
+        """Colocated placement: this rank's parameters, gradients and optimizer state to host
+        memory while the rollout uses the GPU (the next computing call brings them back, or
+        `onload`). Returns the bytes moved and seconds (zeros on CPU)."""
+        return _moved(await self._run(lambda t: t.offload()))
+
+    @endpoint
+    async def onload(self) -> dict[str, float]:
+        """The state `offload` moved, back on this rank's GPU."""
+        return _moved(await self._run(lambda t: t.resident()))
+
+    @endpoint
     async def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """All weights with HF names (small models; big ones go through ``push_weights``)."""
         return await self._run(lambda t: list(t.named_weights()))
@@ -286,3 +299,8 @@ class TrainerActor(Actor):
         if self._dock is not None:
             self._dock.close()
         await self._run(lambda t: t.close())
+
+
+def _moved(m: Moved) -> dict[str, float]:
+    return {"parameters": float(m.parameters), "gradients": float(m.gradients),
+            "optimizer": float(m.optimizer), "total": float(m.total), "seconds": m.seconds}

@@ -42,9 +42,11 @@ __all__ = ["MegatronTrainer", "build_gpt_model", "init_megatron_parallel"]
 
 
 def init_megatron_parallel(rank: int, world_size: int, url: str | None,
-                           device: torch.device) -> None:
-    """Join a process group (even of size 1, megatron needs one) and init ``parallel_state``."""
-    from megatron.core import parallel_state
+                           device: torch.device, seed: int = 0) -> None:
+    """Join a process group (even of size 1, megatron needs one), init ``parallel_state`` and,
+    on CUDA, megatron's CUDA RNG states (its attention forks them; on CPU `_cpu_compat`
+    bypasses the fork)."""
+    from megatron.core import parallel_state, tensor_parallel
 
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -57,6 +59,8 @@ def init_megatron_parallel(rank: int, world_size: int, url: str | None,
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
                                                  pipeline_model_parallel_size=1)
+    if device.type == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def build_gpt_model(hf_config: PretrainedConfig, *, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -134,7 +138,8 @@ class MegatronTrainer(TorchTrainer):
         from safetensors.torch import load_file
         from transformers import AutoConfig
 
-        init_megatron_parallel(self.rank, self.world_size, self.config.dist_url, self.device)
+        init_megatron_parallel(self.rank, self.world_size, self.config.dist_url, self.device,
+                               self.config.seed)
         self.hf_config = AutoConfig.from_pretrained(self.config.model)
         self.shape = QwenShape.from_hf_config(self.hf_config)
         files = _model_files(self.config.model)

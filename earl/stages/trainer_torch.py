@@ -44,6 +44,7 @@ from earl.stages import trainer_dist as tdist
 from earl.stages.lora import LoraConfig, adapter_disabled, apply_lora, base_model, merged_weights
 from earl.stages.optim import OptimConfig
 from earl.stages.trainer_batch import MicroBatch, TrainBatch
+from earl.stages.trainer_offload import Moved, offload, onload
 
 __all__ = ["TorchTrainer", "TrainerConfig"]
 
@@ -166,6 +167,7 @@ class TorchTrainer:
             self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0
         )
         self.step = 0  # optimizer steps taken = the policy version this trainer holds
+        self.offloaded = False  # parameters and optimizer state in host memory (`offload`)
 
     # ------------------------------------------------------------------ backend hooks
 
@@ -249,6 +251,7 @@ class TorchTrainer:
         own shard of samples. Store the result as ``batch.old_logprobs`` for decoupled PPO/TIS
         when a batch is reused for several optimizer steps.
         """
+        self.resident()
         out = torch.zeros(batch.num_tokens)
         cu = batch.cu_seqlens.tolist()
         for mb in self._plan(batch):
@@ -278,6 +281,7 @@ class TorchTrainer:
             Step-level means of the loss terms (``loss``, ``pg_loss``, ``clip_frac``, ``kl``,
             ``entropy``, ...) plus ``tokens``, ``loss_tokens``, ``samples``, ``micro_batches``.
         """
+        self.resident()
         cfg = self.config.loss
         self.model.train()
         plan = [None if mb is None else batch.select(mb)
@@ -359,6 +363,7 @@ class TorchTrainer:
         `lr_scale` multiplies this step's scheduled LR (the caller's annealing, e.g. over a
         wall-clock budget); the schedule itself is unchanged, so checkpoints do not hold it.
         """
+        self.resident()
         scheduled = [float(g["lr"]) for g in self.optimizer.param_groups]
         for g, lr0 in zip(self.optimizer.param_groups, scheduled, strict=True):
             g["lr"] = lr0 * lr_scale
@@ -450,6 +455,19 @@ class TorchTrainer:
         from earl.stages.trainer_ckpt import load_checkpoint
 
         load_checkpoint(self, Path(path))
+
+    def offload(self) -> Moved:
+        """Parameters, gradients and optimizer state to host memory, freeing this rank's GPU
+        for a colocated rollout (`earl.stages.trainer_offload`; on CPU nothing moves)."""
+        self.offloaded = True
+        return offload(self.model, self.optimizer)
+
+    def resident(self) -> Moved:
+        """Undo `offload` (a no-op when nothing is offloaded); computing calls it first."""
+        if not self.offloaded:
+            return Moved(parameters=0, gradients=0, optimizer=0, seconds=0.0)
+        self.offloaded = False
+        return onload(self.model, self.optimizer, self.device)
 
     def close(self) -> None:
         """Leave the process group (if this trainer joined one)."""

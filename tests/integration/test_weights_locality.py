@@ -8,58 +8,21 @@ replica is in the slow tier (an engine start is ~15 s here).
 
 from __future__ import annotations
 
-import asyncio
-import os
-
 import pytest
 import torch
+from weights_sink import Sink
 
 from earl.engine import SamplingParams
 from earl.models.tiny import default_model_dir
-from earl.runtime import Actor, Runtime, RuntimeConfig, endpoint
-from earl.runtime.locality import ENV_HOST_ID, host_id
+from earl.runtime import Runtime, RuntimeConfig
+from earl.runtime.locality import ENV_HOST_ID
 from earl.runtime.transport import available
-from earl.stages.weights import WeightPublisher, decode_bucket
+from earl.stages.weights import WeightPublisher
 
 NET = "ucx" if available("ucx") else "zmq"
 MODEL_A = {"init_std": 0.2, "seed": 0}
 MODEL_B = {"init_std": 0.2, "seed": 1}
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
-
-
-class Sink(Actor):
-    """The rollout side of the frames protocol, as `RolloutActor` speaks it, without vLLM.
-
-    Rank `remote_rank` declares another host (before anything asks this process' host)."""
-
-    def __init__(self, remote_rank: int) -> None:
-        from earl.runtime.transport.route import Inbox
-
-        if self.rank == remote_rank:
-            os.environ[ENV_HOST_ID] = f"elsewhere-{self.rank}"
-            host_id.cache_clear()
-        self.inbox = Inbox()
-        self.receiver = None
-        self.got: list[tuple[str, torch.Tensor]] = []
-
-    @endpoint
-    async def weights_address(self, peer_host: str = "", transport: str = "") -> str:
-        kind = transport or self.inbox.kind_for(peer_host or host_id())
-        self.receiver = self.inbox.receiver(kind)
-        return str(self.receiver.address)
-
-    @endpoint
-    async def commit_weights(self, version: int, mode: str, frames: int) -> float:
-        for _ in range(frames):
-            frame = await asyncio.to_thread(self.receiver.recv, 30.0)  # type: ignore[union-attr]
-            self.got += [(n, t.clone()) for n, t in decode_bucket(frame.header, frame.buffers)]
-            frame.release()
-        return 0.0
-
-    @endpoint
-    async def received(self) -> list[tuple[str, torch.Tensor]]:
-        out, self.got = self.got, []
-        return out
 
 
 @pytest.mark.timeout(120)
@@ -77,6 +40,24 @@ async def test_a_group_over_two_hosts_mixes_shm_and_the_network() -> None:
             for name, t in got:
                 torch.testing.assert_close(t, weights[name])
         pub.close()
+
+
+@pytest.mark.timeout(120)
+async def test_gloo_pairs_carry_the_weights_keyed_per_publisher() -> None:
+    """placement.weights_transport=gloo: a torch.distributed pair per replica, keyed with the
+    publisher's secret (sent over the control plane), re-made for a new publisher."""
+    weights = {f"layer{i}.weight": torch.randn(64, 64) for i in range(6)}
+    async with Runtime() as rt:
+        sinks = await rt.spawn("sink", Sink, n=2)
+        for version in (1, 2):  # the second publisher: a restarted trainer
+            pub = WeightPublisher(sinks, transport="gloo", bucket_bytes=40_000)
+            sync = await pub.push(weights, version=version)
+            assert sync.buckets > 1 and sync.by_transport == {"gloo": 2 * sync.nbytes}
+            for got in await sinks.received.call():
+                assert [n for n, _ in got] == list(weights)
+                for name, t in got:
+                    torch.testing.assert_close(t, weights[name])
+            pub.close()
 
 
 @pytest.mark.slow
