@@ -228,6 +228,13 @@ def _parallel(r: Result) -> str:
     return "; ".join(parts)
 
 
+def _weights_gpu(r: Result) -> str:
+    return (f"{r['mib']} MiB to a replica on the trainer's GPU ({r['gpu'].replace('NVIDIA ', '')}): "
+            f"CUDA IPC {r['ipc']['seconds_median'] * 1e3:.1f} ms vs host path "
+            f"{r['shm']['seconds_median'] * 1e3:.0f} ms (**{r['ipc_vs_shm']:.0f}x**); one "
+            f"device copy {r['d2d_copy']['seconds_median'] * 1e3:.2f} ms")
+
+
 # (result name, what is measured, figure); the table's rows, in order
 ROWS: list[tuple[str, str, Callable[[Result], str]]] = [
     ("main_job", "the main job: `earl train`, Tic-Tac-Toe, tiny model, held-out games", _main_job),
@@ -239,6 +246,7 @@ ROWS: list[tuple[str, str, Callable[[Result], str]]] = [
      "DP2xTP2 on host A"), _cross_host),
     ("rollout", "rollout: agent coroutines through the vLLM rollout actor", _rollout),
     ("rollout", "weight sync, trainer -> vLLM", _weights),
+    ("weights_gpu", "weight sync on a GPU, colocated (lent H100)", _weights_gpu),
     ("openai_endpoint", "OpenAI-compatible endpoint", _openai),
     ("stress", "stress: concurrent sessions, simulated engine", _stress),
     ("stress", "tool executor, bursty calculator load", _executor),

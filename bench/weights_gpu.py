@@ -32,25 +32,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _results
 
 from earl.runtime import Actor, endpoint
+from earl.stages.weights_inbox import WeightEndpoints, WeightInbox
 
 
-class GpuSink(Actor):
+class GpuSink(WeightEndpoints, Actor):
     """A replica's weight endpoints that load into GPU parameters (what vLLM's loader does)."""
 
     def __init__(self) -> None:
-        from earl.stages.weights_inbox import WeightInbox
-
-        self.inbox = WeightInbox("cuda")
+        self.weights = WeightInbox("cuda")
         self.params: dict[str, Any] = {}
-
-    @endpoint
-    async def weights_address(self, peer_host: str = "", transport: str = "",
-                              peer_gpu: str = "", key: bytes = b"") -> str:
-        return self.inbox.address(peer_host, transport, peer_gpu, key)
-
-    @endpoint
-    async def ipc_bucket(self, message: dict[str, Any]) -> None:
-        await asyncio.wrap_future(self.inbox.put_ipc(message))
 
     @endpoint
     async def commit_weights(self, version: int, mode: str, frames: int) -> float:
@@ -59,7 +49,7 @@ class GpuSink(Actor):
         def load() -> float:
             t0, got = time.perf_counter(), []
             try:
-                for name, t in self.inbox.stream(frames, got):
+                for name, t in self.weights.stream(frames, got):
                     p = self.params.get(name)
                     if p is None or p.shape != t.shape or p.dtype != t.dtype:
                         p = self.params[name] = torch.empty(t.shape, dtype=t.dtype,

@@ -259,6 +259,16 @@ class RunConfig:
         need(not self.selector.on or pl.rollout_tp == pl.trainer_tp == 1, "placement.rollout_tp",
              "the selector chooses tensor parallelism itself (--selector on): leave "
              "placement.rollout_tp and placement.trainer_tp at 1")
+        if pl.backend == "megatron":
+            need(not self.lora.on, "placement.backend",
+                 "LoRA adapters train on the HF model: use placement.backend=torch with "
+                 "lora.rank > 0, or lora.rank=0 with megatron")
+            need(not pl.shared_prefix, "placement.backend",
+                 "shared-prefix packing runs the HF model: use placement.backend=torch, or "
+                 "placement.shared_prefix=false with megatron")
+            need(not self.selector.on, "placement.backend",
+                 "the selector re-plans the torch trainer's layouts: use --selector off with "
+                 "placement.backend=megatron")
         need(not (self.selector.on and pl.colocate), "placement.colocate",
              "the selector gives each stage devices of its own and moves them between stages; "
              "colocation shares them in turn: use one, --selector off or colocate=false")

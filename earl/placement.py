@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from earl.runtime.errors import need
 
-__all__ = ["DEVICES", "DTYPES", "LAUNCHERS", "STAGE_GROUPS", "TRANSPORTS", "WEIGHT_TRANSPORTS",
+__all__ = ["BACKENDS", "DEVICES", "DTYPES", "LAUNCHERS", "STAGE_GROUPS", "TRANSPORTS", "WEIGHT_TRANSPORTS",
            "PlacementConfig"]
 
 DEVICES = ("cpu", "cuda")
@@ -22,6 +22,7 @@ LAUNCHERS = ("local", "ray")
 STAGE_GROUPS = ("rollout", "trainer", "reference", "producer", "dock")  # actor groups of a run
 # placement.weights_transport: "" picks per replica (see PlacementConfig)
 WEIGHT_TRANSPORTS = ("", "shm", "ucx", "zmq", "gloo", "nccl", "ipc")
+BACKENDS = ("torch", "megatron")  # placement.backend: the trainer's engine
 
 
 @dataclass(kw_only=True, slots=True)
@@ -73,6 +74,9 @@ class PlacementConfig:
     shm on the same host, else ucx or zmq; CUDA: "ipc", CUDA IPC handles, to a replica on the
     trainer's own GPU, else "nccl"); "shm", "ucx", "zmq", "gloo" (a torch.distributed gloo
     pair per replica), "nccl" (the same over NCCL, GPU to GPU) or "ipc" force one.
+    `backend`: the trainer's engine: "torch" (HF model; DDP, FSDP2, DTensor TP) or "megatron"
+    (megatron-core GPTModel converted from the HF checkpoint and back for the rollout; DDP
+    and megatron's tensor parallel over `trainer_tp`; needs the `megatron` extra).
     """
 
     rollout: int = 1
@@ -95,6 +99,7 @@ class PlacementConfig:
     transport: str = ""
     colocate: bool = False
     weights_transport: str = ""
+    backend: str = "torch"
 
     def __post_init__(self) -> None:
         need(self.device in DEVICES, "device", f"{self.device!r} unknown; choose one of {DEVICES}")
@@ -139,6 +144,8 @@ class PlacementConfig:
         need(self.weights_transport != "ipc" or self.colocate, "weights_transport",
              "'ipc' hands GPU memory to a process on the same GPU: set placement.colocate=true, "
              "or use nccl between GPUs")
+        need(self.backend in BACKENDS, "backend",
+             f"{self.backend!r} unknown; choose one of {BACKENDS}")
         need(not (self.colocate and self.device == "cuda" and self.launcher == "ray"),
              "colocate", "colocated GPU slots are made on this host: use "
              "placement.launcher=local, or colocate=false under Ray")

@@ -13,10 +13,10 @@ import torch
 
 from earl.runtime import Actor, endpoint
 from earl.runtime.locality import ENV_HOST_ID, host_id
-from earl.stages.weights_inbox import WeightInbox
+from earl.stages.weights_inbox import WeightEndpoints, WeightInbox
 
 
-class Sink(Actor):
+class Sink(WeightEndpoints, Actor):
     """Rank `remote_rank` declares another host (before anything asks this process's host);
     `device` is what the replica would serve on ("cuda": IPC or nccl by the publisher's GPU)."""
 
@@ -24,17 +24,8 @@ class Sink(Actor):
         if self.rank == remote_rank:
             os.environ[ENV_HOST_ID] = f"elsewhere-{self.rank}"
             host_id.cache_clear()
-        self.inbox = WeightInbox(device)
+        self.weights = WeightInbox(device)
         self.got: list[tuple[str, torch.Tensor]] = []
-
-    @endpoint
-    async def weights_address(self, peer_host: str = "", transport: str = "",
-                              peer_gpu: str = "", key: bytes = b"") -> str:
-        return self.inbox.address(peer_host, transport, peer_gpu, key)
-
-    @endpoint
-    async def ipc_bucket(self, message: dict[str, Any]) -> None:
-        await asyncio.wrap_future(self.inbox.put_ipc(message))
 
     @endpoint
     async def commit_weights(self, version: int, mode: str, frames: int) -> float:
@@ -42,7 +33,7 @@ class Sink(Actor):
             frames_read: list[Any] = []
             try:
                 return [(n, t.to("cpu", copy=True))
-                        for n, t in self.inbox.stream(frames, frames_read)]
+                        for n, t in self.weights.stream(frames, frames_read)]
             finally:
                 for f in frames_read:
                     f.release()
@@ -57,4 +48,4 @@ class Sink(Actor):
 
     @endpoint
     async def kind(self) -> str:
-        return self.inbox.kind
+        return self.weights.kind

@@ -116,10 +116,12 @@ async def spawn_trainer(job: Job) -> Any:
                          micro_batch_tokens=pl.micro_batch_tokens, dist_url=dist_url,
                          lora=cfg.lora, shared_prefix=pl.shared_prefix,
                          dtype=pl.dtype, tp=pl.trainer_tp,  # type: ignore[arg-type]
-                         # DDP does not compose with tensor parallel; FSDP2 does
-                         parallel="fsdp" if 1 < pl.trainer_tp < pl.trainer else "ddp")
-    return await job.rt.spawn("trainer", TrainerActor, tcfg, n=pl.trainer, env=job.env,
-                              slot=_slots(job, "trainer", pl.trainer))
+                         # DDP does not compose with DTensor tensor parallel; FSDP2 does
+                         # (megatron's tensor parallel composes with DDP)
+                         parallel="fsdp" if 1 < pl.trainer_tp < pl.trainer
+                         and pl.backend == "torch" else "ddp")
+    return await job.rt.spawn("trainer", TrainerActor, tcfg, pl.backend, n=pl.trainer,
+                              env=job.env, slot=_slots(job, "trainer", pl.trainer))
 
 
 async def spawn_reference(job: Job) -> Any:

@@ -19,20 +19,19 @@ Example:
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 import time
 import traceback
 from collections import OrderedDict
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from earl.engine import ContextLengthError, Generation, SamplingParams
 from earl.runtime import Actor, ActorError, ActorGroup, endpoint
 from earl.runtime.wire import message
 from earl.stages.vllm_engine import EngineConfig, RolloutStatistics, UpdateMode, VLLMEngine
-from earl.stages.weights_inbox import WeightInbox
+from earl.stages.weights_inbox import WeightEndpoints, WeightInbox
 
 if TYPE_CHECKING:
     import torch
@@ -45,7 +44,7 @@ for _cls in (SamplingParams, Generation, EngineConfig, RolloutStatistics):
 __all__ = ["RolloutActor", "RolloutClient"]
 
 
-class RolloutActor(Actor):
+class RolloutActor(WeightEndpoints, Actor):
     """One vLLM engine replica (in-process core, stepped in a thread inside this actor).
 
     Args:
@@ -64,7 +63,7 @@ class RolloutActor(Actor):
         self.config = config
         self.engine = VLLMEngine(config, policy_version=policy_version, on_death=_die)
         self._staged: list[tuple[str, torch.Tensor]] = []
-        self._weights = WeightInbox(config.device)  # where weight pushes arrive
+        self.weights = WeightInbox(config.device)  # where weight pushes arrive
 
     async def setup(self) -> None:
         await self.engine.start()
@@ -100,19 +99,6 @@ class RolloutActor(Actor):
         return await self.engine.update_weights(path=path, version=version, mode=mode)
 
     @endpoint
-    async def weights_address(self, peer_host: str = "", transport: str = "",
-                              peer_gpu: str = "", key: bytes = b"") -> str:
-        """Where `WeightPublisher` sends buckets, for a publisher on `peer_host` (a
-        `host_id()`; empty: this host) on GPU `peer_gpu` (its UUID; empty on CPU): the kind
-        `transport` names, else by locality (`WeightInbox`). `key`: a gloo/nccl pair's secret."""
-        return self._weights.address(peer_host, transport, peer_gpu, key)
-
-    @endpoint
-    async def ipc_bucket(self, message: dict[str, Any]) -> None:
-        """One bucket over CUDA IPC for the reload in progress; returns once it is loaded."""
-        await asyncio.wrap_future(self._weights.put_ipc(message))
-
-    @endpoint
     async def stage_bucket(self, names: list[str], tensors: list[torch.Tensor]) -> int:
         """Keep one bucket of new weights sent over RPC; returns tensors staged so far."""
         if len(names) != len(tensors):
@@ -133,7 +119,7 @@ class RolloutActor(Actor):
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:  # runs in the engine thread
             yield from staged
-            yield from self._weights.stream(frames, got)
+            yield from self.weights.stream(frames, got)
 
         try:
             return await self.engine.update_weights(stream(), version=version, mode=mode)
@@ -168,7 +154,7 @@ class RolloutActor(Actor):
     @endpoint
     async def close(self) -> None:
         await self.engine.close()
-        self._weights.close()
+        self.weights.close()
 
 
 def _die(exc: BaseException) -> None:

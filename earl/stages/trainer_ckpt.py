@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 if TYPE_CHECKING:
     from earl.stages.trainer_torch import TorchTrainer
 
-__all__ = ["load_checkpoint", "save_checkpoint"]
+__all__ = ["load_checkpoint", "load_rest", "save_checkpoint", "save_rest"]
 
 
 def _atomic_save(obj: object, path: Path) -> None:
@@ -102,6 +102,14 @@ def save_checkpoint(trainer: TorchTrainer, path: Path) -> None:
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+    save_rest(trainer, path)
+
+
+def save_rest(trainer: TorchTrainer, path: Path) -> None:
+    """Everything but model and optimizer: LR schedule and step, meta, each rank's RNG (all
+    ranks call it, after their model and optimizer shards are written)."""
+    _barrier(trainer)
+    if trainer.rank == 0:
         _atomic_save({"scheduler": trainer.scheduler.state_dict(), "step": trainer.step},
                      path / "trainer.pt")
         meta = {"step": trainer.step, "world_size": trainer.world_size, "tp": trainer.tp,
@@ -125,6 +133,13 @@ def load_checkpoint(trainer: TorchTrainer, path: Path) -> None:
              no_dist=not trainer.distributed)  # in place, into this layout's shards
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=model_sd,
                    optim_state_dict=optim_sd)
+    load_rest(trainer, path)
+
+
+def load_rest(trainer: TorchTrainer, path: Path) -> None:
+    """Restore what `save_rest` wrote (LR schedule, step, this rank's RNG)."""
+    if not (path / "trainer.pt").is_file():
+        raise ValueError(f"no trainer checkpoint at {path} (no trainer.pt)")
     rest = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
     trainer.scheduler.load_state_dict(rest["scheduler"])
     trainer.step = int(rest["step"])

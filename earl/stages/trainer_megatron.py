@@ -4,7 +4,15 @@ Same endpoints and semantics as the torch backend (packed micro-batches, global-
 gradient accumulation, AdamW, clipping, bf16 autocast, HF-named weight export, checkpoints);
 only the model differs: an HF Qwen2/Llama folder is converted into a megatron-core GPTModel
 (local layer spec, no Transformer Engine) and back (`trainer_megatron_convert`). Data
-parallelism is torch DDP; tensor/pipeline parallel sizes are 1 in this version.
+parallelism is torch DDP over the data-parallel group. Tensor parallelism is megatron-core's own
+(``TrainerConfig.tp``; column/row-parallel linears, vocabulary-parallel embedding and LM head):
+ranks count TP fastest, as in `earl.runtime.layout.Layout`, so ranks ``0..tp-1`` are replica 0
+and megatron's DP groups equal the trainer's. The LM head gathers full-vocabulary logits on
+every TP rank, so the loss code is the torch backend's; the gradient norm is taken over the
+whole sharded model and `named_weights` gathers full HF tensors (`trainer_megatron_tp`).
+Pipeline parallelism is not offered (PP is 1). With TP > 1 a checkpoint is one file per TP
+rank (model and AdamW shards; DCP would take megatron's plain-tensor shards for replicas),
+restored at the same TP degree only.
 
 What megatron-core 0.16.1 does on CPU (measured): ``parallel_state`` over gloo and GPTModel
 construction work as is; forward/backward work once two hard-coded CUDA calls are bypassed —
@@ -21,6 +29,9 @@ scores depend only on position differences, so the result equals per-sample posi
 from __future__ import annotations
 
 import contextlib
+import json
+import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,9 +41,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from earl.packing import Packed
-from earl.stages import trainer_dist as tdist
 from earl.stages.trainer_dist import free_dist_url, use_node_interface
-from earl.stages.trainer_megatron_convert import QwenShape, hf_to_mcore, mcore_to_hf
+from earl.stages.trainer_megatron_convert import QwenShape, check_tp, hf_to_mcore, mcore_to_hf
+from earl.stages.trainer_megatron_tp import clip_grad_norm_tp, gather_state_shards
 from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
 
 if TYPE_CHECKING:
@@ -42,10 +53,16 @@ __all__ = ["MegatronTrainer", "build_gpt_model", "init_megatron_parallel"]
 
 
 def init_megatron_parallel(rank: int, world_size: int, url: str | None,
-                           device: torch.device, seed: int = 0) -> None:
-    """Join a process group (even of size 1, megatron needs one), init ``parallel_state`` and,
-    on CUDA, megatron's CUDA RNG states (its attention forks them; on CPU `_cpu_compat`
-    bypasses the fork)."""
+                           device: torch.device, seed: int = 0, *, tp: int = 1) -> None:
+    """Join a process group (even of size 1, megatron needs one), init ``parallel_state`` with
+    ``tp``-way tensor parallel (PP 1; TP groups are consecutive ranks, megatron's default
+    ``tp-cp-ep-dp-pp`` order) and, on CUDA, megatron's CUDA RNG states (its attention forks
+    them; on CPU `_cpu_compat` bypasses the fork).
+
+    Raises:
+        ValueError: ``world_size > 1`` without ``url``, or ``parallel_state`` already set up
+            with another TP size in this process.
+    """
     from megatron.core import parallel_state, tensor_parallel
 
     if not dist.is_initialized():
@@ -57,14 +74,23 @@ def init_megatron_parallel(rank: int, world_size: int, url: str | None,
         dist.init_process_group(backend, init_method=url or free_dist_url(), rank=rank,
                                 world_size=world_size)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
-                                                 pipeline_model_parallel_size=1)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                                 pipeline_model_parallel_size=1,
+                                                 order="tp-cp-ep-dp-pp")
+    elif parallel_state.get_tensor_model_parallel_world_size() != tp:
+        raise ValueError(f"megatron parallel_state already runs TP="
+                         f"{parallel_state.get_tensor_model_parallel_world_size()} in this "
+                         f"process, TrainerConfig.tp={tp}: call "
+                         "megatron.core.parallel_state.destroy_model_parallel() first")
     if device.type == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def build_gpt_model(hf_config: PretrainedConfig, *, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """An empty megatron-core GPTModel shaped like an HF Qwen2/Llama config (local spec)."""
+def build_gpt_model(hf_config: PretrainedConfig, *, dtype: torch.dtype = torch.float32,
+                    tp: int = 1) -> nn.Module:
+    """An empty megatron-core GPTModel shaped like an HF Qwen2/Llama config (local spec),
+    holding this rank's ``tp``-way shards (``parallel_state`` must be initialized with ``tp``);
+    its logits are full-vocabulary on every TP rank (``parallel_output=False``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -85,13 +111,14 @@ def build_gpt_model(hf_config: PretrainedConfig, *, dtype: torch.dtype = torch.f
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype,
         use_cpu_initialization=True, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=False, tensor_model_parallel_size=tp,
     )
     return GPTModel(
         config=tcfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=c.vocab_size, max_sequence_length=c.max_position_embeddings,
         position_embedding_type="rope", rotary_base=int(float(rope or 10000.0)),
         share_embeddings_and_output_weights=shape.tied, pre_process=True, post_process=True,
+        parallel_output=False,
     )
 
 
@@ -124,30 +151,38 @@ def packed_causal_mask(packed: Packed) -> Tensor:
 
 
 class MegatronTrainer(TorchTrainer):
-    """`TorchTrainer` with a megatron-core GPTModel inside (``parallel`` must be ``"ddp"``)."""
+    """`TorchTrainer` with a megatron-core GPTModel inside (``parallel`` must be ``"ddp"``;
+    ``tp`` > 1 is megatron tensor parallel, all ranks of a TP group get the same batch)."""
 
     def __init__(self, config: TrainerConfig, *, rank: int = 0, world_size: int = 1) -> None:
         if world_size > 1 and config.parallel != "ddp":
-            raise ValueError("the megatron backend supports TrainerConfig.parallel='ddp' only")
-        if config.tp != 1:
-            raise ValueError("the megatron backend runs TrainerConfig.tp=1 only (its CPU path "
-                             "is pinned to TP=PP=1); use backend='torch' for tensor parallel")
+            raise ValueError("the megatron backend supports TrainerConfig.parallel='ddp' only "
+                             "(tensor parallel is TrainerConfig.tp, data parallel is DDP)")
         super().__init__(config, rank=rank, world_size=world_size)
 
     def _load_model(self) -> nn.Module:
+        from megatron.core import parallel_state
         from safetensors.torch import load_file
         from transformers import AutoConfig
 
-        init_megatron_parallel(self.rank, self.world_size, self.config.dist_url, self.device,
-                               self.config.seed)
         self.hf_config = AutoConfig.from_pretrained(self.config.model)
         self.shape = QwenShape.from_hf_config(self.hf_config)
+        check_tp(self.shape, self.tp)
+        init_megatron_parallel(self.rank, self.world_size, self.config.dist_url, self.device,
+                               self.config.seed, tp=self.tp)
+        if self.dp_group is not None:  # DDP reduces over the trainer's DP group: same ranks
+            mine = dist.get_process_group_ranks(self.dp_group)
+            theirs = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
+            assert mine == theirs, (mine, theirs)
+        self.tp_group = parallel_state.get_tensor_model_parallel_group() if self.tp > 1 else None
         files = _model_files(self.config.model)
         hf_state: dict[str, Tensor] = {}
         for f in files:
             hf_state.update(load_file(str(f)))
-        model = build_gpt_model(self.hf_config)
-        missing, unexpected = model.load_state_dict(hf_to_mcore(hf_state, self.shape), strict=False)
+        model = build_gpt_model(self.hf_config, tp=self.tp)
+        shard = hf_to_mcore(hf_state, self.shape, tp_size=self.tp,
+                            tp_rank=parallel_state.get_tensor_model_parallel_rank())
+        missing, unexpected = model.load_state_dict(shard, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise ValueError(f"HF -> megatron conversion of {self.config.model} left missing="
@@ -155,7 +190,12 @@ class MegatronTrainer(TorchTrainer):
         return model.to(self.device)
 
     def _wrap_model(self, module: nn.Module) -> nn.Module:
-        return tdist.wrap_model(module, "ddp", self.device)
+        if self.dp_size == 1:  # TP only: megatron's layers do their own collectives
+            return module
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=ids, process_group=self.dp_group)
 
     def _forward(self, packed: Packed, keep: Tensor | None = None) -> Tensor:
         with _cpu_compat(self.device):
@@ -164,10 +204,83 @@ class MegatronTrainer(TorchTrainer):
         return logits[0] if keep is None else logits[0, keep]
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """HF-named weights converted from the megatron model (tied ``lm_head`` left out)."""
+        """HF-named full weights converted from the megatron model (tied ``lm_head`` left out).
+
+        With TP > 1 this gathers the shards: every rank of the TP group must iterate it.
+        """
         mc = {k: v.detach() for k, v in self.module.state_dict().items()
               if not k.endswith("_extra_state")}
-        yield from mcore_to_hf(mc, self.shape).items()
+        if self.tp_group is None:
+            yield from mcore_to_hf(mc, self.shape).items()
+        else:
+            yield from mcore_to_hf(gather_state_shards(mc, self.tp_group), self.shape).items()
+
+    def optimizer_step(self, lr_scale: float = 1.0) -> dict[str, float]:
+        """`TorchTrainer.optimizer_step`; with TP > 1 the gradient norm (reported and clipped
+        to) is the whole model's, gathered over the TP group (`clip_grad_norm_tp`)."""
+        if self.tp_group is None:
+            return super().optimizer_step(lr_scale)
+        self.resident()
+        clip = self.config.optim.grad_clip
+        norm = clip_grad_norm_tp(list(self.model.parameters()),
+                                 clip if clip > 0 else math.inf, self.tp_group)
+        scheduled = [float(g["lr"]) for g in self.optimizer.param_groups]
+        for g, lr0 in zip(self.optimizer.param_groups, scheduled, strict=True):
+            g["lr"] = lr0 * lr_scale
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        return {"grad_norm": float(norm), "lr": scheduled[0] * lr_scale}
+
+    def save_checkpoint(self, path: str | Path) -> None:
+        """`TorchTrainer.save_checkpoint`; with TP > 1 each rank of the first DP replica
+        writes its own shard of the model and of AdamW's state (``megatron_tp<r>.pt``: DCP
+        would take megatron's plain per-rank shards for replicas), loadable at the same TP
+        degree. All ranks must call it."""
+        if self.tp == 1:
+            super().save_checkpoint(path)
+            return
+        from earl.stages.trainer_ckpt import save_rest
+
+        self.resident()
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        if self.rank < self.tp:  # DP replica 0 holds every TP shard once
+            save_shard({"model": self.module.state_dict(),
+                        "optimizer": self.optimizer.state_dict()},
+                       folder / f"megatron_tp{self.rank}.pt")
+        save_rest(self, folder)
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """`TorchTrainer.load_checkpoint`; with TP > 1 from the per-rank shards of
+        `save_checkpoint`, at the same TP degree.
+
+        Raises:
+            ValueError: the checkpoint was saved at another TP degree, or is incomplete.
+        """
+        if self.tp == 1:
+            super().load_checkpoint(path)
+            return
+        from megatron.core import parallel_state
+
+        from earl.stages.trainer_ckpt import load_rest
+
+        folder = Path(path)
+        meta = json.loads((folder / "meta.json").read_text()) \
+            if (folder / "meta.json").is_file() else {}
+        if meta.get("tp") != self.tp:
+            raise ValueError(f"megatron checkpoint {folder} was saved at tp={meta.get('tp')}, "
+                             f"this trainer runs tp={self.tp}: resume with the same "
+                             "placement.trainer_tp")
+        mine = folder / f"megatron_tp{parallel_state.get_tensor_model_parallel_rank()}.pt"
+        if not mine.is_file():
+            raise ValueError(f"no megatron TP shard {mine}: the checkpoint is incomplete")
+        state = torch.load(mine, map_location=self.device, weights_only=True)
+        self.resident()
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        load_rest(self, folder)
 
     def _hf_for_saving(self) -> nn.Module:
         from transformers import AutoModelForCausalLM
@@ -181,3 +294,9 @@ def _model_files(folder: str) -> list[Path]:
     if not files:
         raise ValueError(f"TrainerConfig.model={folder!r} has no *.safetensors weights")
     return files
+
+
+def save_shard(state: dict[str, object], path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)

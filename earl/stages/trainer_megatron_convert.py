@@ -1,25 +1,39 @@
-"""HF Qwen2/Llama <-> megatron-core GPTModel state-dict conversion (tensor parallel size 1).
+"""HF Qwen2/Llama <-> megatron-core GPTModel state-dict conversion, with tensor-parallel shards.
 
-Pure tensor reshuffling, no megatron import: HF keeps ``q_proj``/``k_proj``/``v_proj`` and
-``gate_proj``/``up_proj`` apart; megatron-core (local layer spec) fuses them into
-``linear_qkv`` — grouped per key/value head as ``[q of the group's heads, k, v]`` — and
-``linear_fc1 = [gate; up]``. Layer norms move from ``input_layernorm``/``post_attention_layernorm``
-to ``input_layernorm``/``pre_mlp_layernorm``.
+Pure tensor reshuffling, no megatron import and no communication: HF keeps
+``q_proj``/``k_proj``/``v_proj`` and ``gate_proj``/``up_proj`` apart; megatron-core (local layer
+spec) fuses them into ``linear_qkv`` — grouped per key/value head as ``[q of the group's heads,
+k, v]`` — and ``linear_fc1 = [gate; up]``. Layer norms move from
+``input_layernorm``/``post_attention_layernorm`` to ``input_layernorm``/``pre_mlp_layernorm``.
+
+Tensor parallel (``tp_size > 1``): each rank holds megatron's shard of every tensor.
+Column-parallel ``linear_qkv`` takes whole key/value groups (a contiguous block of the grouped
+layout), ``linear_fc1`` is ``[gate shard; up shard]``; row-parallel ``linear_proj`` and
+``linear_fc2`` split their input dimension; the word embeddings and ``output_layer`` split the
+vocabulary; layer norms are replicated. `check_tp` names what must divide by the TP size (the
+vocabulary is not padded: megatron's ``VocabParallelEmbedding`` needs ``vocab % tp == 0``).
+Gathering the shards from the ranks is the caller's job (`trainer_megatron_tp`).
 
 Example:
-    >>> mc = hf_to_mcore(hf_model.state_dict(), shape)
-    >>> hf = mcore_to_hf(mc, shape)          # same tensors back
+    >>> mc = hf_to_mcore(hf_model.state_dict(), shape)          # TP=1
+    >>> hf = mcore_to_hf(mc, shape)                             # same tensors back
+    >>> shards = [hf_to_mcore(hf, shape, tp_rank=r, tp_size=2) for r in range(2)]
+    >>> hf = mcore_to_hf(shards, shape)                         # gathered from TP shards
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
 
-__all__ = ["QwenShape", "hf_to_mcore", "mcore_to_hf"]
+__all__ = ["QwenShape", "check_tp", "gather_tp", "hf_to_mcore", "mcore_to_hf", "shard_tp",
+           "tp_split"]
+
+Split = Literal["rows", "cols", "fc1", "none"]
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -31,6 +45,8 @@ class QwenShape:
     kv_heads: int
     head_dim: int
     tied: bool
+    vocab: int = 0  # 0: unknown (only `check_tp` reads these two)
+    ffn: int = 0
 
     @classmethod
     def from_hf_config(cls, config: object) -> QwenShape:
@@ -43,7 +59,75 @@ class QwenShape:
             kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
             head_dim=int(head_dim),
             tied=bool(getattr(config, "tie_word_embeddings", False)),
+            vocab=int(getattr(config, "vocab_size", 0) or 0),
+            ffn=int(getattr(config, "intermediate_size", 0) or 0),
         )
+
+
+def check_tp(s: QwenShape, tp: int) -> None:
+    """Raise unless the model shards over ``tp`` ranks.
+
+    Raises:
+        ValueError: ``TrainerConfig.tp`` does not divide the heads, the key/value heads (each
+            rank holds whole KV groups), the MLP width or the vocabulary.
+    """
+    sizes = {"num_attention_heads": s.heads, "num_key_value_heads": s.kv_heads,
+             "intermediate_size": s.ffn, "vocab_size": s.vocab}
+    for name, n in sizes.items():
+        if n % tp:
+            raise ValueError(f"TrainerConfig.tp={tp} does not divide the model's {name}={n}; "
+                             "choose a TP degree that divides it (megatron shards whole "
+                             "key/value groups and does not pad the vocabulary here)")
+
+
+def tp_split(name: str) -> Split:
+    """How megatron shards the tensor ``name`` over TP ranks: ``"rows"`` (dim 0), ``"cols"``
+    (dim 1), ``"fc1"`` (``[gate; up]`` each split by rows) or ``"none"`` (replicated)."""
+    if name.endswith(("word_embeddings.weight", "output_layer.weight")) or ".linear_qkv." in name:
+        return "rows"
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return "cols"
+    if name.endswith("linear_fc1.weight"):
+        return "fc1"
+    return "none"
+
+
+def shard_tp(mc: Mapping[str, Tensor], tp_rank: int, tp_size: int) -> dict[str, Tensor]:
+    """Rank ``tp_rank``'s shard of every tensor of a full (TP=1) megatron state dict."""
+    if tp_size == 1:
+        return dict(mc)
+    out = {}
+    for name, t in mc.items():
+        split = tp_split(name)
+        if split == "rows":
+            t = t.chunk(tp_size, dim=0)[tp_rank]
+        elif split == "cols":
+            t = t.chunk(tp_size, dim=1)[tp_rank]
+        elif split == "fc1":
+            gate, up = t.chunk(2, dim=0)
+            t = torch.cat([gate.chunk(tp_size)[tp_rank], up.chunk(tp_size)[tp_rank]])
+        out[name] = t.contiguous()
+    return out
+
+
+def gather_tp(shards: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """The full (TP=1) megatron state dict from every TP rank's shard, in rank order."""
+    if len(shards) == 1:
+        return dict(shards[0])
+    out = {}
+    for name in shards[0]:
+        parts = [sh[name] for sh in shards]
+        split = tp_split(name)
+        if split == "rows":
+            out[name] = torch.cat(parts, dim=0)
+        elif split == "cols":
+            out[name] = torch.cat(parts, dim=1)
+        elif split == "fc1":
+            halves = [p.chunk(2, dim=0) for p in parts]
+            out[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+        else:
+            out[name] = parts[0]
+    return out
 
 
 def _fuse_qkv(q: Tensor, k: Tensor, v: Tensor, s: QwenShape) -> Tensor:
@@ -63,8 +147,24 @@ def _split_qkv(qkv: Tensor, s: QwenShape) -> tuple[Tensor, Tensor, Tensor]:
     return (q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest))
 
 
-def hf_to_mcore(hf: Mapping[str, Tensor], s: QwenShape) -> dict[str, Tensor]:
-    """Convert an HF Qwen2/Llama state dict to megatron-core GPTModel (local spec) names."""
+def hf_to_mcore(hf: Mapping[str, Tensor], s: QwenShape, *, tp_rank: int = 0,
+                tp_size: int = 1) -> dict[str, Tensor]:
+    """Convert an HF Qwen2/Llama state dict to megatron-core GPTModel (local spec) names.
+
+    Args:
+        hf: the full HF state dict.
+        s: the model's shapes.
+        tp_rank: this rank's index in its tensor-parallel group.
+        tp_size: the tensor-parallel degree (1: the full tensors).
+
+    Returns:
+        Rank ``tp_rank``'s shard of every megatron tensor (see the module doc).
+
+    Raises:
+        ValueError: ``tp_size`` does not divide the model's shapes (`check_tp`).
+    """
+    if tp_size > 1:
+        check_tp(s, tp_size)
     out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
            "decoder.final_layernorm.weight": hf["model.norm.weight"]}
     if not s.tied:
@@ -83,15 +183,23 @@ def hf_to_mcore(hf: Mapping[str, Tensor], s: QwenShape) -> dict[str, Tensor]:
         out[m + "mlp.linear_fc1.weight"] = torch.cat(
             [hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]], dim=0)
         out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
-    return out
+    return shard_tp(out, tp_rank, tp_size)
 
 
-def mcore_to_hf(mc: Mapping[str, Tensor], s: QwenShape) -> dict[str, Tensor]:
+def mcore_to_hf(mc: Mapping[str, Tensor] | Sequence[Mapping[str, Tensor]],
+                s: QwenShape) -> dict[str, Tensor]:
     """Convert megatron-core GPTModel (local spec) weights back to HF names.
+
+    Args:
+        mc: a full (TP=1) megatron state dict, or the list of every TP rank's shard in rank
+            order (gathered with `gather_tp`).
+        s: the model's shapes.
 
     Tied embeddings give no ``lm_head.weight`` (as ``save_pretrained`` writes them).
     ``_extra_state`` entries are ignored.
     """
+    if not isinstance(mc, Mapping):
+        mc = gather_tp(mc)
     out = {"model.embed_tokens.weight": mc["embedding.word_embeddings.weight"],
            "model.norm.weight": mc["decoder.final_layernorm.weight"]}
     if not s.tied:

@@ -29,6 +29,7 @@ import queue
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from earl.runtime.endpoint import endpoint
 from earl.stages.weights_codec import decode_bucket, decode_tensors
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from earl.runtime.transport.route import Inbox
     from earl.stages.weights_ipc import IpcOpener
 
-__all__ = ["COLLECTIVE", "WeightInbox", "gpu_uuid"]
+__all__ = ["COLLECTIVE", "WeightEndpoints", "WeightInbox", "gpu_uuid"]
 
 COLLECTIVE = ("gloo", "nccl")  # torch.distributed pairs: made per publisher, never by locality
 _WAIT_S = 60.0  # a bucket that does not arrive within this fails the reload
@@ -169,3 +170,26 @@ class WeightInbox:
         if self._opener is not None:
             self._opener.close()
         self._inbox = self._pair = self._receiver = self._opener = None
+
+
+class WeightEndpoints:
+    """The endpoints through which a `WeightPublisher` reaches a replica, for an actor class
+    that mixes this in and sets ``self.weights = WeightInbox(device)``; the actor's own
+    ``commit_weights`` reads `WeightInbox.stream` into its model."""
+
+    weights: WeightInbox
+
+    @endpoint
+    async def weights_address(self, peer_host: str = "", transport: str = "",
+                              peer_gpu: str = "", key: bytes = b"") -> str:
+        """Where `WeightPublisher` sends buckets, for a publisher on `peer_host` (a
+        `host_id()`; empty: this host) on GPU `peer_gpu` (its UUID; empty on CPU): the kind
+        `transport` names, else by locality (`WeightInbox`). `key`: a gloo/nccl pair's secret."""
+        return self.weights.address(peer_host, transport, peer_gpu, key)
+
+    @endpoint
+    async def ipc_bucket(self, message: dict[str, Any]) -> None:
+        """One bucket over CUDA IPC for the reload in progress; returns once it is loaded."""
+        import asyncio
+
+        await asyncio.wrap_future(self.weights.put_ipc(message))

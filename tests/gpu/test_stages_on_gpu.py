@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from earl.models.tiny import build_tiny_model, default_model_dir
+from earl.models.tiny import default_model_dir
 from earl.stages import trainer_dist as tdist
 from earl.stages.reference import ReferenceConfig, ReferenceModel
 from earl.stages.trainer_batch import TrainBatch
@@ -27,11 +27,6 @@ def two_gpus() -> None:
     pytest.importorskip("zmq")  # the runtime's transport
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), max_positions=512)
 
 
 def make_batch() -> TrainBatch:

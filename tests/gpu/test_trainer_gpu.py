@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from earl.models.tiny import build_tiny_model
 from earl.stages.trainer_batch import TrainBatch
 from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
 
@@ -23,11 +22,6 @@ def make_batch() -> TrainBatch:
         samples.append({"input_ids": torch.randint(7, 263, (n,), generator=g), "loss_mask": mask,
                         "advantages": torch.full((n,), 1.0 if k % 2 else -1.0)})
     return TrainBatch.from_samples(samples)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), max_positions=512)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -11,33 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from test_stages_on_gpu import make_batch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from earl.models.tiny import build_tiny_model
-from earl.stages.trainer_batch import TrainBatch
 from earl.stages.trainer_offload import offload, onload, resident_bytes
 from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
 
 pytestmark = pytest.mark.gpu
 
 TIMING = {"step_time_s", "tokens_per_s"}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), max_positions=512)
-
-
-def make_batch() -> TrainBatch:
-    g = torch.Generator().manual_seed(0)
-    samples = []
-    for k, n in enumerate((12, 40, 7, 25)):
-        mask = torch.zeros(n)
-        mask[n // 3:] = 1
-        samples.append({"input_ids": torch.randint(7, 263, (n,), generator=g), "loss_mask": mask,
-                        "advantages": torch.full((n,), 1.0 if k % 2 else -1.0)})
-    return TrainBatch.from_samples(samples)
 
 
 def cuda_trainer(model_dir: Path) -> TorchTrainer:

@@ -6,6 +6,7 @@ refuses sleep mode; the GPU side is tests/gpu/test_trainer_offload_gpu.py.)"""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -41,7 +42,7 @@ def test_colocated_run_alternates_rollout_and_training(tmp_path: Path) -> None:
         assert all(b <= ta or tb <= a for ta, tb in trains), (a, b, trains)
     switches = [n for _, _, n in spans if n.startswith("colocate_")]
     assert switches[0] == "colocate_rollout" and "colocate_train" in switches
-    assert all(x != y for x, y in zip(switches, switches[1:], strict=False))  # they alternate
+    assert all(x != y for x, y in itertools.pairwise(switches))  # they alternate
     assert [n for _, _, n in spans][-2:] == ["colocate_rollout", "eval"]  # the final eval
     rows = [json.loads(x) for x in Path(res["metrics"]).read_text().splitlines()]
     assert all(r["transport/weights_bytes/gloo"] > 0 for r in rows)

@@ -30,7 +30,9 @@ class WeightSink(Actor):
         self.address_calls = 0
 
     @endpoint
-    async def weights_address(self) -> str:
+    async def weights_address(self, peer_host: str = "", transport: str = "",
+                              peer_gpu: str = "", key: bytes = b"") -> str:
+        """Shared memory whatever the publisher asks (the test's pushes force shm)."""
         from earl.runtime.transport import get_transport
 
         self.address_calls += 1

@@ -198,7 +198,7 @@ async def test_earl_train_on_cuda_puts_every_stage_on_its_own_gpus(tmp_path: Pat
                           "--placement.rollout_slot_memory_mib=30000",
                           "--algorithm.kl_coef=0.01"])
     spawned = await _spawn_all(job)
-    (tcfg,), tkw = spawned["trainer"]
+    (tcfg, _), tkw = spawned["trainer"]
     assert (tcfg.device, tcfg.dtype, tcfg.tp, tcfg.parallel) == ("cuda", "bfloat16", 2, "ddp")
     assert [s.env(parent={})["CUDA_VISIBLE_DEVICES"] for s in tkw["slot"]] == ["4", "5"]
     (rcfg,), rkw = spawned["reference"]
@@ -218,7 +218,7 @@ async def test_tensor_parallel_trainer_with_data_parallel_replicas_uses_fsdp(
         tmp_path: Path) -> None:
     job = _job(tmp_path, ["--placement.trainer=4", "--placement.trainer_tp=2",
                           "--algorithm.kl_coef=0"])
-    (tcfg,), _ = (await _spawn_all(job))["trainer"]
+    (tcfg, _), _ = (await _spawn_all(job))["trainer"]
     assert (tcfg.tp, tcfg.parallel, tcfg.device) == (2, "fsdp", "cpu")
 
 
@@ -226,7 +226,7 @@ async def test_tensor_parallel_trainer_with_data_parallel_replicas_uses_fsdp(
 async def test_a_cpu_run_builds_the_stage_configs_it_always_did(tmp_path: Path) -> None:
     job = _job(tmp_path, ["--algorithm.kl_coef=0.01"])
     spawned = await _spawn_all(job)
-    (tcfg,), tkw = spawned["trainer"]
+    (tcfg, _), tkw = spawned["trainer"]
     assert (tcfg.device, tcfg.dtype, tcfg.tp, tcfg.parallel, tkw["slot"]) == \
         ("cpu", "float32", 1, "ddp", None)
     (rcfg,), rkw = spawned["reference"]
@@ -327,3 +327,30 @@ def test_tied_head_is_retied_and_repacked_only_on_cpu(monkeypatch: pytest.Monkey
     reload_worker(w, items=[], path=None, tied=True)
     assert w.model.lm_head.weight is w.model.model.embed_tokens.weight
     assert len(calls) == repacked
+
+
+# ------------------------------------------------------------------ the trainer's backend
+
+
+@pytest.mark.timeout(30)
+async def test_placement_backend_selects_megatron_with_its_tensor_parallel(
+        tmp_path: Path) -> None:
+    job = _job(tmp_path, ["--placement.backend=megatron", "--placement.trainer=4",
+                          "--placement.trainer_tp=2", "--batch_size=16", "--group_size=4",
+                          "--algorithm.kl_coef=0"])
+    (tcfg, backend), _ = (await _spawn_all(job))["trainer"]
+    assert backend == "megatron"
+    assert (tcfg.tp, tcfg.parallel) == (2, "ddp")  # megatron's TP composes with DDP
+
+
+@pytest.mark.parametrize(("overrides", "fix"), [
+    (["--placement.backend=megatron", "--lora.rank=8"], "lora.rank=0"),
+    (["--placement.backend=megatron", "--placement.shared_prefix=true"], "shared_prefix=false"),
+    (["--placement.backend=megatron", "--selector", "on"], "--selector off"),
+    (["--placement.backend=deepspeed"], "choose one of"),
+])
+def test_megatron_combinations_that_cannot_work_are_refused(overrides: list[str],
+                                                            fix: str) -> None:
+    with pytest.raises(ValueError, match="placement.backend") as e:
+        load_config(None, overrides)
+    assert fix in str(e.value)

@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from earl.models.tiny import build_tiny_model
-from earl.stages.trainer_megatron_convert import QwenShape, hf_to_mcore, mcore_to_hf
+from earl.stages.trainer_megatron_convert import (
+    QwenShape,
+    check_tp,
+    gather_tp,
+    hf_to_mcore,
+    mcore_to_hf,
+)
 from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
 
 pytest.importorskip("megatron.core")
@@ -65,6 +71,67 @@ def test_conversion_round_trip_untied_gqa() -> None:
     assert set(back) == set(hf)
     for name, t in hf.items():
         torch.testing.assert_close(back[name], t, atol=0, rtol=0)
+
+
+def _tp_round_trip(hf: dict[str, torch.Tensor], shape: QwenShape, tp: int) -> None:
+    shards = [hf_to_mcore(hf, shape, tp_rank=r, tp_size=tp) for r in range(tp)]
+    full = hf_to_mcore(hf, shape)
+    assert gather_tp(shards).keys() == full.keys()
+    for name, t in gather_tp(shards).items():
+        torch.testing.assert_close(t, full[name], atol=0, rtol=0)
+    back = mcore_to_hf(shards, shape)
+    assert set(back) == set(hf) - ({"lm_head.weight"} if shape.tied else set())
+    for name, t in back.items():
+        torch.testing.assert_close(t, hf[name], atol=0, rtol=0)
+
+
+def test_tp_round_trip_tiny(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    folder = build_tiny_model(tmp_path, max_positions=512)
+    hf = load_file(str(folder / "model.safetensors"))
+    shape = QwenShape.from_hf_config(AutoConfig.from_pretrained(folder))
+    _tp_round_trip(hf, shape, 2)
+    sh = hf_to_mcore(hf, shape, tp_rank=1, tp_size=2)
+    # rank 1: KV group 1 = q heads 2-3, k head 1, v head 1 (head_dim 32)
+    q = hf["model.layers.0.self_attn.q_proj.weight"]
+    k = hf["model.layers.0.self_attn.k_proj.weight"]
+    v = hf["model.layers.0.self_attn.v_proj.weight"]
+    torch.testing.assert_close(sh["decoder.layers.0.self_attention.linear_qkv.weight"],
+                               torch.cat([q[64:], k[32:], v[32:]]), atol=0, rtol=0)
+    gate, up = hf["model.layers.0.mlp.gate_proj.weight"], hf["model.layers.0.mlp.up_proj.weight"]
+    torch.testing.assert_close(sh["decoder.layers.0.mlp.linear_fc1.weight"],
+                               torch.cat([gate[192:], up[192:]]), atol=0, rtol=0)
+    torch.testing.assert_close(sh["decoder.layers.0.mlp.linear_fc2.weight"],
+                               hf["model.layers.0.mlp.down_proj.weight"][:, 192:], atol=0, rtol=0)
+    assert sh["embedding.word_embeddings.weight"].shape == (160, 128)
+    assert sh["decoder.layers.0.input_layernorm.weight"].shape == (128,)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_round_trip_untied_gqa(tp: int) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
+    hf = Qwen2ForCausalLM(cfg).state_dict()
+    shape = QwenShape.from_hf_config(cfg)
+    _tp_round_trip(hf, shape, tp)
+    sh = hf_to_mcore(hf, shape, tp_rank=0, tp_size=tp)
+    assert sh["decoder.layers.0.self_attention.linear_qkv.bias"].shape == (128 // tp,)
+    assert sh["output_layer.weight"].shape == (64 // tp, 64)
+
+
+def test_tp_refuses_what_does_not_divide() -> None:
+    shape = QwenShape(layers=1, heads=8, kv_heads=2, head_dim=8, tied=True, vocab=64, ffn=96)
+    check_tp(shape, 2)
+    with pytest.raises(ValueError, match="num_key_value_heads=2"):
+        check_tp(shape, 4)
+    with pytest.raises(ValueError, match="vocab_size=65"):
+        check_tp(QwenShape(layers=1, heads=8, kv_heads=8, head_dim=8, tied=True, vocab=65,
+                           ffn=96), 2)
 
 
 def test_parallel_state_over_gloo(megatron: object) -> None:
