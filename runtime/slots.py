@@ -3,7 +3,9 @@
 A slot is a GPU where there is one, and on CPU a set of cores plus a memory budget. On Linux
 with writable cgroup v1 controllers (root on these machines) the budget is a memory cgroup
 (`memory.limit_in_bytes`: the kernel's OOM killer ends a process that exceeds it, the way a GPU
-OOM ends a CUDA job) and the cores a cpuset cgroup; otherwise the fallback is
+OOM ends a CUDA job), the cores a cpuset cgroup, and a CPU share a cpu cgroup's CFS quota (a
+slot of 0.5 cores is throttled to half a core's time however many threads it runs, so N slots
+over a few cores bind like N small devices); otherwise the fallback is
 `sched_setaffinity` plus `RLIMIT_AS` (allocation fails with MemoryError instead of a kill),
 and a slot says plainly which of them hold (`Slot.memory_enforcement`, `cpu_enforcement`).
 
@@ -34,6 +36,8 @@ from earl.runtime.wire import message
 
 MEMORY_ROOT = "/sys/fs/cgroup/memory"
 CPUSET_ROOT = "/sys/fs/cgroup/cpuset"
+CPU_ROOT = "/sys/fs/cgroup/cpu"
+CFS_PERIOD_US = 100_000
 MemoryEnforcement = Literal["cgroup", "rlimit", "device", "none"]
 CpuEnforcement = Literal["cpuset", "affinity", "none"]
 
@@ -56,6 +60,9 @@ class Slot:
             OOM enforces)
             or "none" (limits NOT enforced: the budget is only advisory).
         cpu_enforcement: "cpuset", "affinity" (sched_setaffinity) or "none".
+        cpu_share: cores' worth of CPU time the slot may use (0.5: half a core), enforced by
+            the cpu cgroup's CFS quota in `cpu_cgroup` (None: no share; "" when the cpu
+            controller is not writable: the share is then advisory, `limits_enforced` False).
     """
 
     name: str
@@ -66,13 +73,16 @@ class Slot:
     cpuset_cgroup: str = ""
     memory_enforcement: MemoryEnforcement = "none"
     cpu_enforcement: CpuEnforcement = "none"
+    cpu_share: float | None = None
+    cpu_cgroup: str = ""
 
     @property
     def limits_enforced(self) -> bool:
         """True when the OS enforces every limit this slot declares."""
         mem_ok = self.memory_mib is None or self.memory_enforcement != "none"
         cpu_ok = not self.cores or self.cpu_enforcement != "none"
-        return mem_ok and cpu_ok
+        share_ok = self.cpu_share is None or bool(self.cpu_cgroup)
+        return mem_ok and cpu_ok and share_ok
 
     def env(self, parent: Mapping[str, str] | None = None) -> dict[str, str]:
         """Environment variables an actor in this slot needs (GPU visibility, thread count).
@@ -88,8 +98,11 @@ class Slot:
         out: dict[str, str] = {}
         if self.gpus:
             out["CUDA_VISIBLE_DEVICES"] = ",".join(_visible(self.gpus, parent))
-        if self.cores:
-            out["OMP_NUM_THREADS"] = str(len(self.cores))
+        if self.cores or self.cpu_share is not None:
+            threads = len(self.cores) or os.cpu_count() or 1
+            if self.cpu_share is not None:  # more threads than the share only queue up
+                threads = min(threads, max(1, round(self.cpu_share)))
+            out["OMP_NUM_THREADS"] = str(threads)
         return out
 
 
@@ -196,6 +209,8 @@ def bind_process(slot: Slot, pid: int) -> SlotBinding:
     elif slot.memory_enforcement == "rlimit" and slot.memory_mib is not None:
         limit = slot.memory_mib << 20
         resource.prlimit(pid, resource.RLIMIT_AS, (limit, limit))
+    if slot.cpu_cgroup:
+        _write(os.path.join(slot.cpu_cgroup, "cgroup.procs"), str(pid))
     if slot.cpu_enforcement == "cpuset":
         _write(os.path.join(slot.cpuset_cgroup, "cgroup.procs"), str(pid))
     elif slot.cpu_enforcement == "affinity":
@@ -240,15 +255,16 @@ class SlotPool:
     """
 
     def __init__(self, *, use_cgroups: bool | None = None, memory_root: str = MEMORY_ROOT,
-                 cpuset_root: str = CPUSET_ROOT) -> None:
+                 cpuset_root: str = CPUSET_ROOT, cpu_root: str = CPU_ROOT) -> None:
         self._slots: dict[str, Slot] = {}
         self._owner: dict[str, str] = {}
         self._dirs: list[str] = []  # cgroup directories we made, parents first
         tag = f"earl-{os.getpid()}"
-        self._mem_base = self._cpu_base = ""
+        self._mem_base = self._cpu_base = self._quota_base = ""
         if use_cgroups is not False:
             self._mem_base = self._make_base(memory_root, "memory", tag)
             self._cpu_base = self._make_base(cpuset_root, "cpuset", tag)
+            self._quota_base = self._make_base(cpu_root, "cpu", tag)
         self.memory_enforcement: MemoryEnforcement = "cgroup" if self._mem_base else "rlimit"
         self.cpu_enforcement: CpuEnforcement = ("cpuset" if self._cpu_base else
                                                 "affinity" if hasattr(os, "sched_setaffinity")
@@ -275,7 +291,8 @@ class SlotPool:
         return base
 
     def create(self, name: str, *, cores: tuple[int, ...] | list[int] = (),
-               memory_mib: int | None = None, gpus: tuple[int, ...] | list[int] = ()) -> Slot:
+               memory_mib: int | None = None, gpus: tuple[int, ...] | list[int] = (),
+               cpu_share: float | None = None) -> Slot:
         """Make a slot (its cgroups too, when enforceable).
 
         Args:
@@ -285,10 +302,12 @@ class SlotPool:
                 GPU for a GPU slot (enforced by the device itself).
             gpus: GPU indices (`detect_gpus()` says how many there are); a TP group's GPUs
                 in one slot.
+            cpu_share: cores' worth of CPU time (a CFS quota over `CFS_PERIOD_US`); at most
+                the slot's cores (or this machine's) and at least 0.01.
 
         Raises:
             ValueError: bad name, a name in use, cores this machine lacks, memory_mib < 16,
-                a negative or repeated GPU index.
+                a negative or repeated GPU index, a share outside (0.01, its cores].
         """
         if not name or not name.replace("-", "").replace("_", "").isalnum():
             raise ValueError(f"slot name must be letters, digits, '-' or '_', got {name!r}")
@@ -300,6 +319,10 @@ class SlotPool:
             raise ValueError(f"slot {name!r}: cores {cores} outside this machine's 0-{ncpu - 1}")
         if memory_mib is not None and memory_mib < 16:
             raise ValueError(f"slot {name!r}: memory_mib must be >= 16, got {memory_mib}")
+        most = len(cores) or ncpu
+        if cpu_share is not None and not 0.01 <= cpu_share <= most:
+            raise ValueError(f"slot {name!r}: cpu_share {cpu_share} must be in [0.01, {most}] "
+                             "(cores' worth of CPU time; at most the slot's cores)")
         gpus = tuple(gpus)
         if any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
             raise ValueError(f"slot {name!r}: gpus {gpus} must be distinct indices >= 0")
@@ -323,9 +346,14 @@ class SlotPool:
                 _write(os.path.join(cpu_dir, "cpuset.cpus"), ",".join(map(str, cores)))
                 with open(os.path.join(self._cpu_base, "cpuset.mems")) as f:
                     _write(os.path.join(cpu_dir, "cpuset.mems"), f.read().strip())
+        quota_dir = ""
+        if cpu_share is not None and self._quota_base:
+            quota_dir = self._mkdir(self._quota_base, name)
+            _write(os.path.join(quota_dir, "cpu.cfs_period_us"), str(CFS_PERIOD_US))
+            _write(os.path.join(quota_dir, "cpu.cfs_quota_us"), str(round(cpu_share * CFS_PERIOD_US)))
         slot = Slot(name=name, cores=cores, memory_mib=memory_mib, gpus=gpus,
                     memory_cgroup=mem_dir, cpuset_cgroup=cpu_dir, memory_enforcement=mem_enf,
-                    cpu_enforcement=cpu_enf)
+                    cpu_enforcement=cpu_enf, cpu_share=cpu_share, cpu_cgroup=quota_dir)
         self._slots[name] = slot
         return slot
 
@@ -373,7 +401,7 @@ class SlotPool:
     def pids(self, name: str) -> list[int]:
         """Processes now in the slot (cgroup slots only; [] otherwise)."""
         slot = self[name]
-        d = slot.memory_cgroup or slot.cpuset_cgroup
+        d = slot.memory_cgroup or slot.cpuset_cgroup or slot.cpu_cgroup
         if not d:
             return []
         with open(os.path.join(d, "cgroup.procs")) as f:

@@ -215,17 +215,20 @@ def build_selection(*, policy: PolicyConfig, cost: CostModel, setting: Setting,
 
 def run_slots(placement: Any) -> SlotPool:
     """A run's slot pool: "rollout<r>" per rollout replica, then "trainer<r>" per trainer rank,
-    each with `placement.slot_memory_mib` and one core (round robin over this process's)."""
+    each with `placement.slot_memory_mib` and one core (round robin over this process's). With
+    more slots than cores each also gets an equal CPU share (cores / slots, a CFS quota), so
+    the slots that share a core bind like small devices of equal speed."""
     import os
 
     pool = SlotPool()
     cores = sorted(os.sched_getaffinity(0))
     names = [f"rollout{r}" for r in range(placement.rollout)] + \
         [f"trainer{r}" for r in range(placement.trainer)]
+    share = len(cores) / len(names) if len(names) > len(cores) else None
     for i, name in enumerate(names):
         mib = placement.rollout_slot_memory_mib if name.startswith("rollout") else 0
         pool.create(name, cores=(cores[i % len(cores)],),
-                    memory_mib=mib or placement.slot_memory_mib)
+                    memory_mib=mib or placement.slot_memory_mib, cpu_share=share)
     return pool
 
 

@@ -82,6 +82,53 @@ async def test_actor_affinity_equals_its_slot_cores() -> None:
             assert pool.pids("pinned") == [info["pid"]]
 
 
+class Spinner(Actor):
+    """Burns CPU on request (in two threads: more than a small share allows)."""
+
+    @endpoint
+    async def spin(self, seconds: float) -> None:
+        import asyncio
+        import time
+
+        def burn() -> None:
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                pass
+
+        await asyncio.gather(asyncio.to_thread(burn), asyncio.to_thread(burn))
+
+
+@pytest.mark.timeout(60)
+async def test_a_cpu_share_throttles_the_actor_to_its_quota() -> None:
+    """A slot of 0.2 cores: the kernel's CFS quota throttles an actor that tries to use more
+    (cpu.stat's throttle counters), its threads see one OpenMP thread, and the cgroup goes
+    with the pool."""
+    with _pool() as pool:
+        slot = pool.create("small", cpu_share=0.2, memory_mib=512)
+        if not slot.cpu_cgroup:
+            pytest.skip("cgroup v1 cpu controller not writable here")
+        assert slot.limits_enforced and slot.env(parent={})["OMP_NUM_THREADS"] == "1"
+        quota = Path(slot.cpu_cgroup, "cpu.cfs_quota_us").read_text().split()[0]
+        assert int(quota) == 20_000  # of a 100 ms period
+        async with Runtime() as rt:
+            g = await rt.spawn("small", Spinner, slot=pool.assign("small", "small"))
+            assert len(pool.pids("small")) == 1
+            await g.spin.call_one(1.0)
+            stat = dict(line.split() for line in
+                        Path(slot.cpu_cgroup, "cpu.stat").read_text().splitlines())
+            assert int(stat["nr_throttled"]) > 0 and int(stat["throttled_time"]) > 0
+        cpu_dir = slot.cpu_cgroup
+    assert not os.path.exists(cpu_dir)
+
+
+def test_a_cpu_share_beyond_the_slots_cores_is_refused() -> None:
+    with SlotPool(use_cgroups=False) as pool:
+        with pytest.raises(ValueError, match="cpu_share 1.5 must be in"):
+            pool.create("two", cores=(0,), cpu_share=1.5)
+        slot = pool.create("half", cores=(0,), cpu_share=0.5)
+        assert slot.cpu_share == 0.5 and not slot.limits_enforced  # no cgroup: advisory
+
+
 @pytest.mark.timeout(60)
 async def test_fallback_pins_with_affinity_and_says_limits_are_rlimit() -> None:
     with SlotPool(use_cgroups=False) as pool:
@@ -185,3 +232,21 @@ def test_a_gpu_slot_sets_device_visibility_and_leaves_host_memory_alone() -> Non
         assert s.memory_enforcement == "device" and not s.memory_cgroup
         assert s.env() == {"CUDA_VISIBLE_DEVICES": "0", "OMP_NUM_THREADS": "1"}
         assert s.limits_enforced
+
+
+def test_run_slots_share_the_cores_equally_when_there_are_more_slots_than_cores() -> None:
+    from types import SimpleNamespace
+
+    from earl.loop.selection_actors import run_slots
+
+    ncpu = len(os.sched_getaffinity(0))
+    few = SimpleNamespace(rollout=1, trainer=1, slot_memory_mib=256, rollout_slot_memory_mib=0)
+    many = SimpleNamespace(rollout=ncpu + 1, trainer=ncpu, slot_memory_mib=256,
+                           rollout_slot_memory_mib=0)
+    with run_slots(few) as pool:
+        shares = {pool[n].cpu_share for n in pool.budgets()}
+        assert shares == ({None} if ncpu >= 2 else {0.5})
+    with run_slots(many) as pool:
+        names = list(pool.budgets())
+        assert len(names) == 2 * ncpu + 1
+        assert {pool[n].cpu_share for n in names} == {ncpu / (2 * ncpu + 1)}
