@@ -248,10 +248,11 @@ class RunConfig:
              f"must be 0 (= model.max_model_len) or in [64, model.max_model_len="
              f"{m.max_model_len}]")
         groups = self.batch_size // self.group_size
-        dp = pl.trainer // pl.trainer_tp  # data-parallel replicas split the groups
+        dp = pl.trainer // (pl.trainer_tp * pl.trainer_pp)  # replicas split the groups
         need(groups % dp == 0, "placement.trainer",
              f"{dp} trainer data-parallel replicas ({pl.trainer} ranks / trainer_tp "
-             f"{pl.trainer_tp}) cannot split {groups} groups per step evenly; "
+             f"{pl.trainer_tp} / trainer_pp {pl.trainer_pp}) cannot split {groups} groups per "
+             "step evenly; "
              "use a trainer count that divides batch_size/group_size")
         need(not self.selector.on or pl.device == "cpu", "placement.device",
              "the selector re-plans CPU slots only so far: use --selector off with "

@@ -46,8 +46,9 @@ class PlacementConfig:
     share), and `kv_cache_gb` is not used (vLLM fills that budget with KV cache).
     `dtype`: what the trainer (bf16 autocast over fp32 master weights), the reference and
     vLLM compute in ("float32" or "bfloat16"). `rollout_tp`: GPUs (or CPU workers) per rollout
-    replica (vLLM tensor parallel); `trainer_tp`: the trainer's tensor-parallel degree, its
-    `trainer` ranks forming trainer / trainer_tp data-parallel replicas.
+    replica (vLLM tensor parallel); `trainer_tp`: the trainer's tensor-parallel degree,
+    `trainer_pp` its pipeline stages (backend=megatron), its `trainer` ranks forming
+    trainer / (trainer_tp x trainer_pp) data-parallel replicas.
     `shared_prefix`: the trainer runs a prompt that several samples of a micro-batch share (a
     GRPO group's) once per forward (`earl.packing_prefix`: exact; fewer tokens when the prompt
     is most of a sample).
@@ -76,7 +77,8 @@ class PlacementConfig:
     pair per replica), "nccl" (the same over NCCL, GPU to GPU) or "ipc" force one.
     `backend`: the trainer's engine: "torch" (HF model; DDP, FSDP2, DTensor TP) or "megatron"
     (megatron-core GPTModel converted from the HF checkpoint and back for the rollout; DDP
-    and megatron's tensor parallel over `trainer_tp`; needs the `megatron` extra).
+    and megatron's tensor parallel over `trainer_tp` and pipeline stages over `trainer_pp`;
+    needs the `megatron` extra).
     """
 
     rollout: int = 1
@@ -94,6 +96,7 @@ class PlacementConfig:
     dtype: str = "float32"
     rollout_tp: int = 1
     trainer_tp: int = 1
+    trainer_pp: int = 1
     shared_prefix: bool = False
     hosts: str = ""
     transport: str = ""
@@ -109,6 +112,13 @@ class PlacementConfig:
         need(self.trainer % self.trainer_tp == 0, "trainer_tp",
              f"{self.trainer_tp} does not divide placement.trainer={self.trainer} ranks; set "
              f"trainer to a multiple of it (data-parallel replicas x trainer_tp)")
+        need(self.trainer_pp >= 1, "trainer_pp", "must be >= 1 (1 = no pipeline stages)")
+        need(self.trainer_pp == 1 or self.backend == "megatron", "trainer_pp",
+             "pipeline stages are megatron's: set placement.backend=megatron, or trainer_pp=1")
+        need(self.trainer % (self.trainer_tp * self.trainer_pp) == 0, "trainer_pp",
+             f"trainer_tp {self.trainer_tp} x trainer_pp {self.trainer_pp} does not divide "
+             f"placement.trainer={self.trainer} ranks; set trainer to a multiple of it "
+             "(data-parallel replicas x trainer_tp x trainer_pp)")
         need(self.device != "cuda" or self.slot_memory_mib == 0, "slot_memory_mib",
              "host-memory slots are for CPU runs; with placement.device=cuda each rank's slot "
              "is its GPU(s): leave it 0 (rollout_slot_memory_mib sets vLLM's GPU budget)")
@@ -154,9 +164,9 @@ class PlacementConfig:
                  f"the rollout's rollout {self.rollout} x rollout_tp {self.rollout_tp} GPUs "
                  f"must fit on the trainer's {self.trainer}: raise placement.trainer or lower "
                  "placement.rollout / rollout_tp")
-            need(self.trainer_tp == 1, "colocate",
+            need(self.trainer_tp == self.trainer_pp == 1, "colocate",
                  "colocated ranks move their weights to host memory between phases, which "
-                 "is built for one rank or DDP: set placement.trainer_tp=1")
+                 "is built for one rank or DDP: set placement.trainer_tp=1 and trainer_pp=1")
             need(self.reference <= self.trainer, "colocate",
                  f"placement.reference={self.reference} actors need one trainer GPU each: "
                  f"lower it to at most placement.trainer={self.trainer}")

@@ -115,7 +115,7 @@ async def spawn_trainer(job: Job) -> Any:
                          temperature=cfg.algorithm.temperature,
                          micro_batch_tokens=pl.micro_batch_tokens, dist_url=dist_url,
                          lora=cfg.lora, shared_prefix=pl.shared_prefix,
-                         dtype=pl.dtype, tp=pl.trainer_tp,  # type: ignore[arg-type]
+                         dtype=pl.dtype, tp=pl.trainer_tp, pp=pl.trainer_pp,  # type: ignore[arg-type]
                          # DDP does not compose with DTensor tensor parallel; FSDP2 does
                          # (megatron's tensor parallel composes with DDP)
                          parallel="fsdp" if 1 < pl.trainer_tp < pl.trainer

@@ -1,13 +1,14 @@
 """`TrainerActor`: the policy trainer as an actor group (one actor per rank of its layout).
 
 A thin wrapper over `TorchTrainer` (``backend="torch"``) or `MegatronTrainer`
-(``backend="megatron"``, CUDA only): each endpoint runs the blocking torch work in a thread, one
-call at a time, so collectives across ranks stay in order. The group's ranks form
-``Layout(dp=n // config.tp, tp=config.tp)``. Its data path is the dispatcher's: the driver leases
-samples and plans them (`earl.stages.trainer_feed.train_from_dock`), every rank gets the plan
-(`train_planned`), each DP replica's leader fetches only its slice straight from the warehouses
-and forwards it to its TP peers. With FSDP or TP, every endpoint that touches the weights (all
-but ``version``, ``trainer_config``, ``layout``) is a collective: calling it on one rank only hangs.
+(``backend="megatron"``: megatron-core, CPU or CUDA): each endpoint runs the blocking torch work
+in a thread, one call at a time, so collectives across ranks stay in order. The group's ranks
+form ``Layout(dp=n // (tp * pp), tp=config.tp, pp=config.pp)``. Its data path is the
+dispatcher's: the driver leases samples and plans them (`earl.stages.trainer_feed.train_from_dock`),
+every rank gets the plan (`train_planned`), each DP replica's leader fetches only its slice
+straight from the warehouses and forwards it to its TP and PP peers. With FSDP, TP or PP, every
+endpoint that touches the weights (all but ``version``, ``trainer_config``, ``layout``) is a
+collective: calling it on one rank only hangs.
 Weights go to the rollout through one `WeightPublisher` kept for the trainer's life.
 
 Example:
@@ -60,7 +61,7 @@ class TrainerActor(Actor):
 
     Args:
         config: the recipe; ``config.tp`` must divide the group size.
-        backend: ``"torch"`` (CPU or CUDA) or ``"megatron"`` (megatron-core, CUDA).
+        backend: ``"torch"`` or ``"megatron"`` (megatron-core), both on CPU or CUDA.
     """
 
     def __init__(self, config: TrainerConfig,
@@ -201,8 +202,9 @@ class TrainerActor(Actor):
 
     @endpoint
     async def layout(self) -> Layout:
-        """This group's parallel layout (``dp`` replicas of ``tp`` ranks)."""
-        return Layout(dp=self.world_size // self.config.tp, tp=self.config.tp)
+        """This group's parallel layout (``dp`` replicas of ``tp`` x ``pp`` ranks)."""
+        c = self.config
+        return Layout(dp=self.world_size // (c.tp * c.pp), tp=c.tp, pp=c.pp)
 
     @endpoint
     async def version(self) -> int:

@@ -14,11 +14,20 @@ vocabulary; layer norms are replicated. `check_tp` names what must divide by the
 vocabulary is not padded: megatron's ``VocabParallelEmbedding`` needs ``vocab % tp == 0``).
 Gathering the shards from the ranks is the caller's job (`trainer_megatron_tp`).
 
+Pipeline parallel (``pp_size > 1``): stage ``pp_rank`` holds layers
+``[pp_rank * L / pp, (pp_rank + 1) * L / pp)`` renumbered from 0 (megatron's local names), the
+word embeddings on the first stage, the final norm and ``output_layer`` on the last. A tied model
+keeps a copy of the embeddings as the last stage's ``output_layer`` (the trainer keeps the two
+equal by summing their gradients). `gather_pp` merges the stages back; `check_pp` names what
+must divide.
+
 Example:
     >>> mc = hf_to_mcore(hf_model.state_dict(), shape)          # TP=1
     >>> hf = mcore_to_hf(mc, shape)                             # same tensors back
     >>> shards = [hf_to_mcore(hf, shape, tp_rank=r, tp_size=2) for r in range(2)]
     >>> hf = mcore_to_hf(shards, shape)                         # gathered from TP shards
+    >>> stages = [hf_to_mcore(hf, shape, pp_rank=p, pp_size=2) for p in range(2)]
+    >>> hf = mcore_to_hf(gather_pp(stages, shape), shape)      # gathered from PP stages
 """
 
 from __future__ import annotations
@@ -30,8 +39,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-__all__ = ["QwenShape", "check_tp", "gather_tp", "hf_to_mcore", "mcore_to_hf", "shard_tp",
-           "tp_split"]
+__all__ = ["QwenShape", "check_pp", "check_tp", "gather_pp", "gather_tp", "hf_to_mcore",
+           "mcore_to_hf", "pp_stage", "shard_tp", "tp_split"]
 
 Split = Literal["rows", "cols", "fc1", "none"]
 
@@ -78,6 +87,67 @@ def check_tp(s: QwenShape, tp: int) -> None:
             raise ValueError(f"TrainerConfig.tp={tp} does not divide the model's {name}={n}; "
                              "choose a TP degree that divides it (megatron shards whole "
                              "key/value groups and does not pad the vocabulary here)")
+
+
+def check_pp(s: QwenShape, pp: int) -> None:
+    """Raise unless the model's layers split evenly over ``pp`` pipeline stages.
+
+    Raises:
+        ValueError: ``TrainerConfig.pp`` does not divide ``num_hidden_layers``.
+    """
+    if s.layers % pp:
+        raise ValueError(f"TrainerConfig.pp={pp} does not divide the model's "
+                         f"num_hidden_layers={s.layers}; choose a PP degree that divides it "
+                         "(every stage holds the same number of layers)")
+
+
+def _layer(name: str) -> tuple[int, str] | None:
+    """``(index, rest)`` of a ``decoder.layers.<i>.<rest>`` name, None for any other."""
+    if not name.startswith("decoder.layers."):
+        return None
+    i, rest = name[len("decoder.layers."):].split(".", 1)
+    return int(i), rest
+
+
+def pp_stage(mc: Mapping[str, Tensor], s: QwenShape, pp_rank: int,
+             pp_size: int) -> dict[str, Tensor]:
+    """Stage ``pp_rank``'s part of a full (PP=1) megatron state dict, layers renumbered from 0
+    (see the module doc; a tied model's last stage gets ``output_layer`` = the embeddings)."""
+    if pp_size == 1:
+        return dict(mc)
+    check_pp(s, pp_size)
+    per = s.layers // pp_size
+    first, last = pp_rank == 0, pp_rank == pp_size - 1
+    out = {}
+    for name, t in mc.items():
+        layer = _layer(name)
+        if layer is not None:
+            i, rest = layer
+            if pp_rank * per <= i < (pp_rank + 1) * per:
+                out[f"decoder.layers.{i - pp_rank * per}.{rest}"] = t
+        elif (first and name.startswith("embedding.")) or (
+                last and name.startswith(("decoder.final_layernorm.", "output_layer."))):
+            out[name] = t
+    if s.tied and last:
+        out["output_layer.weight"] = mc["embedding.word_embeddings.weight"]
+    return out
+
+
+def gather_pp(stages: Sequence[Mapping[str, Tensor]], s: QwenShape) -> dict[str, Tensor]:
+    """The full (PP=1) megatron state dict from every stage's (in stage order), layers
+    renumbered back; a tied model's ``output_layer`` copy is dropped."""
+    if len(stages) == 1:
+        return dict(stages[0])
+    per = s.layers // len(stages)
+    out = {}
+    for p, stage in enumerate(stages):
+        for name, t in stage.items():
+            layer = _layer(name)
+            if layer is not None:
+                out[f"decoder.layers.{layer[0] + p * per}.{layer[1]}"] = t
+            elif not (s.tied and name == "output_layer.weight"):
+                out[name] = t
+    return out
 
 
 def tp_split(name: str) -> Split:
@@ -148,7 +218,7 @@ def _split_qkv(qkv: Tensor, s: QwenShape) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def hf_to_mcore(hf: Mapping[str, Tensor], s: QwenShape, *, tp_rank: int = 0,
-                tp_size: int = 1) -> dict[str, Tensor]:
+                tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1) -> dict[str, Tensor]:
     """Convert an HF Qwen2/Llama state dict to megatron-core GPTModel (local spec) names.
 
     Args:
@@ -156,15 +226,20 @@ def hf_to_mcore(hf: Mapping[str, Tensor], s: QwenShape, *, tp_rank: int = 0,
         s: the model's shapes.
         tp_rank: this rank's index in its tensor-parallel group.
         tp_size: the tensor-parallel degree (1: the full tensors).
+        pp_rank: this rank's pipeline stage.
+        pp_size: the pipeline-parallel degree (1: every layer).
 
     Returns:
-        Rank ``tp_rank``'s shard of every megatron tensor (see the module doc).
+        Rank ``tp_rank``'s shard of every megatron tensor of stage ``pp_rank`` (module doc).
 
     Raises:
-        ValueError: ``tp_size`` does not divide the model's shapes (`check_tp`).
+        ValueError: ``tp_size`` does not divide the model's shapes (`check_tp`), or
+            ``pp_size`` its layers (`check_pp`).
     """
     if tp_size > 1:
         check_tp(s, tp_size)
+    if pp_size > 1:
+        check_pp(s, pp_size)
     out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
            "decoder.final_layernorm.weight": hf["model.norm.weight"]}
     if not s.tied:
@@ -183,7 +258,7 @@ def hf_to_mcore(hf: Mapping[str, Tensor], s: QwenShape, *, tp_rank: int = 0,
         out[m + "mlp.linear_fc1.weight"] = torch.cat(
             [hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]], dim=0)
         out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
-    return shard_tp(out, tp_rank, tp_size)
+    return shard_tp(pp_stage(out, s, pp_rank, pp_size), tp_rank, tp_size)
 
 
 def mcore_to_hf(mc: Mapping[str, Tensor] | Sequence[Mapping[str, Tensor]],
@@ -191,8 +266,8 @@ def mcore_to_hf(mc: Mapping[str, Tensor] | Sequence[Mapping[str, Tensor]],
     """Convert megatron-core GPTModel (local spec) weights back to HF names.
 
     Args:
-        mc: a full (TP=1) megatron state dict, or the list of every TP rank's shard in rank
-            order (gathered with `gather_tp`).
+        mc: a full (TP=1, PP=1) megatron state dict, or the list of every TP rank's shard in
+            rank order (gathered with `gather_tp`); merge PP stages first (`gather_pp`).
         s: the model's shapes.
 
     Tied embeddings give no ``lm_head.weight`` (as ``save_pretrained`` writes them).

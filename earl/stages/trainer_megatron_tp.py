@@ -4,7 +4,7 @@ Megatron-core shards column/row-parallel weights and the vocabulary over its TP 
 layer norms replicated (their gradients come out equal on every TP rank, megatron's copy/reduce
 regions see to that). This module gathers the shards of a megatron state dict onto every TP
 rank (for HF export) and computes and clips the gradient norm of the whole model, counting
-sharded tensors once per shard and replicated ones once. It does not convert names
+sharded tensors once per shard and replicated ones once, summed over pipeline stages. It does not convert names
 (`trainer_megatron_convert`) and does not touch data parallelism (gradients are already
 averaged over DP ranks when it runs).
 """
@@ -44,26 +44,38 @@ def gather_state_shards(state: Mapping[str, Tensor],
 
 
 def clip_grad_norm_tp(params: Iterable[nn.Parameter], max_norm: float,
-                      group: dist.ProcessGroup) -> Tensor:
-    """The gradient norm of the whole TP-sharded model; clips the gradients to ``max_norm``.
+                      group: dist.ProcessGroup | None, *,
+                      pp_group: dist.ProcessGroup | None = None,
+                      copies: Iterable[nn.Parameter] = ()) -> Tensor:
+    """The gradient norm of the whole TP/PP-sharded model; clips the gradients to ``max_norm``.
 
     Megatron marks sharded parameters with ``tensor_model_parallel=True``: their squared norms
-    are summed over ``group``; replicated parameters (equal on every TP rank) count once. The
-    coefficient matches ``torch.nn.utils.clip_grad_norm_`` (``max_norm / (norm + 1e-6)``), so
-    TP=1 and TP>1 update alike. A collective over ``group``.
+    are summed over ``group`` (the TP group; None: TP 1); replicated parameters (equal on every
+    TP rank) count once. Each pipeline stage holds its own parameters: the stage sums are
+    summed over ``pp_group`` (None: PP 1). ``copies`` (a tied embedding's copy on the last
+    stage) are clipped but not counted. The coefficient matches
+    ``torch.nn.utils.clip_grad_norm_`` (``max_norm / (norm + 1e-6)``), so any layout updates
+    alike. A collective over ``group`` and ``pp_group``.
     """
+    skip = {id(p) for p in copies}
     with_grad = [(p, p.grad) for p in params if p.grad is not None]
     device = with_grad[0][1].device if with_grad else torch.device("cpu")
     sharded = torch.zeros((), dtype=torch.float64, device=device)
     replicated = torch.zeros((), dtype=torch.float64, device=device)
     for p, g in with_grad:
+        if id(p) in skip:
+            continue
         sq = torch.linalg.vector_norm(g.detach(), dtype=torch.float32).double() ** 2
         if getattr(p, "tensor_model_parallel", False):
             sharded += sq
         else:
             replicated += sq
-    dist.all_reduce(sharded, group=group)
-    norm = (sharded + replicated).sqrt().float()
+    if group is not None:
+        dist.all_reduce(sharded, group=group)
+    total = sharded + replicated
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    norm = total.sqrt().float()
     coef = max_norm / (float(norm) + 1e-6)
     if coef < 1.0:
         for _, g in with_grad:

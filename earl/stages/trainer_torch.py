@@ -64,6 +64,7 @@ class TrainerConfig:
         tp: tensor-parallel degree (DTensor plans on every decoder layer); the ranks form
             ``world_size // tp`` data-parallel replicas of ``tp`` ranks each (TP fastest, as in
             `earl.runtime.layout.Layout`). TP with more than one replica needs ``"fsdp"``.
+        pp: pipeline-parallel stages (megatron backend only): ``dp * tp * pp`` ranks, PP slowest.
         dist_url: rendezvous address shared by all ranks (``trainer_dist.free_dist_url()``).
         device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
         threads: torch intra-op threads on CPU (None: leave as is).
@@ -86,6 +87,7 @@ class TrainerConfig:
     temperature: float = 1.0
     parallel: tdist.Parallel = "ddp"
     tp: int = 1
+    pp: int = 1
     dist_url: str | None = None
     device: str = "auto"
     threads: int | None = None
@@ -116,6 +118,8 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.parallel must be 'ddp' or 'fsdp', got {self.parallel!r}")
         if self.tp < 1:
             raise ValueError(f"TrainerConfig.tp must be >= 1, got {self.tp}")
+        if self.pp < 1:
+            raise ValueError(f"TrainerConfig.pp must be >= 1, got {self.pp}")
         if self.temperature <= 0:
             raise ValueError(f"TrainerConfig.temperature must be > 0, got {self.temperature}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -129,9 +133,11 @@ class TorchTrainer:
     Args:
         config: the recipe.
         rank: this rank (0-based) among ``world_size`` trainer ranks.
-        world_size: number of trainer ranks (``dp * config.tp``); > 1 joins a process group
+        world_size: number of trainer ranks (``dp * tp * pp``); > 1 joins a process group
             at ``config.dist_url`` (all ranks must construct their trainer concurrently).
     """
+
+    pipeline = False  # whether this backend runs TrainerConfig.pp > 1
 
     def __init__(self, config: TrainerConfig, *, rank: int = 0, world_size: int = 1) -> None:
         self.config = config
@@ -143,10 +149,13 @@ class TorchTrainer:
             torch.set_num_threads(config.threads)
         want_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
         self.device = tdist.cuda_device(rank) if want_cuda else torch.device("cpu")
-        if world_size % config.tp:
-            raise ValueError(f"TrainerConfig.tp={config.tp} does not divide world_size="
-                             f"{world_size}: spawn dp * tp trainer ranks")
-        self.tp, self.dp_size = config.tp, world_size // config.tp
+        if config.pp > 1 and not self.pipeline:
+            raise ValueError(f"TrainerConfig.pp={config.pp}: the torch backend has no pipeline "
+                             "parallel; set pp=1, or use the megatron backend")
+        if world_size % (config.tp * config.pp):
+            raise ValueError(f"TrainerConfig.tp={config.tp} does not divide world_size={world_size}"
+                             f" into pp={config.pp} stages of dp * tp ranks: spawn dp * tp * pp")
+        self.tp, self.dp_size = config.tp, world_size // (config.tp * config.pp)
         self.distributed = tdist.init_distributed(rank, world_size, config.dist_url, self.device)
         self.mesh = tdist.build_mesh(world_size, config.tp, self.device) if self.distributed else None
         self.dp_group = tdist.dp_group(self.mesh)  # reductions over data: DP ranks only

@@ -354,3 +354,17 @@ def test_megatron_combinations_that_cannot_work_are_refused(overrides: list[str]
     with pytest.raises(ValueError, match="placement.backend") as e:
         load_config(None, overrides)
     assert fix in str(e.value)
+
+
+@pytest.mark.timeout(30)
+async def test_placement_trainer_pp_reaches_megatron_and_the_torch_backend_refuses_it(
+        tmp_path: Path) -> None:
+    job = _job(tmp_path, ["--placement.backend=megatron", "--placement.trainer=4",
+                          "--placement.trainer_tp=2", "--placement.trainer_pp=2",
+                          "--batch_size=16", "--group_size=4", "--algorithm.kl_coef=0"])
+    (tcfg, backend), _ = (await _spawn_all(job))["trainer"]
+    assert (backend, tcfg.tp, tcfg.pp, tcfg.parallel) == ("megatron", 2, 2, "ddp")
+    with pytest.raises(ValueError, match="placement.backend=megatron"):
+        PlacementConfig(trainer=2, trainer_pp=2)
+    with pytest.raises(ValueError, match="trainer_tp 2 x trainer_pp 2 does not divide"):
+        PlacementConfig(backend="megatron", trainer=2, trainer_tp=2, trainer_pp=2)

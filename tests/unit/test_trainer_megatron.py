@@ -12,7 +12,9 @@ import torch
 from earl.models.tiny import build_tiny_model
 from earl.stages.trainer_megatron_convert import (
     QwenShape,
+    check_pp,
     check_tp,
+    gather_pp,
     gather_tp,
     hf_to_mcore,
     mcore_to_hf,
@@ -177,3 +179,56 @@ def test_megatron_export_and_checkpoint(megatron: object, tmp_path: Path) -> Non
     m.load_checkpoint(tmp_path / "ck")  # type: ignore[attr-defined]
     for name, t in m.named_weights():  # type: ignore[attr-defined]
         torch.testing.assert_close(t, before[name], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(("tied", "tp", "pp"), [(True, 1, 2), (False, 1, 4), (True, 2, 2),
+                                                (False, 2, 2)])
+def test_pp_round_trip(tied: bool, tp: int, pp: int) -> None:
+    """HF -> per (TP, PP) rank -> gathered over TP, then over PP -> HF equals the original."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    hf = Qwen2ForCausalLM(cfg).state_dict()
+    shape = QwenShape.from_hf_config(cfg)
+    stages = [gather_tp([hf_to_mcore(hf, shape, tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp)
+                         for t in range(tp)]) for p in range(pp)]
+    per = 4 // pp
+    for p, st in enumerate(stages):
+        layers = {int(n.split(".")[2]) for n in st if n.startswith("decoder.layers.")}
+        assert layers == set(range(per))  # each stage's layers, renumbered from 0
+        assert ("embedding.word_embeddings.weight" in st) == (p == 0)
+        assert ("decoder.final_layernorm.weight" in st) == (p == pp - 1)
+        assert ("output_layer.weight" in st) == (p == pp - 1)  # tied: the embeddings' copy
+    torch.testing.assert_close(stages[-1]["decoder.layers.0.mlp.linear_fc2.weight"],
+                               hf[f"model.layers.{4 - per}.mlp.down_proj.weight"], atol=0, rtol=0)
+    if tied:
+        torch.testing.assert_close(stages[-1]["output_layer.weight"],
+                                   hf["model.embed_tokens.weight"], atol=0, rtol=0)
+    full = gather_pp(stages, shape)
+    assert full.keys() == hf_to_mcore(hf, shape).keys()
+    back = mcore_to_hf(full, shape)
+    assert set(back) == set(hf) - ({"lm_head.weight"} if tied else set())
+    for name, t in back.items():
+        torch.testing.assert_close(t, hf[name], atol=0, rtol=0)
+
+
+def test_pp_refusals(model_dir: Path) -> None:
+    shape = QwenShape(layers=3, heads=4, kv_heads=2, head_dim=8, tied=True, vocab=64, ffn=96)
+    check_pp(shape, 3)
+    with pytest.raises(ValueError, match=r"pp=2 does not divide .*num_hidden_layers=3"):
+        check_pp(shape, 2)
+    with pytest.raises(ValueError, match="num_hidden_layers=3"):
+        hf_to_mcore({}, shape, pp_rank=0, pp_size=2)
+    with pytest.raises(ValueError, match="TrainerConfig.pp must be >= 1"):
+        TrainerConfig(model=str(model_dir), pp=0)
+    with pytest.raises(ValueError, match="torch backend has no pipeline parallel"):
+        TorchTrainer(TrainerConfig(model=str(model_dir), pp=2), world_size=2)
+    from earl.stages.trainer_megatron import MegatronTrainer
+
+    with pytest.raises(ValueError, match=r"tp=1 does not divide world_size=3 into pp=2 stages"):
+        MegatronTrainer(TrainerConfig(model=str(model_dir), pp=2), world_size=3)
+    with pytest.raises(ValueError, match="shared_prefix"):
+        MegatronTrainer(TrainerConfig(model=str(model_dir), pp=2, shared_prefix=True),
+                        world_size=2)
