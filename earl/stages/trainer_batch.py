@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from earl.algorithms.aggregation import aggregation_denominator
+from earl.algorithms.loss_config import AggMode
 from earl.packing import Packed, pack
 from earl.runtime.wire import message
 
@@ -177,3 +179,20 @@ def _tensor(x: ColumnValue) -> Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return torch.as_tensor(a)
+
+
+def step_totals(batch: TrainBatch, plan: Sequence[MicroBatch | None], agg: AggMode,
+                dp_group: object = None) -> Tensor:
+    """A step's totals over the data-parallel ranks (float64): the loss's global denominator
+    (`aggregation_denominator` of every micro-batch in `plan`), tokens, trained tokens,
+    samples. Every DP rank must call it (an all-reduce over `dp_group`)."""
+    from earl.stages import trainer_dist as tdist
+
+    local = torch.zeros(4, dtype=torch.float64)
+    for sub in plan:
+        if sub is not None:
+            local[0] += aggregation_denominator(sub.loss_mask, agg, sub.packed.seq_ids)
+    local[1] = batch.num_tokens
+    local[2] = float(batch.loss_mask.sum())
+    local[3] = batch.num_samples
+    return tdist.all_reduce(local.clone(), group=dp_group)  # type: ignore[arg-type]

@@ -31,10 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from earl.algorithms.aggregation import aggregation_denominator
 from earl.packing import Packed, token_logprobs
 from earl.stages import trainer_dist as tdist
-from earl.stages.trainer_batch import MicroBatch, TrainBatch
+from earl.stages.trainer_batch import MicroBatch, TrainBatch, step_totals
 from earl.stages.trainer_torch import _metric_names
 
 if TYPE_CHECKING:
@@ -127,14 +126,7 @@ def pp_accumulate(t: MegatronTrainer, batch: TrainBatch,
     t.model.train()
     pipe = Pipe.of(t)
     plan = [None if mb is None else batch.select(mb) for mb in t._plan(batch, micro_batches)]
-    local = torch.zeros(4, dtype=torch.float64)
-    for sub in plan:
-        if sub is not None:
-            local[0] += aggregation_denominator(sub.loss_mask, cfg.agg, sub.packed.seq_ids)
-    local[1] = batch.num_tokens
-    local[2] = float(batch.loss_mask.sum())
-    local[3] = batch.num_samples
-    totals = tdist.all_reduce(local.clone(), group=t.dp_group)
+    totals = step_totals(batch, plan, cfg.agg, t.dp_group)
     denom = float(totals[0])
     want_entropy = cfg.entropy_coef > 0 or t.config.log_entropy
     subs: list[MicroBatch] = [sub for sub in plan if sub is not None]

@@ -27,7 +27,6 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from earl.algorithms.aggregation import aggregation_denominator
 from earl.algorithms.objective import LossConfig, policy_objective
 from earl.packing import (
     AttnMode,
@@ -43,7 +42,7 @@ from earl.packing import (
 from earl.stages import trainer_dist as tdist
 from earl.stages.lora import LoraConfig, adapter_disabled, apply_lora, base_model, merged_weights
 from earl.stages.optim import OptimConfig
-from earl.stages.trainer_batch import MicroBatch, TrainBatch
+from earl.stages.trainer_batch import MicroBatch, TrainBatch, step_totals
 from earl.stages.trainer_offload import Moved, offload, onload
 
 __all__ = ["TorchTrainer", "TrainerConfig"]
@@ -295,14 +294,7 @@ class TorchTrainer:
         self.model.train()
         plan = [None if mb is None else batch.select(mb)
                 for mb in self._plan(batch, micro_batches)]
-        local = torch.zeros(4, dtype=torch.float64)
-        for sub in plan:
-            if sub is not None:
-                local[0] += aggregation_denominator(sub.loss_mask, cfg.agg, sub.packed.seq_ids)
-        local[1] = batch.num_tokens
-        local[2] = float(batch.loss_mask.sum())
-        local[3] = batch.num_samples
-        totals = tdist.all_reduce(local.clone(), group=self.dp_group)
+        totals = step_totals(batch, plan, cfg.agg, self.dp_group)
         denom = float(totals[0])
         scale = float(self.dp_size)  # DDP/FSDP average gradients over DP ranks
         sums: dict[str, Tensor] = {}

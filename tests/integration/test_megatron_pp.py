@@ -14,27 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from earl.algorithms import LossConfig
 from earl.models.tiny import build_tiny_model
-from earl.stages.optim import OptimConfig
 from earl.stages.trainer_dist import free_dist_url
-from earl.stages.trainer_torch import TrainerConfig
 
 pytest.importorskip("megatron.core")
 
-LOSS = {"agg": "seq-mean-token-mean", "kl_coef": 0.05, "entropy_coef": 0.01, "off_policy": "tis"}
-OPTIM = {"lr": 1e-3, "grad_clip": 0.05}  # small: the clipping path runs
-
-
-def _batch():  # type: ignore[no-untyped-def]
-    from test_trainer_dist import make_batch
-
-    return make_batch()
-
-
-def _config(model: str, **kw: object) -> TrainerConfig:
-    return TrainerConfig(model=model, micro_batch_tokens=80, loss=LossConfig(**LOSS),  # type: ignore[arg-type]
-                         optim=OptimConfig(**OPTIM), threads=1, **kw)  # type: ignore[arg-type]
+from test_megatron_tp import OPTIM, _batch, _config
 
 
 def _worker(rank: int, world: int, tp: int, model: str, url: str, out: str) -> None:
