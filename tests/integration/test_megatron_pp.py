@@ -19,7 +19,7 @@ from earl.stages.trainer_dist import free_dist_url
 
 pytest.importorskip("megatron.core")
 
-from test_megatron_tp import OPTIM, _batch, _config
+from test_megatron_tp import OPTIM, _batch, _config, one_rank_beside
 
 
 def _worker(rank: int, world: int, tp: int, model: str, url: str, out: str) -> None:
@@ -47,10 +47,7 @@ def _worker(rank: int, world: int, tp: int, model: str, url: str, out: str) -> N
                          [(2, 1, True), (2, 1, False), (4, 2, True), (4, 1, False)],
                          ids=["pp2-tied", "pp2-untied", "tp2xpp2", "dp2xpp2"])
 def test_pp_matches_one_rank(world: int, tp: int, tied: bool, tmp_path: Path) -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state
 
-    from earl.stages.trainer_megatron import MegatronTrainer
 
     model_dir = build_tiny_model(tmp_path / "tiny", hidden=64, layers=4, heads=4, kv_heads=2,
                                  intermediate=128, max_positions=512, tie_embeddings=tied)
@@ -58,23 +55,7 @@ def test_pp_matches_one_rank(world: int, tp: int, tied: bool, tmp_path: Path) ->
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker, args=(r, world, tp, str(model_dir), url, str(tmp_path)))
              for r in range(world)]
-    for p in procs:
-        p.start()
-    torch.set_num_threads(1)
-    batch = _batch()
-    try:  # meanwhile, TP=1 PP=1 in this process
-        single = MegatronTrainer(_config(str(model_dir)))
-        lp = single.compute_logprobs(batch)
-        metrics = single.train_step(batch)
-        weights = dict(single.named_weights())
-        lp_after = single.compute_logprobs(batch)
-    finally:
-        parallel_state.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    for p in procs:
-        p.join(timeout=240)
-        assert p.exitcode == 0, f"PP rank exited with {p.exitcode}"
+    lp, metrics, weights, lp_after = one_rank_beside(procs, model_dir)
     assert metrics["grad_norm"] > OPTIM["grad_clip"]  # clipping was active
     dp = world // (tp * 2)
     shards = _batch().split(dp)

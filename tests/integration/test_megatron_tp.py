@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -58,26 +59,21 @@ def _worker(rank: int, world: int, model: str, url: str, out: str) -> None:
     t.close()
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize(("world", "tied"), [(2, True), (2, False), (4, True)],
-                         ids=["tp2-tied", "tp2-untied", "dp2xtp2"])
-def test_tp_matches_one_rank(world: int, tied: bool, tmp_path: Path) -> None:
+def one_rank_beside(procs: list[Any], model_dir: Path) -> tuple[Any, dict[str, float],
+                                                                dict[str, torch.Tensor], Any]:
+    """Start the multi-rank `procs` and, meanwhile, the same step on one rank (TP = PP = 1) in
+    this process; wait for the ranks. Returns that rank's log-probs, step metrics, exported
+    weights and log-probs after the step."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     from earl.stages.trainer_megatron import MegatronTrainer
 
-    model_dir = build_tiny_model(tmp_path / "tiny", hidden=64, layers=2, heads=4, kv_heads=2,
-                                 intermediate=128, max_positions=512, tie_embeddings=tied)
-    url = free_dist_url()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, world, str(model_dir), url, str(tmp_path)))
-             for r in range(world)]
     for p in procs:
         p.start()
     torch.set_num_threads(1)
     batch = _batch()
-    try:  # meanwhile, TP=1 in this process
+    try:
         single = MegatronTrainer(_config(str(model_dir)))
         lp = single.compute_logprobs(batch)
         metrics = single.train_step(batch)
@@ -89,7 +85,23 @@ def test_tp_matches_one_rank(world: int, tied: bool, tmp_path: Path) -> None:
             dist.destroy_process_group()
     for p in procs:
         p.join(timeout=240)
-        assert p.exitcode == 0, f"TP rank exited with {p.exitcode}"
+        assert p.exitcode == 0, f"rank exited with {p.exitcode}"
+    return lp, metrics, weights, lp_after
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("world", "tied"), [(2, True), (2, False), (4, True)],
+                         ids=["tp2-tied", "tp2-untied", "dp2xtp2"])
+def test_tp_matches_one_rank(world: int, tied: bool, tmp_path: Path) -> None:
+
+
+    model_dir = build_tiny_model(tmp_path / "tiny", hidden=64, layers=2, heads=4, kv_heads=2,
+                                 intermediate=128, max_positions=512, tie_embeddings=tied)
+    url = free_dist_url()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(r, world, str(model_dir), url, str(tmp_path)))
+             for r in range(world)]
+    lp, metrics, weights, lp_after = one_rank_beside(procs, model_dir)
     assert metrics["grad_norm"] > OPTIM["grad_clip"]  # clipping was active
     shards = _batch().split(world // 2)
     cut = [0, *torch.tensor([s.num_tokens for s in shards]).cumsum(0).tolist()]
