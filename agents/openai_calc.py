@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import json
 import random
-import re
 
-from earl.envs.arithmetic import calculator, score
+from earl.envs.arithmetic import calculator, demo_expression, score
 
 __all__ = ["MODEL", "SYSTEM", "TOOLS", "agent", "warm_start_transcripts"]
 
@@ -71,15 +70,15 @@ async def agent(rollout, sample, max_turns: int = 4) -> float:  # type: ignore[n
 def warm_start_transcripts(tasks: list[dict[str, object]], seed: int = 0
                            ) -> list[dict[str, object]]:
     """One `warm_start.data` line per task, as this agent's session would look: the system
-    prompt and `TOOLS`, a calculator call on the question's first two numbers joined by an
-    operator drawn from + - * (the call format is taught, not which operator a question needs),
-    the tool's result, and that result as the answer."""
+    prompt and `TOOLS`, a calculator call by an imperfect demonstrator
+    (`earl.envs.arithmetic.demo_expression`: the question's two numbers, the right operator for
+    half the wordings, a random one for the rest), the tool's result, and that result as the
+    answer."""
     rng = random.Random(seed)
     out: list[dict[str, object]] = []
     for task in tasks:
         question = str(task["question"])
-        a, b = re.findall(r"\d+", question)[:2]
-        expression = f"{a}{rng.choice('+-*')}{b}"
+        expression = demo_expression(question, rng)
         call = {"name": "calculator", "arguments": {"expression": expression}}
         result = calculator(expression)
         out.append({"tools": TOOLS, "messages": [

@@ -49,6 +49,14 @@ def _main_job(r: Result) -> str:
             f"{r['wall_minutes']:.1f} min (warm start alone {r['eval_start']:.3f})")
 
 
+def _main_job_llm(r: Result) -> str:
+    """A real LLM's run: the gain over the warm start, and where the time went."""
+    return (f"{r['metric']} {r['eval_start']:.3f} after the warm start -> **{r['eval']:.3f}** "
+            f"(+{r['eval'] - r['eval_start']:.3f}) after {r['steps']} RL steps, "
+            f"{r['wall_minutes']:.1f} min in all; a step {r['step_s_median']:.1f} s (rollout "
+            f"{r['rollout_s_median']:.1f} s), train {r['train_tokens_per_s_median']:.0f} tok/s")
+
+
 def _rpc(r: Result) -> str:
     s = (f"round trip {r['rtt_us_median']:.0f} us median, "
          f"{r['calls_per_s_pipelined'] / 1e3:.0f}k pipelined calls/s; "
@@ -239,6 +247,10 @@ def _weights_gpu(r: Result) -> str:
 ROWS: list[tuple[str, str, Callable[[Result], str]]] = [
     ("main_job", "the main job: `earl train`, Tic-Tac-Toe, tiny model, held-out games", _main_job),
     ("main_job_calc", "calc recipe: tool use, held-out accuracy", _main_job),
+    ("main_job_calc_smollm2", ("`calc_smollm2`: SmolLM2-135M-Instruct learns tool use (LoRA, 2 "
+     "cores), 200 held-out tasks, greedy"), _main_job_llm),
+    ("main_job_openai_calc_smollm2", ("the same task as an OpenAI-client agent "
+     "(`agents/openai_calc_smollm2.yaml`)"), _main_job_llm),
     ("rpc", "actor RPC, one caller, one actor", _rpc),
     ("dispatch", "data plane, 256 MiB point to point, receiver reads every byte", _transports),
     ("dispatch", "layout-aware dispatch: 1 GiB, 2 producers -> DP2xTP2", _layout),

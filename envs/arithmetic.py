@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ArithmeticProblems", "CalcTasks", "Problem", "calculator", "evaluate", "quantities",
-           "score", "write_jsonl"]
+__all__ = ["DEMO_KNOWN", "ArithmeticProblems", "CalcTasks", "Problem", "calculator", "demo_expression",
+           "evaluate", "quantities", "score", "write_jsonl"]
 
 _OPS: dict[type[ast.AST], Callable[..., float | int]] = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
         ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
@@ -145,6 +145,8 @@ CALC_TEMPLATES = (
     ("{n} buys {a} bags of {b} {x}s. How many {x}s?", "{a}*{b}", ((2, 9), (11, 19))),
     ("{n} has {a} boxes of {b} {x}s. How many {x}s?", "{a}*{b}", ((2, 9), (11, 19))),
 )
+# The wordings `demo_expression`'s demonstrator knows: one per operator.
+DEMO_KNOWN = {"gets": "+", "loses": "-", "buys": "*"}
 _CALC_NAMES = ("Ann", "Bob", "Cyd")
 _CALC_THINGS = ("pen", "egg", "cup")
 SPLITS = ("train", "eval")
@@ -166,16 +168,20 @@ class CalcTasks:
     Args:
         split: "train" or "eval".
         seed: stream seed.
+        cycle: templates in turn (`k % 6`) rather than drawn, so any six consecutive tasks hold
+            every wording once (an RL step over six groups then sees each wording equally).
     """
 
-    def __init__(self, split: str = "train", seed: int = 0) -> None:
+    def __init__(self, split: str = "train", seed: int = 0, cycle: bool = False) -> None:
         if split not in SPLITS:
             raise ValueError(f"CalcTasks split must be one of {SPLITS}, got {split!r}")
-        self.split, self.seed = split, seed
+        self.split, self.seed, self.cycle = split, seed, cycle
 
     def sample(self, k: int) -> dict[str, object]:
         rng = random.Random(f"calc:{self.split}:{self.seed}:{k}")
         t = rng.randrange(len(CALC_TEMPLATES))
+        if self.cycle:
+            t = k % len(CALC_TEMPLATES)
         text, expr, ranges = CALC_TEMPLATES[t]
         while True:  # numbers of this template, in this split, with a positive answer
             nums = dict(zip("abc", (rng.randint(lo, hi) for lo, hi in ranges), strict=False))
@@ -189,6 +195,16 @@ class CalcTasks:
     def take(self, n: int) -> list[dict[str, object]]:
         """The first `n` samples."""
         return [self.sample(k) for k in range(n)]
+
+
+def demo_expression(question: str, rng: random.Random) -> str:
+    """An imperfect demonstrator's calculator expression for a `CalcTasks` question: its two
+    numbers in order joined by the right operator for the one wording per operator it knows
+    (`DEMO_KNOWN`), by one drawn uniformly from + - * for the other wording. A warm start on
+    its transcripts teaches the tool format and half the wordings; RL has to learn the rest."""
+    a, b = re.findall(r"\d+", question)[:2]
+    known = next((op for word, op in DEMO_KNOWN.items() if word in question), None)
+    return f"{a}{known or rng.choice('+-*')}{b}"
 
 
 def write_jsonl(path: str | Path, tasks: Iterable[dict[str, object]]) -> Path:

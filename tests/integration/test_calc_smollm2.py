@@ -1,5 +1,6 @@
 """`earl train --recipe calc_smollm2` end to end for two steps: SmolLM2-135M with LoRA, the
-warm start, vLLM serving the merged weights, the JSON contract of the other recipes."""
+warm start, vLLM serving the merged weights, the JSON contract of the other recipes; and the
+same task as a user's OpenAI-client agent from its run file (`agents/openai_calc_smollm2.yaml`)."""
 
 from __future__ import annotations
 
@@ -17,18 +18,25 @@ SMALL = ["--steps=2", "--warm_start.steps=6", "--batch_size=8", "--group_size=4"
          "--eval_games=8", "--checkpoint_every=1"]
 
 
-def test_calc_smollm2_trains_two_steps_with_lora(tmp_path: Path) -> None:
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("what", [["--recipe", "calc_smollm2"],
+                                  ["--config", "agents/openai_calc_smollm2.yaml"]],
+                         ids=["recipe", "openai_client_agent"])
+def test_calc_smollm2_trains_two_steps_with_lora(tmp_path: Path, what: list[str]) -> None:
     pytest.importorskip("peft")
     from safetensors import safe_open
 
     out = tmp_path / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    p = subprocess.run([sys.executable, "-m", "earl.cli", "train", "--recipe", "calc_smollm2",
+    p = subprocess.run([sys.executable, "-m", "earl.cli", "train", *what,
                         "--output-dir", str(out), "--json", *SMALL], capture_output=True,
-                       text=True, timeout=850, env=env, check=False)
+                       text=True, timeout=850, env=env, check=False, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
-    assert res["recipe"] == "calc_smollm2" and res["steps"] == 2
+    assert res["recipe"] == ("calc_smollm2" if what[0] == "--recipe" else "agent") \
+        and res["steps"] == 2
     for split in ("eval", "eval_start"):
         assert res[split]["episodes"] == 8
         assert 0.0 <= res[split]["accuracy"] <= 1.0

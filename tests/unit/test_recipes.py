@@ -117,6 +117,11 @@ def test_calc_tasks_are_deterministic_disjoint_and_answerable() -> None:
     assert seen == set(range(len(CALC_TEMPLATES)))
     with pytest.raises(ValueError, match="split"):
         CalcTasks("test")
+    cycled = CalcTasks("train", cycle=True)
+    for start in (0, 5, 33):  # any six consecutive tasks hold every wording once
+        assert sorted(_parse(cycled.sample(k))[0] for k in range(start, start + 6)) == \
+            list(range(len(CALC_TEMPLATES)))
+    assert not {_key(t) for t in cycled.take(600)} & eval_keys  # still the train split
 
 
 def test_calc_eval_splits() -> None:

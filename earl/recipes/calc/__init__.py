@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Callable
 
 import numpy as np
 
@@ -54,9 +55,11 @@ def _question(prompt: str) -> str:
     return prompt.split("<|im_start|>user\n", 1)[-1].split("<|im_end|>", 1)[0]
 
 
-def warm_start_responder(codec: ChatCodec):
-    """A scripted policy: calculator on the question's numbers with random operators, then the
-    tool's result as the answer (a SimEngine responder)."""
+def warm_start_responder(codec: ChatCodec,
+                         expression: Callable[[str, random.Random], str] | None = None):
+    """A scripted policy (a SimEngine responder): a calculator call, then the tool's result as
+    the answer. The call's expression is `expression(question, rng)`; by default the
+    question's numbers by name (a, b, c) joined by random operators."""
 
     def respond(prompt_ids: list[int], rng: random.Random) -> list[int]:
         text = codec.decode(prompt_ids)
@@ -64,8 +67,12 @@ def warm_start_responder(codec: ChatCodec):
         if results:
             reply = results[-1].strip()
         else:
-            names = list(quantities(_question(text)))  # a, b, c: the question's numbers
-            expr = names[0] + "".join(rng.choice(OPERATORS) + n for n in names[1:])
+            question = _question(text)
+            if expression is not None:
+                expr = expression(question, rng)
+            else:
+                names = list(quantities(question))  # a, b, c: the question's numbers
+                expr = names[0] + "".join(rng.choice(OPERATORS) + n for n in names[1:])
             call = {"name": "calculator", "arguments": {"expression": expr}}
             reply = f"<tool_call>{json.dumps(call)}</tool_call>"
         return codec.encode_text(reply) + [codec.end_id]

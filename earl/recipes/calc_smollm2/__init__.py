@@ -3,18 +3,20 @@ tool use by RL on a CPU.
 
 The task is the `calc` recipe's (`earl.envs.arithmetic.CalcTasks`: six one-operator word
 problems, two wordings per operator, held-out expressions for evaluation), played by an agent
-that calls its problem's calculator (which knows the question's numbers as a and b), reads the
-result and answers; only a final answer without a tool call scores (1 for the exact integer).
-The base model never calls the tool, so every episode scores 0 before the warm start.
+that calls a calculator, reads the result and answers; only a final answer without a tool call
+scores (1 for the exact integer). The base model never calls the tool, so every episode scores 0
+before the warm start.
 
-The warm start teaches the tool *format*, not the answers, on transcripts the environment
-generates: a scripted policy calls the calculator on a and b joined by an operator drawn
-uniformly from + - * and then answers with the tool's result. The operator's target is uniform
-over + - * (as in `calc`), so the warm-started policy picks the right operator about one time in
-three whatever the wording, and the rest — which operator each wording means — is left to RL
-(GRPO). LoRA adapters keep the trainer fast enough on two cores (rank 16 on every linear layer;
-the rollout serves the merged weights); bf16 autocast where the CPU has bf16 instructions. The
-tool's schema is kept short: the prompt is ~185 tokens of the ~250 a sample holds.
+The warm start is supervised, on transcripts the environment generates with an imperfect
+demonstrator (`earl.envs.arithmetic.demo_expression`): it calls the calculator on the
+question's two numbers with the right operator for one wording per operator ("gets", "loses",
+"buys") and a random one for the other wording, then answers with the tool's result. The
+warm-started policy has the format and half the wordings; GRPO has to learn the other half
+("found more", "gave away", "boxes of") from the reward. Templates come in turn
+(`CalcTasks(cycle=True)`), so each step's six groups hold every wording once. LoRA adapters keep
+the trainer fast enough on two cores (rank 16 on every linear layer; the rollout serves the
+merged weights); bf16 autocast where the CPU has bf16 instructions. The tool's schema is kept
+short: the prompt is ~185 tokens of the ~250 a sample holds.
 
 Written against the public API only (`earl`, and the task's agent and env in `earl.agents`
 and `earl.envs`).
@@ -38,18 +40,15 @@ from earl import (
 )
 from earl.agents.calc import solve
 from earl.agents.tools import Tool
-from earl.envs.arithmetic import CalcTasks, evaluate, quantities
-from earl.recipes.calc import OPERATORS, calc_metric, warm_start_responder
+from earl.envs.arithmetic import CalcTasks, demo_expression, evaluate, quantities
+from earl.recipes.calc import calc_metric, warm_start_responder
 
 __all__ = ["agent", "calculator_for", "recipe", "warm_start"]
 
 MAX_TOKENS = 40  # per turn: a tool call is ~30 tokens, an answer ~4
-# Loss weight of the operator's (uniform) target: one token among ~35 of a transcript, so that a
-# short warm start makes the choice uniform instead of leaving the model's skew in place.
-OP_WEIGHT = 4.0
 SCHEMA = {"type": "function", "function": {
     "name": "calculator",
-    "description": "Arithmetic on a and b, the question's numbers, e.g. a+b",
+    "description": "Arithmetic on numbers, e.g. 12+7",
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
                    "required": ["expression"]}}}
 
@@ -68,31 +67,22 @@ async def agent(rollout, sample) -> float:  # type: ignore[no-untyped-def]
 
 async def warm_start(codec: ChatCodec, n: int, seed: int
                      ) -> tuple[list[object], list[object]]:
-    """`n` scripted transcripts on training tasks, targets on the assistant tokens: weight 1
-    on each token, except the operator of the tool call, whose target is uniform over + - *
-    (the format is taught, the choice of operator is left to RL)."""
-    engine = SimEngine(SimConfig(time_scale=0.0, seed=seed), responder=warm_start_responder(codec))
+    """`n` scripted transcripts on training tasks, every assistant token a target of weight 1:
+    the calculator on the question's two numbers joined by the demonstrator's operator
+    (`demo_expression`), then the tool's result as the answer."""
+    engine = SimEngine(SimConfig(time_scale=0.0, seed=seed),
+                       responder=warm_start_responder(codec, demo_expression))
     cfg = RolloutConfig(sampling=SamplingParams(max_tokens=MAX_TOKENS,
                                                 stop_token_ids=codec.stop_ids))
     tasks = CalcTasks("train", seed=seed + 17)
-    ops = {op: codec.encode_text(op) for op in OPERATORS}
-    if any(len(ids) != 1 for ids in ops.values()):
-        raise ValueError(f"calc_smollm2 needs a tokenizer with one token per operator; got {ops}")
-    op_ids = [ids[0] for ids in ops.values()]
     ids_out: list[object] = []
     tgt_out: list[object] = []
     for k in range(n):
         t = await run_agent(agent, tasks.sample(k), engine=engine, codec=codec, config=cfg)
         if t.failed or not t.turn_spans:
             continue
-        rows: list[tuple[int, int, float]] = []
-        for turn, (start, end) in enumerate(t.turn_spans):
-            for pos in range(start, end):
-                tok = t.token_ids[pos]
-                if turn == 0 and tok in op_ids:
-                    rows += [(pos, i, OP_WEIGHT / len(op_ids)) for i in op_ids]
-                else:
-                    rows.append((pos, tok, 1.0))
+        rows = [(pos, t.token_ids[pos], 1.0) for start, end in t.turn_spans
+                for pos in range(start, end)]
         ids_out.append(np.asarray(t.token_ids, dtype=np.int64))
         tgt_out.append(np.asarray(rows, dtype=np.float64))
     return ids_out, tgt_out
@@ -116,7 +106,7 @@ def _cpu_dtype() -> str:
 recipe = Recipe(
     name="calc_smollm2",
     agent=agent,
-    tasks=CalcTasks("train", seed=0),
+    tasks=CalcTasks("train", seed=0, cycle=True),
     eval=EvalSet(make=_eval_tasks),
     metric=calc_metric,
     target_key="accuracy",
@@ -125,8 +115,8 @@ recipe = Recipe(
     warm_start=warm_start,
     config={
         "model": {"path": "smollm2-135m", "max_model_len": 512},
-        "steps": 1000, "batch_size": 32, "group_size": 8, "max_policy_lag": 1,
-        "time_limit_minutes": 18.0, "eval_games": 200, "eval_every": 0, "select_best": False,
+        "steps": 1000, "batch_size": 48, "group_size": 8, "max_policy_lag": 1,
+        "time_limit_minutes": 10.0, "eval_games": 200, "eval_every": 0, "select_best": False,
         "checkpoint_every": 50,
         "warm_start": {"steps": 20, "batch_size": 8, "lr": 1e-3},
         "lora": {"rank": 16, "alpha": 32.0},
