@@ -50,10 +50,15 @@ def _main_job(r: Result) -> str:
 
 
 def _main_job_llm(r: Result) -> str:
-    """A real LLM's run: the gain over the warm start, and where the time went."""
+    """A real LLM's run: the gain over the warm start, the training reward curve, and where
+    the time went."""
+    pts = r.get("reward_curve") or []
+    pts = pts[::max(len(pts) // 4, 1)][:4] + pts[-1:]
+    curve = ", ".join(f"{p['step']}: {p['reward']:.2f}" for p in pts)
     return (f"{r['metric']} {r['eval_start']:.3f} after the warm start -> **{r['eval']:.3f}** "
             f"(+{r['eval'] - r['eval_start']:.3f}) after {r['steps']} RL steps, "
-            f"{r['wall_minutes']:.1f} min in all; a step {r['step_s_median']:.1f} s (rollout "
+            f"{r['wall_minutes']:.1f} min in all; training reward by step {curve}; "
+            f"a step {r['step_s_median']:.1f} s (rollout "
             f"{r['rollout_s_median']:.1f} s), train {r['train_tokens_per_s_median']:.0f} tok/s")
 
 
