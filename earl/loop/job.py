@@ -93,7 +93,7 @@ class Job:
         if cfg.placement.slot_memory_mib > 0:
             from earl.loop.selection_actors import run_slots
 
-            self.slots = run_slots(cfg.placement)
+            self.slots = run_slots(cfg.placement, reference=self.n_reference)
         elif cfg.placement.device == "cuda" and cfg.placement.launcher == "local":
             # every rank on its own GPU(s); under Ray its bundle asks for them
             import torch

@@ -213,17 +213,20 @@ def build_selection(*, policy: PolicyConfig, cost: CostModel, setting: Setting,
                      **kw)
 
 
-def run_slots(placement: Any) -> SlotPool:
-    """A run's slot pool: "rollout<r>" per rollout replica, then "trainer<r>" per trainer rank,
-    each with `placement.slot_memory_mib` and one core (round robin over this process's). With
-    more slots than cores each also gets an equal CPU share (cores / slots, a CFS quota), so
-    the slots that share a core bind like small devices of equal speed."""
+def run_slots(placement: Any, reference: int = 0) -> SlotPool:
+    """A run's slot pool: "rollout<r>" per rollout replica, "trainer<r>" per trainer rank and
+    "reference<r>" per reference actor (`reference` of them), each with
+    `placement.slot_memory_mib` and one core (round robin over this process's). With more slots
+    than cores each also gets an equal CPU share (cores / slots, a CFS quota), so the slots
+    that share a core bind like small devices of equal speed. The selector plans the rollout
+    and trainer slots only (`SlotMemory`)."""
     import os
 
     pool = SlotPool()
     cores = sorted(os.sched_getaffinity(0))
     names = [f"rollout{r}" for r in range(placement.rollout)] + \
-        [f"trainer{r}" for r in range(placement.trainer)]
+        [f"trainer{r}" for r in range(placement.trainer)] + \
+        [f"reference{r}" for r in range(reference)]
     share = len(cores) / len(names) if len(names) > len(cores) else None
     for i, name in enumerate(names):
         mib = placement.rollout_slot_memory_mib if name.startswith("rollout") else 0
@@ -254,7 +257,8 @@ class SlotMemory:
     The cost model's per-process reserve is the trainer's baseline (Python, torch: what its
     process holds before the model's working set). A slot whose process holds more before its
     working set (vLLM) offers that much less. `measure` reads a slot's baseline once its actor
-    is up; a slot not measured yet offers its whole budget.
+    is up; a slot not measured yet offers its whole budget. The reference's slots are not
+    offered: the selector does not move them.
     """
 
     def __init__(self, pool: SlotPool, trainer: tuple[str, ...]) -> None:
@@ -270,7 +274,7 @@ class SlotMemory:
 
     def __call__(self) -> Mapping[str, float]:
         return {n: b - max(0.0, self.base.get(n, self.reserve) - self.reserve) * 2**20
-                for n, b in self.pool.budgets().items()}
+                for n, b in self.pool.budgets().items() if not n.startswith("reference")}
 
 
 def _slot_view(job: Job, rollout: tuple[str, ...], trainer: tuple[str, ...]

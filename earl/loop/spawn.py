@@ -134,9 +134,9 @@ async def spawn_reference(job: Job) -> Any:
     rcfg = ReferenceConfig(model=str(job.start), threads=pl.threads_per_actor,
                            temperature=job.cfg.algorithm.temperature, device=pl.device,
                            dtype=pl.dtype)
-    slot = _slots(job, "reference", job.n_reference) if pl.device == "cuda" else None
     return await job.rt.spawn("reference", ReferenceActor, rcfg, n=job.n_reference,
-                              env=job.env, restart=job.healer.policy("reference"), slot=slot)
+                              env=job.env, restart=job.healer.policy("reference"),
+                              slot=_slots(job, "reference", job.n_reference))
 
 
 async def spawn_rollout(job: Job, actors: Actors, version: int, setting: Setting | None,

@@ -250,3 +250,55 @@ def test_run_slots_share_the_cores_equally_when_there_are_more_slots_than_cores(
         names = list(pool.budgets())
         assert len(names) == 2 * ncpu + 1
         assert {pool[n].cpu_share for n in names} == {ncpu / (2 * ncpu + 1)}
+
+
+def test_the_reference_runs_in_its_own_slot_which_the_selector_does_not_plan() -> None:
+    from types import SimpleNamespace
+
+    from earl.loop.selection_actors import SlotMemory, run_slots
+
+    pl = SimpleNamespace(rollout=1, trainer=1, slot_memory_mib=256, rollout_slot_memory_mib=0)
+    with run_slots(pl, reference=2) as pool:
+        budgets = pool.budgets()
+        assert list(budgets) == ["rollout0", "trainer0", "reference0", "reference1"]
+        assert budgets["reference1"] == budgets["trainer0"] == 256 * 2**20
+        assert set(SlotMemory(pool, ("trainer0",))()) == {"rollout0", "trainer0"}
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(400)
+def test_earl_train_runs_the_reference_in_its_slot(tmp_path: Path) -> None:
+    """With slots and a KL term, the reference actor's process is in the memory cgroup of its
+    slot "reference0" (as the trainer's and the replica's are in theirs)."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    with SlotPool() as pool:
+        if pool.memory_enforcement != "cgroup":
+            pytest.skip("needs writable cgroup v1 memory (root)")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    run = subprocess.Popen(
+        [sys.executable, "-m", "earl.cli", "train", "--recipe", "tictactoe", "--steps=3",
+         "--warm_start.steps=5", "--eval_games=4", "--eval_every=0", "--json",
+         "--algorithm.kl_coef=0.05", "--placement.reference=1",
+         "--placement.slot_memory_mib=1500", "--output-dir", str(tmp_path / "run")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    slots: set[str] = set()
+    want = {"reference0", "trainer0", "rollout0"}
+    while run.poll() is None and not want <= slots:
+        for proc in Path("/proc").glob("[0-9]*"):
+            try:
+                if f"earl-{run.pid}/" in (proc / "cgroup").read_text():
+                    line = next(x for x in (proc / "cgroup").read_text().splitlines()
+                                if ":memory:" in x)
+                    slots.add(line.rsplit("/", 1)[1])
+            except (OSError, StopIteration):
+                continue
+        time.sleep(0.5)
+    out, err = run.communicate(timeout=380)
+    assert run.returncode == 0, err[-3000:]
+    assert json.loads(out.strip().splitlines()[-1])["steps"] == 3
+    assert want <= slots
