@@ -32,8 +32,9 @@ class PlacementConfig:
     `rollout`: vLLM rollout replicas; `reference`: reference actors (started only when
     `algorithm.kl_coef` > 0); `producers`: producer actors running agent coroutines
     (each a warehouse shard of the dock); `launcher`: "local" processes or "ray".
-    `slot_memory_mib`: each rollout replica and trainer rank runs in its own device slot with
-    this memory budget (a cgroup: the kernel's OOM killer enforces it; 0 = no slots);
+    `slot_memory_mib`: each rollout replica, trainer rank and reference actor runs in its own
+    device slot with this memory budget (a cgroup: the kernel's OOM killer enforces it; 0 = no
+    slots);
     `rollout_slot_memory_mib` overrides it for the rollout replicas (0 = the same).
     `micro_batch_tokens`: the trainer's micro-batch token budget; `kv_cache_gb`: each rollout
     replica's KV-cache budget; `context_window`: the rollout's max_model_len at the start (0 =
