@@ -202,7 +202,7 @@ def demo_expression(question: str, rng: random.Random) -> str:
     numbers in order joined by the right operator for the one wording per operator it knows
     (`DEMO_KNOWN`), by one drawn uniformly from + - * for the other wording. A warm start on
     its transcripts teaches the tool format and half the wordings; RL has to learn the rest."""
-    a, b = re.findall(r"\d+", question)[:2]
+    a, b = list(quantities(question).values())[:2]
     known = next((op for word, op in DEMO_KNOWN.items() if word in question), None)
     return f"{a}{known or rng.choice('+-*')}{b}"
 

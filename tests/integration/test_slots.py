@@ -291,12 +291,11 @@ def test_earl_train_runs_the_reference_in_its_slot(tmp_path: Path) -> None:
     while run.poll() is None and not want <= slots:
         for proc in Path("/proc").glob("[0-9]*"):
             try:
-                if f"earl-{run.pid}/" in (proc / "cgroup").read_text():
-                    line = next(x for x in (proc / "cgroup").read_text().splitlines()
-                                if ":memory:" in x)
-                    slots.add(line.rsplit("/", 1)[1])
-            except (OSError, StopIteration):
+                groups = (proc / "cgroup").read_text().splitlines()
+            except OSError:
                 continue
+            slots.update(x.rsplit("/", 1)[1] for x in groups
+                         if ":memory:" in x and f"earl-{run.pid}/" in x)
         time.sleep(0.5)
     out, err = run.communicate(timeout=380)
     assert run.returncode == 0, err[-3000:]
