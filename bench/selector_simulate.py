@@ -1,6 +1,6 @@
 """Cluster-scale simulation of the selector: `python bench/selector_simulate.py --json`.
 
-Runs the same `Policy` and `CostModel` the runtime uses on a synthetic agentic-RL run whose
+Runs the same `SearchPolicy` and `CostModel` the runtime uses on a synthetic agentic-RL run whose
 longest context grows from 4K to 32K tokens over the steps (geometric growth, 5% noise), for a
 Llama-3.1-70B on 64 to 1,024 80 GB GPUs, colocated (every stage uses every GPU in turn, as in
 EARL's and verl's hybrid engine). Against it: every static layout of every stage (the layout
@@ -27,7 +27,7 @@ import numpy as np
 
 from earl.runtime.selector.cost import GB, CostConfig, CostModel, ModelShape, Parallel, Stage
 from earl.runtime.selector.plan import ContextTracker
-from earl.runtime.selector.policy import Policy, PolicyConfig
+from earl.runtime.selector.policy import PolicyConfig, SearchPolicy
 
 PAPER_GB = {4096: 97.0, 8192: 354.0}
 
@@ -78,7 +78,7 @@ def _cost(cfg: SimConfig) -> CostModel:
         attention="flash", sequence_parallel=True, reserve_bytes=cfg.reserve_gb * GB))
 
 
-def _seconds(policy: Policy, actor: str, par: Parallel, ctx: int, tokens: int,
+def _seconds(policy: SearchPolicy, actor: str, par: Parallel, ctx: int, tokens: int,
              cap: float) -> float | None:
     """Seconds for `actor` in `par` to process `tokens` whose longest sequence is `ctx`;
     None if one sequence does not fit (OOM)."""
@@ -91,7 +91,7 @@ def _seconds(policy: Policy, actor: str, par: Parallel, ctx: int, tokens: int,
     return tokens / tps
 
 
-def _first_step_seconds(policy: Policy, actors: dict[str, Stage], r: StaticResult, top: int,
+def _first_step_seconds(policy: SearchPolicy, actors: dict[str, Stage], r: StaticResult, top: int,
                         tokens: int, cap: float) -> float | None:
     actor = next(a for a, s in actors.items() if s == r.stage)
     par = next(p for p in policy.layouts(r.stage, _devices(r.layout)) if str(p) == r.layout)
@@ -111,7 +111,7 @@ def run(cfg: SimConfig) -> dict[str, object]:
     cost = _cost(cfg)
     cap = cfg.gpu_memory_gb * GB
     pcfg = PolicyConfig(colocated=True, lookahead_steps=2)
-    policy = Policy(cost, pcfg)
+    policy = SearchPolicy(cost, pcfg)
     steps = workload(cfg)
     tokens = [int(x.sum()) for x in steps]
     tops = [int(x.max()) for x in steps]

@@ -131,7 +131,12 @@ class SelectorConfig:
     model's positions: the rollout starts with its longest window; less: it starts lean and is
     re-created, a vLLM start each time, as contexts reach its window). `reserve_mib`: the
     per-process baseline (Python, torch) the cost model charges each slot when no slot is
-    measured. `policy`: the policy's knobs (`earl.runtime.selector.PolicyConfig`).
+    measured. `policy`: the policy's knobs (`earl.runtime.selector.PolicyConfig`); in a run
+    its `queue_target` 0 means one batch (`batch_size` samples waiting to train is balanced)
+    and its `dp_divides` 0 the groups per step (trainer replicas split whole groups).
+    `policy_factory`: another policy, "PATH.py:NAME" or "module:NAME" of a factory
+    ``(cost, config, measured) -> Policy`` (`earl.runtime.selector.Policy`; "" = the built-in
+    `SearchPolicy`); `measured` is the run's live profile (`RunProfile`).
     """
 
     SHORTHAND: ClassVar[str] = "mode"
@@ -139,6 +144,7 @@ class SelectorConfig:
     initial_context: int = 0
     reserve_mib: float = 600.0
     policy: PolicyConfig = field(default_factory=_run_policy)
+    policy_factory: str = ""
 
     def __post_init__(self) -> None:
         need(self.mode in SELECTOR, "mode",
@@ -146,6 +152,9 @@ class SelectorConfig:
         need(self.initial_context >= 0, "initial_context",
              "must be >= 0 tokens (0 = the model's positions)")
         need(self.reserve_mib >= 0, "reserve_mib", "must be >= 0")
+        need(not self.policy_factory or ":" in self.policy_factory, "policy_factory",
+             f"{self.policy_factory!r} must look like PATH.py:NAME or module:NAME, or be empty "
+             "for the built-in policy")
 
     @property
     def on(self) -> bool:
@@ -257,6 +266,12 @@ class RunConfig:
         need(not self.selector.on or pl.device == "cpu", "placement.device",
              "the selector re-plans CPU slots only so far: use --selector off with "
              "placement.device=cuda")
+        n_ref = 0 if self.lora.on or self.algorithm.kl_coef == 0 else pl.reference
+        ranks = pl.rollout + pl.trainer + n_ref
+        need(pl.devices <= ranks or self.selector.on or pl.device == "cuda", "placement.devices",
+             f"{pl.devices} devices, and the ranks take {ranks} (rollout {pl.rollout}, trainer "
+             f"{pl.trainer}, reference {n_ref}): the other {pl.devices - ranks} are the "
+             f"selector's to hand out; use --selector on, or placement.devices={ranks}")
         need(not self.selector.on or pl.rollout_tp == pl.trainer_tp == 1, "placement.rollout_tp",
              "the selector chooses tensor parallelism itself (--selector on): leave "
              "placement.rollout_tp and placement.trainer_tp at 1")

@@ -36,6 +36,15 @@ class PlacementConfig:
     device slot with this memory budget (a cgroup: the kernel's OOM killer enforces it; 0 = no
     slots);
     `rollout_slot_memory_mib` overrides it for the rollout replicas (0 = the same).
+    `devices`: the run's devices (0 = one per actor rank). On CPU (with `slot_memory_mib`) N
+    slots "device0".."device<N-1>", each with `slot_memory_mib` of memory and an equal share
+    of this process's cores (cores / N: a CFS quota, on core i mod cores), so N devices over
+    2 cores bind like N small accelerators (a rollout replica takes one, its TP workers share
+    it). The ranks take them in order: rollout replicas,
+    trainer ranks, then reference actors from the last device down; with `--selector on` the
+    devices no rank holds at the start are the selector's to hand out, and it moves devices
+    between the rollout and the trainer as it re-plans (the reference keeps its own). On CUDA a
+    device is a GPU: the run uses the first N visible ones.
     `micro_batch_tokens`: the trainer's micro-batch token budget; `kv_cache_gb`: each rollout
     replica's KV-cache budget; `context_window`: the rollout's max_model_len at the start (0 =
     model.max_model_len; longer trajectories are truncated). With the selector on it re-sets
@@ -90,6 +99,7 @@ class PlacementConfig:
     threads_per_actor: int = 1
     launcher: str = "local"
     slot_memory_mib: int = 0
+    devices: int = 0
     rollout_slot_memory_mib: int = 0
     micro_batch_tokens: int = 65536
     kv_cache_gb: float = 0.25
@@ -134,6 +144,18 @@ class PlacementConfig:
              "must be 0 (no slots) or at least 64 MiB")
         need(self.rollout_slot_memory_mib == 0 or self.rollout_slot_memory_mib >= 64,
              "rollout_slot_memory_mib", "must be 0 (= slot_memory_mib) or >= 64 MiB")
+        need(self.devices >= 0, "devices", "must be >= 0 (0 = one device per actor rank)")
+        need(self.devices == 0 or self.device == "cuda" or self.slot_memory_mib > 0, "devices",
+             "CPU devices are slots with a memory budget: set placement.slot_memory_mib too "
+             "(e.g. 1500), or devices=0")
+        need(self.devices == 0 or self.rollout_slot_memory_mib == 0, "rollout_slot_memory_mib",
+             "with placement.devices every device has slot_memory_mib (devices move between "
+             "stages): leave rollout_slot_memory_mib 0")
+        ranks = self.rollout * self.devices_per_replica() + self.trainer
+        need(self.devices == 0 or self.devices >= ranks, "devices",
+             f"{self.devices} devices cannot hold rollout {self.rollout} replica(s) of "
+             f"{self.devices_per_replica()} device(s) + trainer {self.trainer} ranks: raise "
+             f"placement.devices to at least {ranks}, or lower those")
         need(self.slot_memory_mib == 0 or self.launcher == "local", "slot_memory_mib",
              "slots are cgroups on this host: use placement.launcher=local or slot_memory_mib=0")
         need(self.micro_batch_tokens >= 64, "micro_batch_tokens", "must be >= 64 tokens")
@@ -171,6 +193,11 @@ class PlacementConfig:
             need(self.reference <= self.trainer, "colocate",
                  f"placement.reference={self.reference} actors need one trainer GPU each: "
                  f"lower it to at most placement.trainer={self.trainer}")
+
+    def devices_per_replica(self) -> int:
+        """Devices one rollout replica takes: its `rollout_tp` GPUs; on CPU one slot (its TP
+        workers share the slot's cores)."""
+        return self.rollout_tp if self.device == "cuda" else 1
 
     def host_resources(self) -> dict[str, str]:
         """`hosts` as actor group -> Ray custom resource (empty: Ray places every group)."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -59,6 +59,9 @@ class Colocation:
     def train(self, batch: int, result: BatchResult
               ) -> contextlib.AbstractAsyncContextManager[None]:
         return self._phase(TRAIN)
+
+    def trained(self, batch: int, metrics: Mapping[str, float]) -> None:
+        """Nothing to learn from a step: the phases alternate whatever it measured."""
 
     def using(self) -> contextlib.AbstractAsyncContextManager[None]:
         """The rollout's devices for an evaluation."""

@@ -1,4 +1,8 @@
-"""Which GPUs each stage of a run gets, and the device slots that hand them to the actors.
+"""Which devices each stage of a run gets, and the device slots that hand them to the actors.
+
+`device_roles` names the slots each stage's ranks take at the start (and, with
+``placement.devices``, the ones no rank holds: the selector's to hand out); `run_slots` makes
+a CPU run's slots (memory cgroup, core, CPU share); on GPUs:
 
 `plan_gpus` is a pure function of the placement: from GPU 0 up, the rollout replicas
 (`rollout_tp` consecutive GPUs each: one vLLM process and its TP workers), then the trainer
@@ -14,11 +18,13 @@ spawned in it sees only them (`Slot.env` sets its CUDA_VISIBLE_DEVICES), as its 
     plan.rollout == ((0, 1), (2, 3)); plan.trainer == ((4,), (5,), (6,), (7,))
     # with colocate=True on 4 GPUs: rollout ((0, 1), (2, 3)), trainer ((0,), (1,), (2,), (3,))
 
-Not here: CPU slots (`earl.loop.selection_actors.run_slots`), spawning (`earl.loop.spawn`).
+Not here: moving devices between stages (the selector, `earl.loop.selection`), spawning
+(`earl.loop.spawn`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,7 +32,8 @@ if TYPE_CHECKING:
     from earl.config import PlacementConfig
     from earl.runtime.slots import SlotPool
 
-__all__ = ["COLOCATED_SHARE", "STAGES", "GpuPlan", "gpu_memory_mib", "gpu_slots", "plan_gpus"]
+__all__ = ["COLOCATED_SHARE", "STAGES", "GpuPlan", "device_roles", "gpu_memory_mib", "gpu_slots",
+           "plan_gpus", "run_slots"]
 
 STAGES = ("rollout", "trainer", "reference")
 COLOCATED_SHARE = 0.5  # vLLM's share of a GPU it shares with a trainer rank (verl's default)
@@ -131,3 +138,70 @@ def gpu_memory_mib() -> int:
     import torch
 
     return int(torch.cuda.get_device_properties(0).total_memory >> 20)
+
+
+def device_roles(placement: PlacementConfig, *, reference: int) -> dict[str, tuple[str, ...]]:
+    """The slot names of each stage's ranks at the start ("rollout", "trainer", "reference")
+    and the ones no rank holds ("free").
+
+    Without ``placement.devices`` (or on CUDA, where `gpu_slots` names its slots by stage):
+    "rollout<r>", "trainer<r>", "reference<r>", none free. With it, on CPU: "device<i>", taken
+    in order by the rollout replicas (one each) and the trainer ranks, the reference actors
+    from the last device down; the rest are free.
+
+    Raises:
+        ValueError: the devices cannot hold every rank; names the field.
+    """
+    pl = placement
+    if pl.devices == 0 or pl.device == "cuda":
+        return {"rollout": tuple(f"rollout{r}" for r in range(pl.rollout)),
+                "trainer": tuple(f"trainer{r}" for r in range(pl.trainer)),
+                "reference": tuple(f"reference{r}" for r in range(reference)), "free": ()}
+    ranks = pl.rollout + pl.trainer + reference
+    if ranks > pl.devices:
+        raise ValueError(
+            f"config field 'placement.devices': {pl.devices} devices cannot hold rollout "
+            f"{pl.rollout} + trainer {pl.trainer} + reference {reference} ranks (one device "
+            f"each); raise it to at least {ranks}, or lower those (reference: 0 with "
+            "algorithm.kl_coef=0)")
+    names = tuple(f"device{i}" for i in range(pl.devices))
+    first_ref = pl.devices - reference
+    return {"rollout": names[:pl.rollout],
+            "trainer": names[pl.rollout:pl.rollout + pl.trainer],
+            "reference": names[first_ref:],
+            "free": names[pl.rollout + pl.trainer:first_ref]}
+
+
+def run_slots(placement: PlacementConfig, reference: int = 0) -> SlotPool:
+    """A CPU run's slot pool: the slots of `device_roles`, each with
+    `placement.slot_memory_mib` (rollout ones `rollout_slot_memory_mib` when set, without
+    ``devices``) and one core (round robin over this process's). With more slots than cores
+    each also gets an equal CPU share (cores / slots, a CFS quota), so the slots that share a
+    core bind like small devices of equal speed."""
+    import os
+
+    from earl.runtime.slots import SlotPool
+
+    pool = SlotPool()
+    cores = sorted(os.sched_getaffinity(0))
+    roles = device_roles(placement, reference=reference)
+    names = sorted({n for group in roles.values() for n in group},
+                   key=_device_order(roles))
+    share = len(cores) / len(names) if len(names) > len(cores) else None
+    for i, name in enumerate(names):
+        mib = placement.rollout_slot_memory_mib if name in roles["rollout"] else 0
+        pool.create(name, cores=(cores[i % len(cores)],),
+                    memory_mib=mib or placement.slot_memory_mib, cpu_share=share)
+    return pool
+
+
+def _device_order(roles: dict[str, tuple[str, ...]]) -> Callable[[str], tuple[int, int]]:
+    """Sort key of slot names: "device<i>" by i; stage names rollout, trainer, reference."""
+    stage = {n: k for k, group in enumerate(
+        (roles["rollout"], roles["trainer"], roles["reference"], roles["free"])) for n in group}
+
+    def key(name: str) -> tuple[int, int]:
+        if name.startswith("device"):
+            return (0, int(name[len("device"):]))
+        return (stage[name], int(name.lstrip("abcdefghijklmnopqrstuvwxyz")))
+    return key

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from earl.config import RunConfig
+from earl.loop.devices import device_roles, run_slots
 from earl.loop.healing import Healer
 from earl.loop.hooks import RunHooks
 from earl.observe import Metrics, Tracer
@@ -90,9 +91,9 @@ class Job:
         self.tracer = Tracer(trace)
         self.healer = Healer(max_restarts=cfg.max_restarts, log=log, tracer=self.tracer)
         self.slots: SlotPool | None = None
+        # each stage's device slots at the start (and with placement.devices the free ones)
+        self.roles = device_roles(cfg.placement, reference=self.n_reference)
         if cfg.placement.slot_memory_mib > 0:
-            from earl.loop.selection_actors import run_slots
-
             self.slots = run_slots(cfg.placement, reference=self.n_reference)
         elif cfg.placement.device == "cuda" and cfg.placement.launcher == "local":
             # every rank on its own GPU(s); under Ray its bundle asks for them
@@ -100,8 +101,9 @@ class Job:
 
             from earl.loop.devices import gpu_slots
 
+            visible = torch.cuda.device_count()
             self.slots = gpu_slots(cfg.placement, reference=self.n_reference,
-                                   gpus=torch.cuda.device_count())
+                                   gpus=min(visible, cfg.placement.devices or visible))
         self.wall_before = 0.0  # wall seconds of earlier (resumed-from) segments
         self._origin = _clock_origin()  # process_seconds() when this run's clock started
         self.metrics: Metrics | None = None

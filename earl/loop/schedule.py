@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -55,6 +55,10 @@ class Selection(Protocol):
 
     def train(self, batch: int, result: BatchResult
               ) -> contextlib.AbstractAsyncContextManager[None]: ...
+
+    def trained(self, batch: int, metrics: Mapping[str, float]) -> None:
+        """Batch `batch`'s training step is done: its metrics (the run's live profile)."""
+        ...
 
     def using(self) -> contextlib.AbstractAsyncContextManager[None]: ...
 
@@ -196,6 +200,8 @@ class Schedule:
                     else contextlib.nullcontext()):
             metrics = await self.training.train(b, res.samples, scale)
             await self.training.publish(b + 1)
+        if self.selection is not None:
+            self.selection.trained(b, metrics)
         await self.production.note_version(b + 1)
         await self.gate.advance(b + 1)
         s.step = b + 1

@@ -30,7 +30,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from earl.runtime.selector import ContextStats, ContextTracker, Decision, Plan, Policy
+from earl.runtime.selector import (
+    ContextStats,
+    ContextTracker,
+    Decision,
+    Parallel,
+    Plan,
+    Policy,
+    RunProfile,
+)
 from earl.stages.batch_types import BatchResult
 
 __all__ = ["Reconfigurer", "Selection", "SelectionStatistics", "Setting", "setting_of"]
@@ -43,6 +51,8 @@ class Setting:
     Attributes:
         trainer_tp / trainer_dp: the trainer group's layout (dp x tp ranks).
         micro_batch_tokens: the trainer's micro-batch token budget.
+        trainer_recompute: the trainer recomputes activations in the backward (gradient
+            checkpointing: less memory per token, more compute); changes without a restart.
         rollout_tp / rollout_replicas: vLLM tensor-parallel degree and replica count.
         max_model_len: the longest context the rollout replicas serve.
         kv_tokens: KV-cache tokens per replica (at least `max_model_len`).
@@ -52,6 +62,7 @@ class Setting:
     trainer_tp: int = 1
     trainer_dp: int = 1
     micro_batch_tokens: int
+    trainer_recompute: bool = False
     rollout_tp: int = 1
     rollout_replicas: int = 1
     max_model_len: int
@@ -63,14 +74,25 @@ class Setting:
         return (self.trainer_tp, self.trainer_dp, self.trainer_slots)
 
     def rollout_key(self) -> tuple[object, ...]:
-        return (self.rollout_tp, self.rollout_replicas, self.rollout_slots, self.max_model_len)
+        return (self.rollout_tp, self.rollout_replicas, self.rollout_slots, self.max_model_len,
+                self.kv_tokens)
+
+    def trainer_parallel(self) -> Parallel:
+        return Parallel(tp=self.trainer_tp, dp=self.trainer_dp, recompute=self.trainer_recompute)
+
+    def rollout_parallel(self) -> Parallel:
+        return Parallel(tp=self.rollout_tp, dp=self.rollout_replicas)
+
+
+KV_CHANGE = 0.25  # a rollout KV budget this much above or below the current one is applied
 
 
 def setting_of(plan: Plan, current: Setting, *, max_context: int) -> Setting:
     """The setting that runs `plan`, starting from `current`.
 
     The rollout's ``max_model_len`` grows to the plan's context bucket (capped at `max_context`,
-    the model's positions) and never shrinks; its KV budget is the plan's, at least one context.
+    the model's positions) and never shrinks; its KV budget is the plan's, at least one context,
+    changed alone (a rebuild of the engines) only when it moves by `KV_CHANGE` or more.
     Actors the plan does not name keep their setting.
     """
     s = current
@@ -81,14 +103,26 @@ def setting_of(plan: Plan, current: Setting, *, max_context: int) -> Setting:
             raise ValueError(f"selector plan gives the trainer {t.parallel}: the torch trainer "
                              "runs dp x tp only; set PolicyConfig.pp_max=1")
         s = replace(s, trainer_tp=t.parallel.tp, trainer_dp=t.parallel.dp,
-                    micro_batch_tokens=t.micro_batch_tokens, trainer_slots=t.slots)
+                    micro_batch_tokens=t.micro_batch_tokens, trainer_slots=t.slots,
+                    trainer_recompute=t.parallel.recompute)
     if "rollout" in names:
         r = plan.actor("rollout")
         mml = min(max(current.max_model_len, plan.context_bucket), max_context)
+        kv = max(r.micro_batch_tokens, mml)
+        if current.kv_tokens >= mml and abs(kv / current.kv_tokens - 1) < KV_CHANGE:
+            kv = current.kv_tokens  # not worth a rebuild
         s = replace(s, rollout_tp=r.parallel.tp, rollout_replicas=r.parallel.dp,
-                    rollout_slots=r.slots, max_model_len=mml,
-                    kv_tokens=max(r.micro_batch_tokens, mml))
+                    rollout_slots=r.slots, max_model_len=mml, kv_tokens=kv)
     return s
+
+
+def _moves(old: Setting, new: Setting) -> int:
+    """Slots whose holder (rollout, trainer or none) differs between two settings."""
+    def holders(s: Setting) -> dict[str, str]:
+        return {**dict.fromkeys(s.rollout_slots, "rollout"),
+                **dict.fromkeys(s.trainer_slots, "trainer")}
+    a, b = holders(old), holders(new)
+    return sum(a.get(n) != b.get(n) for n in a.keys() | b.keys())
 
 
 class Reconfigurer(Protocol):
@@ -96,6 +130,11 @@ class Reconfigurer(Protocol):
 
     async def set_micro_batch_tokens(self, tokens: int) -> None:
         """The trainer's next steps use this micro-batch token budget (no restart)."""
+        ...
+
+    async def set_recompute(self, on: bool) -> None:
+        """The trainer's ranks recompute activations in the backward from now on, or stop
+        (no restart)."""
         ...
 
     async def apply(self, old: Setting, new: Setting) -> dict[str, float]:
@@ -109,6 +148,10 @@ class SelectionStatistics:
     decisions: int = 0
     reconfigurations: int = 0
     budget_changes: int = 0
+    recompute_changes: int = 0
+    trainer_layout_changes: int = 0  # trainer dp x tp changed (group re-created, resharded)
+    rollout_layout_changes: int = 0  # rollout replicas x tp changed
+    device_moves: int = 0  # slots whose holder changed (rollout, trainer or none)
     reconfig_seconds: dict[str, float] = field(default_factory=dict)  # phase -> total seconds
 
 
@@ -161,6 +204,9 @@ class Selection:
         initial_context: the longest context assumed before any episode is measured (None:
             half the starting window, i.e. the start fits; a run passes the model's positions:
             plan for the worst case until measured, since growing later costs a vLLM start).
+        profile: the run's live profile, given to the policy as its `measured` (None: no
+            measuring): each batch's rollout and training step are recorded into it at the
+            setting they ran with.
     """
 
     CUT = 0.7
@@ -172,17 +218,19 @@ class Selection:
                  record: Callable[[dict[str, float | int | str]], None] = lambda r: None,
                  trace: Callable[[Decision], None] = lambda d: None,
                  log: Callable[[str], None] = lambda line: None,
-                 initial_context: int | None = None) -> None:
+                 initial_context: int | None = None, profile: RunProfile | None = None) -> None:
         self.policy, self.reconfigurer, self.setting = policy, reconfigurer, setting
         self.slots, self.queues, self.max_context = slots, queues, max_context
         self.record, self.trace, self.log = record, trace, log
+        self.profile = profile
         self.tracker = ContextTracker()
         c = setting.max_model_len // 2 if initial_context is None else initial_context
         self.contexts = ContextStats(p50=c, p95=c, max=c)  # before any episode
         self._lock = _SharedExclusive()
         self._decide_lock = asyncio.Lock()
         self._stats = SelectionStatistics()
-        self._played: dict[int, int] = {}  # batch -> the rollout window it was played with
+        self._played: dict[int, Setting] = {}  # batch -> the setting it was played with
+        self._training: dict[int, tuple[Setting, int]] = {}  # batch -> setting, longest seq
         self.decisions: list[Decision] = []
         self._started: int | None = None  # the batch whose rollout decision `start` took
 
@@ -196,12 +244,18 @@ class Selection:
         likely cut by it (its next turn did not fit): its true length is unknown, so it counts
         as needing `GROW` times that window (each re-creation costs a vLLM start: grow boldly).
         """
-        window = self._played.pop(result.batch, self.setting.max_model_len)
+        played = self._played.pop(result.batch, self.setting)
+        window = played.max_model_len
         lengths = [max(e.tokens, int(window * self.GROW))
                    if e.truncated and e.tokens >= self.CUT * window else e.tokens
                    for e in result.episodes if e.tokens > 0]
         if lengths:
             self.contexts = self.tracker.observe(lengths)
+            if self.profile is not None:  # trajectory tokens played per second
+                self.profile.record("rollout", played.rollout_parallel(),
+                                    max(e.tokens for e in result.episodes),
+                                    tokens=sum(e.tokens for e in result.episodes),
+                                    seconds=result.seconds, batch_tokens=played.kv_tokens)
         return self.contexts
 
     async def start(self, batch: int, spawn: Callable[[Setting], Awaitable[None]]) -> None:
@@ -230,7 +284,7 @@ class Selection:
         else:
             await self._decide_and_apply(batch, "rollout")
         async with self._lock.shared():
-            self._played[batch] = self.setting.max_model_len
+            self._played[batch] = self.setting
             yield
 
     @contextlib.asynccontextmanager
@@ -240,7 +294,23 @@ class Selection:
         self.observe(result)
         await self._decide_and_apply(batch, "prep")
         async with self._lock.shared():
+            self._training[batch] = (self.setting, max((e.tokens for e in result.episodes),
+                                                       default=0))
             yield
+
+    def trained(self, batch: int, metrics: Mapping[str, float]) -> None:
+        """Record batch `batch`'s training step into the profile: the trainer's ``tokens``,
+        ``step_time_s`` and ``peak_rss_mib`` (per rank) at the setting it ran with."""
+        setting, longest = self._training.pop(batch, (self.setting, 0))
+        if self.profile is None or not longest:
+            return
+        tokens = int(metrics.get("tokens", 0))
+        per_rank = -(-tokens // max(1, setting.trainer_dp))
+        peak = metrics.get("peak_rss_mib")
+        self.profile.record("train", setting.trainer_parallel(), longest, tokens=tokens,
+                            seconds=float(metrics.get("step_time_s", 0.0)),
+                            batch_tokens=max(longest, min(setting.micro_batch_tokens, per_rank)),
+                            peak_bytes=peak * 2**20 if peak else None)
 
     def using(self) -> contextlib.AbstractAsyncContextManager[None]:
         """Hold the actors (no re-creation meanwhile), e.g. for a validation eval."""
@@ -263,11 +333,12 @@ class Selection:
         if d.plan.feasible:
             return d, setting_of(d.plan, self.setting, max_context=self.max_context), queues
         # nothing is predicted to fit: keep the layouts, grow the window, and train one
-        # context per micro-batch (the least memory without a new layout)
+        # context per micro-batch, recomputing activations (the least memory without a new
+        # layout)
         cur, top = self.setting, min(d.plan.context_bucket, self.max_context)
         mml = max(cur.max_model_len, top)
         return d, replace(cur, max_model_len=mml, kv_tokens=max(cur.kv_tokens, mml),
-                          micro_batch_tokens=top), queues
+                          micro_batch_tokens=top, trainer_recompute=True), queues
 
     def _record(self, d: Decision, queues: Mapping[str, int], times: Mapping[str, float]
                 ) -> None:
@@ -277,7 +348,17 @@ class Selection:
                     "selector/reconfig_s": times.get("total_s", 0.0),
                     **{f"selector/reconfig/{k}": v for k, v in times.items()},
                     "selector/applied_max_model_len": self.setting.max_model_len,
-                    "selector/applied_micro_batch_tokens": self.setting.micro_batch_tokens})
+                    "selector/applied_micro_batch_tokens": self.setting.micro_batch_tokens,
+                    "selector/applied_recompute": int(self.setting.trainer_recompute),
+                    "selector/applied_kv_tokens": self.setting.kv_tokens,
+                    "selector/applied_trainer_dp": self.setting.trainer_dp,
+                    "selector/applied_trainer_tp": self.setting.trainer_tp,
+                    "selector/applied_rollout_replicas": self.setting.rollout_replicas,
+                    "selector/applied_rollout_tp": self.setting.rollout_tp,
+                    "selector/trainer_layout_changes": st.trainer_layout_changes,
+                    "selector/rollout_layout_changes": st.rollout_layout_changes,
+                    "selector/device_moves": st.device_moves,
+                    **(self.profile.record_row() if self.profile is not None else {})})
         self.record(row)
 
     async def _apply(self, new: Setting) -> dict[str, float]:
@@ -288,20 +369,33 @@ class Selection:
                 t0 = time.perf_counter()
                 times = await self.reconfigurer.apply(old, new)
                 times.setdefault("total_s", time.perf_counter() - t0)
-            if new.trainer_key() == old.trainer_key() and \
-                    new.micro_batch_tokens != old.micro_batch_tokens:  # the trainer was kept
-                await self.reconfigurer.set_micro_batch_tokens(new.micro_batch_tokens)
+            if new.trainer_key() == old.trainer_key():  # the trainer was kept
+                if new.micro_batch_tokens != old.micro_batch_tokens:
+                    await self.reconfigurer.set_micro_batch_tokens(new.micro_batch_tokens)
+                if new.trainer_recompute != old.trainer_recompute:
+                    await self.reconfigurer.set_recompute(new.trainer_recompute)
             total = dict(st.reconfig_seconds)
             for k, v in times.items():
                 total[k] = total.get(k, 0.0) + v
-            st = replace(st, reconfigurations=st.reconfigurations + 1, reconfig_seconds=total)
+            st = replace(
+                st, reconfigurations=st.reconfigurations + 1, reconfig_seconds=total,
+                trainer_layout_changes=st.trainer_layout_changes + int(
+                    (new.trainer_tp, new.trainer_dp) != (old.trainer_tp, old.trainer_dp)),
+                rollout_layout_changes=st.rollout_layout_changes + int(
+                    (new.rollout_tp, new.rollout_replicas) != (old.rollout_tp,
+                                                               old.rollout_replicas)),
+                device_moves=st.device_moves + _moves(old, new))
             self.log(f"selector: reconfigured in {times['total_s']:.1f} s: trainer tp{new.trainer_tp}"
                      f"/dp{new.trainer_dp} on {list(new.trainer_slots)}, rollout "
                      f"tp{new.rollout_tp} x{new.rollout_replicas} max_model_len "
                      f"{new.max_model_len}")
-        elif new.micro_batch_tokens != old.micro_batch_tokens:
-            await self.reconfigurer.set_micro_batch_tokens(new.micro_batch_tokens)
-            st = replace(st, budget_changes=st.budget_changes + 1)
+        else:
+            if new.micro_batch_tokens != old.micro_batch_tokens:
+                await self.reconfigurer.set_micro_batch_tokens(new.micro_batch_tokens)
+                st = replace(st, budget_changes=st.budget_changes + 1)
+            if new.trainer_recompute != old.trainer_recompute:
+                await self.reconfigurer.set_recompute(new.trainer_recompute)
+                st = replace(st, recompute_changes=st.recompute_changes + 1)
         self._stats = replace(st, decisions=st.decisions + 1)
         self.setting = new
         return times

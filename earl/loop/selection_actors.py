@@ -8,13 +8,16 @@ vLLM replicas with the new ``max_model_len`` and KV budget, the trainer's weight
 current version), after which the producers sample from the new group. The actor that gives
 up slots is re-created first, so a slot is free before its new owner starts in it.
 
-`selection_for_run` makes the cost model of the run's model, the policy (its knobs are
-the run's `selector.policy`) and the `Selection`.
+`selection_for_run` makes the cost model of the run's model, its live profile (`RunProfile`,
+fed by the `Selection` with each step's measured tokens/s and memory), the policy (the run's
+`selector.policy_factory`, else `SearchPolicy` with the knobs of `selector.policy`) and the
+`Selection`.
 Not here: the decision (`earl.runtime.selector`), when to apply (`earl.loop.selection`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -32,14 +35,16 @@ from earl.runtime.selector import (
     Parallel,
     Policy,
     PolicyConfig,
+    RunProfile,
+    SearchPolicy,
 )
 from earl.runtime.slots import SlotPool
 
 if TYPE_CHECKING:
     from earl.loop.job import Job
 
-__all__ = ["ActorReconfigurer", "SlotMemory", "build_selection",
-           "cost_model_of", "queue_depths", "run_slots", "selection_for_run", "slot_usage"]
+__all__ = ["ActorReconfigurer", "SlotMemory", "build_selection", "cost_model_of",
+           "make_policy", "queue_depths", "selection_for_run", "slot_usage"]
 
 
 class ActorReconfigurer:
@@ -68,6 +73,9 @@ class ActorReconfigurer:
 
     async def set_micro_batch_tokens(self, tokens: int) -> None:
         self.actors.set_micro_batch_tokens(tokens)
+
+    async def set_recompute(self, on: bool) -> None:
+        await self.actors.trainer.set_recompute.call(on)
 
     def measure_rollout(self, s: Setting, replicas: int, kv_cache_gb: float) -> None:
         """Read the baseline memory of the rollout replicas just spawned with setting `s`."""
@@ -116,7 +124,7 @@ class ActorReconfigurer:
                     self.rt, self.actors.trainer, Layout(dp=new.trainer_dp, tp=new.trainer_tp),
                     checkpoint_dir=self.checkpoint_dir / f"reshard-{self._n}", env=self.env,
                     slot=self._placed(new.trainer_slots, ranks, "trainer"),
-                    micro_batch_tokens=new.micro_batch_tokens)
+                    micro_batch_tokens=new.micro_batch_tokens, recompute=new.trainer_recompute)
                 self._release(moved)
                 self.actors.use_trainer(group, new.micro_batch_tokens)
             else:
@@ -194,45 +202,43 @@ async def queue_depths(dock: Dock, stages: tuple[str, ...]) -> dict[str, int]:
     return {**{s: max(0, st.samples - st.consumed.get(s, 0)) for s in stages}, "lost": st.lost}
 
 
-def build_selection(*, policy: PolicyConfig, cost: CostModel, setting: Setting,
-                    reconfigurer: ActorReconfigurer,
+def make_policy(factory: str, cost: CostModel, config: PolicyConfig,
+                measured: RunProfile) -> Policy:
+    """The run's policy: `factory` ("PATH.py:NAME" or "module:NAME", called with the cost
+    model, the knobs and the live profile), or `SearchPolicy` when it is empty.
+
+    Raises:
+        ValueError: the factory cannot be imported; names the field.
+        TypeError: it returns something without `decide`.
+    """
+    if not factory:
+        return SearchPolicy(cost, config, measured=measured)
+    from earl.recipe import load_function
+
+    made = load_function(factory, what="selector.policy_factory")(cost, config, measured)
+    if not callable(getattr(made, "decide", None)):
+        raise TypeError(f"selector.policy_factory: {factory} returned "
+                         f"{type(made).__name__}, which has no decide(); return an "
+                         "earl.runtime.selector.Policy")
+    return made  # type: ignore[no-any-return]
+
+
+def build_selection(*, policy: Policy, setting: Setting, reconfigurer: ActorReconfigurer,
                     slots: Callable[[], Mapping[str, float]], dock: Dock,
                     stages: tuple[str, ...], max_context: int, record: Any = None,
-                    trace: Any = None, log: Any = None,
-                    initial_context: int | None = None) -> Selection:
-    """The run's `Selection`: the policy `policy` over the cost model `cost`, reading the
-    dock's queue depths of `stages`."""
+                    trace: Any = None, log: Any = None, initial_context: int | None = None,
+                    profile: RunProfile | None = None) -> Selection:
+    """The run's `Selection`: `policy`, reading the dock's queue depths of `stages` and
+    feeding `profile` (the policy's measured profile)."""
 
     async def queues() -> Mapping[str, int]:
         return await queue_depths(dock, stages)
 
     kw: dict[str, Any] = {k: v for k, v in
                           {"record": record, "trace": trace, "log": log}.items() if v is not None}
-    return Selection(Policy(cost, policy), reconfigurer, setting=setting, slots=slots,
-                     queues=queues, max_context=max_context, initial_context=initial_context,
-                     **kw)
-
-
-def run_slots(placement: Any, reference: int = 0) -> SlotPool:
-    """A run's slot pool: "rollout<r>" per rollout replica, "trainer<r>" per trainer rank and
-    "reference<r>" per reference actor (`reference` of them), each with
-    `placement.slot_memory_mib` and one core (round robin over this process's). With more slots
-    than cores each also gets an equal CPU share (cores / slots, a CFS quota), so the slots
-    that share a core bind like small devices of equal speed. The selector plans the rollout
-    and trainer slots only (`SlotMemory`)."""
-    import os
-
-    pool = SlotPool()
-    cores = sorted(os.sched_getaffinity(0))
-    names = [f"rollout{r}" for r in range(placement.rollout)] + \
-        [f"trainer{r}" for r in range(placement.trainer)] + \
-        [f"reference{r}" for r in range(reference)]
-    share = len(cores) / len(names) if len(names) > len(cores) else None
-    for i, name in enumerate(names):
-        mib = placement.rollout_slot_memory_mib if name.startswith("rollout") else 0
-        pool.create(name, cores=(cores[i % len(cores)],),
-                    memory_mib=mib or placement.slot_memory_mib, cpu_share=share)
-    return pool
+    return Selection(policy, reconfigurer, setting=setting, slots=slots, queues=queues,
+                     max_context=max_context, initial_context=initial_context,
+                     profile=profile, **kw)
 
 
 def slot_usage(pool: SlotPool | None) -> dict[str, float]:
@@ -257,12 +263,13 @@ class SlotMemory:
     The cost model's per-process reserve is the trainer's baseline (Python, torch: what its
     process holds before the model's working set). A slot whose process holds more before its
     working set (vLLM) offers that much less. `measure` reads a slot's baseline once its actor
-    is up; a slot not measured yet offers its whole budget. The reference's slots are not
-    offered: the selector does not move them.
+    is up; a slot not measured yet offers its whole budget. The `kept` slots (the
+    reference's) are not offered: the selector does not move them.
     """
 
-    def __init__(self, pool: SlotPool, trainer: tuple[str, ...]) -> None:
-        self.pool = pool
+    def __init__(self, pool: SlotPool, trainer: tuple[str, ...],
+                 kept: tuple[str, ...] = ()) -> None:
+        self.pool, self.kept = pool, frozenset(kept)
         self.base = {n: pool.memory_used_mib(n) or 0.0 for n in trainer}
         self.reserve = max(self.base.values(), default=600.0)
 
@@ -274,7 +281,7 @@ class SlotMemory:
 
     def __call__(self) -> Mapping[str, float]:
         return {n: b - max(0.0, self.base.get(n, self.reserve) - self.reserve) * 2**20
-                for n, b in self.pool.budgets().items() if not n.startswith("reference")}
+                for n, b in self.pool.budgets().items() if n not in self.kept}
 
 
 def _slot_view(job: Job, rollout: tuple[str, ...], trainer: tuple[str, ...]
@@ -285,7 +292,7 @@ def _slot_view(job: Job, rollout: tuple[str, ...], trainer: tuple[str, ...]
     import psutil
 
     if job.slots is not None:
-        memory = SlotMemory(job.slots, trainer)
+        memory = SlotMemory(job.slots, trainer, kept=job.roles["reference"])
         return memory, memory, memory.reserve
     share = float(psutil.virtual_memory().available / (len(rollout) + len(trainer)))
 
@@ -305,8 +312,7 @@ def selection_for_run(job: Job, actors: Actors) -> tuple[Selection, ActorReconfi
     import time
 
     pl, pool, sel = job.cfg.placement, job.slots, job.cfg.selector
-    rollout_names = tuple(f"rollout{r}" for r in range(pl.rollout))
-    trainer_names = tuple(f"trainer{r}" for r in range(pl.trainer))
+    rollout_names, trainer_names = job.roles["rollout"], job.roles["trainer"]
     slots, slot_memory, reserve = _slot_view(job, rollout_names, trainer_names)
     model_dir = str(job.start)
     cost = cost_model_of(model_dir, reserve_mib=reserve)
@@ -335,9 +341,14 @@ def selection_for_run(job: Job, actors: Actors) -> tuple[Selection, ActorReconfi
     stages = ("reference", "train") if job.n_reference > 0 else ("train",)
     job.log(f"selector on: slots {dict(slots())}, reserve {reserve:.0f} MiB/process, model "
             f"positions {positions}, rollout window {window}")
-    selection = build_selection(policy=sel.policy, cost=cost, setting=setting,
-                                reconfigurer=reconf, slots=slots, dock=actors.dock,
-                                stages=stages, max_context=positions, record=record,
-                                trace=trace, log=job.log,
-                                initial_context=sel.initial_context or positions)
+    knobs = dataclasses.replace(  # replicas split whole groups; a batch waiting is balanced
+        sel.policy, dp_divides=sel.policy.dp_divides or job.cfg.batch_size // job.cfg.group_size,
+        queue_target=sel.policy.queue_target or job.cfg.batch_size)
+    profile = RunProfile(cost)
+    selection = build_selection(policy=make_policy(sel.policy_factory, cost, knobs, profile),
+                                setting=setting, reconfigurer=reconf, slots=slots,
+                                dock=actors.dock, stages=stages, max_context=positions,
+                                record=record, trace=trace, log=job.log,
+                                initial_context=sel.initial_context or positions,
+                                profile=profile)
     return selection, reconf

@@ -98,7 +98,7 @@ def _slots(job: Job, actor: str, n: int) -> Any:
     """The device slots of `actor`'s `n` ranks, or None without slots."""
     if job.slots is None:
         return None
-    return [job.slots.assign(f"{actor}{r}", actor) for r in range(n)]
+    return [job.slots.assign(name, actor) for name in job.roles[actor][:n]]
 
 
 async def spawn_trainer(job: Job) -> Any:

@@ -196,6 +196,14 @@ class TrainerActor(Actor):
         return await self._run(lambda t: t.compute_logprobs(batch))
 
     @endpoint
+    async def set_recompute(self, on: bool) -> None:
+        """Recompute activations in the backward from the next step on, or stop (call on
+        every rank; `TorchTrainer.set_recompute`). A re-spawn keeps it (`trainer_config`)."""
+        await self._run(lambda t: t.set_recompute(on))
+        assert self.trainer is not None
+        self.config = self.trainer.config
+
+    @endpoint
     async def trainer_config(self) -> TrainerConfig:
         """The recipe this rank was built with (what `earl.stages.reconfigure` re-spawns)."""
         return self.config

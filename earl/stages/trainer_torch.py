@@ -20,9 +20,9 @@ import contextlib
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -39,6 +39,7 @@ from earl.packing import (
     token_entropy,
     token_logprobs,
 )
+from earl.runtime.selector.profile import reset_resident_peak, resident_peak_bytes
 from earl.stages import trainer_dist as tdist
 from earl.stages.lora import LoraConfig, adapter_disabled, apply_lora, base_model, merged_weights
 from earl.stages.optim import OptimConfig
@@ -76,6 +77,9 @@ class TrainerConfig:
             here when the batch carries no reference log-probs.
         shared_prefix: in training steps, run a prefix that several samples of a micro-batch
             share (a GRPO group's prompt) once (`earl.packing_prefix`; exact, fewer tokens).
+        recompute: recompute activations in the backward (HF gradient checkpointing,
+            non-reentrant): less memory per token for ~1/3 more compute; `set_recompute`
+            switches it between steps.
     """
 
     model: str
@@ -95,6 +99,7 @@ class TrainerConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     shared_prefix: bool = False
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.loss, dict):
@@ -174,6 +179,7 @@ class TorchTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0
         )
+        self.set_recompute(config.recompute)
         self.step = 0  # optimizer steps taken = the policy version this trainer holds
         self.offloaded = False  # parameters and optimizer state in host memory (`offload`)
 
@@ -389,12 +395,43 @@ class TorchTrainer:
         When ``batch.old_logprobs`` is None, the proximal policy is the current one (exact for
         the first update after the weights the batch should be compared against).
         """
+        self._reset_peak()
         t0 = time.perf_counter()
         metrics = self.accumulate(batch, micro_batches)
         metrics.update(self.optimizer_step(lr_scale))
         dt = time.perf_counter() - t0
-        metrics.update(step=float(self.step), step_time_s=dt, tokens_per_s=metrics["tokens"] / dt)
+        metrics.update(step=float(self.step), step_time_s=dt, tokens_per_s=metrics["tokens"] / dt,
+                       peak_rss_mib=self._peak_bytes() / 2**20)
         return metrics
+
+    def set_recompute(self, on: bool) -> None:
+        """Recompute activations in the backward from the next step on (HF gradient
+        checkpointing), or stop.
+
+        Raises:
+            ValueError: the model has no gradient checkpointing (not an HF model).
+        """
+        hf: Any = self.module
+        if on and not hasattr(hf, "gradient_checkpointing_enable"):
+            raise ValueError(f"TrainerConfig.recompute: {type(hf).__name__} has no gradient "
+                             "checkpointing; set recompute=False")
+        if on:
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif getattr(hf, "is_gradient_checkpointing", False):
+            hf.gradient_checkpointing_disable()
+        self.config = replace(self.config, recompute=on)
+
+    def _reset_peak(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            reset_resident_peak()
+
+    def _peak_bytes(self) -> int:
+        """The step's peak memory on this rank: CUDA allocator peak, or the resident set's."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return resident_peak_bytes()
 
     # ------------------------------------------------------------------ weights
 

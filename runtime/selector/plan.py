@@ -4,14 +4,17 @@
 trend of the max over recent steps). A `Plan` says, per actor, its layout, micro-batch token
 budget and slots; a `Decision` wraps the plan with why it was chosen, and whether a shortfall
 lies ahead. `Decision.record()` is the flat metrics row, `Decision.trace_event()` the Perfetto
-(Chrome trace JSON) instant event. Not here: how a plan is chosen (`policy`).
+(Chrome trace JSON) instant event. `Policy` is what the loop asks of any policy (the built-in
+one is `policy.SearchPolicy`; a run names another with ``selector.policy_factory``).
+Not here: how a plan is chosen (`policy`).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -178,3 +181,32 @@ class SelectorStatistics:
     shortfalls_reported: int = 0
     last_reason: str = ""
     switch_steps: tuple[int, ...] = field(default=())
+
+
+class Policy(Protocol):
+    """A selector policy: the loop (`earl.loop.selection.Selection`) calls `decide` before each
+    rollout and each experience preparation and applies the decision's plan.
+
+    A new policy implements these two methods; nothing in the loop changes. A run builds its
+    policy with a factory ``(cost, config, measured) -> Policy`` (``selector.policy_factory``;
+    `policy.SearchPolicy` itself is the default), where `measured` is the run's live profile
+    (`profile.RunProfile`: tokens/s and memory per stage and layout, measured as it trains).
+    """
+
+    def decide(self, *, step: int, when: str, contexts: ContextStats,
+               slots: Mapping[str, float], queue_depths: Mapping[str, int] | None = None
+               ) -> Decision:
+        """The plan for the coming stage.
+
+        Args:
+            step: the RL step (batch) about to run.
+            when: "rollout" or "prep" (before experience preparation).
+            contexts: live context-length statistics.
+            slots: device slot name -> memory bytes an actor there may use.
+            queue_depths: the dock's backlog per stage ("train", "reference"), in samples.
+        """
+        ...
+
+    def statistics(self) -> SelectorStatistics:
+        """Decisions, switches and the last reason so far."""
+        ...

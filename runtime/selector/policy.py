@@ -1,13 +1,14 @@
 """The selector policy: which layout each actor gets for the contexts coming next.
 
 Run before each Rollout and each Experience Preparation step. Inputs: the live context-length
-statistics (`ContextStats`: p50/p95/max and trend), the dock's queue depths per stage, and the
-memory of each device slot. It plans for the context expected `lookahead_steps` ahead, rounded
-up to a bucket (half-octaves: 1K, 1.5K, 2K, 3K, 4K, ...), and for every actor picks the
+statistics (`ContextStats`: p50/p95/max and trend), the dock's queue depths per stage, the
+memory of each device slot and, through `measured`, the run's own profile. It plans for the
+context expected `lookahead_steps` ahead, rounded up to a bucket (half-octaves: 1K, 1.5K, 2K, 3K, 4K, ...), and for every actor picks the
 feasible (TP, PP, DP, recompute) with the most tokens/s (the cost model's roofline, replaced
-by measured profiles where they exist), with its largest micro-batch token budget. With `colocated=False` the slots are also split between the
-actors so the slowest stage (weighted by its queue backlog) is as fast as possible: slots move
-from one actor to another.
+by measured profiles where they exist, scaled by each stage's measured efficiency elsewhere),
+with its largest micro-batch token budget. With `colocated=False` the slots are also split
+between the actors so the slowest stage, weighted by the dock's backlog (train-bound or
+rollout-bound), is as fast as possible: slots move from one actor to another.
 
 Hysteresis, so a noisy context does not thrash the layout: the bucket rises at once (else OOM)
 but falls only after `patience` decisions well below it; a faster plan replaces a feasible one
@@ -16,7 +17,8 @@ passed; an infeasible current plan is replaced at once. When no configuration wi
 contexts projected within `warn_steps`, the decision carries a `Shortfall` with the minimum
 resources, before it is needed.
 
-Not here: applying a plan (the loop re-creates actors), measuring (`profile`).
+`SearchPolicy` implements the loop's `plan.Policy` protocol. Not here: applying a plan (the
+loop re-creates actors), measuring (`profile`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class Measured(Protocol):
 
     def memory_scale(self, stage: Stage) -> float: ...
 
+    def efficiency(self, stage: Stage) -> float: ...
+
 
 @dataclass(kw_only=True, slots=True)
 class PolicyConfig:
@@ -65,8 +69,11 @@ class PolicyConfig:
         cooldown_steps: steps between two voluntary switches.
         max_micro_batch_tokens: cap on the train/reference micro-batch budget.
         max_kv_tokens: cap on a rollout replica's KV-cache budget.
-        queue_target: dock queue depth counted as one unit of extra demand on a stage
-            (0: ignore queue depths).
+        dp_divides: a train or reference layout's DP degree must divide this (a run's GRPO
+            groups per step: data-parallel replicas split whole groups); 0: any.
+        queue_target: the dock backlog (samples) of a balanced pipeline, and the unit of
+            extra demand: more waiting weighs the consumer stages, fewer the rollout (see
+            `SearchPolicy._demand`; 0: ignore queue depths).
     """
 
     actors: dict[str, Stage] = field(default_factory=lambda: {
@@ -85,6 +92,7 @@ class PolicyConfig:
     max_micro_batch_tokens: int = 65536
     max_kv_tokens: int = 1 << 20
     queue_target: int = 0
+    dp_divides: int = 0
 
     def __post_init__(self) -> None:
         need(bool(self.actors), "actors", "must name at least one actor")
@@ -114,7 +122,7 @@ class _State:
     stats: SelectorStatistics = field(default_factory=SelectorStatistics)
 
 
-class Policy:
+class SearchPolicy:
     """Decides plans; keeps the current one between decisions (see module docstring).
 
     Args:
@@ -153,8 +161,9 @@ class Policy:
         key = "kv_tokens" if stage == "rollout" else "micro_batch_tokens"
         mem = self.cost.memory(stage, par, seq_len=context, **{key: mb}).total * scale
         tps = self.measured.tokens_per_s(stage, par, context) if self.measured else None
-        if tps is None:
-            tps = self.cost.tokens_per_s(stage, par, context, batch_tokens=mb)
+        if tps is None:  # the roofline, in measured units once the stage has run
+            tps = self.cost.tokens_per_s(stage, par, context, batch_tokens=mb) * \
+                (self.measured.efficiency(stage) if self.measured else 1.0)
         return ActorPlan(actor=actor, stage=stage, parallel=par, micro_batch_tokens=mb,
                          slots=slots, predicted_bytes=mem, tokens_per_s=tps)
 
@@ -175,9 +184,11 @@ class Policy:
         for tp in _pow2_upto(min(c.tp_max, n)):
             pp_max = 1 if stage == "rollout" else min(c.pp_max, n // tp)
             for pp in _pow2_upto(pp_max):
-                if n % (tp * pp) == 0:
+                dp = n // (tp * pp)
+                if n % (tp * pp) == 0 and (stage == "rollout" or not c.dp_divides
+                                           or c.dp_divides % dp == 0):
                     for rc in ((False, True) if stage == "train" else (False,)):
-                        out.append(Parallel(tp=tp, pp=pp, dp=n // (tp * pp), recompute=rc))
+                        out.append(Parallel(tp=tp, pp=pp, dp=dp, recompute=rc))
         return out
 
     def candidate(self, context: int, slots: Mapping[str, float],
@@ -238,10 +249,25 @@ class Policy:
         return Plan(actors=tuple(plans), context_bucket=context)
 
     def _demand(self, queues: Mapping[str, int] | None) -> dict[str, float]:
-        """Per actor: 1 + its stage's dock backlog in units of `queue_target`."""
+        """Per actor, how much its stage holds the pipeline back (1: balanced).
+
+        The dock's backlog says which side is the bottleneck: samples waiting for a consumer
+        stage ("train", "reference") beyond `queue_target` mean the consumers are behind
+        (train-bound: the consumer's demand is 1 + the excess in units of `queue_target`);
+        fewer than `queue_target` waiting for training mean the trainer waits for experience
+        (rollout-bound: the rollout's demand is 1 + the shortfall, at most 2). A stage the
+        queues do not mention, or `queue_target` 0, counts 1.
+        """
         qt, q = self.config.queue_target, queues or {}
-        return {a: 1.0 + (q.get(stage, 0) / qt if qt else 0.0)
-                for a, stage in self.config.actors.items()}
+        out: dict[str, float] = {}
+        for a, stage in self.config.actors.items():
+            d = 1.0
+            if qt and stage == "rollout" and "train" in q:
+                d += max(0, qt - q["train"]) / qt
+            elif qt and stage in q:
+                d += max(0, q[stage] - qt) / qt
+            out[a] = d
+        return out
 
     def score(self, plan: Plan, queues: Mapping[str, int] | None = None) -> float:
         """The slowest actor's tokens/s, each divided by its backlog demand."""
@@ -299,7 +325,7 @@ class Policy:
             ValueError: no slots.
         """
         if not slots:
-            raise ValueError("Policy.decide: slots is empty; pass slot name -> memory bytes")
+            raise ValueError("SearchPolicy.decide: slots is empty; pass slot name -> memory bytes")
         s, c = self._s, self.config
         need = contexts.projected(c.lookahead_steps)
         bucket = self._bucket(need)

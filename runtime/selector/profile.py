@@ -11,6 +11,13 @@ weights, which are resident before the step).
 
 `Profiler.ensure` measures a bucket the first time the run reaches it (the loop calls it before
 the stage runs); `ProfileTable` serves the points to the policy (`policy.Measured`).
+
+`RunProfile` is the profile a run keeps as it trains, with no extra steps: the loop records
+each rollout and each training step (tokens, seconds, the trainer's peak resident memory) at
+the layout and context bucket it ran with. For a layout it has run, the policy gets the measured
+tokens/s; for one it has not, the cost model's roofline scaled by the stage's measured
+efficiency (measured / roofline where it did run), so plans compare in the same units; and the
+stage's memory is scaled by the worst measured / predicted ratio (never below 1).
 Not here: the decision (`policy`).
 """
 
@@ -21,7 +28,7 @@ import ctypes
 import gc
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from earl.runtime.selector.cost import CostModel, Parallel, Stage
 
@@ -35,6 +42,17 @@ def _status_kib(key: str) -> int:
             if line.startswith(key + ":"):
                 return int(line.split()[1])
     raise OSError(f"{key} not in /proc/self/status")
+
+
+def reset_resident_peak() -> None:
+    """Start a new peak of this process's resident set (`VmHWM` := `VmRSS`; Linux)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def resident_peak_bytes() -> int:
+    """This process's peak resident set since it started or since `reset_resident_peak`."""
+    return _status_kib("VmHWM") << 10
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -73,13 +91,12 @@ class PeakMeter:
             return out, time.perf_counter() - t0, torch.cuda.max_memory_allocated() - base
         if self._libc is not None:
             self._libc.malloc_trim(0)
-        base = _status_kib("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current resident set
+        base = _status_kib("VmRSS") << 10
+        reset_resident_peak()
         t0 = time.perf_counter()
         out = fn()
         dt = time.perf_counter() - t0
-        return out, dt, (_status_kib("VmHWM") - base) << 10
+        return out, dt, resident_peak_bytes() - base
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -133,6 +150,10 @@ class ProfileTable:
                   if s == stage and p.predicted_bytes > 0]
         return max([1.0, *ratios])
 
+    def efficiency(self, stage: Stage) -> float:
+        """Profiled points are exact: unprofiled layouts keep the roofline (1.0)."""
+        return 1.0
+
 
 class Profiler:
     """Measures points with real steps and keeps them in `table`.
@@ -184,3 +205,89 @@ class Profiler:
         if (stage, str(par), bucket) in self.table.points:
             return None
         return self.profile(stage, par, bucket, fn, micro_batch_seqs=micro_batch_seqs)
+
+
+@dataclass(slots=True)
+class _Rate:
+    """A measured rate (exponential moving average) and its roofline at the same point."""
+
+    tokens_per_s: float
+    roofline: float
+    steps: int = 1
+
+
+@dataclass(slots=True)
+class RunProfile:
+    """Measured tokens/s and memory per (stage, layout, context bucket) of a live run.
+
+    Tokens are trajectory tokens (prompt and generated) for every stage, so a rollout's rate
+    and a trainer's compare as time per step. Implements `policy.Measured`.
+
+    Args:
+        cost: the cost model whose roofline and memory the measurements calibrate.
+        smoothing: weight of a new step in a point's moving average.
+        bucket_base: smallest context bucket; buckets are half-octaves from it.
+    """
+
+    cost: CostModel
+    smoothing: float = 0.5
+    bucket_base: int = 64
+    rates: dict[tuple[Stage, str, int], _Rate] = field(default_factory=dict)
+    memory: dict[Stage, float] = field(default_factory=dict)  # worst measured / predicted
+
+    def bucket_of(self, context: int) -> int:
+        """The smallest half-octave bucket (base x 1, 1.5, 2, 3, 4, ...) >= `context`."""
+        b = self.bucket_base
+        while True:
+            for v in (b, b * 3 // 2):
+                if v >= context:
+                    return v
+            b *= 2
+
+    def record(self, stage: Stage, par: Parallel, context: int, *, tokens: int,
+               seconds: float, batch_tokens: int, peak_bytes: float | None = None) -> None:
+        """One step of `stage` in layout `par`: `tokens` in `seconds`, its longest sequence
+        `context`, `batch_tokens` per micro-batch (train) or resident KV tokens (rollout);
+        `peak_bytes`: the step's peak resident memory per device, if measured."""
+        if tokens <= 0 or seconds <= 0 or context <= 0:
+            return
+        bucket = self.bucket_of(context)
+        rate = tokens / seconds
+        roof = self.cost.tokens_per_s(stage, par, bucket, batch_tokens=max(batch_tokens, 1))
+        key = (stage, str(par), bucket)
+        old = self.rates.get(key)
+        if old is None:
+            self.rates[key] = _Rate(rate, roof)
+        else:
+            a = self.smoothing
+            self.rates[key] = _Rate((1 - a) * old.tokens_per_s + a * rate, roof, old.steps + 1)
+        if peak_bytes:
+            kw = {"kv_tokens": batch_tokens} if stage == "rollout" else \
+                {"micro_batch_tokens": batch_tokens}
+            predicted = self.cost.memory(stage, par, seq_len=context, **kw).total
+            self.memory[stage] = max(self.memory.get(stage, 0.0), peak_bytes / predicted)
+
+    def efficiency(self, stage: Stage) -> float:
+        """Measured / roofline tokens/s of `stage`, the median over the points it ran (1.0
+        before any)."""
+        ratios = sorted(r.tokens_per_s / r.roofline for (s, _, _), r in self.rates.items()
+                        if s == stage and r.roofline > 0)
+        return ratios[len(ratios) // 2] if ratios else 1.0
+
+    def tokens_per_s(self, stage: Stage, par: Parallel, context: int) -> float | None:
+        """The measured rate at this layout and bucket, or None (the policy then takes the
+        roofline times `efficiency`)."""
+        r = self.rates.get((stage, str(par), self.bucket_of(context)))
+        return r.tokens_per_s if r is not None else None
+
+    def memory_scale(self, stage: Stage) -> float:
+        """The worst measured / predicted peak of `stage` (at least 1: only towards safety)."""
+        return max(1.0, self.memory.get(stage, 1.0))
+
+    def record_row(self) -> dict[str, float]:
+        """Metrics: per stage its efficiency and memory scale ("selector/profile/...")."""
+        out: dict[str, float] = {}
+        for stage in sorted({s for s, _, _ in self.rates}):
+            out[f"selector/profile/{stage}/efficiency"] = self.efficiency(stage)
+            out[f"selector/profile/{stage}/memory_scale"] = self.memory_scale(stage)
+        return out

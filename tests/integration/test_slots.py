@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from earl.placement import PlacementConfig
 from earl.runtime import Actor, ActorDied, Runtime, endpoint
 from earl.runtime.slots import SlotPool
 
@@ -191,8 +192,8 @@ async def test_the_policys_micro_batch_fits_a_real_slot_and_three_times_it_is_ki
         CostConfig,
         CostModel,
         ModelShape,
-        Policy,
         PolicyConfig,
+        SearchPolicy,
     )
 
     with _pool() as pool:
@@ -207,7 +208,7 @@ async def test_the_policys_micro_batch_fits_a_real_slot_and_three_times_it_is_ki
             cost = CostModel(shape, CostConfig(weight_bytes=0, grad_bytes=4, act_bytes=4,
                                                optimizer_bytes=0, logit_bytes=8,
                                                reserve_bytes=idle * 2**20))
-            policy = Policy(cost, PolicyConfig(actors={"trainer": "train"}, colocated=True,
+            policy = SearchPolicy(cost, PolicyConfig(actors={"trainer": "train"}, colocated=True,
                                                tp_max=1, pp_max=1, headroom=0.2))
             d = policy.decide(step=0, when="prep", contexts=ContextTracker().observe([2048]),
                               slots=pool.budgets())
@@ -235,14 +236,11 @@ def test_a_gpu_slot_sets_device_visibility_and_leaves_host_memory_alone() -> Non
 
 
 def test_run_slots_share_the_cores_equally_when_there_are_more_slots_than_cores() -> None:
-    from types import SimpleNamespace
-
-    from earl.loop.selection_actors import run_slots
+    from earl.loop.devices import run_slots
 
     ncpu = len(os.sched_getaffinity(0))
-    few = SimpleNamespace(rollout=1, trainer=1, slot_memory_mib=256, rollout_slot_memory_mib=0)
-    many = SimpleNamespace(rollout=ncpu + 1, trainer=ncpu, slot_memory_mib=256,
-                           rollout_slot_memory_mib=0)
+    few = PlacementConfig(rollout=1, trainer=1, slot_memory_mib=256)
+    many = PlacementConfig(rollout=ncpu + 1, trainer=ncpu, slot_memory_mib=256)
     with run_slots(few) as pool:
         shares = {pool[n].cpu_share for n in pool.budgets()}
         assert shares == ({None} if ncpu >= 2 else {0.5})
@@ -253,16 +251,46 @@ def test_run_slots_share_the_cores_equally_when_there_are_more_slots_than_cores(
 
 
 def test_the_reference_runs_in_its_own_slot_which_the_selector_does_not_plan() -> None:
-    from types import SimpleNamespace
+    from earl.loop.devices import run_slots
+    from earl.loop.selection_actors import SlotMemory
 
-    from earl.loop.selection_actors import SlotMemory, run_slots
-
-    pl = SimpleNamespace(rollout=1, trainer=1, slot_memory_mib=256, rollout_slot_memory_mib=0)
+    pl = PlacementConfig(rollout=1, trainer=1, slot_memory_mib=256)
     with run_slots(pl, reference=2) as pool:
         budgets = pool.budgets()
         assert list(budgets) == ["rollout0", "trainer0", "reference0", "reference1"]
         assert budgets["reference1"] == budgets["trainer0"] == 256 * 2**20
-        assert set(SlotMemory(pool, ("trainer0",))()) == {"rollout0", "trainer0"}
+        kept = ("reference0", "reference1")
+        assert set(SlotMemory(pool, ("trainer0",), kept)()) == {"rollout0", "trainer0"}
+
+
+def test_placement_devices_are_equal_slots_the_ranks_take_in_order_and_the_rest_are_free(
+) -> None:
+    """`placement.devices` N: N slots "device<i>" of equal memory and CPU share (cores / N);
+    rollout, then trainer ranks take the first, the reference the last; the others are free
+    for the selector, which is offered every device but the reference's."""
+    from earl.loop.devices import device_roles, run_slots
+    from earl.loop.selection_actors import SlotMemory
+
+    pl = PlacementConfig(rollout=1, trainer=1, devices=5, slot_memory_mib=256)
+    roles = device_roles(pl, reference=1)
+    assert roles == {"rollout": ("device0",), "trainer": ("device1",),
+                     "reference": ("device4",), "free": ("device2", "device3")}
+    ncpu = len(os.sched_getaffinity(0))
+    with run_slots(pl, reference=1) as pool:
+        budgets = pool.budgets()
+        assert list(budgets) == [f"device{i}" for i in range(5)]
+        assert set(budgets.values()) == {256 * 2**20}
+        shares = {pool[n].cpu_share for n in budgets}
+        assert shares == ({ncpu / 5} if ncpu < 5 else {None})
+        offered = SlotMemory(pool, roles["trainer"], roles["reference"])()
+        assert set(offered) == {"device0", "device1", "device2", "device3"}
+    with pytest.raises(ValueError, match=r"placement\.devices.*at least 4"):
+        device_roles(PlacementConfig(rollout=1, trainer=2, devices=3, slot_memory_mib=256),
+                     reference=1)
+    with pytest.raises(ValueError, match="devices"):
+        PlacementConfig(devices=4)  # a CPU device is a slot: it needs a memory budget
+    with pytest.raises(ValueError, match="rollout_slot_memory_mib"):
+        PlacementConfig(devices=4, slot_memory_mib=256, rollout_slot_memory_mib=512)
 
 
 @pytest.mark.slow

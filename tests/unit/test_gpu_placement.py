@@ -166,6 +166,7 @@ class FakeRuntime:
 
 
 def _job(tmp_path: Path, overrides: list[str]) -> Any:
+    from earl.loop.devices import device_roles
     from earl.loop.healing import Healer
 
     cfg = from_dict(RunConfig, parse_overrides(overrides))
@@ -173,6 +174,7 @@ def _job(tmp_path: Path, overrides: list[str]) -> Any:
     slots = gpu_slots(cfg.placement, reference=n_ref, gpus=8) \
         if cfg.placement.device == "cuda" else None
     return SimpleNamespace(cfg=cfg, rt=FakeRuntime(), env={}, slots=slots, start=tmp_path,
+                           roles=device_roles(cfg.placement, reference=n_ref),
                            weights=tmp_path / "w", n_reference=n_ref, max_model_len=512,
                            healer=Healer(max_restarts=0, log=lambda s: None))
 

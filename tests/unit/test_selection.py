@@ -6,6 +6,8 @@ and the Schedule calls the selection around every stage."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -20,8 +22,8 @@ from earl.runtime.selector import (
     ModelShape,
     Parallel,
     Plan,
-    Policy,
     PolicyConfig,
+    SearchPolicy,
 )
 from earl.stages.batch_types import BatchResult, Episode
 
@@ -33,6 +35,7 @@ SHAPE = ModelShape(hidden=64, layers=2, heads=2, kv_heads=2, intermediate=192, v
 COST = CostModel(SHAPE, CostConfig(weight_bytes=4, grad_bytes=4, optimizer_bytes=8, act_bytes=4,
                                    kv_bytes=4, logit_bytes=8, reserve_bytes=400 * MIB))
 SLOTS = {"rollout0": 480.0 * MIB, "trainer0": 480.0 * MIB}
+PLANNED_KV = 32256  # the KV budget the policy gives a rollout slot of SLOTS (a run spawns with it)
 
 def schedule_config(*, time_limit_s: float = float("inf"), eval_every: int = 0,
                     **kw: object) -> RunConfig:
@@ -46,10 +49,14 @@ class FakeReconfigurer:
     def __init__(self) -> None:
         self.applied: list[tuple[Setting, Setting]] = []
         self.budgets: list[int] = []
+        self.recompute: list[bool] = []
         self.busy = 0  # plays in flight, set by the fake production
 
     async def set_micro_batch_tokens(self, tokens: int) -> None:
         self.budgets.append(tokens)
+
+    async def set_recompute(self, on: bool) -> None:
+        self.recompute.append(on)
 
     async def apply(self, old: Setting, new: Setting) -> dict[str, float]:
         assert self.busy == 0, "re-created an actor while a play was using it"
@@ -66,10 +73,10 @@ def _result(batch: int, lengths: list[int]) -> BatchResult:
 
 def _selection(reconf: FakeReconfigurer, rows: list[dict[str, float | int | str]],
                events: list[Decision], *, window: int = 512,
-               mb: int = 1 << 16) -> Selection:
-    policy = Policy(COST, PolicyConfig(actors={"rollout": "rollout", "trainer": "train"},
-                                       pp_max=1, bucket_base=256))
-    setting = Setting(micro_batch_tokens=mb, max_model_len=window, kv_tokens=window,
+               mb: int = 1 << 16, kv: int = PLANNED_KV) -> Selection:
+    policy = SearchPolicy(COST, PolicyConfig(actors={"rollout": "rollout", "trainer": "train"},
+                                             pp_max=1, bucket_base=256))
+    setting = Setting(micro_batch_tokens=mb, max_model_len=window, kv_tokens=kv,
                       rollout_slots=("rollout0",), trainer_slots=("trainer0",))
 
     async def queues() -> dict[str, int]:
@@ -243,7 +250,7 @@ def test_trajectories_cut_by_the_window_count_as_longer() -> None:
 
 def test_an_infeasible_plan_grows_the_window_keeps_layouts_and_reports() -> None:
     reconf, rows = FakeReconfigurer(), []
-    policy = Policy(COST, PolicyConfig(actors={"rollout": "rollout", "trainer": "train"},
+    policy = SearchPolicy(COST, PolicyConfig(actors={"rollout": "rollout", "trainer": "train"},
                                        pp_max=1, bucket_base=256))
     setting = Setting(micro_batch_tokens=1 << 16, max_model_len=256, kv_tokens=256,
                       rollout_slots=("rollout0",), trainer_slots=("trainer0",))
@@ -270,7 +277,7 @@ def test_an_infeasible_plan_grows_the_window_keeps_layouts_and_reports() -> None
 
 def test_the_first_plan_is_applied_at_spawn_not_by_a_re_creation() -> None:
     reconf, rows, events = FakeReconfigurer(), [], []
-    policy = Policy(COST, PolicyConfig(actors={"rollout": "rollout", "trainer": "train"},
+    policy = SearchPolicy(COST, PolicyConfig(actors={"rollout": "rollout", "trainer": "train"},
                                        pp_max=1, bucket_base=256))
     setting = Setting(micro_batch_tokens=1 << 16, max_model_len=256, kv_tokens=256,
                       rollout_slots=("rollout0",), trainer_slots=("trainer0",))
@@ -307,3 +314,115 @@ def test_the_first_plan_is_applied_at_spawn_not_by_a_re_creation() -> None:
     assert len(events) == 3
     assert rows[0]["selector/applied_max_model_len"] == spawned[0].max_model_len
     assert rows[0]["selector/reconfigurations"] == 0 and rows[0]["selector/reconfig_s"] == 0.0
+
+
+def test_a_kv_only_change_rebuilds_the_rollout_and_a_small_one_does_not() -> None:
+    """The policy's KV budget alone is a change (vLLM sizes its cache at start: the engines
+    are rebuilt in place, same replicas and slots); within `KV_CHANGE` it is not worth one."""
+    for start, rebuilt in ((4096, True), (int(PLANNED_KV * 0.9), False)):
+        reconf, rows, events = FakeReconfigurer(), [], []
+        sel = _selection(reconf, rows, events, window=1024, kv=start)
+
+        async def main(sel: Selection = sel) -> None:
+            async with sel.rollout(0):
+                pass
+
+        asyncio.run(main())
+        assert bool(reconf.applied) is rebuilt, start
+        if rebuilt:
+            old, new = reconf.applied[0]
+            assert old.rollout_key()[:4] == new.rollout_key()[:4]  # layout, slots, window
+            assert (old.kv_tokens, new.kv_tokens) == (4096, PLANNED_KV)
+            assert rows[0]["selector/applied_kv_tokens"] == PLANNED_KV
+        else:
+            assert sel.setting.kv_tokens == start
+
+
+def test_recompute_switches_live_and_the_step_reaches_the_profile() -> None:
+    """A plan that recomputes activations reaches the live trainer with no re-creation; each
+    batch's rollout and training step are recorded in the run profile at the setting they
+    ran with, and the profile's rows reach the metrics."""
+    from earl.runtime.selector import RunProfile
+
+    reconf, rows, events = FakeReconfigurer(), [], []
+    profile = RunProfile(COST)
+    sel = _selection(reconf, rows, events, window=1024)
+    sel.profile = profile
+    lengths = [600, 700, 800]
+    res = BatchResult(batch=0, episodes=_result(0, lengths).episodes, samples=3, seconds=2.0)
+
+    async def main() -> None:
+        async with sel.rollout(0):
+            pass
+        async with sel.train(0, res):
+            pass
+        sel.trained(0, {"tokens": 2100.0, "step_time_s": 3.0, "peak_rss_mib": 900.0})
+        async with sel.rollout(1):  # the next decision reads the profile
+            pass
+        await sel._apply(replace(sel.setting, trainer_recompute=True))
+
+    asyncio.run(main())
+    assert reconf.recompute == [True] and reconf.applied == []
+    assert sel.statistics().recompute_changes == 1
+    assert profile.tokens_per_s("rollout", Parallel(), 800) == pytest.approx(2100 / 2.0)
+    assert profile.tokens_per_s("train", Parallel(), 800) == pytest.approx(2100 / 3.0)
+    assert profile.memory_scale("train") >= 1.0 and "train" in profile.memory
+    assert "selector/profile/train/efficiency" in rows[-1]
+
+
+def test_a_policy_of_ones_own_plugs_in_by_factory(tmp_path: Path) -> None:
+    """`selector.policy_factory` names a factory (cost, knobs, profile) -> Policy: the loop
+    runs that policy's decisions unchanged; a bad reference names the field."""
+    from earl.loop.selection_actors import make_policy
+    from earl.runtime.selector import RunProfile
+
+    (tmp_path / "mine.py").write_text(
+        "from earl.runtime.selector import SearchPolicy\n"
+        "class Mine(SearchPolicy):\n"
+        "    calls = 0\n"
+        "    def decide(self, **kw):\n"
+        "        Mine.calls += 1\n"
+        "        return super().decide(**kw)\n"
+        "def factory(cost, config, measured):\n"
+        "    return Mine(cost, config, measured=measured)\n"
+        "def nothing(cost, config, measured):\n"
+        "    return 3\n")
+    knobs = PolicyConfig(actors={"rollout": "rollout", "trainer": "train"}, pp_max=1)
+    policy = make_policy(f"{tmp_path}/mine.py:factory", COST, knobs, RunProfile(COST))
+    assert type(policy).__name__ == "Mine"
+    reconf = FakeReconfigurer()
+
+    async def queues() -> dict[str, int]:
+        return {}
+
+    sel = Selection(policy, reconf, setting=Setting(micro_batch_tokens=4096, max_model_len=512,
+                                                    kv_tokens=PLANNED_KV),
+                    slots=lambda: SLOTS, queues=queues, max_context=4096)
+
+    async def main() -> None:
+        async with sel.rollout(0):
+            pass
+
+    asyncio.run(main())
+    assert type(policy).calls == 1 and sel.decisions[0].plan.feasible
+    with pytest.raises(ValueError, match="selector.policy_factory"):
+        make_policy(f"{tmp_path}/absent.py:factory", COST, knobs, RunProfile(COST))
+    with pytest.raises(TypeError, match="no decide"):
+        make_policy(f"{tmp_path}/mine.py:nothing", COST, knobs, RunProfile(COST))
+
+
+def test_a_device_moved_from_the_rollout_to_the_trainer_is_counted() -> None:
+    reconf, rows, events = FakeReconfigurer(), [], []
+    sel = _selection(reconf, rows, events, window=1024)
+    sel.setting = replace(sel.setting, rollout_replicas=2, rollout_slots=("d0", "d1"),
+                          trainer_slots=("d2",))
+
+    async def main() -> None:
+        await sel._apply(replace(sel.setting, rollout_replicas=1, rollout_slots=("d0",),
+                                 trainer_dp=2, trainer_slots=("d1", "d2")))
+        await sel._apply(replace(sel.setting, trainer_slots=("d1", "d3")))  # d2 out, d3 in
+
+    asyncio.run(main())
+    st = sel.statistics()
+    assert (st.device_moves, st.trainer_layout_changes, st.rollout_layout_changes) == (3, 1, 1)
+    assert st.reconfigurations == 2

@@ -8,7 +8,7 @@ import pytest
 
 from earl.runtime.selector.cost import CostConfig, CostModel, ModelShape
 from earl.runtime.selector.plan import ContextTracker, Decision
-from earl.runtime.selector.policy import Policy, PolicyConfig
+from earl.runtime.selector.policy import PolicyConfig, SearchPolicy
 
 GB = 1e9
 MODEL = CostModel(ModelShape.llama31_8b(), CostConfig(attention="flash"))
@@ -18,7 +18,7 @@ def slots(n: int = 16, cap: float = 80 * GB) -> dict[str, float]:
     return {f"s{i:02d}": cap for i in range(n)}
 
 
-def replay(policy: Policy, maxima: list[int], pool: dict[str, float]) -> list[Decision]:
+def replay(policy: SearchPolicy, maxima: list[int], pool: dict[str, float]) -> list[Decision]:
     """Decide before Experience Preparation of each step (its lengths are known then)."""
     tracker, out = ContextTracker(), []
     for step, top in enumerate(maxima):
@@ -27,7 +27,7 @@ def replay(policy: Policy, maxima: list[int], pool: dict[str, float]) -> list[De
     return out
 
 
-def assert_holds(policy: Policy, decisions: list[Decision], maxima: list[int],
+def assert_holds(policy: SearchPolicy, decisions: list[Decision], maxima: list[int],
                  pool: dict[str, float]) -> None:
     """No OOM: every actor's layout holds that step's longest context on its slots."""
     for d, top in zip(decisions, maxima, strict=True):
@@ -43,7 +43,7 @@ def assert_holds(policy: Policy, decisions: list[Decision], maxima: list[int],
 
 def test_steady_growth_adapts_without_oom() -> None:
     maxima = [int(2048 * 32 ** (i / 29)) for i in range(30)]  # 2K -> 64K
-    policy, pool = Policy(MODEL), slots()
+    policy, pool = SearchPolicy(MODEL), slots()
     ds = replay(policy, maxima, pool)
     assert_holds(policy, ds, maxima, pool)
     st = policy.statistics()
@@ -58,7 +58,7 @@ def test_steady_growth_adapts_without_oom() -> None:
 def test_spike_raises_the_bucket_at_once_and_lowers_it_only_after_patience() -> None:
     maxima = [4000] * 6 + [20000] + [4000] * 10
     cfg = PolicyConfig(patience=3)
-    policy, pool = Policy(MODEL, cfg), slots()
+    policy, pool = SearchPolicy(MODEL, cfg), slots()
     ds = replay(policy, maxima, pool)
     assert_holds(policy, ds, maxima, pool)
     buckets = [d.plan.context_bucket for d in ds]
@@ -70,7 +70,7 @@ def test_spike_raises_the_bucket_at_once_and_lowers_it_only_after_patience() -> 
 
 def test_shrinking_contexts_return_to_a_faster_plan() -> None:
     maxima = [int(65536 / 32 ** (i / 24)) for i in range(25)]  # 64K -> 2K
-    policy, pool = Policy(MODEL), slots()
+    policy, pool = SearchPolicy(MODEL), slots()
     ds = replay(policy, maxima, pool)
     assert_holds(policy, ds, maxima, pool)
     buckets = [d.plan.context_bucket for d in ds]
@@ -82,7 +82,7 @@ def test_shrinking_contexts_return_to_a_faster_plan() -> None:
 @pytest.mark.parametrize("colocated", [False, True])
 def test_oscillation_around_a_bucket_boundary_does_not_thrash(colocated: bool) -> None:
     maxima = [4000, 4200] * 20  # around the 4096 bucket edge
-    policy, pool = Policy(MODEL, PolicyConfig(colocated=colocated)), slots()
+    policy, pool = SearchPolicy(MODEL, PolicyConfig(colocated=colocated)), slots()
     ds = replay(policy, maxima, pool)
     assert_holds(policy, ds, maxima, pool)
     assert policy.statistics().switches <= 2
@@ -90,7 +90,7 @@ def test_oscillation_around_a_bucket_boundary_does_not_thrash(colocated: bool) -
 
 
 def test_noisy_gain_near_the_switch_threshold_needs_patience() -> None:
-    policy = Policy(MODEL, PolicyConfig(patience=3, cooldown_steps=0))
+    policy = SearchPolicy(MODEL, PolicyConfig(patience=3, cooldown_steps=0))
     tracker, pool = ContextTracker(), slots()
     # contexts alternating between two buckets whose best plans differ: the bucket stays up
     ds = [policy.decide(step=i, when="rollout", contexts=tracker.observe([8000 if i % 2 else 3000]),
@@ -101,7 +101,7 @@ def test_noisy_gain_near_the_switch_threshold_needs_patience() -> None:
 def test_infeasible_context_is_reported_before_it_is_needed() -> None:
     maxima = [int(4096 * 1.25 ** i) for i in range(25)]  # grows past what 4 slots hold
     pool = slots(8)
-    policy = Policy(MODEL, PolicyConfig(warn_steps=6))
+    policy = SearchPolicy(MODEL, PolicyConfig(warn_steps=6))
     ds = replay(policy, maxima, pool)
     first_short = next(d for d in ds if d.shortfall is not None)
     first_bad = next(d for d in ds if not d.plan.feasible)
@@ -118,15 +118,15 @@ def test_a_deep_training_queue_moves_slots_to_the_trainer() -> None:
     tracker = ContextTracker()
     stats = tracker.observe([4096, 3000, 2000])
     cfg = {"queue_target": 8}
-    calm = Policy(MODEL, PolicyConfig(**cfg)).decide(
+    calm = SearchPolicy(MODEL, PolicyConfig(**cfg)).decide(
         step=0, when="prep", contexts=stats, slots=slots(), queue_depths={"train": 0})
-    busy = Policy(MODEL, PolicyConfig(**cfg)).decide(
+    busy = SearchPolicy(MODEL, PolicyConfig(**cfg)).decide(
         step=0, when="prep", contexts=stats, slots=slots(), queue_depths={"train": 64})
     assert len(busy.plan.actor("trainer").slots) > len(calm.plan.actor("trainer").slots)
 
 
 def test_decision_records_for_metrics_and_trace() -> None:
-    d = replay(Policy(MODEL), [4096, 5000], slots())[-1]
+    d = replay(SearchPolicy(MODEL), [4096, 5000], slots())[-1]
     rec = d.record()
     assert rec["selector/trainer/tp"] == d.plan.actor("trainer").parallel.tp
     assert rec["selector/reason"] == d.reason
@@ -155,7 +155,7 @@ def test_bad_config_names_the_field() -> None:
 
 
 def test_a_lasting_backlog_moves_slots_live_after_patience_and_a_lost_slot_replans() -> None:
-    policy = Policy(MODEL, PolicyConfig(queue_target=8, patience=2, cooldown_steps=0))
+    policy = SearchPolicy(MODEL, PolicyConfig(queue_target=8, patience=2, cooldown_steps=0))
     tracker, pool = ContextTracker(), slots()
     stats = tracker.observe([4096, 3000])
     first = policy.decide(step=0, when="prep", contexts=stats, slots=pool)
@@ -169,3 +169,21 @@ def test_a_lasting_backlog_moves_slots_live_after_patience_and_a_lost_slot_repla
     d = policy.decide(step=5, when="prep", contexts=stats, slots=smaller)
     assert d.changed and "slots changed" in d.reason
     assert all(n in smaller for a in d.plan.actors for n in a.slots)
+
+
+def test_a_starved_trainer_moves_slots_to_the_rollout() -> None:
+    """Queue depths weigh both ways: fewer samples waiting than `queue_target` mean the trainer
+    waits for experience (rollout-bound), so the rollout gets more slots than when balanced."""
+    stats = ContextTracker().observe([4096, 3000, 2000])
+    cfg = PolicyConfig(queue_target=32)
+
+    def rollout_slots(backlog: int) -> int:
+        d = SearchPolicy(MODEL, cfg).decide(step=0, when="rollout", contexts=stats,
+                                            slots=slots(), queue_depths={"train": backlog})
+        return len(d.plan.actor("rollout").slots)
+
+    assert rollout_slots(0) > rollout_slots(32) >= rollout_slots(320)
+    assert SearchPolicy(MODEL, cfg)._demand({"train": 0})["rollout"] == 2.0
+    assert SearchPolicy(MODEL, cfg)._demand({"train": 96})["trainer"] == 3.0
+    assert SearchPolicy(MODEL, cfg)._demand(None) == {"rollout": 1.0, "reference": 1.0,
+                                                      "trainer": 1.0}

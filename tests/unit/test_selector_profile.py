@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from earl.runtime.selector.cost import CostConfig, CostModel, ModelShape, Parallel
-from earl.runtime.selector.policy import Policy, PolicyConfig
+from earl.runtime.selector.policy import PolicyConfig, SearchPolicy
 from earl.runtime.selector.profile import Profiler
 
 
@@ -58,7 +58,44 @@ def _check(model: torch.nn.Module, shape: ModelShape) -> None:
     # refreshed only when a bucket is first reached
     assert prof.ensure("train", Parallel(), 700, train_step) is None
     # the policy reads measured throughput for profiled points
-    policy = Policy(cost, PolicyConfig(actors={"t": "train"}), measured=prof.table)
+    policy = SearchPolicy(cost, PolicyConfig(actors={"t": "train"}), measured=prof.table)
     plan = policy.evaluate("t", Parallel(), ("s0",), 1024, 8 * 2**30)
     assert plan is not None and plan.tokens_per_s == points[1].tokens_per_s
     assert prof.table.memory_scale("train") >= 1.0
+
+
+def test_the_run_profile_calibrates_the_roofline_and_scales_memory() -> None:
+    """What a run measures reaches the policy: a layout it ran gets its measured tokens/s;
+    one it has not gets the roofline times the stage's measured efficiency (so the two
+    compare in the same units); a peak above the prediction shrinks the micro-batch."""
+    from earl.runtime.selector import RunProfile, SearchPolicy
+
+    cost = CostModel(ModelShape(hidden=64, layers=2, heads=2, kv_heads=2, intermediate=192,
+                                vocab=512, params=120_000),
+                     CostConfig(weight_bytes=4, grad_bytes=4, optimizer_bytes=8, act_bytes=4,
+                                reserve_bytes=300 * 2**20))
+    one, two = Parallel(), Parallel(dp=2)
+    profile = RunProfile(cost)
+    assert profile.efficiency("train") == 1.0 and profile.tokens_per_s("train", one, 900) is None
+    roof = cost.tokens_per_s("train", one, profile.bucket_of(900), batch_tokens=2048)
+    profile.record("train", one, 900, tokens=20_000, seconds=10.0, batch_tokens=2048)
+    profile.record("train", one, 900, tokens=30_000, seconds=10.0, batch_tokens=2048)
+    assert profile.tokens_per_s("train", one, 900) == pytest.approx(2500)  # moving average
+    assert profile.efficiency("train") == pytest.approx(2500 / roof)
+    policy = SearchPolicy(cost, PolicyConfig(actors={"t": "train"}), measured=profile)
+    cap = 2**30
+    ran = policy.evaluate("t", one, ("a",), 900, cap)
+    new = policy.evaluate("t", two, ("a", "b"), 900, cap)
+    assert ran is not None and new is not None and ran.tokens_per_s == pytest.approx(2500)
+    assert new.tokens_per_s == pytest.approx(
+        cost.tokens_per_s("train", two, 900, batch_tokens=new.micro_batch_tokens)
+        * profile.efficiency("train"))
+    before = ran.micro_batch_tokens
+    predicted = cost.memory("train", one, seq_len=900, micro_batch_tokens=2048).total
+    profile.record("train", one, 900, tokens=1, seconds=1.0, batch_tokens=2048,
+                   peak_bytes=1.5 * predicted)
+    assert profile.memory_scale("train") == pytest.approx(1.5)
+    shrunk = policy.evaluate("t", one, ("a",), 900, cap)
+    assert shrunk is not None and shrunk.micro_batch_tokens < before
+    rows = profile.record_row()
+    assert rows["selector/profile/train/memory_scale"] == pytest.approx(1.5)
