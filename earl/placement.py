@@ -39,8 +39,8 @@ class PlacementConfig:
     `devices`: the run's devices (0 = one per actor rank). On CPU (with `slot_memory_mib`) N
     slots "device0".."device<N-1>", each with `slot_memory_mib` of memory and an equal share
     of this process's cores (cores / N: a CFS quota, on core i mod cores), so N devices over
-    2 cores bind like N small accelerators (a rollout replica takes one, its TP workers share
-    it). The ranks take them in order: rollout replicas,
+    2 cores bind like N small accelerators; a rollout replica takes `rollout_tp` of them,
+    joined into one slot for it and its TP workers. The ranks take them in order: rollout replicas,
     trainer ranks, then reference actors from the last device down; with `--selector on` the
     devices no rank holds at the start are the selector's to hand out, and it moves devices
     between the rollout and the trainer as it re-plans (the reference keeps its own). On CUDA a
@@ -195,9 +195,10 @@ class PlacementConfig:
                  f"lower it to at most placement.trainer={self.trainer}")
 
     def devices_per_replica(self) -> int:
-        """Devices one rollout replica takes: its `rollout_tp` GPUs; on CPU one slot (its TP
-        workers share the slot's cores)."""
-        return self.rollout_tp if self.device == "cuda" else 1
+        """Devices one rollout replica takes: its `rollout_tp` GPUs, or CPU devices (joined
+        into one slot for the replica and its TP workers); without `devices`, on CPU, one
+        slot (its TP workers share its cores)."""
+        return self.rollout_tp if self.device == "cuda" or self.devices else 1
 
     def host_resources(self) -> dict[str, str]:
         """`hosts` as actor group -> Ray custom resource (empty: Ray places every group)."""

@@ -38,6 +38,7 @@ MEMORY_ROOT = "/sys/fs/cgroup/memory"
 CPUSET_ROOT = "/sys/fs/cgroup/cpuset"
 CPU_ROOT = "/sys/fs/cgroup/cpu"
 CFS_PERIOD_US = 100_000
+SHARE_ENV = "EARL_SLOT_CPU_SHARE"  # set in a slot with a CPU share: its cores are time-shared
 MemoryEnforcement = Literal["cgroup", "rlimit", "device", "none"]
 CpuEnforcement = Literal["cpuset", "affinity", "none"]
 
@@ -102,6 +103,7 @@ class Slot:
             threads = len(self.cores) or os.cpu_count() or 1
             if self.cpu_share is not None:  # more threads than the share only queue up
                 threads = min(threads, max(1, round(self.cpu_share)))
+                out[SHARE_ENV] = f"{self.cpu_share:g}"
             out["OMP_NUM_THREADS"] = str(threads)
         return out
 
@@ -258,6 +260,7 @@ class SlotPool:
                  cpuset_root: str = CPUSET_ROOT, cpu_root: str = CPU_ROOT) -> None:
         self._slots: dict[str, Slot] = {}
         self._owner: dict[str, str] = {}
+        self._parts: dict[str, tuple[str, ...]] = {}  # joined slot -> the slots it spans
         self._dirs: list[str] = []  # cgroup directories we made, parents first
         tag = f"earl-{os.getpid()}"
         self._mem_base = self._cpu_base = self._quota_base = ""
@@ -383,17 +386,64 @@ class SlotPool:
         self._owner[name] = owner
         return slot
 
-    def release(self, name: str) -> None:
-        """Take slot `name` back. Its processes must be gone (stop the actor first).
+    def join(self, names: tuple[str, ...] | list[str], owner: str) -> Slot:
+        """One slot spanning `names` for one rank that needs several devices (a tensor-parallel
+        vLLM replica and its workers): their cores, GPUs, memory and CPU shares together, in
+        cgroups of its own; the parts are `owner`'s while it lives. One name: `assign`.
 
         Raises:
-            ValueError: processes still run in the slot.
+            ValueError: a part belongs to another owner, or runs processes (its actor must be
+                stopped before its device joins another rank's).
+        """
+        names = tuple(names)
+        if len(names) == 1:
+            return self.assign(names[0], owner)
+        joined = "_".join(names)
+        if joined not in self._slots:
+            parts = [self[n] for n in names]
+            for n in names:
+                held = self._owner.get(n)
+                if held is not None and held != owner:
+                    raise ValueError(f"slot {n!r} is assigned to {held!r}: stop that actor and "
+                                     f"release the slot before joining it for {owner!r}")
+            shares = [s.cpu_share for s in parts]
+            mems = [s.memory_mib for s in parts]
+            self.create(joined, cores=sorted({c for s in parts for c in s.cores}),
+                        memory_mib=None if None in mems else sum(m or 0 for m in mems),
+                        gpus=[g for s in parts for g in s.gpus],
+                        cpu_share=None if None in shares else sum(x or 0.0 for x in shares))
+            self._parts[joined] = names
+        for n in names:
+            self._owner[n] = owner
+        return self.assign(joined, owner)
+
+    def joined(self) -> dict[str, tuple[str, ...]]:
+        """Joined slots alive now -> the slots each spans."""
+        return dict(self._parts)
+
+    def release(self, name: str) -> None:
+        """Take slot `name` back. Its processes must be gone (stop the actor first). A joined
+        slot is removed (its cgroups too); its parts stay with their owner.
+
+        Raises:
+            ValueError: processes still run in the slot, or it is part of a joined slot that
+                is still there (release that first).
         """
         live = self.pids(name)
         if live:
             raise ValueError(f"slot {name!r} still runs pids {live}: stop its actor before "
                              "releasing the slot")
+        within = [j for j, parts in self._parts.items() if name in parts]
+        if within:
+            raise ValueError(f"slot {name!r} is part of joined slot(s) {within}: release "
+                             "those first")
         self._owner.pop(name, None)
+        if self._parts.pop(name, None) is not None:
+            slot = self._slots.pop(name)
+            for d in (slot.memory_cgroup, slot.cpuset_cgroup, slot.cpu_cgroup):
+                if d:
+                    _remove_cgroup(d)
+                    self._dirs.remove(d)
 
     def owner(self, name: str) -> str | None:
         return self._owner.get(self[name].name)
@@ -409,9 +459,9 @@ class SlotPool:
 
     def budgets(self) -> dict[str, float]:
         """Slot name -> memory budget in bytes, for the slots that have one (the selector's
-        `slots` input)."""
+        `slots` input; joined slots are not devices of their own and are left out)."""
         return {n: float(s.memory_mib << 20) for n, s in self._slots.items()
-                if s.memory_mib is not None}
+                if s.memory_mib is not None and n not in self._parts}
 
     def memory_used_mib(self, name: str) -> float | None:
         """Memory charged to the slot now (cgroup slots; None otherwise)."""
@@ -430,6 +480,7 @@ class SlotPool:
         self._dirs.clear()
         self._slots.clear()
         self._owner.clear()
+        self._parts.clear()
         atexit.unregister(self.close)
 
     def __enter__(self) -> Self:

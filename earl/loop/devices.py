@@ -146,8 +146,8 @@ def device_roles(placement: PlacementConfig, *, reference: int) -> dict[str, tup
 
     Without ``placement.devices`` (or on CUDA, where `gpu_slots` names its slots by stage):
     "rollout<r>", "trainer<r>", "reference<r>", none free. With it, on CPU: "device<i>", taken
-    in order by the rollout replicas (one each) and the trainer ranks, the reference actors
-    from the last device down; the rest are free.
+    in order by the rollout replicas (`rollout_tp` each) and the trainer ranks, the reference
+    actors from the last device down; the rest are free.
 
     Raises:
         ValueError: the devices cannot hold every rank; names the field.
@@ -157,19 +157,20 @@ def device_roles(placement: PlacementConfig, *, reference: int) -> dict[str, tup
         return {"rollout": tuple(f"rollout{r}" for r in range(pl.rollout)),
                 "trainer": tuple(f"trainer{r}" for r in range(pl.trainer)),
                 "reference": tuple(f"reference{r}" for r in range(reference)), "free": ()}
-    ranks = pl.rollout + pl.trainer + reference
+    rollout = pl.rollout * pl.devices_per_replica()
+    ranks = rollout + pl.trainer + reference
     if ranks > pl.devices:
         raise ValueError(
             f"config field 'placement.devices': {pl.devices} devices cannot hold rollout "
-            f"{pl.rollout} + trainer {pl.trainer} + reference {reference} ranks (one device "
-            f"each); raise it to at least {ranks}, or lower those (reference: 0 with "
-            "algorithm.kl_coef=0)")
+            f"{pl.rollout} x rollout_tp {pl.rollout_tp} + trainer {pl.trainer} + reference "
+            f"{reference} ranks (one device each); raise it to at least {ranks}, or lower "
+            "those (reference: 0 with algorithm.kl_coef=0)")
     names = tuple(f"device{i}" for i in range(pl.devices))
     first_ref = pl.devices - reference
-    return {"rollout": names[:pl.rollout],
-            "trainer": names[pl.rollout:pl.rollout + pl.trainer],
+    return {"rollout": names[:rollout],
+            "trainer": names[rollout:rollout + pl.trainer],
             "reference": names[first_ref:],
-            "free": names[pl.rollout + pl.trainer:first_ref]}
+            "free": names[rollout + pl.trainer:first_ref]}
 
 
 def run_slots(placement: PlacementConfig, reference: int = 0) -> SlotPool:

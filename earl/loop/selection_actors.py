@@ -137,10 +137,13 @@ class ActorReconfigurer:
                     self.rt, self.actors.rollout, tensor_parallel_size=new.rollout_tp,
                     replicas=new.rollout_replicas, trainer=self.actors.trainer, version=version,
                     env=self.env,
-                    slot=None if in_place else self._placed(new.rollout_slots,
-                                                            new.rollout_replicas, "rollout"),
+                    slot=None if in_place else self._placed(
+                        new.rollout_slots, new.rollout_replicas, "rollout", new.rollout_tp),
                     max_model_len=new.max_model_len, kv_cache_gb=self.kv_cache_gb(new),
                     restart=self.restart, in_place=in_place)
+                self._release_joins("rollout", keep=() if in_place else tuple(
+                    "_".join(new.rollout_slots[r * new.rollout_tp:(r + 1) * new.rollout_tp])
+                    for r in range(new.rollout_replicas)))
                 self._release(moved)
                 await self.actors.use_rollout(group, version)
             for k, v in t.as_dict().items():
@@ -154,14 +157,28 @@ class ActorReconfigurer:
         changes = {"tensor_parallel_size": s.rollout_tp, "max_model_len": s.max_model_len,
                    "kv_cache_gb": self.kv_cache_gb(s)}
         return changes, s.rollout_replicas, self._placed(s.rollout_slots, s.rollout_replicas,
-                                                         "rollout")
+                                                         "rollout", s.rollout_tp)
 
-    def _placed(self, names: tuple[str, ...], ranks: int, owner: str) -> Any:
-        """One slot per rank (the first `ranks` of `names`), or None without slots (or too
-        few). Slots the actor gains were released by their old owner first (see `apply`)."""
-        if self.pool is None or len(names) < ranks or ranks == 0:
+    def _placed(self, names: tuple[str, ...], ranks: int, owner: str, per_rank: int = 1
+                ) -> Any:
+        """A slot per rank, or None without slots (or too few): rank r gets `names`'
+        r-th run of `per_rank` devices, joined into one slot when there are several (a
+        tensor-parallel replica and its workers). Slots the actor gains were released by their
+        old owner first (see `apply`)."""
+        if self.pool is None or len(names) < ranks * per_rank or ranks == 0:
             return None
-        return self._slots(names[:ranks], owner)
+        if per_rank == 1:
+            return self._slots(names[:ranks], owner)
+        return [self.pool.join(names[r * per_rank:(r + 1) * per_rank], owner)
+                for r in range(ranks)]
+
+    def _release_joins(self, owner: str, keep: tuple[str, ...]) -> None:
+        """Remove `owner`'s joined slots other than `keep` (their ranks have stopped)."""
+        if self.pool is None:
+            return
+        for joined in self.pool.joined():
+            if joined not in keep and self.pool.owner(joined) == owner:
+                self.pool.release(joined)
 
 
 def cost_model_of(model_dir: str, *, reserve_mib: float, dtype_bytes: int = 4,

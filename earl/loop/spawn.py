@@ -94,11 +94,13 @@ async def spawn_attempt(job: Job, version: int) -> Attempt:
                    evaluation=parts.evaluation, selection=selection, reconfigurer=reconfigurer)
 
 
-def _slots(job: Job, actor: str, n: int) -> Any:
-    """The device slots of `actor`'s `n` ranks, or None without slots."""
+def _slots(job: Job, actor: str, n: int, per_rank: int = 1) -> Any:
+    """The device slots of `actor`'s `n` ranks, or None without slots; a rank of
+    `per_rank` devices gets them joined into one slot."""
     if job.slots is None:
         return None
-    return [job.slots.assign(name, actor) for name in job.roles[actor][:n]]
+    names = job.roles[actor]
+    return [job.slots.join(names[r * per_rank:(r + 1) * per_rank], actor) for r in range(n)]
 
 
 async def spawn_trainer(job: Job) -> Any:
@@ -158,7 +160,8 @@ async def spawn_rollout(job: Job, actors: Actors, version: int, setting: Setting
         changes, n, slot = reconfigurer.rollout_spawn(setting)
         ecfg = replace(ecfg, **changes)
     else:
-        n, slot = pl.rollout, _slots(job, "rollout", pl.rollout)
+        per = pl.devices_per_replica() if pl.device == "cpu" else 1  # GPU slots: their GPUs
+        n, slot = pl.rollout, _slots(job, "rollout", pl.rollout, per)
         if pl.device == "cuda" and slot:  # vLLM's share of each GPU: the slot's budget
             ecfg = replace(ecfg, gpu_memory_mib=slot[0].memory_mib or 0)
     group = await job.rt.spawn("rollout", RolloutActor, ecfg, version, n=n, env=job.env,

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from earl.runtime.slots import SHARE_ENV
+
 if TYPE_CHECKING:
     import torch
 
@@ -242,15 +244,23 @@ def _private_socket_dir() -> str:
     return _socket_dir
 
 
-def cpu_binding(tp: int) -> str:
+def cpu_binding(tp: int, *, time_share: bool | None = None) -> str:
     """``VLLM_CPU_OMP_THREADS_BIND`` giving each of `tp` workers an equal share of this
     process's allowed cores, e.g. ``"0|1"`` for 2 workers on cores {0, 1}.
 
+    With fewer cores than workers and `time_share` (default: the process runs in a device
+    slot with a CPU share, `SHARE_ENV`: its devices share cores by design) the workers take
+    the cores in turn and time-share them (``"0|0"``).
+
     Raises:
-        ValueError: fewer allowed cores than workers.
+        ValueError: fewer allowed cores than workers, without `time_share`.
     """
     cores = sorted(os.sched_getaffinity(0))
     per = len(cores) // tp
+    if time_share is None:
+        time_share = bool(os.environ.get(SHARE_ENV))
+    if per < 1 and time_share:
+        return "|".join(str(cores[k % len(cores)]) for k in range(tp))
     if per < 1:
         raise ValueError(f"EngineConfig.tensor_parallel_size={tp} needs >= {tp} cores; this "
                          f"process may use {len(cores)} ({cores}): lower it or set cpu_bind")

@@ -68,6 +68,41 @@ async def test_memory_hog_is_oom_killed_in_its_slot_and_the_run_survives() -> No
     assert not os.path.exists(mem_dir)  # cgroups removed at close
 
 
+@pytest.mark.timeout(90)
+async def test_a_joined_slot_spans_its_devices_for_one_rank() -> None:
+    """A rank that needs two devices (a TP-2 vLLM replica) runs in one slot with both
+    devices' cores, memory and CPU shares; the parts are its owner's and are not offered as
+    devices meanwhile; the joined slot goes when its rank has stopped."""
+    ncpu = len(os.sched_getaffinity(0))
+    with _pool() as pool:
+        pool.create("dev0", cores=(0,), memory_mib=200, cpu_share=0.5)
+        pool.create("dev1", cores=(1 % ncpu,), memory_mib=300, cpu_share=0.5)
+        pool.create("dev2", cores=(0,), memory_mib=200, cpu_share=0.5)
+        both = pool.join(("dev0", "dev1"), "rollout")
+        assert both.name == "dev0_dev1" and both.memory_mib == 500 and both.cpu_share == 1.0
+        assert both.cores == tuple(sorted({0, 1 % ncpu}))
+        quota = Path(both.cpu_cgroup, "cpu.cfs_quota_us").read_text()
+        assert int(quota) == 100_000  # one core's worth: the two shares together
+        assert both.env()["EARL_SLOT_CPU_SHARE"] == "1"  # vLLM's TP workers may share cores
+        assert set(pool.budgets()) == {"dev0", "dev1", "dev2"}  # not a device of its own
+        with pytest.raises(ValueError, match="assigned to 'rollout'"):
+            pool.join(("dev1", "dev2"), "trainer")
+        async with Runtime() as rt:
+            g = await rt.spawn("hog", Hog, slot=both)
+            assert await g.hog.call_one(352) == 352  # more than one part's budget
+            assert pool.pids("dev0_dev1") and not pool.pids("dev0")
+            with pytest.raises(ValueError, match="still runs pids"):
+                pool.release("dev0_dev1")
+            with pytest.raises(ValueError, match="part of joined"):
+                pool.release("dev0")
+            await rt.stop(g)
+        mem_dir = both.memory_cgroup
+        pool.release("dev0_dev1")
+        assert not os.path.exists(mem_dir) and "dev0_dev1" not in pool.joined()
+        pool.release("dev1")  # the part moves on: another owner may take it
+        assert pool.join(("dev1",), "trainer").name == "dev1"
+
+
 @pytest.mark.timeout(60)
 async def test_actor_affinity_equals_its_slot_cores() -> None:
     with _pool() as pool:

@@ -42,7 +42,12 @@ def test_cpu_binding_splits_the_allowed_cores(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(vllm_build.os, "sched_getaffinity", lambda pid: {4, 5, 6, 7, 9})
     assert vllm_build.cpu_binding(2) == "4,5|6,7"
     with pytest.raises(ValueError, match="tensor_parallel_size=8 needs >= 8 cores"):
-        vllm_build.cpu_binding(8)
+        vllm_build.cpu_binding(8, time_share=False)
+    # in a device slot with a CPU share, devices share cores by design: workers take turns
+    monkeypatch.setattr(vllm_build.os, "sched_getaffinity", lambda pid: {0})
+    assert vllm_build.cpu_binding(2, time_share=True) == "0|0"
+    monkeypatch.setenv(vllm_build.SHARE_ENV, "1")
+    assert vllm_build.cpu_binding(3) == "0|0|0"
 
 
 def test_plan_for_the_trainer_layout_within_the_budget_or_the_longest_sample() -> None:
