@@ -231,6 +231,8 @@ class Selection:
         self._stats = SelectionStatistics()
         self._played: dict[int, Setting] = {}  # batch -> the setting it was played with
         self._training: dict[int, tuple[Setting, int]] = {}  # batch -> setting, longest seq
+        self._busy: dict[int, float] = {}  # batch -> rollout seconds it alone accounts for
+        self._last_end = float("-inf")  # when the latest play ended
         self.decisions: list[Decision] = []
         self._started: int | None = None  # the batch whose rollout decision `start` took
 
@@ -251,11 +253,12 @@ class Selection:
                    for e in result.episodes if e.tokens > 0]
         if lengths:
             self.contexts = self.tracker.observe(lengths)
-            if self.profile is not None:  # trajectory tokens played per second
+            if self.profile is not None:  # trajectory tokens per second of busy rollout
                 self.profile.record("rollout", played.rollout_parallel(),
                                     max(e.tokens for e in result.episodes),
                                     tokens=sum(e.tokens for e in result.episodes),
-                                    seconds=result.seconds, batch_tokens=played.kv_tokens)
+                                    seconds=self._busy.pop(result.batch, result.seconds),
+                                    batch_tokens=played.kv_tokens)
         return self.contexts
 
     async def start(self, batch: int, spawn: Callable[[Setting], Awaitable[None]]) -> None:
@@ -285,7 +288,15 @@ class Selection:
             await self._decide_and_apply(batch, "rollout")
         async with self._lock.shared():
             self._played[batch] = self.setting
-            yield
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                # the rollout's busy time for this batch: plays overlap (max_policy_lag), so
+                # count from the end of the previous play to finish, or from this start
+                end = time.perf_counter()
+                self._busy[batch] = end - max(start, min(self._last_end, end))
+                self._last_end = max(self._last_end, end)
 
     @contextlib.asynccontextmanager
     async def train(self, batch: int, result: BatchResult) -> AsyncIterator[None]:
