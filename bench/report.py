@@ -195,8 +195,11 @@ def _peers(r: Result) -> str:
         s += f", per CPU-second {r['ratio_trajectories_per_cpu_s']:.2f}x"
     if "config" in t:
         c = t["config"]
-        s += (f" (TRL {c['pace']} pace, {c['threads']} thread(s), steps_per_generation "
-              f"{c['steps_per_generation']}, best of {len(r['trl_runs'])})")
+        knob = (f"steps_per_generation {c['steps_per_generation']}"
+                if c.get("steps_per_generation") else
+                f"max_staleness {c['max_staleness']}, queue {c.get('queue_maxsize') or 1024}")
+        s += (f" (TRL {c.get('trainer', 'GRPOTrainer')}, {c['pace']} pace, {c['threads']} "
+              f"thread(s), {knob}, best of {len(r['trl_runs'])})")
     s += (f"; eval reward {e['final_eval']['reward']:.2f} vs {t['final_eval']['reward']:.2f}")
     if r.get("earl_over_sampled"):
         s += f"; over-sampled EARL {r['earl_over_sampled']['ratio_turns_per_s']:.2f}x turns/s"
