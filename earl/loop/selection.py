@@ -84,15 +84,15 @@ class Setting:
         return Parallel(tp=self.rollout_tp, dp=self.rollout_replicas)
 
 
-KV_CHANGE = 0.25  # a rollout KV budget this much above or below the current one is applied
+KV_CHANGE = 0.25  # a rollout KV budget this much larger than the current one is applied alone
 
 
 def setting_of(plan: Plan, current: Setting, *, max_context: int) -> Setting:
     """The setting that runs `plan`, starting from `current`.
 
     The rollout's ``max_model_len`` grows to the plan's context bucket (capped at `max_context`,
-    the model's positions) and never shrinks; its KV budget is the plan's, at least one context,
-    changed alone (a rebuild of the engines) only when it moves by `KV_CHANGE` or more.
+    the model's positions) and never shrinks; its KV budget is the plan's, at least one context;
+    alone (a rebuild of the engines) it changes only when it grows by `KV_CHANGE` or more.
     Actors the plan does not name keep their setting.
     """
     s = current
@@ -109,10 +109,13 @@ def setting_of(plan: Plan, current: Setting, *, max_context: int) -> Setting:
         r = plan.actor("rollout")
         mml = min(max(current.max_model_len, plan.context_bucket), max_context)
         kv = max(r.micro_batch_tokens, mml)
-        if current.kv_tokens >= mml and abs(kv / current.kv_tokens - 1) < KV_CHANGE:
-            kv = current.kv_tokens  # not worth a rebuild
         s = replace(s, rollout_tp=r.parallel.tp, rollout_replicas=r.parallel.dp,
                     rollout_slots=r.slots, max_model_len=mml, kv_tokens=kv)
+        same = s.rollout_key()[:4] == current.rollout_key()[:4]  # no rebuild for another reason
+        if same and mml <= current.kv_tokens and kv < current.kv_tokens * (1 + KV_CHANGE):
+            # vLLM allocated its cache at start and lives within its slot: a smaller one frees
+            # nothing, a slightly larger one is not worth a rebuild
+            s = replace(s, kv_tokens=current.kv_tokens)
     return s
 
 

@@ -318,8 +318,10 @@ def test_the_first_plan_is_applied_at_spawn_not_by_a_re_creation() -> None:
 
 def test_a_kv_only_change_rebuilds_the_rollout_and_a_small_one_does_not() -> None:
     """The policy's KV budget alone is a change (vLLM sizes its cache at start: the engines
-    are rebuilt in place, same replicas and slots); within `KV_CHANGE` it is not worth one."""
-    for start, rebuilt in ((4096, True), (int(PLANNED_KV * 0.9), False)):
+    are rebuilt in place, same replicas and slots) when it grows by `KV_CHANGE` or more; a
+    smaller one frees nothing vLLM holds already, a slightly larger one is not worth it."""
+    for start, rebuilt in ((4096, True), (int(PLANNED_KV * 0.9), False),
+                           (PLANNED_KV * 3, False)):
         reconf, rows, events = FakeReconfigurer(), [], []
         sel = _selection(reconf, rows, events, window=1024, kv=start)
 
