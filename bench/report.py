@@ -275,7 +275,7 @@ ROWS: list[tuple[str, str, Callable[[Result], str]]] = [
     ("driver_memory", "driver memory vs experience (metadata only)", _driver_memory),
     ("async_vs_sync", "async vs sync pipeline, Tic-Tac-Toe", _async),
     ("async_vs_sync_agentic", "async vs sync, agentic (tools that wait)", _async),
-    ("peers", "peer: TRL GRPOTrainer, same agentic task and budget", _peers),
+    ("peers", "peer: TRL at its best (GRPOTrainer or AsyncGRPOTrainer), same agentic task and budget", _peers),
     ("parallel", "tensor parallelism on CPU", _parallel),
     ("selector", "parallelism selector in the loop (connect4, memory slots)", _selector),
     ("selector_simulate", "parallelism selector, simulated cluster", _simulate),
