@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, Self
 
+from earl.runtime.cgroups import own_cgroup, read_int, remove_cgroup, sweep_stale, write
 from earl.runtime.wire import message
 
 MEMORY_ROOT = "/sys/fs/cgroup/memory"
@@ -147,23 +148,6 @@ def per_rank(slot: Slot | list[Slot] | tuple[Slot, ...] | None, n: int) -> list[
     return list(slot)
 
 
-def _read_int(path: str, key: str | None = None) -> int:
-    with open(path) as f:
-        text = f.read()
-    if key is None:
-        return int(text.split()[0])
-    for line in text.splitlines():
-        k, _, v = line.partition(" ")
-        if k == key:
-            return int(v)
-    return 0
-
-
-def _write(path: str, value: str) -> None:
-    with open(path, "w") as f:
-        f.write(value)
-
-
 class SlotBinding:
     """A process placed in a slot (made by `bind_process`); explains the process's death."""
 
@@ -177,7 +161,7 @@ class SlotBinding:
         if not self.slot.memory_cgroup:
             return 0
         with contextlib.suppress(OSError, ValueError):
-            return _read_int(os.path.join(self.slot.memory_cgroup, "memory.oom_control"),
+            return read_int(os.path.join(self.slot.memory_cgroup, "memory.oom_control"),
                              "oom_kill")
         return 0
 
@@ -185,7 +169,7 @@ class SlotBinding:
         if not self.slot.memory_cgroup:
             return 0
         with contextlib.suppress(OSError, ValueError):
-            return _read_int(os.path.join(self.slot.memory_cgroup, "memory.failcnt"))
+            return read_int(os.path.join(self.slot.memory_cgroup, "memory.failcnt"))
         return 0
 
     def exit_reason(self, returncode: int | None) -> str | None:
@@ -207,37 +191,17 @@ def bind_process(slot: Slot, pid: int) -> SlotBinding:
         OSError: the cgroup or the affinity could not be applied.
     """
     if slot.memory_enforcement == "cgroup":
-        _write(os.path.join(slot.memory_cgroup, "cgroup.procs"), str(pid))
+        write(os.path.join(slot.memory_cgroup, "cgroup.procs"), str(pid))
     elif slot.memory_enforcement == "rlimit" and slot.memory_mib is not None:
         limit = slot.memory_mib << 20
         resource.prlimit(pid, resource.RLIMIT_AS, (limit, limit))
     if slot.cpu_cgroup:
-        _write(os.path.join(slot.cpu_cgroup, "cgroup.procs"), str(pid))
+        write(os.path.join(slot.cpu_cgroup, "cgroup.procs"), str(pid))
     if slot.cpu_enforcement == "cpuset":
-        _write(os.path.join(slot.cpuset_cgroup, "cgroup.procs"), str(pid))
+        write(os.path.join(slot.cpuset_cgroup, "cgroup.procs"), str(pid))
     elif slot.cpu_enforcement == "affinity":
         os.sched_setaffinity(pid, slot.cores)
     return SlotBinding(slot, pid)
-
-
-def _own_cgroup(controller: str) -> str:
-    """This process's cgroup v1 path for `controller` ("" if not found)."""
-    with contextlib.suppress(OSError), open("/proc/self/cgroup") as f:
-        for line in f:
-            _, ctrls, path = line.rstrip("\n").split(":", 2)
-            if controller in ctrls.split(","):
-                return path
-    return ""
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,17 +239,17 @@ class SlotPool:
         atexit.register(self.close)
 
     def _make_base(self, root: str, controller: str, tag: str) -> str:
-        parent = os.path.join(root, _own_cgroup(controller).lstrip("/"))
+        parent = os.path.join(root, own_cgroup(controller).lstrip("/"))
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
             return ""
-        _sweep_stale(parent)
+        sweep_stale(parent)
         base = os.path.join(parent, tag)
         try:
             os.makedirs(base, exist_ok=True)
             if controller == "cpuset":  # every cpuset level needs cpus and mems before tasks
                 for f in ("cpuset.cpus", "cpuset.mems"):
                     with open(os.path.join(parent, f)) as src:
-                        _write(os.path.join(base, f), src.read().strip())
+                        write(os.path.join(base, f), src.read().strip())
         except OSError:
             with contextlib.suppress(OSError):
                 os.rmdir(base)
@@ -339,21 +303,21 @@ class SlotPool:
             if self._mem_base:
                 mem_dir = self._mkdir(self._mem_base, name)
                 limit = str(memory_mib << 20)
-                _write(os.path.join(mem_dir, "memory.limit_in_bytes"), limit)
+                write(os.path.join(mem_dir, "memory.limit_in_bytes"), limit)
                 with contextlib.suppress(OSError):  # no swap accounting: nothing to cap
-                    _write(os.path.join(mem_dir, "memory.memsw.limit_in_bytes"), limit)
+                    write(os.path.join(mem_dir, "memory.memsw.limit_in_bytes"), limit)
         if cores:
             cpu_enf = self.cpu_enforcement
             if self._cpu_base:
                 cpu_dir = self._mkdir(self._cpu_base, name)
-                _write(os.path.join(cpu_dir, "cpuset.cpus"), ",".join(map(str, cores)))
+                write(os.path.join(cpu_dir, "cpuset.cpus"), ",".join(map(str, cores)))
                 with open(os.path.join(self._cpu_base, "cpuset.mems")) as f:
-                    _write(os.path.join(cpu_dir, "cpuset.mems"), f.read().strip())
+                    write(os.path.join(cpu_dir, "cpuset.mems"), f.read().strip())
         quota_dir = ""
         if cpu_share is not None and self._quota_base:
             quota_dir = self._mkdir(self._quota_base, name)
-            _write(os.path.join(quota_dir, "cpu.cfs_period_us"), str(CFS_PERIOD_US))
-            _write(os.path.join(quota_dir, "cpu.cfs_quota_us"), str(round(cpu_share * CFS_PERIOD_US)))
+            write(os.path.join(quota_dir, "cpu.cfs_period_us"), str(CFS_PERIOD_US))
+            write(os.path.join(quota_dir, "cpu.cfs_quota_us"), str(round(cpu_share * CFS_PERIOD_US)))
         slot = Slot(name=name, cores=cores, memory_mib=memory_mib, gpus=gpus,
                     memory_cgroup=mem_dir, cpuset_cgroup=cpu_dir, memory_enforcement=mem_enf,
                     cpu_enforcement=cpu_enf, cpu_share=cpu_share, cpu_cgroup=quota_dir)
@@ -442,7 +406,7 @@ class SlotPool:
             slot = self._slots.pop(name)
             for d in (slot.memory_cgroup, slot.cpuset_cgroup, slot.cpu_cgroup):
                 if d:
-                    _remove_cgroup(d)
+                    remove_cgroup(d)
                     self._dirs.remove(d)
 
     def owner(self, name: str) -> str | None:
@@ -466,7 +430,7 @@ class SlotPool:
     def memory_used_mib(self, name: str) -> float | None:
         """Memory charged to the slot now (cgroup slots; None otherwise)."""
         d = self[name].memory_cgroup
-        return _read_int(os.path.join(d, "memory.usage_in_bytes")) / 2**20 if d else None
+        return read_int(os.path.join(d, "memory.usage_in_bytes")) / 2**20 if d else None
 
     def statistics(self) -> SlotPoolStatistics:
         return SlotPoolStatistics(slots=len(self._slots), assigned=dict(self._owner),
@@ -476,7 +440,7 @@ class SlotPool:
     def close(self) -> None:
         """Remove every cgroup this pool made; leftover processes move to the parent group."""
         for d in reversed(self._dirs):
-            _remove_cgroup(d)
+            remove_cgroup(d)
         self._dirs.clear()
         self._slots.clear()
         self._owner.clear()
@@ -488,28 +452,3 @@ class SlotPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _remove_cgroup(d: str) -> None:
-    if not os.path.isdir(d):
-        return
-    for child in os.listdir(d):
-        if os.path.isdir(os.path.join(d, child)):
-            _remove_cgroup(os.path.join(d, child))
-    with contextlib.suppress(OSError):
-        with open(os.path.join(d, "cgroup.procs")) as f:
-            pids = f.read().split()
-        for pid in pids:
-            with contextlib.suppress(OSError):
-                _write(os.path.join(os.path.dirname(d), "cgroup.procs"), pid)
-    with contextlib.suppress(OSError):
-        os.rmdir(d)
-
-
-def _sweep_stale(parent: str) -> None:
-    """Remove `earl-PID` groups left by pools whose process died without closing them."""
-    with contextlib.suppress(OSError):
-        for entry in os.listdir(parent):
-            if (entry.startswith("earl-") and entry[5:].isdigit()
-                    and not _pid_alive(int(entry[5:]))):
-                _remove_cgroup(os.path.join(parent, entry))

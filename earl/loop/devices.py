@@ -24,7 +24,6 @@ Not here: moving devices between stages (the selector, `earl.loop.selection`), s
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -186,23 +185,11 @@ def run_slots(placement: PlacementConfig, reference: int = 0) -> SlotPool:
     pool = SlotPool()
     cores = sorted(os.sched_getaffinity(0))
     roles = device_roles(placement, reference=reference)
-    names = sorted({n for group in roles.values() for n in group},
-                   key=_device_order(roles))
+    # in device order: with `devices`, the free ones lie between the trainer's and the reference's
+    names = [*roles["rollout"], *roles["trainer"], *roles["free"], *roles["reference"]]
     share = len(cores) / len(names) if len(names) > len(cores) else None
     for i, name in enumerate(names):
         mib = placement.rollout_slot_memory_mib if name in roles["rollout"] else 0
         pool.create(name, cores=(cores[i % len(cores)],),
                     memory_mib=mib or placement.slot_memory_mib, cpu_share=share)
     return pool
-
-
-def _device_order(roles: dict[str, tuple[str, ...]]) -> Callable[[str], tuple[int, int]]:
-    """Sort key of slot names: "device<i>" by i; stage names rollout, trainer, reference."""
-    stage = {n: k for k, group in enumerate(
-        (roles["rollout"], roles["trainer"], roles["reference"], roles["free"])) for n in group}
-
-    def key(name: str) -> tuple[int, int]:
-        if name.startswith("device"):
-            return (0, int(name[len("device"):]))
-        return (stage[name], int(name.lstrip("abcdefghijklmnopqrstuvwxyz")))
-    return key

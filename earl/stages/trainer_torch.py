@@ -20,16 +20,15 @@ import contextlib
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from earl.algorithms.objective import LossConfig, policy_objective
 from earl.packing import (
-    AttnMode,
     Packed,
     pack,
     packed_forward,
@@ -39,96 +38,14 @@ from earl.packing import (
     token_entropy,
     token_logprobs,
 )
-from earl.runtime.selector.profile import reset_resident_peak, resident_peak_bytes
+from earl.runtime.selector.profile import peak_bytes, reset_peak
 from earl.stages import trainer_dist as tdist
-from earl.stages.lora import LoraConfig, adapter_disabled, apply_lora, base_model, merged_weights
-from earl.stages.optim import OptimConfig
+from earl.stages.lora import adapter_disabled, apply_lora, base_model, merged_weights
 from earl.stages.trainer_batch import MicroBatch, TrainBatch, step_totals
+from earl.stages.trainer_config import TrainerConfig
 from earl.stages.trainer_offload import Moved, offload, onload
 
 __all__ = ["TorchTrainer", "TrainerConfig"]
-
-
-@dataclass(kw_only=True, slots=True)
-class TrainerConfig:
-    """The torch trainer's recipe (placement — how many ranks — is the caller's business).
-
-    Attributes:
-        model: HF model folder (config.json + safetensors).
-        optim: AdamW, warmup and gradient clipping (`earl.stages.optim.OptimConfig`).
-        dtype: ``"float32"``, or ``"bfloat16"`` (bf16 autocast, fp32 master weights).
-        micro_batch_tokens: token budget of one packed forward/backward.
-        attention: ``"varlen"`` (per-sample causal SDPA) or ``"mask"`` (block-diagonal mask).
-        temperature: the rollout's sampling temperature; log-probs use ``logits / temperature``.
-        parallel: ``"ddp"`` or ``"fsdp"`` (FSDP2) across data-parallel replicas.
-        tp: tensor-parallel degree (DTensor plans on every decoder layer); the ranks form
-            ``world_size // tp`` data-parallel replicas of ``tp`` ranks each (TP fastest, as in
-            `earl.runtime.layout.Layout`). TP with more than one replica needs ``"fsdp"``.
-        pp: pipeline-parallel stages (megatron backend only): ``dp * tp * pp`` ranks, PP slowest.
-        dist_url: rendezvous address shared by all ranks (``trainer_dist.free_dist_url()``).
-        device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
-        threads: torch intra-op threads on CPU (None: leave as is).
-        seed: torch seed for anything random in the trainer.
-        log_entropy: compute the policy entropy metric even when ``loss.entropy_coef`` is 0.
-        loss: the objective (see `earl.algorithms.LossConfig`).
-        lora: low-rank adapters (`earl.stages.lora.LoraConfig`; rank 0 = full fine-tuning).
-            With adapters the optimizer holds only them, `named_weights` gives the merged
-            weights, and a KL term reads the base policy (the adapter switched off) computed
-            here when the batch carries no reference log-probs.
-        shared_prefix: in training steps, run a prefix that several samples of a micro-batch
-            share (a GRPO group's prompt) once (`earl.packing_prefix`; exact, fewer tokens).
-        recompute: recompute activations in the backward (HF gradient checkpointing,
-            non-reentrant): less memory per token for ~1/3 more compute; `set_recompute`
-            switches it between steps.
-    """
-
-    model: str
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    micro_batch_tokens: int = 4096
-    attention: AttnMode = "varlen"
-    temperature: float = 1.0
-    parallel: tdist.Parallel = "ddp"
-    tp: int = 1
-    pp: int = 1
-    dist_url: str | None = None
-    device: str = "auto"
-    threads: int | None = None
-    seed: int = 0
-    log_entropy: bool = True
-    loss: LossConfig = field(default_factory=LossConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    shared_prefix: bool = False
-    recompute: bool = False
-
-    def __post_init__(self) -> None:
-        if isinstance(self.loss, dict):
-            self.loss = LossConfig(**self.loss)
-        if isinstance(self.lora, dict):
-            self.lora = LoraConfig(**self.lora)
-        if isinstance(self.optim, dict):
-            self.optim = OptimConfig(**self.optim)
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"TrainerConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
-        if self.micro_batch_tokens < 1:
-            raise ValueError(f"TrainerConfig.micro_batch_tokens must be >= 1, got "
-                             f"{self.micro_batch_tokens}")
-        if self.attention not in ("varlen", "mask"):
-            raise ValueError(f"TrainerConfig.attention must be 'varlen' or 'mask', got "
-                             f"{self.attention!r}")
-        if self.shared_prefix and self.attention != "varlen":
-            raise ValueError("TrainerConfig.shared_prefix needs attention='varlen'")
-        if self.parallel not in ("ddp", "fsdp"):
-            raise ValueError(f"TrainerConfig.parallel must be 'ddp' or 'fsdp', got {self.parallel!r}")
-        if self.tp < 1:
-            raise ValueError(f"TrainerConfig.tp must be >= 1, got {self.tp}")
-        if self.pp < 1:
-            raise ValueError(f"TrainerConfig.pp must be >= 1, got {self.pp}")
-        if self.temperature <= 0:
-            raise ValueError(f"TrainerConfig.temperature must be > 0, got {self.temperature}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"TrainerConfig.device must be 'auto', 'cpu' or 'cuda', got "
-                             f"{self.device!r}")
 
 
 class TorchTrainer:
@@ -395,13 +312,13 @@ class TorchTrainer:
         When ``batch.old_logprobs`` is None, the proximal policy is the current one (exact for
         the first update after the weights the batch should be compared against).
         """
-        self._reset_peak()
+        reset_peak(self.device)
         t0 = time.perf_counter()
         metrics = self.accumulate(batch, micro_batches)
         metrics.update(self.optimizer_step(lr_scale))
         dt = time.perf_counter() - t0
         metrics.update(step=float(self.step), step_time_s=dt, tokens_per_s=metrics["tokens"] / dt,
-                       peak_rss_mib=self._peak_bytes() / 2**20)
+                       peak_rss_mib=peak_bytes(self.device) / 2**20)
         return metrics
 
     def set_recompute(self, on: bool) -> None:
@@ -420,18 +337,6 @@ class TorchTrainer:
         elif getattr(hf, "is_gradient_checkpointing", False):
             hf.gradient_checkpointing_disable()
         self.config = replace(self.config, recompute=on)
-
-    def _reset_peak(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            reset_resident_peak()
-
-    def _peak_bytes(self) -> int:
-        """The step's peak memory on this rank: CUDA allocator peak, or the resident set's."""
-        if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
-        return resident_peak_bytes()
 
     # ------------------------------------------------------------------ weights
 

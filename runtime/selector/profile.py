@@ -29,6 +29,7 @@ import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from earl.runtime.selector.cost import CostModel, Parallel, Stage
 
@@ -44,14 +45,24 @@ def _status_kib(key: str) -> int:
     raise OSError(f"{key} not in /proc/self/status")
 
 
-def reset_resident_peak() -> None:
-    """Start a new peak of this process's resident set (`VmHWM` := `VmRSS`; Linux)."""
+def reset_peak(device: Any = "cpu") -> None:
+    """Start a new memory peak: the CUDA allocator's on a CUDA `device`, else this process's
+    resident set (`VmHWM` := `VmRSS`; Linux)."""
+    if getattr(device, "type", device) == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(device)
+        return
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
 
 
-def resident_peak_bytes() -> int:
-    """This process's peak resident set since it started or since `reset_resident_peak`."""
+def peak_bytes(device: Any = "cpu") -> int:
+    """The memory peak since `reset_peak` (or the start): CUDA allocator or resident set."""
+    if getattr(device, "type", device) == "cuda":
+        import torch
+
+        return int(torch.cuda.max_memory_allocated(device))
     return _status_kib("VmHWM") << 10
 
 
@@ -84,19 +95,16 @@ class PeakMeter:
 
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            t0 = time.perf_counter()
-            out = fn()
-            torch.cuda.synchronize()
-            return out, time.perf_counter() - t0, torch.cuda.max_memory_allocated() - base
-        if self._libc is not None:
-            self._libc.malloc_trim(0)
-        base = _status_kib("VmRSS") << 10
-        reset_resident_peak()
+        else:
+            if self._libc is not None:
+                self._libc.malloc_trim(0)
+            base = _status_kib("VmRSS") << 10
+        reset_peak(self.device)
         t0 = time.perf_counter()
         out = fn()
-        dt = time.perf_counter() - t0
-        return out, dt, resident_peak_bytes() - base
+        if self.device != "cpu":
+            torch.cuda.synchronize()
+        return out, time.perf_counter() - t0, peak_bytes(self.device) - base
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,0 +1,72 @@
+"""cgroup v1 filesystem operations for device slots (`earl.runtime.slots`): read and write
+control files, find this process's group, remove groups (their processes moved to the parent)
+and sweep the groups of pools whose process died."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+__all__ = ["own_cgroup", "pid_alive", "read_int", "remove_cgroup", "sweep_stale", "write"]
+
+
+def read_int(path: str, key: str | None = None) -> int:
+    with open(path) as f:
+        text = f.read()
+    if key is None:
+        return int(text.split()[0])
+    for line in text.splitlines():
+        k, _, v = line.partition(" ")
+        if k == key:
+            return int(v)
+    return 0
+
+
+def write(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def own_cgroup(controller: str) -> str:
+    """This process's cgroup v1 path for `controller` ("" if not found)."""
+    with contextlib.suppress(OSError), open("/proc/self/cgroup") as f:
+        for line in f:
+            _, ctrls, path = line.rstrip("\n").split(":", 2)
+            if controller in ctrls.split(","):
+                return path
+    return ""
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_cgroup(d: str) -> None:
+    if not os.path.isdir(d):
+        return
+    for child in os.listdir(d):
+        if os.path.isdir(os.path.join(d, child)):
+            remove_cgroup(os.path.join(d, child))
+    with contextlib.suppress(OSError):
+        with open(os.path.join(d, "cgroup.procs")) as f:
+            pids = f.read().split()
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                write(os.path.join(os.path.dirname(d), "cgroup.procs"), pid)
+    with contextlib.suppress(OSError):
+        os.rmdir(d)
+
+
+def sweep_stale(parent: str) -> None:
+    """Remove `earl-PID` groups left by pools whose process died without closing them."""
+    with contextlib.suppress(OSError):
+        for entry in os.listdir(parent):
+            if (entry.startswith("earl-") and entry[5:].isdigit()
+                    and not pid_alive(int(entry[5:]))):
+                remove_cgroup(os.path.join(parent, entry))
