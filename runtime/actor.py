@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import AsyncIterator, Awaitable, Iterator
-from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, ParamSpec, TypeVar
 
 from earl.runtime.frames import STREAM_WINDOW, FrameTooLarge, Kind, check_size, log
 from earl.runtime.wire import encode, register_ext
@@ -49,9 +49,11 @@ class Actor:
     """Base class of actors. `__init__` and `setup` run in the actor's own process.
 
     Attributes set before `__init__` runs: `name` (group name), `rank` (index in the group),
-    `world_size` (size of the group).
+    `world_size` (size of the group). `preload`: modules a warm host of this class imports
+    ahead of its spawn (`Runtime.keep_warm`), besides the class's own module.
     """
 
+    preload: ClassVar[tuple[str, ...]] = ()
     name: str = ""
     rank: int = 0
     world_size: int = 1

@@ -1,5 +1,8 @@
-"""Entry point of an actor process: `python -m earl.runtime.host FD PARENT_PID`.
+"""Entry point of an actor process: `python -m earl.runtime.host FD PARENT_PID [MODULES]`.
 
+With MODULES (comma-separated) it is a *warm* host: it imports them first, at idle CPU priority,
+and only then waits for a spec, so the actor it becomes later skips those imports (vLLM's alone
+is ~8 s); its spec's `env` (the slot's and the caller's variables) is applied when it arrives.
 Reads its `ActorSpec` from the bootstrap socket FD, arms parent-death protection
 (PR_SET_PDEATHSIG=SIGKILL, plus EOF on FD), builds the actor inside a uvloop event loop with its
 own `Runtime` (so the actor can `context().lookup()` and `spawn()`), serves its endpoints, says
@@ -10,6 +13,7 @@ goes back to the spawner as FAILED. Not imported by anything else.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import importlib
 import logging
@@ -50,6 +54,29 @@ def _load_class(module: str, qualname: str, main_file: str | None) -> type:
     for part in qualname.split("."):
         obj = getattr(obj, part)
     return obj  # type: ignore[no-any-return]
+
+
+def _preload(modules: list[str]) -> None:
+    """Import `modules` at idle priority (SCHED_IDLE: the run's actors keep the cores), then
+    return every thread to normal priority. A module that fails to import is left to fail
+    again, with its traceback, when the actor needs it."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    for name in modules:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+    for tid in os.listdir(f"/proc/{os.getpid()}/task") if os.path.isdir("/proc") else ["0"]:
+        with contextlib.suppress(OSError, AttributeError):
+            os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+
+
+def _apply_env(env: dict[str, str]) -> None:
+    """The spec's environment, for a host started before its slot was known: variables that
+    libraries read at import time are re-applied where they allow it (torch's thread count)."""
+    os.environ.update(env)
+    torch = sys.modules.get("torch")
+    if torch is not None and env.get("OMP_NUM_THREADS", "").isdigit():
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
 
 
 def _send(sock: socket.socket, msg: Any) -> None:
@@ -126,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     fd, parent_pid = int(argv[0]), int(argv[1]) if len(argv) > 1 else 0
     _die_with_parent(parent_pid)
+    if len(argv) > 2 and argv[2]:
+        _preload(argv[2].split(","))
     # Ctrl-C in a terminal reaches the whole process group: the driver decides, not us (we stop
     # when it closes our liveness line or dies).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -138,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = recv_msg_blocking(sock)
     except EOFError:
         return 2
+    _apply_env(spec.env)
     sys.path[:] = spec.sys_path + [p for p in sys.path if p not in spec.sys_path]
     _name_process(f"{spec.name}{spec.rank}")
     import uvloop

@@ -48,6 +48,7 @@ class ActorSpec:
     refs: list[str] = field(default_factory=list)  # earl.runtime.registry: callables it may name
     roots: list[str] = field(default_factory=list)  # ... and paths it may write under
     slot: Slot | None = None  # where the launcher places the process (runtime/slots.py)
+    env: dict[str, str] = field(default_factory=dict)  # set in the process before the class loads
 
 
 def _pack(obj: Any) -> bytes:

@@ -8,6 +8,8 @@ by the host), so children never outlive this process, even when it is SIGKILLed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -108,31 +110,74 @@ class LocalProcess:
 
 class LocalLauncher:
     """Starts actor processes as children of this process; their output goes to `log` (a
-    file, appended to) when given."""
+    file, appended to) when given.
+
+    `keep_warm(cls, n, preload)` keeps `n` hosts of an actor class started ahead, their heavy
+    imports done: the next `launch` of that class takes one (into its slot, with the spec's
+    environment) and a replacement starts in the background. A re-layout that starts a vLLM
+    replica or a trainer rank then skips the interpreter start and the imports.
+    """
 
     def __init__(self, log: str | None = None) -> None:
         self.log = log
+        self._warm: dict[str, list[tuple[subprocess.Popen[bytes], socket.socket]]] = {}
+        self._want: dict[str, tuple[int, tuple[str, ...]]] = {}
 
-    async def launch(self, spec: ActorSpec, env: dict[str, str] | None) -> LocalProcess:
+    def keep_warm(self, key: str, n: int, preload: tuple[str, ...]) -> None:
+        """Keep `n` hosts for actor class `key` ("module:qualname") with `preload` imported."""
+        self._want[key] = (n, preload)
+        pool = self._warm.setdefault(key, [])
+        while len(pool) < n:
+            pool.append(self._start(preload, dict(os.environ)))
+        while len(pool) > n:
+            proc, sock = pool.pop()
+            sock.close()
+            proc.kill()
+            proc.wait(5)  # SIGKILL: gone in milliseconds
+
+    def warm(self, key: str) -> list[int]:
+        """The pids of the hosts kept for `key` right now."""
+        return [proc.pid for proc, _ in self._warm.get(key, [])]
+
+    def _start(self, preload: tuple[str, ...], env: dict[str, str]
+               ) -> tuple[subprocess.Popen[bytes], socket.socket]:
         parent, child = socket.socketpair()
-        full_env = dict(os.environ)
-        full_env.update(spec.slot.env() if spec.slot else {})
-        full_env.update(env or {})
-        out = open(self.log, "ab") if self.log else None  # noqa: SIM115, ASYNC230 - the child's
+        out = open(self.log, "ab") if self.log else None  # noqa: SIM115 - the child's
         try:
-            proc = subprocess.Popen(  # noqa: ASYNC220 (fork+exec, ~ms)
-                [sys.executable, "-m", "earl.runtime.host", str(child.fileno()), str(os.getpid())],
-                pass_fds=(child.fileno(),), env=full_env, stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "earl.runtime.host", str(child.fileno()), str(os.getpid()),
+                 ",".join(preload)],
+                pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL,
                 stdout=out, stderr=out)
         finally:
             child.close()
             if out is not None:
                 out.close()  # the child holds its own copy
         parent.setblocking(False)
+        return proc, parent
+
+    def _take(self, key: str) -> tuple[subprocess.Popen[bytes], socket.socket] | None:
+        pool = self._warm.get(key, [])
+        while pool:
+            proc, sock = pool.pop(0)
+            if proc.poll() is None:
+                if len(pool) < self._want[key][0]:
+                    pool.append(self._start(self._want[key][1], dict(os.environ)))  # refill
+                _normal_priority(proc.pid)  # it may still be importing, at idle priority
+                return proc, sock
+            sock.close()
+        return None
+
+    async def launch(self, spec: ActorSpec, env: dict[str, str] | None) -> LocalProcess:
+        extra = {**spec.env, **(spec.slot.env() if spec.slot else {}), **(env or {})}
+        spec = dataclasses.replace(spec, env=extra)  # a warm host applies it on arrival
+        started = self._take(f"{spec.cls_module}:{spec.cls_qualname}")
+        proc, parent = started or self._start((), {**os.environ, **extra})
+        carried = _anon_mib(proc.pid) if started else 0.0
         handle = LocalProcess(proc, parent, f"{spec.name}[{spec.rank}]")
         try:
             if spec.slot is not None:  # before the spec is sent: the actor has loaded nothing
-                handle.binding = bind_process(spec.slot, proc.pid)
+                handle.binding = bind_process(spec.slot, proc.pid, carried)
             await handle.handshake(spec)
         except BaseException:
             handle.kill()
@@ -142,4 +187,27 @@ class LocalLauncher:
         return handle
 
     async def close(self) -> None:
-        pass
+        for pool in self._warm.values():
+            for proc, sock in pool:
+                sock.close()  # EOF: the host stops waiting for a spec
+                proc.kill()
+                await asyncio.to_thread(proc.wait)
+        self._warm.clear()
+
+
+def _anon_mib(pid: int) -> float:
+    """The process's anonymous memory (what its imports charged to this cgroup), MiB."""
+    with contextlib.suppress(OSError, ValueError):
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _normal_priority(pid: int) -> None:
+    """Every thread of `pid` back to SCHED_OTHER (best effort: needs the same user)."""
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))

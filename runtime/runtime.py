@@ -310,6 +310,19 @@ class Runtime:
         group._conns[:] = conns
         return group
 
+    def keep_warm(self, cls: type[Actor], n: int = 1) -> bool:
+        """Keep `n` processes for `cls` started ahead, with its module and `cls.preload`
+        imported, so the next `spawn` of `cls` skips the interpreter start and the imports (a
+        re-layout's new vLLM replica or trainer rank). n=0 stops keeping them. Local launcher
+        only; returns whether the launcher keeps them."""
+        if self._launcher is None:
+            self._launcher = self._make_launcher()
+        keep = getattr(self._launcher, "keep_warm", None)
+        if keep is None:
+            return False
+        keep(f"{cls.__module__}:{cls.__qualname__}", n, (cls.__module__, *cls.preload))
+        return True
+
     def restart_with(self, group: ActorGroup[Any] | str, *args: Any, **kwargs: Any) -> None:
         """From now on, a restarted rank of `group` starts with these constructor arguments
         (for an actor that rebuilt itself in place, e.g. a rollout replica now serving another

@@ -183,14 +183,36 @@ class SlotBinding:
         return None
 
 
-def bind_process(slot: Slot, pid: int) -> SlotBinding:
-    """Place process `pid` (a freshly started actor, before it loads anything) in `slot`; its
-    children inherit the placement.
+def set_memory_limit(cgroup: str, mib: int) -> None:
+    """Set a memory cgroup's limit, with swap (memsw) at the same value where it is accounted;
+    v1 wants memory <= memsw at every moment, so a raise sets memsw first."""
+    limit = str(mib << 20)
+    mem, memsw = (os.path.join(cgroup, f) for f in ("memory.limit_in_bytes",
+                                                    "memory.memsw.limit_in_bytes"))
+    order = [memsw, mem] if mib << 20 > read_int(mem) else [mem, memsw]
+    for path in order:
+        if path == mem:
+            write(path, limit)
+        else:
+            with contextlib.suppress(OSError):  # no swap accounting: nothing to cap
+                write(path, limit)
+
+
+def bind_process(slot: Slot, pid: int, carried_mib: float = 0.0) -> SlotBinding:
+    """Place process `pid` (a freshly started actor before it loads anything, or a warm host:
+    all its threads move) in `slot`; its children inherit the placement.
+
+    `carried_mib`: memory the process took before the move (a warm host's imports). The kernel
+    (6.x) no longer moves charges between memory cgroups, so those pages stay charged where
+    they were made; the slot's limit is lowered by them, so the process holds no more than the
+    slot's budget in all, as if it had started in the slot. Every bind sets the limit afresh.
 
     Raises:
         OSError: the cgroup or the affinity could not be applied.
     """
     if slot.memory_enforcement == "cgroup":
+        if slot.memory_mib is not None:
+            set_memory_limit(slot.memory_cgroup, max(slot.memory_mib - round(carried_mib), 1))
         write(os.path.join(slot.memory_cgroup, "cgroup.procs"), str(pid))
     elif slot.memory_enforcement == "rlimit" and slot.memory_mib is not None:
         limit = slot.memory_mib << 20
@@ -199,8 +221,11 @@ def bind_process(slot: Slot, pid: int) -> SlotBinding:
         write(os.path.join(slot.cpu_cgroup, "cgroup.procs"), str(pid))
     if slot.cpu_enforcement == "cpuset":
         write(os.path.join(slot.cpuset_cgroup, "cgroup.procs"), str(pid))
-    elif slot.cpu_enforcement == "affinity":
-        os.sched_setaffinity(pid, slot.cores)
+    elif slot.cpu_enforcement == "affinity":  # every thread (a warm host has started some)
+        tids = os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else [pid]
+        for tid in tids:
+            with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+                os.sched_setaffinity(int(tid), slot.cores)
     return SlotBinding(slot, pid)
 
 
@@ -302,10 +327,7 @@ class SlotPool:
             mem_enf = self.memory_enforcement
             if self._mem_base:
                 mem_dir = self._mkdir(self._mem_base, name)
-                limit = str(memory_mib << 20)
-                write(os.path.join(mem_dir, "memory.limit_in_bytes"), limit)
-                with contextlib.suppress(OSError):  # no swap accounting: nothing to cap
-                    write(os.path.join(mem_dir, "memory.memsw.limit_in_bytes"), limit)
+                set_memory_limit(mem_dir, memory_mib)
         if cores:
             cpu_enf = self.cpu_enforcement
             if self._cpu_base:

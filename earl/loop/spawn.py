@@ -75,6 +75,12 @@ async def spawn_attempt(job: Job, version: int) -> Attempt:
 
                 selection = Colocation(actors, job.tracer)
         actors.use_producers(await spawn_producers(job, version))
+        if selection is not None and reconfigurer is not None and cfg.selector.warm_hosts:
+            from earl.stages.rollout import RolloutActor
+            from earl.stages.trainer import TrainerActor
+
+            for cls in (RolloutActor, TrainerActor):  # a re-layout's ranks skip their imports
+                job.rt.keep_warm(cls, cfg.selector.warm_hosts)
     columns = ["input_ids", "loss_mask", "advantages", "rollout_logprobs"]
     if job.n_reference > 0:
         columns.append("ref_logprobs")

@@ -148,6 +148,8 @@ class ReferenceActor(WarehouseHost, Actor):
     "reference" stage, scores them, and adds their "ref_logprobs" column in this process.
     """
 
+    preload = ("torch", "transformers")
+
     def __init__(self, config: ReferenceConfig, index: str = "dock") -> None:
         if not isinstance(config, ReferenceConfig):
             raise TypeError(f"ReferenceActor config must be a ReferenceConfig, got "

@@ -64,6 +64,11 @@ class TrainerActor(Actor):
         backend: ``"torch"`` or ``"megatron"`` (megatron-core), both on CPU or CUDA.
     """
 
+    # what a warm host (Runtime.keep_warm) imports ahead: a rank's start goes 4.5 s -> 0.3 s
+    preload = ("torch", "torch.distributed", "transformers", "earl.stages.trainer_torch",
+               "transformers.models.qwen2.modeling_qwen2",
+               "transformers.models.llama.modeling_llama")
+
     def __init__(self, config: TrainerConfig,
                  backend: Literal["torch", "megatron"] = "torch") -> None:
         if not isinstance(config, TrainerConfig):

@@ -28,6 +28,11 @@ if TYPE_CHECKING:
 __all__ = ["EngineConfig", "build_llm_engine", "cpu_binding", "engine_args",
            "gpu_memory_utilization", "reload_worker", "save_safetensors", "tmp_root"]
 
+# vLLM logs to stdout by default; keep stdout for the program (e.g. bench JSON). Set when this
+# module loads: vLLM reads them when it is imported (a warm host imports it before any build).
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
 
 @dataclass(kw_only=True, slots=True)
 class EngineConfig:
@@ -111,9 +116,6 @@ def build_llm_engine(cfg: EngineConfig) -> tuple[Any, bool]:
     import torch
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    # vLLM logs to stdout by default; keep stdout for the program (e.g. bench JSON).
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
     # vLLM's ZMQ ipc sockets (tensor-parallel message queues) go to a private directory rather
     # than the shared temp dir; set before the first build (vLLM caches its env afterwards).
