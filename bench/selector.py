@@ -1,39 +1,35 @@
-"""Parallelism selector benchmark (issue 15): static configurations vs the selector, one run.
+"""Parallelism selector benchmark (issue 23): contexts that grow because the agent learns.
 
-    python bench/selector.py --json [--quick]      # the growing-context comparison
-    python bench/selector.py --profile [--json]    # profiler: predicted vs measured memory
+    python bench/selector.py --json [--quick] [--save]   # the static sweep vs the selector
+    python bench/selector.py --profile [--json]         # profiler: predicted vs measured memory
 
-The comparison trains the `connect4` recipe (the whole game in context) with the general loop
-(`earl train`, one subprocess per configuration, the same seeds, steps and warm-started model)
-with the trainer and the rollout each in a device slot of `--slot-mib` MiB (a cgroup v1 memory
-limit: the kernel's OOM killer enforces it) and vLLM's own context limit (`max_model_len`) and KV
-budget (`--kv-gb` in every run: the one the selector's plan picks for itself here, so no static
-run is held back by a smaller KV cache). Configurations:
+Every run trains the `gauntlet` recipe (Tic-Tac-Toe games in one context until the first loss:
+a better policy survives more games, so its contexts grow) with the general loop (`earl train`,
+one subprocess per run) from the same warm-started model, the same seeds, batch and step budget.
+The machine is cut into device slots (`--placement.devices`): a memory cgroup (the kernel's
+OOM killer enforces it) and a CPU share each, at two device sizes taken from the machine:
+`cores` devices and `2 x cores` devices, the run's memory (a quarter of MemAvailable, or
+`--device-mib` x devices) split evenly between them. Nothing is sized so that one run fails.
 
-* `static_small`: sized for the first contexts (rollout window `--window`, micro-batch budget
-  65,536 tokens): longer games no longer fit the window and are cut (it must truncate). This is
-  also the "truncates to fit the initial configuration" run of the learning comparison.
-* `static_fast`: window 2,048, budget 65,536 tokens: the whole batch in one micro-batch; the
-  trainer's slot runs out of memory once the batch's tokens grow (the kernel kills it).
-* `static_safe`: window 2,048, budget 2,048 tokens: always fits, more micro-batches.
-* `selector`: configured as `static_small`, `--selector on`: its first plan, made before the
-  rollout replica is spawned, is for the model's longest context (nothing is measured yet;
-  growing later costs a vLLM start), so the replica starts with that window; before each
-  training step it sets the trainer's budget to what the slot holds for the measured contexts.
-* `selector_lean`: the same, but its first plan assumes contexts of `--window` tokens
-  (`--selector.initial_context`): the replica starts small and is re-created, live, once the
-  games outgrow it (the reconfiguration this run reports, by phase).
-* `truncate`: `static_small`'s window at `static_safe`'s budget: it fits the memory by cutting
-  contexts; its reward and final eval against the selector's are the learning comparison.
+* The static sweep: every (rollout replicas x TP, trainer DP, window, micro-batch budget) below
+  that fills the devices (with `--selector off` every device holds a rank). A static run ends
+  only by finishing its steps or by the OOM killer in one of its devices; a trajectory longer
+  than its window is cut (`cut_rate`), never counted as an OOM.
+* `selector`: the larger device size, started with one replica and one trainer rank on two
+  devices (the other two free), window `--window` (its first plan assumes contexts that long),
+  `--selector on`: it re-plans before each rollout and each training step (window, KV budget,
+  micro-batch budget, trainer DP, rollout replicas x TP, the devices each holds).
+* `truncate` (one of the sweep): the window fixed at `--window` from the start, two replicas and
+  two trainer ranks: the baseline of the learning comparison (it cuts the long gauntlets).
 
-Prints one JSON object: `oom_static` (some static configuration OOMs or must truncate),
-`oom_selector`, `throughput_ratio_vs_best_static` (trained tokens per second of loop time,
-reconfigurations included, against the best static configuration that neither OOMs nor
-truncates, chosen in hindsight), `reconfigurations`, `reconfig_seconds` (by phase),
-`samples_lost` (played but never trained, plus the dock's losses), all of the `selector` run;
-`lean`, the same keys of `selector_lean`; and per run its quality
-(final greedy eval, train reward per step) and context statistics. Timings on a shared 2-core
-machine are noisy; every number comes from the same invocation.
+Throughput is trained tokens per second of loop time (reconfigurations included). Prints one JSON
+object: `static_runs`, `best_static_hindsight` (the fastest static run that neither OOMed nor
+cut), `step0_pick` (the fastest static run over its first tenth of steps: what a user would pick),
+`throughput_ratio_vs_best_static`, `throughput_ratio_vs_step0_pick`, `context_growth` (the
+selector run's p95 trajectory tokens over its last tenth of steps / first tenth),
+`reconfigurations`, `trainer_layout_changes`, `rollout_layout_changes`, `device_moves`,
+`reconfig_seconds_median`, `samples_lost`, `oom_selector`, `final_eval` (selector and truncate,
+`--eval` gauntlets each), `goals`. `--quick` gives the same keys on a shorter run.
 """
 
 from __future__ import annotations
@@ -41,7 +37,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
+from dataclasses import dataclass
 
 import _results
 
@@ -89,19 +87,48 @@ def _profile(buckets: tuple[int, ...], quiet: bool) -> list[dict[str, object]]:
             for p in prof.table.points.values()]
 
 
-CONFIGS: dict[str, list[str]] = {
-    "static_small": ["--placement.micro_batch_tokens=65536"],
-    "static_fast": ["--placement.context_window=2048", "--placement.micro_batch_tokens=65536"],
-    "static_safe": ["--placement.context_window=2048", "--placement.micro_batch_tokens=2048"],
-    "selector": ["--placement.micro_batch_tokens=65536", "--selector.mode=on"],
-    "selector_lean": ["--placement.micro_batch_tokens=65536", "--selector.mode=on",
-                      "--selector.initial_context=WINDOW"],
-    # the learning comparison: cuts contexts to the initial window, at a budget that fits
-    "truncate": ["--placement.micro_batch_tokens=2048"],
-}
+@dataclass(frozen=True)
+class Config:
+    """One run's layout: devices, rollout replicas x TP, trainer DP, window, micro-batch budget."""
+
+    devices: int
+    replicas: int
+    rollout_tp: int
+    trainer: int
+    window: int
+    budget: int
+    selector: bool = False
+
+    @property
+    def name(self) -> str:
+        tp = f"tp{self.rollout_tp}" if self.rollout_tp > 1 else ""
+        kind = "selector" if self.selector else "static"
+        return (f"{kind}/d{self.devices}/r{self.replicas}{tp}-t{self.trainer}"
+                f"/w{self.window}/mb{self.budget // 1024}k")
+
+    def args(self, device_mib: int) -> list[str]:
+        out = [f"--placement.devices={self.devices}", f"--placement.slot_memory_mib={device_mib}",
+               f"--placement.rollout={self.replicas}", f"--placement.rollout_tp={self.rollout_tp}",
+               f"--placement.trainer={self.trainer}", f"--placement.context_window={self.window}",
+               f"--placement.micro_batch_tokens={self.budget}"]
+        if self.selector:
+            out += ["--selector.mode=on", f"--selector.initial_context={self.window}"]
+        return out
 
 
-# `earl train` as a child process, but printing the whole exception chain on failure (the CLI
+def sweep(cores: int, window: int, top: int) -> tuple[list[Config], Config, Config]:
+    """(static configurations at `cores` and `2 x cores` devices, the selector's, the truncating
+    baseline's). `top`: the model's positions (the longest window)."""
+    small, big = cores, 2 * cores
+    statics = [Config(small, 1, 1, small - 1, w, b) for w in (window, top)
+               for b in (8192, 65536)]
+    statics += [Config(big, 2, 1, 2, top, 65536), Config(big, 2, 1, 2, top, 8192),
+                Config(big, 1, 2, 2, top, 65536), Config(big, 3, 1, 1, top, 65536),
+                Config(big, 2, 1, 2, window, 65536)]
+    return statics, Config(big, 1, 1, 1, window, 65536, selector=True), statics[-1]
+
+
+# `earl train` as a child process, printing the whole exception chain on failure (the CLI
 # prints one line; an actor's "out of memory in slot ..." is the cause of the error it shows).
 _CHILD = """
 import asyncio, json, sys, traceback
@@ -123,10 +150,8 @@ def _earl(args: list[str], timeout: float) -> tuple[int, str, str]:
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     try:
-        p = subprocess.run([sys.executable, "-c", _CHILD,
-                            *args],
-                           text=True, capture_output=True, timeout=timeout, env=env,
-                           check=False)
+        p = subprocess.run([sys.executable, "-c", _CHILD, *args], text=True, capture_output=True,
+                           timeout=timeout, env=env, check=False)
     except subprocess.TimeoutExpired:
         return 124, "", "timeout"
     return p.returncode, p.stdout, p.stderr
@@ -140,138 +165,176 @@ def _rows(out: str) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
     return [r for r in rows if "reward" in r], [r for r in rows if "selector/when" in r]
 
 
-def _context_cut(out: str, window: int, played: dict[int, int]) -> float:
-    """Share of trajectories cut by the rollout window they were played with (`played`: batch
-    -> window, from the selector's rollout decisions; else `window`): truncated within a turn
-    and a board, 96 tokens, of it (a per-turn cap also sets `truncated`)."""
+def _p95(xs: list[int]) -> float:
+    return float(sorted(xs)[min(len(xs) - 1, int(0.95 * len(xs)))]) if xs else 0.0
+
+
+def _trajectories(out: str, window: int, played: dict[int, int]) -> dict[str, float]:
+    """Per batch, its trajectories' token counts: p95 over the first and the last tenth of the
+    batches, and the share cut by the window it was played with (`played`: batch -> window,
+    from the selector's rollout decisions; else `window`), within a turn of it."""
     from pathlib import Path
 
     from earl.stages.batch_types import batch_of
 
     path = Path(out) / "trajectories.jsonl"
-    if not path.is_file():
-        return 0.0
-    ts = [json.loads(line) for line in path.read_text().splitlines()]
-    cut = [t for t in ts if t["truncated"] and len(t["token_ids"])
-           >= played.get(batch_of(str(t["sample_id"])), window) - 96]
-    return len(cut) / max(len(ts), 1)
+    per: dict[int, list[int]] = {}
+    cut = total = 0
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        t = json.loads(line)
+        b, n = batch_of(str(t["sample_id"])), len(t["token_ids"])
+        per.setdefault(b, []).append(n)
+        total += 1
+        cut += bool(t["truncated"]) and n >= played.get(b, window) - 32
+    batches = sorted(per)
+    tenth = max(1, len(batches) // 10)
+    first = _p95([n for b in batches[:tenth] for n in per[b]])
+    last = _p95([n for b in batches[-tenth:] for n in per[b]])
+    return {"p95_first_tenth": first, "p95_last_tenth": last,
+            "context_growth": round(last / first, 2) if first else 0.0,
+            "cut_rate": round(cut / max(total, 1), 4)}
 
 
-def _one(name: str, common: list[str], root: str, window: int, timeout: float
-         ) -> dict[str, object]:
-    out = f"{root}/{name}"
-    extra = [a.replace("WINDOW", str(window)) for a in CONFIGS[name]]
-    if not any(a.startswith("--placement.context_window") for a in extra):
-        extra.append(f"--placement.context_window={window}")
-    rc, stdout, stderr = _earl([*common, *extra, f"--output_dir={out}"], timeout)
+def _one(cfg: Config, common: list[str], root: str, device_mib: int, eval_games: int,
+         timeout: float) -> dict[str, object]:
+    out = f"{root}/{cfg.name.replace('/', '_')}"
+    rc, stdout, stderr = _earl([*common, *cfg.args(device_mib), f"--eval_games={eval_games}",
+                                f"--output_dir={out}"], timeout)
     with open(f"{out}.log", "w") as f:  # the run's progress lines and errors, to look at
         f.write(stderr)
     last = stdout.strip().splitlines()[-1] if stdout.strip() else "{}"
     res = json.loads(last) if last.startswith("{") else {}
     steps, sel = _rows(out)
-    error = str(res.get("error", "")).splitlines()[0] if rc and res.get("error") else ""
-    step_s = sum(float(str(r["step_s"])) for r in steps)
-    tokens = sum(float(str(r.get("train/tokens", 0))) for r in steps)
-    played = sum(int(str(r["episodes"])) for r in steps)
-    trained = sum(float(str(r.get("train/samples", 0))) for r in steps)
-    final_window = int(str(sel[-1]["selector/applied_max_model_len"])) if sel else \
-        (2048 if "--placement.context_window=2048" in extra else window)
-    reconf_s = sum(float(str(r.get("selector/reconfig_s", 0.0))) for r in sel)
-    reconf = {k.removeprefix("selector/reconfig/"): 0.0 for r in sel for k in r
-              if k.startswith("selector/reconfig/")}
-    for r in sel:
-        for k in reconf:
-            reconf[k] += float(str(r.get(f"selector/reconfig/{k}", 0.0)))
-    peak = max((float(str(v)) for r in sel for k, v in r.items()
-                if k.startswith("selector/slot/trainer") and k.endswith("peak_mib")), default=0.0)
+    oom = rc != 0 and "out of memory in slot" in stderr
+    step_s = [float(str(r["step_s"])) for r in steps]
+    tokens = [float(str(r.get("train/tokens", 0))) for r in steps]
+    tenth = max(1, len(steps) // 10)
+    played = {int(str(r["selector/step"])): int(str(r["selector/applied_max_model_len"]))
+              for r in sel if r["selector/when"] == "rollout"}
+    reconf = [float(str(r.get("selector/reconfig_s", 0.0))) for r in sel]
+
+    def counter(key: str) -> int:
+        return max((int(str(r.get(f"selector/{key}", 0))) for r in sel), default=0)
+
+    lost = sum(int(str(r["episodes"])) for r in steps) - sum(
+        int(float(str(r.get("train/samples", 0)))) for r in steps)
     return {
-        "exit_code": rc, "error": error, "oom": rc != 0 and "out of memory in slot" in stderr,
-        "steps_done": len(steps), "context_cut_rate": round(_context_cut(out, final_window, {
-            int(str(r["selector/step"])): int(str(r["selector/applied_max_model_len"]))
-            for r in sel if r["selector/when"] == "rollout"}), 3),
-        "ctx_max": max((int(str(r["ctx_max"])) for r in steps), default=0),
-        "ctx_mean": [round(float(str(r["ctx_mean"]))) for r in steps],
-        "reward": [round(float(str(r["reward"])), 3) for r in steps],
-        "micro_batches": [int(float(str(r.get("train/micro_batches", 0)))) for r in steps],
-        "loop_s": round(step_s, 2), "trained_tokens": int(tokens),
-        "tokens_per_s": round(tokens / step_s, 1) if step_s else 0.0,
-        "tokens_per_s_excluding_reconfig": round(tokens / (step_s - reconf_s), 1)
-        if step_s > reconf_s else 0.0,
-        "samples_lost": int(played - trained) + max(
-            (int(str(r.get("selector/queue/lost", 0))) for r in sel), default=0),
-        "final_eval": res.get("eval", {}), "reconfigurations": max(
-            (int(str(r["selector/reconfigurations"])) for r in sel), default=0),
-        "reconfig_seconds": {k: round(v, 2) for k, v in reconf.items()},
-        "selector_decisions": len(sel), "trainer_slot_peak_mib": round(peak, 1),
-        "final_window": final_window,
+        "config": cfg.name, "devices": cfg.devices, "device_mib": device_mib,
+        "rollout": f"{cfg.replicas}x{cfg.rollout_tp}", "trainer_dp": cfg.trainer,
+        "window": cfg.window, "micro_batch_tokens": cfg.budget,
+        "outcome": "oom" if oom else "finished" if rc == 0 else f"error ({rc})",
+        "error": str(res.get("error", "")).splitlines()[0] if rc and res.get("error") else "",
+        "steps": len(steps), "oom_step": len(steps) if oom else None,
+        "loop_s": round(sum(step_s), 2), "trained_tokens": int(sum(tokens)),
+        "tokens_per_s": round(sum(tokens) / sum(step_s), 1) if sum(step_s) else 0.0,
+        "tokens_per_s_first_tenth": round(sum(tokens[:tenth]) / sum(step_s[:tenth]), 1)
+        if sum(step_s[:tenth]) else 0.0,
+        **_trajectories(out, cfg.window, played),
+        "reward_first_tenth": round(statistics.fmean(
+            float(str(r["reward"])) for r in steps[:tenth]), 3) if steps else 0.0,
+        "reward_last_tenth": round(statistics.fmean(
+            float(str(r["reward"])) for r in steps[-tenth:]), 3) if steps else 0.0,
+        "final_eval": res.get("eval", {}), "samples_lost": lost + counter("queue/lost"),
+        "reconfigurations": counter("reconfigurations"),
+        "trainer_layout_changes": counter("trainer_layout_changes"),
+        "rollout_layout_changes": counter("rollout_layout_changes"),
+        "device_moves": counter("device_moves"),
+        "reconfig_seconds": [round(x, 2) for x in reconf if x > 0],
+        "layouts": sorted({f"r{r.get('selector/applied_rollout_replicas')}"
+                           f"x{r.get('selector/applied_rollout_tp')}"
+                           f"-t{r.get('selector/applied_trainer_dp')}"
+                           f"-w{r.get('selector/applied_max_model_len')}" for r in sel}),
     }
 
 
-def _versus(run: dict[str, object], best: dict[str, object] | None) -> dict[str, object]:
-    """A selector run against the best static one: its ratios, reconfigurations, losses."""
-    def ratio(key: str) -> float:
-        return round(float(str(run[key])) / float(str(best["tokens_per_s"])), 3) \
-            if best else float("nan")
-
-    return {"throughput_ratio_vs_best_static": ratio("tokens_per_s"),
-            "throughput_ratio_excluding_reconfig": ratio("tokens_per_s_excluding_reconfig"),
-            "oom": bool(run["oom"]) or float(str(run["context_cut_rate"])) > 0,
-            "reconfigurations": run["reconfigurations"],
-            "reconfig_seconds": run["reconfig_seconds"], "samples_lost": run["samples_lost"]}
+def _machine(device_mib: int, cores: int) -> dict[int, int]:
+    """Devices -> MiB per device: `device_mib`, or a quarter of MemAvailable split evenly."""
+    if device_mib:
+        return {cores: device_mib, 2 * cores: device_mib}
+    with open("/proc/meminfo") as f:
+        avail = next(int(line.split()[1]) // 1024 for line in f
+                     if line.startswith("MemAvailable:"))
+    return {n: avail // 4 // n for n in (cores, 2 * cores)}
 
 
-def compare(*, quick: bool, slot_mib: int, rollout_mib: int, window: int, root: str,
-            kv_gb: float = 0.14) -> dict[str, object]:
-    """Runs every configuration on the same warm-started model; returns the JSON object."""
+def compare(*, quick: bool, root: str, window: int, device_mib: int = 0, steps: int = 0,
+            eval_games: int = 0, only: tuple[str, ...] = (), kv_gb: float = 0.14
+            ) -> dict[str, object]:
+    """Runs the sweep, the selector and the truncating baseline; returns the JSON object."""
     import time
 
-    steps, batch = (3, 96) if quick else (8, 128)
-    common = ["--recipe=connect4", "--seed=0", f"--steps={steps}", f"--batch_size={batch}",
-              "--group_size=8", "--eval_games=16", "--eval_every=0", "--checkpoint_every=1000",
-              "--placement.reference=0", f"--placement.slot_memory_mib={slot_mib}",
-              f"--placement.rollout_slot_memory_mib={rollout_mib}", "--max_restarts=0",
-              f"--placement.kv_cache_gb={kv_gb}", "--max_policy_lag=1"]
+    from earl.recipes.gauntlet import MAX_MODEL_LEN
+
+    cores = len(os.sched_getaffinity(0))
+    steps = steps or (30 if quick else 300)
+    eval_games = eval_games or (32 if quick else 100)
+    sizes = _machine(device_mib, cores)
+    statics, sel_cfg, trunc_cfg = sweep(cores, window, MAX_MODEL_LEN)
+    common = ["--recipe=gauntlet", "--seed=0", f"--steps={steps}", "--time_limit_minutes=600",
+              "--eval_every=0", "--checkpoint_every=100000", "--max_restarts=0",
+              f"--placement.kv_cache_gb={kv_gb}"]
     t0 = time.perf_counter()
     prep = f"{root}/warm"
-    rc, err = 0, ""
     if not os.path.isfile(f"{prep}/weights_start/config.json"):  # else: reuse (--out again)
-        rc, _, err = _earl(["--recipe=connect4", "--steps=1", "--batch_size=8",
-                            "--group_size=8", "--eval_games=2", "--eval_every=0",
-                            "--placement.reference=0",
-                            f"--warm_start.steps={20 if quick else 100}",
-                            f"--output_dir={prep}"], 600)
-    if rc:
-        raise RuntimeError(f"warm start failed: {err.strip().splitlines()[-1:]}")
+        rc, _, err = _earl(["--recipe=gauntlet", "--steps=1", "--eval_games=2", "--eval_every=0",
+                            f"--output_dir={prep}"], 900)
+        if rc:
+            raise RuntimeError(f"warm start failed: {err.strip().splitlines()[-1:]}")
     common += [f"--model.path={prep}/weights_start", "--warm_start.steps=0"]
-    runs = {name: _one(name, common, root, window, 900) for name in CONFIGS}
-    statics = {k: v for k, v in runs.items() if k.startswith("static_")}
-    clean = {k: v for k, v in statics.items()
-             if not v["oom"] and v["exit_code"] == 0 and not v["context_cut_rate"]}
+    runs: dict[str, dict[str, object]] = {}
+    for cfg in [*statics, sel_cfg]:
+        if only and not any(o in cfg.name for o in only) and cfg not in (sel_cfg, trunc_cfg):
+            continue
+        full_eval = cfg in (sel_cfg, trunc_cfg)
+        runs[cfg.name] = _one(cfg, common, root, sizes[cfg.devices],
+                              eval_games if full_eval else 8, 60.0 * (20 + steps / 4))
+    sel, trunc = runs[sel_cfg.name], runs[trunc_cfg.name]
+    static_runs = {k: v for k, v in runs.items() if k != sel_cfg.name}
+    clean = {k: v for k, v in static_runs.items()
+             if v["outcome"] == "finished" and not v["cut_rate"]}
     best = max(clean, key=lambda k: float(str(clean[k]["tokens_per_s"])), default="")
-    sel = runs["selector"]
-    ratio = float(str(sel["tokens_per_s"])) / float(str(clean[best]["tokens_per_s"])) \
-        if best else float("nan")
-    return {
-        "oom_static": any(bool(v["oom"]) or float(str(v["context_cut_rate"])) > 0
-                          for v in statics.values()),
-        "oom_selector": bool(sel["oom"]) or float(str(sel["context_cut_rate"])) > 0,
-        "throughput_ratio_vs_best_static": round(ratio, 3), "best_static": best,
-        "throughput_ratio_excluding_reconfig": round(
-            float(str(sel["tokens_per_s_excluding_reconfig"]))
-            / float(str(clean[best]["tokens_per_s"])), 3) if best else float("nan"),
-        "reconfigurations": sel["reconfigurations"], "reconfig_seconds": sel["reconfig_seconds"],
-        "samples_lost": sel["samples_lost"],
-        "lean": _versus(runs["selector_lean"], clean[best] if best else None),
-        "learning": {k: {"reward": runs[k]["reward"], "context_cut_rate":
-                         runs[k]["context_cut_rate"]} for k in ("selector", "truncate")},
-        "final_quality": {k: dict(v["final_eval"]).get("win_draw_rate") if isinstance(
-            v["final_eval"], dict) else None for k, v in runs.items()},
-        "runs": runs, "slot_mib": slot_mib, "rollout_slot_mib": rollout_mib, "window": window,
-        "kv_cache_gb": kv_gb,
-        "steps": steps,
-        "batch_size": batch, "quick": quick, "wall_s": round(time.perf_counter() - t0, 1),
-        "load_avg_1m": os.getloadavg()[0],
+    pick = max(static_runs, key=lambda k: float(str(static_runs[k]["tokens_per_s_first_tenth"])))
+
+    def ratio(other: str) -> float | None:
+        base = float(str(runs[other]["tokens_per_s"])) if other else 0.0
+        return round(float(str(sel["tokens_per_s"])) / base, 3) if base else None
+
+    oom_selector = sel["outcome"] != "finished" or float(str(sel["cut_rate"])) > 0
+    reconf = [float(x) for x in sel["reconfig_seconds"]]  # type: ignore[attr-defined]
+    res: dict[str, object] = {
+        "static_runs": static_runs, "selector_run": sel,
+        "best_static_hindsight": best, "step0_pick": pick,
+        "step0_pick_outcome": static_runs[pick]["outcome"],
+        "throughput_ratio_vs_best_static": ratio(best),
+        "throughput_ratio_vs_step0_pick": ratio(pick),
+        "context_growth": sel["context_growth"],
+        "reconfigurations": sel["reconfigurations"],
+        "trainer_layout_changes": sel["trainer_layout_changes"],
+        "rollout_layout_changes": sel["rollout_layout_changes"],
+        "device_moves": sel["device_moves"],
+        "reconfig_seconds_median": round(statistics.median(reconf), 2) if reconf else None,
+        "samples_lost": sel["samples_lost"], "oom_selector": oom_selector,
+        "final_eval": {"selector": sel["final_eval"], "truncate": trunc["final_eval"]},
+        "truncate": trunc_cfg.name,
+        "learning": {k: {"reward_first_tenth": r["reward_first_tenth"],
+                         "reward_last_tenth": r["reward_last_tenth"], "cut_rate": r["cut_rate"]}
+                     for k, r in (("selector", sel), ("truncate", trunc))},
+        "device_mib": {str(k): v for k, v in sizes.items()}, "cores": cores, "steps": steps,
+        "window": window, "kv_cache_gb": kv_gb, "eval_games": eval_games, "quick": quick,
+        "wall_s": round(time.perf_counter() - t0, 1), "load_avg_1m": os.getloadavg()[0],
     }
+    r_best, r_pick = res["throughput_ratio_vs_best_static"], res["throughput_ratio_vs_step0_pick"]
+    res["goals"] = {
+        "throughput_ratio_vs_best_static>=1.1": r_best is not None and float(r_best) >= 1.1,
+        "throughput_ratio_vs_step0_pick>=1.5_or_pick_ooms": res["step0_pick_outcome"] == "oom"
+        or (r_pick is not None and float(r_pick) >= 1.5),
+        "context_growth>=4": float(str(sel["context_growth"])) >= 4,
+        "trainer_layout_changes>=1": int(str(sel["trainer_layout_changes"])) >= 1,
+        "device_moves>=1": int(str(sel["device_moves"])) >= 1,
+        "reconfig_seconds_median<=3": bool(reconf) and statistics.median(reconf) <= 3,
+        "samples_lost==0": sel["samples_lost"] == 0, "oom_selector==false": not oom_selector,
+    }
+    return res
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,12 +342,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--profile", action="store_true", help="only the profiler")
-    ap.add_argument("--slot-mib", type=int, default=640, help="the trainer's slot (MiB)")
-    ap.add_argument("--rollout-slot-mib", type=int, default=1200, help="the rollout's slot")
-    ap.add_argument("--window", type=int, default=256, help="static_small's rollout window")
-    ap.add_argument("--kv-gb", type=float, default=0.14,
-                    help="each run's KV-cache budget per replica (the selector's plan sets its "
-                         "own: 0.14 GB, 131,072 tokens of the tiny model, in a 1,200 MiB slot)")
+    ap.add_argument("--window", type=int, default=1024,
+                    help="the truncating baseline's window and the selector's first")
+    ap.add_argument("--device-mib", type=int, default=0,
+                    help="memory per device (0: a quarter of MemAvailable over the devices)")
+    ap.add_argument("--steps", type=int, default=0, help="step budget (0: 300, --quick 30)")
+    ap.add_argument("--eval", type=int, default=0,
+                    help="final eval gauntlets of the selector and truncate runs (0: 100, "
+                         "--quick 32)")
+    ap.add_argument("--only", default="", help="comma-separated parts of static run names to "
+                    "run (the selector and the truncating baseline always run)")
+    ap.add_argument("--kv-gb", type=float, default=0.14, help="KV-cache budget per replica")
     ap.add_argument("--out", default="", help="run folders (default: a temporary folder)")
     _results.add_flag(ap)
     args = ap.parse_args(argv)
@@ -293,8 +361,9 @@ def main(argv: list[str] | None = None) -> int:
         import tempfile
 
         root = args.out or tempfile.mkdtemp(prefix="earl-bench-selector-")
-        res = compare(quick=args.quick, slot_mib=args.slot_mib, rollout_mib=args.rollout_slot_mib,
-                      window=args.window, root=root, kv_gb=args.kv_gb)
+        res = compare(quick=args.quick, root=root, window=args.window,
+                      device_mib=args.device_mib, steps=args.steps, eval_games=args.eval,
+                      only=tuple(o for o in args.only.split(",") if o), kv_gb=args.kv_gb)
         print(json.dumps(res) if args.json else json.dumps(res, indent=1))
         if args.save:
             _results.save("selector", res, quick=args.quick, begun=begun)

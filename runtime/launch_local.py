@@ -197,11 +197,10 @@ class LocalLauncher:
 
 def _anon_mib(pid: int) -> float:
     """The process's anonymous memory (what its imports charged to this cgroup), MiB."""
-    with contextlib.suppress(OSError, ValueError):
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) / 1024
+    with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 1024
     return 0.0
 
 

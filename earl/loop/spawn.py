@@ -51,6 +51,12 @@ async def spawn_attempt(job: Job, version: int) -> Attempt:
     from earl.runtime.dock import IndexActor
 
     cfg, pl = job.cfg, job.cfg.placement
+    if cfg.selector.on and cfg.selector.warm_hosts:  # first: they import while the run starts
+        from earl.stages.rollout import RolloutActor
+        from earl.stages.trainer import TrainerActor
+
+        for cls in (RolloutActor, TrainerActor):  # a re-layout's ranks skip their imports
+            job.rt.keep_warm(cls, cfg.selector.warm_hosts)
     with job.tracer.span("spawn_actors", actor="driver"):
         trainer = await spawn_trainer(job)
         stages = ["reference", "train"] if job.n_reference > 0 else ["train"]
@@ -75,12 +81,6 @@ async def spawn_attempt(job: Job, version: int) -> Attempt:
 
                 selection = Colocation(actors, job.tracer)
         actors.use_producers(await spawn_producers(job, version))
-        if selection is not None and reconfigurer is not None and cfg.selector.warm_hosts:
-            from earl.stages.rollout import RolloutActor
-            from earl.stages.trainer import TrainerActor
-
-            for cls in (RolloutActor, TrainerActor):  # a re-layout's ranks skip their imports
-                job.rt.keep_warm(cls, cfg.selector.warm_hosts)
     columns = ["input_ids", "loss_mask", "advantages", "rollout_logprobs"]
     if job.n_reference > 0:
         columns.append("ref_logprobs")

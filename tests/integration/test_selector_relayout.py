@@ -74,6 +74,7 @@ def test_a_device_moves_to_the_trainer_mid_run_and_nothing_is_lost(tmp_path: Pat
     assert sum(r["episodes"] for r in trained) == 16 * steps
     assert max(r["selector/queue/lost"] for r in sel) == 0
     assert [r["step"] for r in trained] == list(range(1, steps + 1))
-    # the trainer's two ranks live in devices 1 and 2 now (charged by the kernel there)
-    assert last["selector/slot/device1/used_mib"] > 200
-    assert last["selector/slot/device2/used_mib"] > 200
+    # the trainer's two ranks live in devices 1 and 2 now (charged by the kernel there: their
+    # weights and optimizer state; a warm host's imports stay charged where they were made)
+    assert last["selector/slot/device1/used_mib"] > 20
+    assert last["selector/slot/device2/used_mib"] > 20
