@@ -207,10 +207,22 @@ def _peers(r: Result) -> str:
 
 
 def _selector(r: Result) -> str:
-    return (f"selector {r['throughput_ratio_vs_best_static']:.2f}x the best static layout "
-            f"({r['best_static']}); OOM or cut contexts: static "
-            f"{'yes' if r['oom_static'] else 'no'}, selector "
-            f"{'yes' if r['oom_selector'] else 'no'}; {r['samples_lost']} samples lost")
+    def x(v: object) -> str:
+        return f"**{v:.2f}x**" if isinstance(v, float) else "n/a"
+
+    sel, ev = r["selector_run"], r["final_eval"]
+    survived = {k: (v or {}).get("games_survived") for k, v in ev.items()}
+    s = (f"{r['steps']} steps on {r['cores']} cores: selector {sel['tokens_per_s']:,.0f} tok/s, "
+         f"{x(r['throughput_ratio_vs_best_static'])} the best static run in hindsight, "
+         f"{x(r['throughput_ratio_vs_step0_pick'])} the step-0 pick "
+         f"({len(r['static_runs'])} static runs); context growth "
+         f"{r['context_growth']:.2f}x; {r['reconfigurations']} reconfigurations (median "
+         f"{r['reconfig_seconds_median'] or 0:.1f} s), {r['trainer_layout_changes']} trainer "
+         f"layout changes, {r['device_moves']} device moves, {r['samples_lost']} samples lost")
+    if all(isinstance(v, float) for v in survived.values()):
+        s += (f"; games survived selector {survived['selector']:.2f} vs truncate "
+              f"{survived['truncate']:.2f}")
+    return s
 
 
 def _simulate(r: Result) -> str:
@@ -277,7 +289,7 @@ ROWS: list[tuple[str, str, Callable[[Result], str]]] = [
     ("async_vs_sync_agentic", "async vs sync, agentic (tools that wait)", _async),
     ("peers", "peer: TRL at its best (GRPOTrainer or AsyncGRPOTrainer), same agentic task and budget", _peers),
     ("parallel", "tensor parallelism on CPU", _parallel),
-    ("selector", "parallelism selector in the loop (connect4, memory slots)", _selector),
+    ("selector", "parallelism selector in `earl train`, gauntlet (contexts grow as it learns), device slots", _selector),
     ("selector_simulate", "parallelism selector, simulated cluster", _simulate),
     ("scale_model", "data through the driver per step, analytic model", _scale),
 ]

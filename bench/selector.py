@@ -216,8 +216,10 @@ def _one(cfg: Config, common: list[str], root: str, device_mib: int, eval_games:
     def counter(key: str) -> int:
         return max((int(str(r.get(f"selector/{key}", 0))) for r in sel), default=0)
 
-    lost = sum(int(str(r["episodes"])) for r in steps) - sum(
-        int(float(str(r.get("train/samples", 0)))) for r in steps)
+    # played but not trained in its step (a step trains its episodes plus self-imitation
+    # replays, so it never trains fewer than it played unless some were lost)
+    lost = sum(max(0, int(str(r["episodes"])) - int(float(str(r.get("train/samples", 0)))))
+               for r in steps)
     return {
         "config": cfg.name, "devices": cfg.devices, "device_mib": device_mib,
         "rollout": f"{cfg.replicas}x{cfg.rollout_tp}", "trainer_dp": cfg.trainer,

@@ -140,7 +140,8 @@ class SelectorConfig:
     `warm_hosts`: processes kept started per stage (rollout, trainer), their imports done, that
     a re-layout's new replicas and ranks start in (`Runtime.keep_warm`: a vLLM replica's start
     13.5 s -> 1.8 s, a trainer rank's 4.5 s -> 0.3 s on the tiny model); each waits at idle
-    CPU priority and holds its imports' memory (~540 MiB for vLLM, ~340 MiB for torch). 0: none.
+    CPU priority and holds its imports' memory (~540 MiB for vLLM, ~340 MiB for torch).
+    -1: as many as a stage can hold (`placement.devices` - 1, else 2); 0: none.
     """
 
     SHORTHAND: ClassVar[str] = "mode"
@@ -149,10 +150,12 @@ class SelectorConfig:
     reserve_mib: float = 600.0
     policy: PolicyConfig = field(default_factory=_run_policy)
     policy_factory: str = ""
-    warm_hosts: int = 2
+    warm_hosts: int = -1
 
     def __post_init__(self) -> None:
-        need(self.warm_hosts >= 0, "warm_hosts", "must be >= 0 processes per stage (0 = none)")
+        need(self.warm_hosts >= -1, "warm_hosts",
+             "must be >= 0 processes per stage (0 = none), or -1 for one per device a stage "
+             "can hold")
         need(self.mode in SELECTOR, "mode",
              f"{self.mode!r} unknown; use --selector on or --selector off")
         need(self.initial_context >= 0, "initial_context",
@@ -273,10 +276,10 @@ class RunConfig:
              "the selector re-plans CPU slots only so far: use --selector off with "
              "placement.device=cuda")
         n_ref = 0 if self.lora.on or self.algorithm.kl_coef == 0 else pl.reference
-        ranks = pl.rollout + pl.trainer + n_ref
+        ranks = pl.rollout * pl.rollout_tp + pl.trainer + n_ref  # a TP replica takes TP devices
         need(pl.devices <= ranks or self.selector.on or pl.device == "cuda", "placement.devices",
-             f"{pl.devices} devices, and the ranks take {ranks} (rollout {pl.rollout}, trainer "
-             f"{pl.trainer}, reference {n_ref}): the other {pl.devices - ranks} are the "
+             f"{pl.devices} devices, and the ranks take {ranks} (rollout {pl.rollout} x "
+             f"rollout_tp {pl.rollout_tp}, trainer {pl.trainer}, reference {n_ref}): the other {pl.devices - ranks} are the "
              f"selector's to hand out; use --selector on, or placement.devices={ranks}")
         need(not self.selector.on or pl.rollout_tp == pl.trainer_tp == 1, "placement.rollout_tp",
              "the selector chooses tensor parallelism itself (--selector on): leave "

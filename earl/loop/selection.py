@@ -41,7 +41,8 @@ from earl.runtime.selector import (
 )
 from earl.stages.batch_types import BatchResult
 
-__all__ = ["Reconfigurer", "Selection", "SelectionStatistics", "Setting", "setting_of"]
+__all__ = ["Reconfigurer", "Selection", "SelectionStatistics", "Setting", "keep_places",
+           "setting_of"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -87,8 +88,10 @@ class Setting:
 KV_CHANGE = 0.25  # a rollout KV budget this much larger than the current one is applied alone
 
 
-def setting_of(plan: Plan, current: Setting, *, max_context: int) -> Setting:
-    """The setting that runs `plan`, starting from `current`.
+def setting_of(plan: Plan, current: Setting, *, max_context: int,
+               equal_devices: bool = False) -> Setting:
+    """The setting that runs `plan`, starting from `current` (with `equal_devices`, each stage
+    kept in the devices it holds: `keep_places`).
 
     The rollout's ``max_model_len`` grows to the plan's context bucket (capped at `max_context`,
     the model's positions) and never shrinks; its KV budget is the plan's, at least one context;
@@ -108,15 +111,47 @@ def setting_of(plan: Plan, current: Setting, *, max_context: int) -> Setting:
     if "rollout" in names:
         r = plan.actor("rollout")
         mml = min(max(current.max_model_len, plan.context_bucket), max_context)
-        kv = max(r.micro_batch_tokens, mml)
         s = replace(s, rollout_tp=r.parallel.tp, rollout_replicas=r.parallel.dp,
-                    rollout_slots=r.slots, max_model_len=mml, kv_tokens=kv)
-        same = s.rollout_key()[:4] == current.rollout_key()[:4]  # no rebuild for another reason
-        if same and mml <= current.kv_tokens and kv < current.kv_tokens * (1 + KV_CHANGE):
-            # vLLM allocated its cache at start and lives within its slot: a smaller one frees
-            # nothing, a slightly larger one is not worth a rebuild
-            s = replace(s, kv_tokens=current.kv_tokens)
+                    rollout_slots=r.slots, max_model_len=mml,
+                    kv_tokens=max(r.micro_batch_tokens, mml))
+    if equal_devices:  # which devices does not matter: move as few as can be
+        s = keep_places(s, current)
+    same = s.rollout_key()[:4] == current.rollout_key()[:4]  # no rebuild for another reason
+    if same and s.max_model_len <= current.kv_tokens \
+            and s.kv_tokens < current.kv_tokens * (1 + KV_CHANGE):
+        # vLLM allocated its cache at start and lives within its slot: a smaller one frees
+        # nothing, a slightly larger one is not worth a rebuild
+        s = replace(s, kv_tokens=current.kv_tokens)
     return s
+
+
+def _with_rollout_of(s: Setting, other: Setting) -> Setting:
+    """`s` with `other`'s rollout: replicas, TP, devices, window and KV budget."""
+    return replace(s, rollout_tp=other.rollout_tp, rollout_replicas=other.rollout_replicas,
+                   rollout_slots=other.rollout_slots, max_model_len=other.max_model_len,
+                   kv_tokens=other.kv_tokens)
+
+
+def keep_places(new: Setting, current: Setting) -> Setting:
+    """`new` with each stage in the devices it holds now, as far as its count allows, and
+    free devices (or those the other stage gives up) for the rest: a plan names devices by
+    position, but equal devices are interchangeable, so a change moves as few as it can (the
+    rollout's replicas are rebuilt in place when its devices stay the same)."""
+    pool = set(new.rollout_slots) | set(new.trainer_slots)
+    pool |= set(current.rollout_slots) | set(current.trainer_slots)
+    n_r, n_t = len(new.rollout_slots), len(new.trainer_slots)
+    rollout = list(current.rollout_slots[:n_r])
+    trainer = [n for n in current.trainer_slots if n not in rollout][:n_t]
+    free = sorted(pool - set(rollout) - set(trainer)
+                  - set(current.rollout_slots) - set(current.trainer_slots))
+    given_up = sorted(pool - set(rollout) - set(trainer) - set(free))  # the other stage's
+    spare = free + given_up
+    if len(spare) < n_r - len(rollout) + n_t - len(trainer):
+        return new  # more devices than the two stages hold or could free: as the plan says
+    for names, n in ((rollout, n_r), (trainer, n_t)):
+        while len(names) < n:
+            names.append(spare.pop(0))
+    return replace(new, rollout_slots=tuple(rollout), trainer_slots=tuple(trainer))
 
 
 def _moves(old: Setting, new: Setting) -> int:
@@ -210,6 +245,8 @@ class Selection:
         profile: the run's live profile, given to the policy as its `measured` (None: no
             measuring): each batch's rollout and training step are recorded into it at the
             setting they ran with.
+        equal_devices: the slots are interchangeable devices (`placement.devices`): a plan's
+            devices are re-assigned so that each stage keeps its own (`keep_places`).
     """
 
     CUT = 0.7
@@ -221,8 +258,10 @@ class Selection:
                  record: Callable[[dict[str, float | int | str]], None] = lambda r: None,
                  trace: Callable[[Decision], None] = lambda d: None,
                  log: Callable[[str], None] = lambda line: None,
-                 initial_context: int | None = None, profile: RunProfile | None = None) -> None:
+                 initial_context: int | None = None, profile: RunProfile | None = None,
+                 equal_devices: bool = False) -> None:
         self.policy, self.reconfigurer, self.setting = policy, reconfigurer, setting
+        self.equal_devices = equal_devices
         self.slots, self.queues, self.max_context = slots, queues, max_context
         self.record, self.trace, self.log = record, trace, log
         self.profile = profile
@@ -274,12 +313,19 @@ class Selection:
         """
         async with self._decide_lock:
             d, new, queues = await self._decide(batch, "rollout")
+            self.log(f"selector: first plan: rollout tp{new.rollout_tp} x{new.rollout_replicas} "
+                     f"on {list(new.rollout_slots)}, trainer tp{new.trainer_tp}/dp"
+                     f"{new.trainer_dp} on {list(new.trainer_slots)} (from "
+                     f"{list(self.setting.rollout_slots)}, {list(self.setting.trainer_slots)})")
+            first: dict[str, float] = {}
+            if set(new.rollout_slots) & set(self.setting.trainer_slots):
+                # the rollout starts in a device the trainer gives up: the trainer moves first
+                first = await self._apply(_with_rollout_of(new, self.setting), decision=False)
             await spawn(new)
-            self.setting = replace(self.setting, rollout_tp=new.rollout_tp,
-                                   rollout_replicas=new.rollout_replicas,
-                                   rollout_slots=new.rollout_slots,
-                                   max_model_len=new.max_model_len, kv_tokens=new.kv_tokens)
-            self._record(d, queues, await self._apply(new))
+            self.setting = _with_rollout_of(self.setting, new)
+            times = await self._apply(new)
+            self._record(d, queues, {k: first.get(k, 0.0) + times.get(k, 0.0)
+                                     for k in first.keys() | times.keys()})
         self._started = batch
 
     @contextlib.asynccontextmanager
@@ -345,7 +391,8 @@ class Selection:
         if d.shortfall is not None:
             self.log(f"selector: {d.shortfall.message()}")
         if d.plan.feasible:
-            return d, setting_of(d.plan, self.setting, max_context=self.max_context), queues
+            return d, setting_of(d.plan, self.setting, max_context=self.max_context,
+                                 equal_devices=self.equal_devices), queues
         # nothing is predicted to fit: keep the layouts, grow the window, and train one
         # context per micro-batch, recomputing activations (the least memory without a new
         # layout)
@@ -375,7 +422,8 @@ class Selection:
                     **(self.profile.record_row() if self.profile is not None else {})})
         self.record(row)
 
-    async def _apply(self, new: Setting) -> dict[str, float]:
+    async def _apply(self, new: Setting, *, decision: bool = True) -> dict[str, float]:
+        """Apply `new` (re-creating what changed); `decision`: it ends a decision (counted)."""
         old, st = self.setting, self._stats
         times: dict[str, float] = {}
         if new.trainer_key() != old.trainer_key() or new.rollout_key() != old.rollout_key():
@@ -383,6 +431,8 @@ class Selection:
                 t0 = time.perf_counter()
                 times = await self.reconfigurer.apply(old, new)
                 times.setdefault("total_s", time.perf_counter() - t0)
+            if self.profile is not None:  # what a switch costs, for the next decisions
+                self.profile.record_switch(times["total_s"])
             if new.trainer_key() == old.trainer_key():  # the trainer was kept
                 if new.micro_batch_tokens != old.micro_batch_tokens:
                     await self.reconfigurer.set_micro_batch_tokens(new.micro_batch_tokens)
@@ -410,6 +460,6 @@ class Selection:
             if new.trainer_recompute != old.trainer_recompute:
                 await self.reconfigurer.set_recompute(new.trainer_recompute)
                 st = replace(st, recompute_changes=st.recompute_changes + 1)
-        self._stats = replace(st, decisions=st.decisions + 1)
+        self._stats = replace(st, decisions=st.decisions + int(decision))
         self.setting = new
         return times

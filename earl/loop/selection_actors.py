@@ -111,8 +111,8 @@ class ActorReconfigurer:
             steps.append("trainer")
         if new.rollout_key() != old.rollout_key():
             steps.append("rollout")
-        # the actor giving up slots goes first, so its slots are free for the other
-        if len(steps) == 2 and len(new.rollout_slots) < len(old.rollout_slots):
+        # the actor giving up slots the other takes goes first, so they are free for it
+        if len(steps) == 2 and set(new.trainer_slots) & set(old.rollout_slots):
             steps.reverse()
         for actor in steps:
             self._n += 1
@@ -141,7 +141,7 @@ class ActorReconfigurer:
                         new.rollout_slots, new.rollout_replicas, "rollout", new.rollout_tp),
                     max_model_len=new.max_model_len, kv_cache_gb=self.kv_cache_gb(new),
                     restart=self.restart, in_place=in_place)
-                self._release_joins("rollout", keep=() if in_place else tuple(
+                self._release_joins("rollout", keep=tuple(  # rebuilt in place: kept too
                     "_".join(new.rollout_slots[r * new.rollout_tp:(r + 1) * new.rollout_tp])
                     for r in range(new.rollout_replicas)))
                 self._release(moved)
@@ -244,7 +244,8 @@ def build_selection(*, policy: Policy, setting: Setting, reconfigurer: ActorReco
                     slots: Callable[[], Mapping[str, float]], dock: Dock,
                     stages: tuple[str, ...], max_context: int, record: Any = None,
                     trace: Any = None, log: Any = None, initial_context: int | None = None,
-                    profile: RunProfile | None = None) -> Selection:
+                    profile: RunProfile | None = None, equal_devices: bool = False
+                    ) -> Selection:
     """The run's `Selection`: `policy`, reading the dock's queue depths of `stages` and
     feeding `profile` (the policy's measured profile)."""
 
@@ -255,7 +256,7 @@ def build_selection(*, policy: Policy, setting: Setting, reconfigurer: ActorReco
                           {"record": record, "trace": trace, "log": log}.items() if v is not None}
     return Selection(policy, reconfigurer, setting=setting, slots=slots, queues=queues,
                      max_context=max_context, initial_context=initial_context,
-                     profile=profile, **kw)
+                     profile=profile, equal_devices=equal_devices, **kw)
 
 
 def slot_usage(pool: SlotPool | None) -> dict[str, float]:
@@ -367,5 +368,5 @@ def selection_for_run(job: Job, actors: Actors) -> tuple[Selection, ActorReconfi
                                 dock=actors.dock, stages=stages, max_context=positions,
                                 record=record, trace=trace, log=job.log,
                                 initial_context=sel.initial_context or positions,
-                                profile=profile)
+                                profile=profile, equal_devices=job.cfg.placement.devices > 0)
     return selection, reconf

@@ -51,12 +51,14 @@ async def spawn_attempt(job: Job, version: int) -> Attempt:
     from earl.runtime.dock import IndexActor
 
     cfg, pl = job.cfg, job.cfg.placement
-    if cfg.selector.on and cfg.selector.warm_hosts:  # first: they import while the run starts
+    warm = cfg.selector.warm_hosts if cfg.selector.warm_hosts >= 0 else \
+        max(pl.devices - 1, 2)
+    if cfg.selector.on and warm:  # first: they import while the run starts
         from earl.stages.rollout import RolloutActor
         from earl.stages.trainer import TrainerActor
 
         for cls in (RolloutActor, TrainerActor):  # a re-layout's ranks skip their imports
-            job.rt.keep_warm(cls, cfg.selector.warm_hosts)
+            job.rt.keep_warm(cls, warm)
     with job.tracer.span("spawn_actors", actor="driver"):
         trainer = await spawn_trainer(job)
         stages = ["reference", "train"] if job.n_reference > 0 else ["train"]

@@ -48,6 +48,14 @@ class Measured(Protocol):
 
     def efficiency(self, stage: Stage) -> float: ...
 
+    def step_tokens(self) -> float | None:
+        """Tokens one training step takes (None: none measured yet)."""
+        ...
+
+    def switch_seconds(self) -> float | None:
+        """What a layout change has cost in this run (None: none made yet)."""
+        ...
+
 
 @dataclass(kw_only=True, slots=True)
 class PolicyConfig:
@@ -67,6 +75,11 @@ class PolicyConfig:
         down_margin: the bucket shrinks only when the need is this far below the next lower
             bucket.
         cooldown_steps: steps between two voluntary switches.
+        horizon_steps: a voluntary switch must pay for itself within this many steps: the
+            time it is predicted to save on each (a measured step's tokens at the current and
+            at the new plan's rate) times this, against what a switch costs (the run's measured
+            ones, else `switch_cost_s`). Before any step is measured, hysteresis alone decides.
+        switch_cost_s: a switch's cost before one is measured (seconds).
         max_micro_batch_tokens: cap on the train/reference micro-batch budget.
         max_kv_tokens: cap on a rollout replica's KV-cache budget.
         dp_divides: a train or reference layout's DP degree must divide this (a run's GRPO
@@ -89,6 +102,8 @@ class PolicyConfig:
     patience: int = 2
     down_margin: float = 0.15
     cooldown_steps: int = 3
+    horizon_steps: int = 20
+    switch_cost_s: float = 5.0
     max_micro_batch_tokens: int = 65536
     max_kv_tokens: int = 1 << 20
     queue_target: int = 0
@@ -256,9 +271,15 @@ class SearchPolicy:
         (train-bound: the consumer's demand is 1 + the excess in units of `queue_target`);
         fewer than `queue_target` waiting for training mean the trainer waits for experience
         (rollout-bound: the rollout's demand is 1 + the shortfall, at most 2). A stage the
-        queues do not mention, or `queue_target` 0, counts 1.
+        queues do not mention, or `queue_target` 0, counts 1; so does every stage once the
+        measured profile has timed training steps (its rates are then in real units).
         """
         qt, q = self.config.queue_target, queues or {}
+        if self.measured is not None and self.measured.step_tokens():
+            # the run's own rates say which stage holds it back; the backlog is their
+            # consequence, and weighing it as well swung two near-balanced layouts back and
+            # forth (gauntlet, 4 devices: r3-t1 <-> r2-t2 every 3 steps, 30 s a switch)
+            qt = 0
         out: dict[str, float] = {}
         for a, stage in self.config.actors.items():
             d = 1.0
@@ -353,7 +374,12 @@ class SearchPolicy:
             reason = f"{why}: {self._summary(cand)}"
         else:
             gain = self.score(cand, queue_depths) / max(self.score(cur, queue_depths), 1e-9) - 1
-            if cand.layouts() != cur.layouts() and gain >= c.switch_gain:
+            pays, ledger = self._pays_off(cand, cur, queue_depths)
+            if cand.layouts() != cur.layouts() and gain >= c.switch_gain and not pays:
+                s.better_streak = 0
+                plan = cur
+                reason = f"kept: a plan {gain:+.0%} faster {ledger}"
+            elif cand.layouts() != cur.layouts() and gain >= c.switch_gain:
                 s.better_streak += 1
                 ready = s.better_streak >= c.patience and step - s.last_switch >= c.cooldown_steps
                 if ready:
@@ -383,6 +409,22 @@ class SearchPolicy:
             switch_steps=st.switch_steps + ((step,) if changed else ()))
         return Decision(step=step, when=when, plan=plan, changed=changed, reason=reason,
                         context=contexts, shortfall=shortfall)
+
+    def _pays_off(self, cand: Plan, cur: Plan, queues: Mapping[str, int] | None
+                  ) -> tuple[bool, str]:
+        """Whether switching from `cur` to `cand` saves more than it costs over
+        `horizon_steps` steps, and the ledger that says so."""
+        c, m = self.config, self.measured
+        tokens = m.step_tokens() if m is not None else None
+        if not tokens:
+            return True, ""
+        old, new = self.score(cur, queues), self.score(cand, queues)
+        if old <= 0 or new <= 0:
+            return True, ""
+        saved = tokens * (1 / old - 1 / new) * c.horizon_steps
+        cost = (m.switch_seconds() if m is not None else None) or c.switch_cost_s
+        return saved > cost, (f"would save {saved:.1f} s over {c.horizon_steps} steps, a "
+                              f"switch costs {cost:.1f} s")
 
     def _summary(self, plan: Plan) -> str:
         return "; ".join(a.describe() for a in plan.actors)

@@ -162,6 +162,13 @@ class ProfileTable:
         """Profiled points are exact: unprofiled layouts keep the roofline (1.0)."""
         return 1.0
 
+    def step_tokens(self) -> float | None:
+        """An offline profile runs no steps: switches are left to hysteresis."""
+        return None
+
+    def switch_seconds(self) -> float | None:
+        return None
+
 
 class Profiler:
     """Measures points with real steps and keeps them in `table`.
@@ -242,6 +249,8 @@ class RunProfile:
     bucket_base: int = 64
     rates: dict[tuple[Stage, str, int], _Rate] = field(default_factory=dict)
     memory: dict[Stage, float] = field(default_factory=dict)  # worst measured / predicted
+    train_tokens: list[int] = field(default_factory=list)  # per training step, the last ones
+    switches: list[float] = field(default_factory=list)  # seconds of each layout change
 
     def bucket_of(self, context: int) -> int:
         """The smallest half-octave bucket (base x 1, 1.5, 2, 3, 4, ...) >= `context`."""
@@ -259,6 +268,8 @@ class RunProfile:
         `peak_bytes`: the step's peak resident memory per device, if measured."""
         if tokens <= 0 or seconds <= 0 or context <= 0:
             return
+        if stage == "train":
+            self.train_tokens[:] = [*self.train_tokens[-7:], tokens]
         bucket = self.bucket_of(context)
         rate = tokens / seconds
         roof = self.cost.tokens_per_s(stage, par, bucket, batch_tokens=max(batch_tokens, 1))
@@ -291,6 +302,19 @@ class RunProfile:
     def memory_scale(self, stage: Stage) -> float:
         """The worst measured / predicted peak of `stage` (at least 1: only towards safety)."""
         return max(1.0, self.memory.get(stage, 1.0))
+
+    def record_switch(self, seconds: float) -> None:
+        """A layout change took `seconds` (re-creations, moves; not a budget change)."""
+        self.switches.append(seconds)
+
+    def step_tokens(self) -> float | None:
+        """Tokens per training step, the mean of the last 8 (None before one)."""
+        return sum(self.train_tokens) / len(self.train_tokens) if self.train_tokens else None
+
+    def switch_seconds(self) -> float | None:
+        """The median layout change of this run (None before one)."""
+        xs = sorted(self.switches)
+        return xs[len(xs) // 2] if xs else None
 
     def record_row(self) -> dict[str, float]:
         """Metrics: per stage its efficiency and memory scale ("selector/profile/...")."""

@@ -185,3 +185,13 @@ def test_eval_games_applies_to_eval_tasks(tmp_path) -> None:
     assert size(0) == 10 and size(4) == 4 and size(3) == 3  # odd is fine for a file
     with pytest.raises(ValueError, match=r"eval_games.*12.*10 samples"):
         size(12)
+
+
+def test_a_tensor_parallel_replica_takes_its_devices() -> None:
+    """4 devices: a TP-2 replica takes two, the trainer's two ranks the others; one device
+    more would be left to a selector that is off."""
+    base = ["--placement.slot_memory_mib=900", "--placement.reference=0", "--algorithm.kl_coef=0",
+            "--placement.rollout_tp=2", "--placement.trainer=2"]
+    assert load_config(None, [*base, "--placement.devices=4"]).placement.devices == 4
+    with pytest.raises(ValueError, match=r"ranks take 4 \(rollout 1 x rollout_tp 2"):
+        load_config(None, [*base, "--placement.devices=5"])

@@ -13,7 +13,7 @@ import pytest
 
 from earl.config import RunConfig
 from earl.loop.schedule import LoopState, Schedule
-from earl.loop.selection import Selection, Setting, setting_of
+from earl.loop.selection import Selection, Setting, keep_places, setting_of
 from earl.runtime.selector import (
     ActorPlan,
     CostConfig,
@@ -456,3 +456,22 @@ def test_overlapping_plays_are_measured_by_the_rollouts_busy_time() -> None:
     # 2000 tokens in ~0.2 s, then 2000 more in the ~0.1 s after: 1/0.1 s, not 1/0.3 s
     rate = sel.profile.tokens_per_s("rollout", Parallel(), 500)
     assert rate is not None and rate > 2000 / 0.3 * 1.5
+
+
+def test_equal_devices_stay_where_they_are_across_a_change() -> None:
+    """A plan names devices by position; with equal devices each stage keeps its own and takes
+    free ones (then what the other gives up), so a change moves as few as it can."""
+    cur = Setting(micro_batch_tokens=1024, max_model_len=512, kv_tokens=512,
+                  rollout_slots=("device0",), trainer_slots=("device1",))
+    grow = replace(cur, rollout_replicas=2, trainer_dp=2, rollout_slots=("device0", "device1"),
+                   trainer_slots=("device2", "device3"))
+    two = keep_places(grow, cur)
+    assert two.rollout_slots == ("device0", "device2")
+    assert two.trainer_slots == ("device1", "device3")
+    # the rollout gives one back: the trainer keeps its two and takes it
+    shift = replace(two, rollout_replicas=1, trainer_dp=3, rollout_slots=("device0",),
+                    trainer_slots=("device1", "device2", "device3"))
+    three = keep_places(shift, two)
+    assert three.rollout_slots == ("device0",)
+    assert three.trainer_slots == ("device1", "device3", "device2")
+    assert keep_places(two, two) == two  # nothing to move

@@ -187,3 +187,53 @@ def test_a_starved_trainer_moves_slots_to_the_rollout() -> None:
     assert SearchPolicy(MODEL, cfg)._demand({"train": 96})["trainer"] == 3.0
     assert SearchPolicy(MODEL, cfg)._demand(None) == {"rollout": 1.0, "reference": 1.0,
                                                       "trainer": 1.0}
+
+
+class _Steps:
+    """A measured profile: a step's tokens, what a switch costs, and one layout measured slow."""
+
+    def __init__(self, tokens: float, switch_s: float) -> None:
+        self.tokens, self.switch_s = tokens, switch_s
+        self.slow: tuple[str, object] | None = None
+
+    def tokens_per_s(self, stage: str, par: object, context: int) -> float | None:
+        return 1e3 if (stage, par) == self.slow else None
+
+    def memory_scale(self, stage: object) -> float:
+        return 1.0
+
+    def efficiency(self, stage: object) -> float:
+        return 1.0
+
+    def step_tokens(self) -> float:
+        return self.tokens
+
+    def switch_seconds(self) -> float:
+        return self.switch_s
+
+
+@pytest.mark.parametrize(("tokens", "moves"), [(1e6, True), (10.0, False)])
+def test_a_switch_must_pay_for_itself_over_the_horizon(tokens: float, moves: bool) -> None:
+    """The trainer's layout turns out slow when measured: the policy leaves it when a step's
+    tokens make the faster plan save more than a switch costs over `horizon_steps`, and keeps
+    it when the steps are so small that the switch would not pay."""
+    measured = _Steps(tokens, switch_s=30.0)
+    policy = SearchPolicy(MODEL, PolicyConfig(patience=1, cooldown_steps=0, horizon_steps=20),
+                          measured=measured)
+    stats = ContextTracker().observe([4096, 3000])
+    first = policy.decide(step=0, when="prep", contexts=stats, slots=slots())
+    measured.slow = ("train", first.plan.actor("trainer").parallel)
+    d = policy.decide(step=1, when="prep", contexts=stats, slots=slots())
+    assert d.changed is moves
+    if not moves:
+        assert "a switch costs 30.0 s" in d.reason and "over 20 steps" in d.reason
+
+
+def test_queue_depths_weigh_nothing_once_the_run_measures_its_steps() -> None:
+    """Measured rates say which stage holds the pipeline back; weighing the backlog as well
+    swung near-balanced layouts back and forth."""
+    cfg = PolicyConfig(queue_target=32)
+    assert SearchPolicy(MODEL, cfg)._demand({"train": 0})["rollout"] == 2.0
+    measured = SearchPolicy(MODEL, cfg, measured=_Steps(1e4, 5.0))
+    assert set(measured._demand({"train": 0}).values()) == {1.0}
+    assert set(measured._demand({"train": 96}).values()) == {1.0}
