@@ -46,7 +46,9 @@ class Measured(Protocol):
 
     def memory_scale(self, stage: Stage) -> float: ...
 
-    def efficiency(self, stage: Stage) -> float: ...
+    def efficiency(self, stage: Stage, par: Parallel | None = None) -> float:
+        """Measured / roofline tokens/s: of layout `par` where it ran, else of the stage."""
+        ...
 
     def step_tokens(self) -> float | None:
         """Tokens one training step takes (None: none measured yet)."""
@@ -176,9 +178,9 @@ class SearchPolicy:
         key = "kv_tokens" if stage == "rollout" else "micro_batch_tokens"
         mem = self.cost.memory(stage, par, seq_len=context, **{key: mb}).total * scale
         tps = self.measured.tokens_per_s(stage, par, context) if self.measured else None
-        if tps is None:  # the roofline, in measured units once the stage has run
+        if tps is None:  # the roofline, in measured units once the layout or its stage ran
             tps = self.cost.tokens_per_s(stage, par, context, batch_tokens=mb) * \
-                (self.measured.efficiency(stage) if self.measured else 1.0)
+                (self.measured.efficiency(stage, par) if self.measured else 1.0)
         return ActorPlan(actor=actor, stage=stage, parallel=par, micro_batch_tokens=mb,
                          slots=slots, predicted_bytes=mem, tokens_per_s=tps)
 

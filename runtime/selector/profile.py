@@ -158,7 +158,7 @@ class ProfileTable:
                   if s == stage and p.predicted_bytes > 0]
         return max([1.0, *ratios])
 
-    def efficiency(self, stage: Stage) -> float:
+    def efficiency(self, stage: Stage, par: Parallel | None = None) -> float:
         """Profiled points are exact: unprofiled layouts keep the roofline (1.0)."""
         return 1.0
 
@@ -286,12 +286,19 @@ class RunProfile:
             predicted = self.cost.memory(stage, par, seq_len=context, **kw).total
             self.memory[stage] = max(self.memory.get(stage, 0.0), peak_bytes / predicted)
 
-    def efficiency(self, stage: Stage) -> float:
-        """Measured / roofline tokens/s of `stage`, the median over the points it ran (1.0
-        before any)."""
-        ratios = sorted(r.tokens_per_s / r.roofline for (s, _, _), r in self.rates.items()
-                        if s == stage and r.roofline > 0)
-        return ratios[len(ratios) // 2] if ratios else 1.0
+    def efficiency(self, stage: Stage, par: Parallel | None = None) -> float:
+        """Measured / roofline tokens/s: the median over the points layout `par` ran at, so a
+        layout measured slow at one context stays slow at the next (on CPU a TP-2 replica is
+        slower than the roofline says: the gauntlet trained 8.8k tok/s with one TP-2 replica,
+        17.6k with two TP-1); a layout not run yet, or `par` None:
+        the median over the stage's points (1.0 before any)."""
+        def median(key: Callable[[str], bool]) -> float | None:
+            ratios = sorted(r.tokens_per_s / r.roofline for (s, p, _), r in self.rates.items()
+                            if s == stage and key(p) and r.roofline > 0)
+            return ratios[len(ratios) // 2] if ratios else None
+
+        own = median(lambda p: p == str(par)) if par is not None else None
+        return own if own is not None else median(lambda p: True) or 1.0
 
     def tokens_per_s(self, stage: Stage, par: Parallel, context: int) -> float | None:
         """The measured rate at this layout and bucket, or None (the policy then takes the

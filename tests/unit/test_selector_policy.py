@@ -202,7 +202,7 @@ class _Steps:
     def memory_scale(self, stage: object) -> float:
         return 1.0
 
-    def efficiency(self, stage: object) -> float:
+    def efficiency(self, stage: object, par: object = None) -> float:
         return 1.0
 
     def step_tokens(self) -> float:

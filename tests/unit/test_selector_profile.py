@@ -99,3 +99,23 @@ def test_the_run_profile_calibrates_the_roofline_and_scales_memory() -> None:
     assert shrunk is not None and shrunk.micro_batch_tokens < before
     rows = profile.record_row()
     assert rows["selector/profile/train/memory_scale"] == pytest.approx(1.5)
+
+
+def test_a_layout_measured_slow_stays_slow_at_a_context_it_has_not_run() -> None:
+    """Per-layout efficiency: a layout measured far below its roofline at one context is
+    predicted as slow at the next one, not at the stage's median efficiency."""
+    from earl.runtime.selector import RunProfile
+
+    cost = CostModel(ModelShape(hidden=64, layers=2, heads=2, kv_heads=2, intermediate=192,
+                                vocab=512, params=120_000),
+                     CostConfig(weight_bytes=4, grad_bytes=4, optimizer_bytes=8, act_bytes=4))
+    one, tp2 = Parallel(), Parallel(tp=2)
+    profile = RunProfile(cost)
+    for par, share in ((one, 0.8), (one, 0.8), (tp2, 0.1)):
+        roof = cost.tokens_per_s("rollout", par, profile.bucket_of(900), batch_tokens=4096)
+        profile.record("rollout", par, 900, tokens=int(share * roof * 10), seconds=10.0,
+                       batch_tokens=4096)
+    assert profile.efficiency("rollout", tp2) == pytest.approx(0.1, rel=0.01)
+    assert profile.efficiency("rollout", one) == pytest.approx(0.8, rel=0.01)
+    assert profile.efficiency("rollout", Parallel(dp=2)) == pytest.approx(0.8, rel=0.01)
+    assert profile.tokens_per_s("rollout", tp2, 3000) is None  # another bucket: estimated
