@@ -70,3 +70,18 @@ def sweep_stale(parent: str) -> None:
             if (entry.startswith("earl-") and entry[5:].isdigit()
                     and not pid_alive(int(entry[5:]))):
                 remove_cgroup(os.path.join(parent, entry))
+
+
+def thread_ids(pid: int) -> list[int]:
+    """The thread ids of process `pid` (just `pid` where /proc cannot say)."""
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return [pid]
+
+
+def normal_priority(pid: int) -> None:
+    """Every thread of `pid` back to SCHED_OTHER (best effort: needs the same user)."""
+    for tid in thread_ids(pid):
+        with contextlib.suppress(OSError, AttributeError):
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))

@@ -65,9 +65,9 @@ def _preload(modules: list[str]) -> None:
     for name in modules:
         with contextlib.suppress(Exception):
             importlib.import_module(name)
-    for tid in os.listdir(f"/proc/{os.getpid()}/task") if os.path.isdir("/proc") else ["0"]:
-        with contextlib.suppress(OSError, AttributeError):
-            os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+    from earl.runtime.cgroups import normal_priority
+
+    normal_priority(os.getpid())
 
 
 def _apply_env(env: dict[str, str]) -> None:

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 
+from earl.runtime.cgroups import normal_priority
 from earl.runtime.errors import ActorDied, ActorError
 from earl.runtime.launch import ActorSpec, pack_msg, recv_msg
 from earl.runtime.slots import SlotBinding, bind_process
@@ -163,7 +164,7 @@ class LocalLauncher:
             if proc.poll() is None:
                 if len(pool) < self._want[key][0]:
                     pool.append(self._start(self._want[key][1], dict(os.environ)))  # refill
-                _normal_priority(proc.pid)  # it may still be importing, at idle priority
+                normal_priority(proc.pid)  # it may still be importing, at idle priority
                 return proc, sock
             sock.close()
         return None
@@ -202,11 +203,3 @@ def _anon_mib(pid: int) -> float:
             if line.startswith("RssAnon:"):
                 return int(line.split()[1]) / 1024
     return 0.0
-
-
-def _normal_priority(pid: int) -> None:
-    """Every thread of `pid` back to SCHED_OTHER (best effort: needs the same user)."""
-    with contextlib.suppress(OSError):
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError):
-                os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))

@@ -32,7 +32,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, Self
 
-from earl.runtime.cgroups import own_cgroup, read_int, remove_cgroup, sweep_stale, write
+from earl.runtime.cgroups import (
+    own_cgroup,
+    read_int,
+    remove_cgroup,
+    sweep_stale,
+    thread_ids,
+    write,
+)
 from earl.runtime.wire import message
 
 MEMORY_ROOT = "/sys/fs/cgroup/memory"
@@ -222,10 +229,9 @@ def bind_process(slot: Slot, pid: int, carried_mib: float = 0.0) -> SlotBinding:
     if slot.cpu_enforcement == "cpuset":
         write(os.path.join(slot.cpuset_cgroup, "cgroup.procs"), str(pid))
     elif slot.cpu_enforcement == "affinity":  # every thread (a warm host has started some)
-        tids = os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else [pid]
-        for tid in tids:
+        for tid in thread_ids(pid):
             with contextlib.suppress(ProcessLookupError):  # a thread that just ended
-                os.sched_setaffinity(int(tid), slot.cores)
+                os.sched_setaffinity(tid, slot.cores)
     return SlotBinding(slot, pid)
 
 

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Protocol
 
-from earl.runtime.errors import need
 from earl.runtime.selector.cost import CostModel, Parallel, Stage
 from earl.runtime.selector.plan import (
     ActorPlan,
@@ -37,88 +35,7 @@ from earl.runtime.selector.plan import (
     SelectorStatistics,
     Shortfall,
 )
-
-
-class Measured(Protocol):
-    """What the policy asks of profiles (`profile.ProfileTable` implements it)."""
-
-    def tokens_per_s(self, stage: Stage, par: Parallel, context: int) -> float | None: ...
-
-    def memory_scale(self, stage: Stage) -> float: ...
-
-    def efficiency(self, stage: Stage, par: Parallel | None = None) -> float:
-        """Measured / roofline tokens/s: of layout `par` where it ran, else of the stage."""
-        ...
-
-    def step_tokens(self) -> float | None:
-        """Tokens one training step takes (None: none measured yet)."""
-        ...
-
-    def switch_seconds(self) -> float | None:
-        """What a layout change has cost in this run (None: none made yet)."""
-        ...
-
-
-@dataclass(kw_only=True, slots=True)
-class PolicyConfig:
-    """Knobs of the selector policy.
-
-    Args:
-        actors: actor name -> stage it runs ("rollout", "reference", "train").
-        colocated: every actor uses every slot in turn (verl/EARL hybrid engine); False: the
-            slots are split between the actors.
-        tp_max: largest TP degree (devices per node). pp_max: largest PP degree.
-        headroom: fraction of each slot's memory left free.
-        bucket_base: smallest context bucket (tokens); buckets double from there.
-        lookahead_steps: plan for the context projected this many steps ahead.
-        warn_steps: look this many steps further for contexts nothing can fit.
-        switch_gain: a feasible plan is replaced only by one at least this much faster...
-        patience: ...for this many decisions in a row (also: bucket shrink confirmations).
-        down_margin: the bucket shrinks only when the need is this far below the next lower
-            bucket.
-        cooldown_steps: steps between two voluntary switches.
-        horizon_steps: a voluntary switch must pay for itself within this many steps: the
-            time it is predicted to save on each (a measured step's tokens at the current and
-            at the new plan's rate) times this, against what a switch costs (the run's measured
-            ones, else `switch_cost_s`). Before any step is measured, hysteresis alone decides.
-        switch_cost_s: a switch's cost before one is measured (seconds).
-        max_micro_batch_tokens: cap on the train/reference micro-batch budget.
-        max_kv_tokens: cap on a rollout replica's KV-cache budget.
-        dp_divides: a train or reference layout's DP degree must divide this (a run's GRPO
-            groups per step: data-parallel replicas split whole groups); 0: any.
-        queue_target: the dock backlog (samples) of a balanced pipeline, and the unit of
-            extra demand: more waiting weighs the consumer stages, fewer the rollout (see
-            `SearchPolicy._demand`; 0: ignore queue depths).
-    """
-
-    actors: dict[str, Stage] = field(default_factory=lambda: {
-        "rollout": "rollout", "reference": "reference", "trainer": "train"})
-    colocated: bool = False
-    tp_max: int = 8
-    pp_max: int = 8
-    headroom: float = 0.1
-    bucket_base: int = 1024
-    lookahead_steps: int = 2
-    warn_steps: int = 8
-    switch_gain: float = 0.1
-    patience: int = 2
-    down_margin: float = 0.15
-    cooldown_steps: int = 3
-    horizon_steps: int = 20
-    switch_cost_s: float = 5.0
-    max_micro_batch_tokens: int = 65536
-    max_kv_tokens: int = 1 << 20
-    queue_target: int = 0
-    dp_divides: int = 0
-
-    def __post_init__(self) -> None:
-        need(bool(self.actors), "actors", "must name at least one actor")
-        for name, stage in self.actors.items():
-            need(stage in ("rollout", "reference", "train"), f"actors.{name}",
-                 f"{stage!r} unknown: use 'rollout', 'reference' or 'train'")
-        need(0 <= self.headroom < 1, "headroom", f"must be in [0, 1), got {self.headroom}")
-        for k in ("tp_max", "pp_max", "bucket_base", "patience"):
-            need(getattr(self, k) >= 1, k, f"must be >= 1, got {getattr(self, k)}")
+from earl.runtime.selector.policy_config import Measured, PolicyConfig
 
 
 def _pow2_upto(n: int) -> list[int]:
