@@ -132,8 +132,9 @@ class SelectorConfig:
     re-created, a vLLM start each time, as contexts reach its window). `reserve_mib`: the
     per-process baseline (Python, torch) the cost model charges each slot when no slot is
     measured. `policy`: the policy's knobs (`earl.runtime.selector.PolicyConfig`); in a run
-    its `queue_target` 0 means one batch (`batch_size` samples waiting to train is balanced)
-    and its `dp_divides` 0 the groups per step (trainer replicas split whole groups).
+    its `queue_target` 0 means one batch (`batch_size` samples waiting to train is balanced),
+    its `dp_divides` 0 the groups per step (trainer replicas split whole groups) and its
+    `rollout_seqs` 0 one batch (the sequences the rollout decodes at once).
     `policy_factory`: another policy, "PATH.py:NAME" or "module:NAME" of a factory
     ``(cost, config, measured) -> Policy`` (`earl.runtime.selector.Policy`; "" = the built-in
     `SearchPolicy`); `measured` is the run's live profile (`RunProfile`).
@@ -142,6 +143,9 @@ class SelectorConfig:
     13.5 s -> 1.8 s, a trainer rank's 4.5 s -> 0.3 s on the tiny model); each waits at idle
     CPU priority and holds its imports' memory (~540 MiB for vLLM, ~340 MiB for torch).
     -1: as many as a stage can hold (`placement.devices` - 1, else 2); 0: none.
+    `tp_overhead`: throughput lost to communication per doubling of tensor parallelism, which
+    prices a TP layout the run has not measured yet (-1: from `placement.device`, 0.06 on
+    cuda, 0.25 on cpu, where `bench/parallel.py` measured a TP-2 replica at 0.77x of two).
     """
 
     SHORTHAND: ClassVar[str] = "mode"
@@ -151,8 +155,12 @@ class SelectorConfig:
     policy: PolicyConfig = field(default_factory=_run_policy)
     policy_factory: str = ""
     warm_hosts: int = -1
+    tp_overhead: float = -1.0
 
     def __post_init__(self) -> None:
+        need(self.tp_overhead == -1 or 0 <= self.tp_overhead < 1, "tp_overhead",
+             f"must be in [0, 1) (throughput lost per TP doubling) or -1 for the device's "
+             f"default, got {self.tp_overhead}")
         need(self.warm_hosts >= -1, "warm_hosts",
              "must be >= 0 processes per stage (0 = none), or -1 for one per device a stage "
              "can hold")

@@ -296,11 +296,12 @@ class Selection:
         if lengths:
             self.contexts = self.tracker.observe(lengths)
             if self.profile is not None:  # trajectory tokens per second of busy rollout
-                self.profile.record("rollout", played.rollout_parallel(),
-                                    max(e.tokens for e in result.episodes),
+                longest = max(e.tokens for e in result.episodes)
+                share = -(-len(result.episodes) // played.rollout_replicas)  # per replica
+                self.profile.record("rollout", played.rollout_parallel(), longest,
                                     tokens=sum(e.tokens for e in result.episodes),
                                     seconds=self._busy.pop(result.batch, result.seconds),
-                                    batch_tokens=played.kv_tokens)
+                                    batch_tokens=min(played.kv_tokens, share * longest))
         return self.contexts
 
     async def start(self, batch: int, spawn: Callable[[Setting], Awaitable[None]]) -> None:

@@ -181,8 +181,15 @@ class ActorReconfigurer:
                 self.pool.release(joined)
 
 
+# throughput lost per doubling of TP: CPU slots measured (bench/parallel.py: a TP-2 vLLM replica
+# made 0.77x of two TP-1 replicas on the same 2 cores; a TP-2 trainer 0.93x of DP 2), GPUs the
+# roofline's NVLink default
+CPU_TP_OVERHEAD, GPU_TP_OVERHEAD = 0.25, 0.06
+
+
 def cost_model_of(model_dir: str, *, reserve_mib: float, dtype_bytes: int = 4,
-                  logit_bytes: float = 32.0, score_bytes: float = 8.0) -> CostModel:
+                  logit_bytes: float = 32.0, score_bytes: float = 8.0,
+                  tp_overhead: float = CPU_TP_OVERHEAD) -> CostModel:
     """The cost model of the HF model in `model_dir`, fp32 on CPU, Adam's two moments, with
     `reserve_mib` of per-process baseline (Python, torch, vLLM) that every slot pays before the
     model's bytes.
@@ -199,7 +206,8 @@ def cost_model_of(model_dir: str, *, reserve_mib: float, dtype_bytes: int = 4,
                                        optimizer_bytes=2 * dtype_bytes, act_bytes=dtype_bytes,
                                        kv_bytes=dtype_bytes, attention="eager",
                                        score_bytes=score_bytes, logit_bytes=logit_bytes,
-                                       reserve_bytes=reserve_mib * 2**20))
+                                       reserve_bytes=reserve_mib * 2**20,
+                                       tp_overhead=tp_overhead))
 
 
 def _param_count(cfg: Mapping[str, Any]) -> int:
@@ -333,7 +341,9 @@ def selection_for_run(job: Job, actors: Actors) -> tuple[Selection, ActorReconfi
     rollout_names, trainer_names = job.roles["rollout"], job.roles["trainer"]
     slots, slot_memory, reserve = _slot_view(job, rollout_names, trainer_names)
     model_dir = str(job.start)
-    cost = cost_model_of(model_dir, reserve_mib=reserve)
+    tp_overhead = sel.tp_overhead if sel.tp_overhead >= 0 else (
+        GPU_TP_OVERHEAD if pl.device == "cuda" else CPU_TP_OVERHEAD)
+    cost = cost_model_of(model_dir, reserve_mib=reserve, tp_overhead=tp_overhead)
     kvb = cost.kv_bytes_per_token(Parallel())
     positions = int(json.loads((Path(model_dir) / "config.json").read_text())
                     .get("max_position_embeddings", job.max_model_len))
@@ -359,9 +369,11 @@ def selection_for_run(job: Job, actors: Actors) -> tuple[Selection, ActorReconfi
     stages = ("reference", "train") if job.n_reference > 0 else ("train",)
     job.log(f"selector on: slots {dict(slots())}, reserve {reserve:.0f} MiB/process, model "
             f"positions {positions}, rollout window {window}")
-    knobs = dataclasses.replace(  # replicas split whole groups; a batch waiting is balanced
+    knobs = dataclasses.replace(  # replicas split whole groups; a batch waiting is balanced;
+        # the rollout decodes one batch at a time
         sel.policy, dp_divides=sel.policy.dp_divides or job.cfg.batch_size // job.cfg.group_size,
-        queue_target=sel.policy.queue_target or job.cfg.batch_size)
+        queue_target=sel.policy.queue_target or job.cfg.batch_size,
+        rollout_seqs=sel.policy.rollout_seqs or job.cfg.batch_size)
     profile = RunProfile(cost)
     selection = build_selection(policy=make_policy(sel.policy_factory, cost, knobs, profile),
                                 setting=setting, reconfigurer=reconf, slots=slots,

@@ -104,6 +104,9 @@ class CostConfig:
             also ask for it (`Parallel.recompute`).
         sequence_parallel: norm inputs/outputs (and stored layer inputs) split over TP too.
         reserve_bytes: per-device memory the model does not see (CUDA context, allocator slack).
+        tp_overhead: throughput lost to communication per doubling of TP (0.06: NVLink GPUs;
+            CPU slots lose far more: `bench/parallel.py` measured a TP-2 vLLM replica at 0.77x
+            of two TP-1 replicas on the same 2 cores, so a run on CPU devices uses 0.25).
     """
 
     weight_bytes: float = 2.0
@@ -117,6 +120,11 @@ class CostConfig:
     recompute: bool = False
     sequence_parallel: bool = False
     reserve_bytes: float = 0.0
+    tp_overhead: float = 0.06
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tp_overhead < 1:
+            raise ValueError(f"CostConfig.tp_overhead must be in [0, 1), got {self.tp_overhead}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -260,18 +268,18 @@ class CostModel:
     # ---- throughput (roofline; profiles override) ---------------------------------------
     def tokens_per_s(self, stage: Stage, par: Parallel, seq_len: int, *, batch_tokens: int,
                      peak_flops: float = 989e12, mem_bw: float = 3.35e12,
-                     mfu: float = 0.4, tp_overhead: float = 0.06, step_tokens: int = 0) -> float:
+                     mfu: float = 0.4, step_tokens: int = 0) -> float:
         """Tokens/s of the whole layout (all its devices) for one context length.
 
         Training and reference are compute bound (6 or 2 FLOPs per parameter per token plus
         attention) at `mfu`; rollout decode is bandwidth bound (weights and the KV cache of the
         `batch_tokens` resident tokens read once per decode step). Each doubling of TP costs
-        `tp_overhead` of efficiency (communication), PP a bubble of (pp-1)/(micro-batches),
+        `CostConfig.tp_overhead` of efficiency (communication), PP a bubble of (pp-1)/(micro-batches),
         where a DP replica's micro-batches are `step_tokens / (dp * batch_tokens)` (4 x pp when
         `step_tokens` is 0).
         """
         s = self.shape
-        eff = (1 - tp_overhead) ** (par.tp.bit_length() - 1)
+        eff = (1 - self.config.tp_overhead) ** (par.tp.bit_length() - 1)
         attn = 2 * s.layers * s.hidden * seq_len  # QK^T and AV per token (causal: half of 4)
         if stage == "rollout":
             seqs = max(1, batch_tokens // seq_len)

@@ -96,7 +96,10 @@ class SearchPolicy:
         mem = self.cost.memory(stage, par, seq_len=context, **{key: mb}).total * scale
         tps = self.measured.tokens_per_s(stage, par, context) if self.measured else None
         if tps is None:  # the roofline, in measured units once the layout or its stage ran
-            tps = self.cost.tokens_per_s(stage, par, context, batch_tokens=mb) * \
+            busy = mb
+            if stage == "rollout" and self.config.rollout_seqs:  # a replica's share decodes
+                busy = min(mb, -(-self.config.rollout_seqs // par.dp) * context)
+            tps = self.cost.tokens_per_s(stage, par, context, batch_tokens=busy) * \
                 (self.measured.efficiency(stage, par) if self.measured else 1.0)
         return ActorPlan(actor=actor, stage=stage, parallel=par, micro_batch_tokens=mb,
                          slots=slots, predicted_bytes=mem, tokens_per_s=tps)

@@ -59,6 +59,10 @@ class PolicyConfig:
         max_kv_tokens: cap on a rollout replica's KV-cache budget.
         dp_divides: a train or reference layout's DP degree must divide this (a run's GRPO
             groups per step: data-parallel replicas split whole groups); 0: any.
+        rollout_seqs: sequences the rollout has to decode at once, over all its replicas (a
+            run: its batch size); a replica's decode batch is its share of them, however much
+            KV it could hold (the roofline is not credited for cache that stays empty). 0:
+            as many as the KV budget holds.
         queue_target: the dock backlog (samples) of a balanced pipeline, and the unit of
             extra demand: more waiting weighs the consumer stages, fewer the rollout (see
             `SearchPolicy._demand`; 0: ignore queue depths).
@@ -83,6 +87,7 @@ class PolicyConfig:
     max_kv_tokens: int = 1 << 20
     queue_target: int = 0
     dp_divides: int = 0
+    rollout_seqs: int = 0
 
     def __post_init__(self) -> None:
         need(bool(self.actors), "actors", "must name at least one actor")
@@ -92,3 +97,6 @@ class PolicyConfig:
         need(0 <= self.headroom < 1, "headroom", f"must be in [0, 1), got {self.headroom}")
         for k in ("tp_max", "pp_max", "bucket_base", "patience"):
             need(getattr(self, k) >= 1, k, f"must be >= 1, got {getattr(self, k)}")
+        need(self.rollout_seqs >= 0, "rollout_seqs",
+             f"must be >= 0 sequences (0 = as many as the KV budget holds), got "
+             f"{self.rollout_seqs}")

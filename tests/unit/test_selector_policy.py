@@ -237,3 +237,41 @@ def test_queue_depths_weigh_nothing_once_the_run_measures_its_steps() -> None:
     measured = SearchPolicy(MODEL, cfg, measured=_Steps(1e4, 5.0))
     assert set(measured._demand({"train": 0}).values()) == {1.0}
     assert set(measured._demand({"train": 96}).values()) == {1.0}
+
+
+def test_tp_overhead_prices_tensor_parallelism_per_doubling() -> None:
+    """Each TP doubling loses `tp_overhead`: with none, a TP-2 replica beats two TP-1
+    replicas on the same devices (decode reads half the weights per device); at CPU slots'
+    0.25 it no longer does."""
+    from earl.runtime.selector.cost import Parallel
+
+    def rates(overhead: float) -> tuple[float, float]:
+        cost = CostModel(ModelShape.llama31_8b(), CostConfig(tp_overhead=overhead))
+        p = SearchPolicy(cost, PolicyConfig(rollout_seqs=64))
+        two = ("s00", "s01")
+        tp2 = p.evaluate("rollout", Parallel(tp=2), two, 4096, 80 * GB)
+        dp2 = p.evaluate("rollout", Parallel(dp=2), two, 4096, 80 * GB)
+        assert tp2 is not None and dp2 is not None
+        return tp2.tokens_per_s, dp2.tokens_per_s
+
+    (cpu_tp2, cpu_dp2), (tp2, dp2) = rates(0.25), rates(0.0)
+    assert cpu_tp2 == pytest.approx(0.75 * tp2) and cpu_dp2 == pytest.approx(dp2)
+    assert tp2 > dp2 and cpu_tp2 < cpu_dp2
+    with pytest.raises(ValueError, match="tp_overhead"):
+        CostConfig(tp_overhead=1.0)
+
+
+def test_rollout_seqs_caps_the_decode_batch_the_roofline_credits() -> None:
+    """A replica decodes its share of the run's sequences: KV budget beyond that share is not
+    credited with throughput (with `rollout_seqs` 0 it is)."""
+    from earl.runtime.selector.cost import Parallel
+
+    def rate(seqs: int) -> float:
+        p = SearchPolicy(MODEL, PolicyConfig(rollout_seqs=seqs))
+        plan = p.evaluate("rollout", Parallel(dp=2), ("s00", "s01"), 4096, 80 * GB)
+        assert plan is not None
+        return plan.tokens_per_s
+
+    assert rate(8) < rate(64) <= rate(0)
+    with pytest.raises(ValueError, match="rollout_seqs"):
+        PolicyConfig(rollout_seqs=-1)
