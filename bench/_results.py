@@ -76,7 +76,7 @@ def facts(begun: Start, argv: list[str]) -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "versions": {name: _version(dists) for name, dists in PACKAGES.items()},
-        "git": _git(),
+        "git": git_state(),
     }
 
 
@@ -146,7 +146,7 @@ def _version(dists: tuple[str, ...]) -> str | None:
     return None
 
 
-def _git() -> dict[str, Any]:
+def git_state() -> dict[str, Any]:
     """The commit the run measured and the tracked files that differed from it."""
     def git(*args: str) -> str | None:
         try:

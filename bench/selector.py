@@ -15,10 +15,12 @@ OOM killer enforces it) and a CPU share each, at two device sizes taken from the
   that fills the devices (with `--selector off` every device holds a rank). A static run ends
   only by finishing its steps or by the OOM killer in one of its devices; a trajectory longer
   than its window is cut (`cut_rate`), never counted as an OOM.
-* `selector`: the larger device size, started with one replica and one trainer rank on two
-  devices (the other two free), window `--window` (its first plan assumes contexts that long),
-  `--selector on`: it re-plans before each rollout and each training step (window, KV budget,
-  micro-batch budget, trainer DP, rollout replicas x TP, the devices each holds).
+* `selector`: the larger device size, `--selector on` from one replica and one trainer rank on
+  two devices (the other two free). Its first plan assumes contexts of `--window` tokens and
+  places the rollout before it starts; the window is pre-sized at the model's positions (vLLM's
+  `max_model_len` costs nothing until the KV budget holds it), so no context is cut. It re-plans
+  before each rollout and each training step (KV budget, micro-batch budget, trainer DP,
+  rollout replicas x TP, the devices each holds).
 * `truncate` (one of the sweep): the window fixed at `--window` from the start, two replicas and
   two trainer ranks: the baseline of the learning comparison (it cuts the long gauntlets).
 
@@ -30,6 +32,11 @@ selector run's p95 trajectory tokens over its last tenth of steps / first tenth)
 `reconfigurations`, `trainer_layout_changes`, `rollout_layout_changes`, `device_moves`,
 `reconfig_seconds_median`, `samples_lost`, `oom_selector`, `final_eval` (selector and truncate,
 `--eval` gauntlets each), `goals`. `--quick` gives the same keys on a shorter run.
+
+With `--out DIR` an invocation can be resumed: each finished run is kept in DIR with the commit
+and the arguments it ran with, and a later invocation with the same DIR, commit (a clean tree)
+and arguments reads it back instead of running it again (`resumed_runs`; each run records when
+it started and the load average then). The warm start is reused the same way.
 """
 
 from __future__ import annotations
@@ -98,6 +105,7 @@ class Config:
     window: int
     budget: int
     selector: bool = False
+    first_context: int = 0  # the selector's first plan assumes contexts this long
 
     @property
     def name(self) -> str:
@@ -112,7 +120,7 @@ class Config:
                f"--placement.trainer={self.trainer}", f"--placement.context_window={self.window}",
                f"--placement.micro_batch_tokens={self.budget}"]
         if self.selector:
-            out += ["--selector.mode=on", f"--selector.initial_context={self.window}"]
+            out += ["--selector.mode=on", f"--selector.initial_context={self.first_context}"]
         return out
 
 
@@ -125,7 +133,8 @@ def sweep(cores: int, window: int, top: int) -> tuple[list[Config], Config, Conf
     statics += [Config(big, 2, 1, 2, top, 65536), Config(big, 2, 1, 2, top, 8192),
                 Config(big, 1, 2, 2, top, 65536), Config(big, 3, 1, 1, top, 65536),
                 Config(big, 2, 1, 2, window, 65536)]
-    return statics, Config(big, 1, 1, 1, window, 65536, selector=True), statics[-1]
+    selector = Config(big, 1, 1, 1, top, 65536, selector=True, first_context=window)
+    return statics, selector, statics[-1]
 
 
 # `earl train` as a child process, printing the whole exception chain on failure (the CLI
@@ -195,11 +204,33 @@ def _trajectories(out: str, window: int, played: dict[int, int]) -> dict[str, fl
             "cut_rate": round(cut / max(total, 1), 4)}
 
 
-def _one(cfg: Config, common: list[str], root: str, device_mib: int, eval_games: int,
-         timeout: float) -> dict[str, object]:
+def _resumed(cfg: Config, args: list[str], root: str, commit: str | None, timeout: float
+             ) -> tuple[dict[str, object], bool]:
+    """The run of `cfg` with `args`: read back from `root` when an earlier invocation with the
+    same `--out` finished it at the same commit with the same arguments (`commit` None: the
+    tree differs from its commit, nothing is read back), else run now and saved there."""
+    import datetime
+
+    saved = f"{root}/{cfg.name.replace('/', '_')}.result.json"
+    key = {"commit": commit, "args": args}
+    if commit and os.path.isfile(saved):
+        with open(saved) as f:
+            done = json.load(f)
+        if done.get("key") == key:
+            return done["run"], True
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    load = os.getloadavg()[0]
+    run = {**_one(cfg, args, root, timeout), "started": started, "load_avg_1m_before": load}
+    with open(saved, "w") as f:
+        json.dump({"key": key, "run": run}, f)
+    return run, False
+
+
+def _one(cfg: Config, args: list[str], root: str, timeout: float) -> dict[str, object]:
     out = f"{root}/{cfg.name.replace('/', '_')}"
-    rc, stdout, stderr = _earl([*common, *cfg.args(device_mib), f"--eval_games={eval_games}",
-                                f"--output_dir={out}"], timeout)
+    device_mib = int(next(a for a in args if a.startswith("--placement.slot_memory_mib="))
+                     .split("=")[1])
+    rc, stdout, stderr = _earl([*args, f"--output_dir={out}"], timeout)
     with open(f"{out}.log", "w") as f:  # the run's progress lines and errors, to look at
         f.write(stderr)
     last = stdout.strip().splitlines()[-1] if stdout.strip() else "{}"
@@ -284,12 +315,18 @@ def compare(*, quick: bool, root: str, window: int, device_mib: int = 0, steps: 
             raise RuntimeError(f"warm start failed: {err.strip().splitlines()[-1:]}")
     common += [f"--model.path={prep}/weights_start", "--warm_start.steps=0"]
     runs: dict[str, dict[str, object]] = {}
+    git = _results.git_state()
+    commit = git["commit"] if not git["modified"] else None
+    resumed = []
     for cfg in [*statics, sel_cfg]:
         if only and not any(o in cfg.name for o in only) and cfg not in (sel_cfg, trunc_cfg):
             continue
         full_eval = cfg in (sel_cfg, trunc_cfg)
-        runs[cfg.name] = _one(cfg, common, root, sizes[cfg.devices],
-                              eval_games if full_eval else 8, 60.0 * (20 + steps / 4))
+        args = [*common, *cfg.args(sizes[cfg.devices]),
+                f"--eval_games={eval_games if full_eval else 8}"]
+        runs[cfg.name], again = _resumed(cfg, args, root, commit, 60.0 * (20 + steps / 4))
+        if again:
+            resumed.append(cfg.name)
     sel, trunc = runs[sel_cfg.name], runs[trunc_cfg.name]
     static_runs = {k: v for k, v in runs.items() if k != sel_cfg.name}
     clean = {k: v for k, v in static_runs.items()
@@ -324,6 +361,7 @@ def compare(*, quick: bool, root: str, window: int, device_mib: int = 0, steps: 
         "device_mib": {str(k): v for k, v in sizes.items()}, "cores": cores, "steps": steps,
         "window": window, "kv_cache_gb": kv_gb, "eval_games": eval_games, "quick": quick,
         "wall_s": round(time.perf_counter() - t0, 1), "load_avg_1m": os.getloadavg()[0],
+        "resumed_runs": resumed,
     }
     r_best, r_pick = res["throughput_ratio_vs_best_static"], res["throughput_ratio_vs_step0_pick"]
     res["goals"] = {
@@ -345,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--profile", action="store_true", help="only the profiler")
     ap.add_argument("--window", type=int, default=1024,
-                    help="the truncating baseline's window and the selector's first")
+                    help="the truncating baseline's window, and the context the selector's "
+                         "first plan assumes")
     ap.add_argument("--device-mib", type=int, default=0,
                     help="memory per device (0: a quarter of MemAvailable over the devices)")
     ap.add_argument("--steps", type=int, default=0, help="step budget (0: 400, --quick 30)")

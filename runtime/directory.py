@@ -82,6 +82,22 @@ class Directory:
         self._notify()
 
     @endpoint
+    async def resize(self, name: str, n: int, addresses: list[str], pids: list[int]) -> None:
+        """A live group now has `n` ranks: those below the old count keep their record, the
+        new ones are up at `addresses` / `pids` (one each)."""
+        rec = self.groups[name]
+        keep = min(n, len(rec.addresses))
+        if len(addresses) != n - keep or len(pids) != n - keep:
+            raise ValueError(f"resize {name!r} to {n}: {n - keep} new rank(s), got "
+                             f"{len(addresses)} address(es) and {len(pids)} pid(s)")
+        rec.addresses[keep:] = list(addresses)
+        rec.pids[keep:] = list(pids)
+        rec.status[keep:] = [UP] * (n - keep)
+        rec.restarts[keep:] = [0] * (n - keep)
+        rec.reasons[keep:] = [""] * (n - keep)
+        self._notify()
+
+    @endpoint
     async def remove(self, name: str) -> None:
         self.groups.pop(name, None)
         self._notify()

@@ -310,6 +310,50 @@ class Runtime:
         group._conns[:] = conns
         return group
 
+    async def resize(self, group: ActorGroup[A], n: int, *,
+                     slot: Slot | list[Slot] | None = None) -> ActorGroup[A]:
+        """`group` with `n` ranks: ranks below `n` go on as they are (their processes,
+        state and connections), ranks from `n` on are stopped, and new ranks start from the
+        group's current spec (`restart_with` included) in `slot` (one per new rank). For
+        groups whose ranks are independent replicas (rollout engines, reward servers): a rank's
+        `world_size` is the group's size when it started, and nothing re-forms a collective.
+
+        Returns the new handle (same name); the old handle's kept ranks stay usable.
+
+        Raises:
+            KeyError: this runtime did not spawn a live group of that name.
+            ValueError: `n` < 1, or `slot` does not give one slot per new rank.
+        """
+        sup = self._groups.get(group.name)
+        if sup is None:
+            raise KeyError(f"this runtime did not spawn a live group named {group.name!r}")
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"n (number of actors) must be an int >= 1, got {n!r}")
+        old = len(sup.specs)
+        if n > old:
+            slots = per_rank(slot, n - old)
+            await sup.grow([dataclasses.replace(sup.specs[0], rank=r, world_size=n,
+                                                bind=self._bind(group.name, r),
+                                                slot=slots[r - old])
+                            for r in range(old, n)])
+        elif n < old:
+            if slot is not None:
+                raise ValueError(f"resize {group.name!r} {old} -> {n} starts no rank: slot= "
+                                 "must be None")
+            await sup.shrink(n)
+        new = sup.handles[min(n, old):]
+        await self.dir_call("resize", group.name, n, [h.address for h in new if h is not None],
+                            [h.pid for h in new if h is not None])
+        out: ActorGroup[A] = ActorGroup(group.name, group.cls_name, group.endpoints,
+                                        [*group.addresses[:min(n, old)],
+                                         *(h.address for h in new if h is not None)],
+                                        list(range(n)), n)
+        out._conns[:min(n, old)] = group._conns[:min(n, old)]
+        conns = await asyncio.gather(*(self.pool.get(out.addresses[i], out.label(i))
+                                       for i in range(min(n, old), n)))
+        out._conns[min(n, old):] = conns
+        return out
+
     def keep_warm(self, cls: type[Actor], n: int = 1) -> bool:
         """Keep `n` processes for `cls` started ahead, with its module and `cls.preload`
         imported, so the next `spawn` of `cls` skips the interpreter start and the imports (a

@@ -54,6 +54,32 @@ class GroupSupervisor:
         for rank in range(len(self.specs)):
             self._watchers.append(self.rt.task(self._watch(rank)))
 
+    async def grow(self, specs: list[ActorSpec]) -> None:
+        """Launch new ranks (`specs`, numbered on from the current ones) and watch them; on
+        any failure stop the new ones, leave the group as it was and raise."""
+        first = len(self.specs)
+        self.specs += specs
+        self.handles += [None] * len(specs)
+        self.restarts += [0] * len(specs)
+        ranks = range(first, len(self.specs))
+        results = await asyncio.gather(*(self._launch(r) for r in ranks), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self._reap([h for h in self.handles[first:] if h is not None])
+            del self.specs[first:], self.handles[first:], self.restarts[first:]
+            raise errors[0]
+        self._watchers += [self.rt.task(self._watch(r)) for r in ranks]
+
+    async def shrink(self, n: int, grace_s: float = 5.0) -> None:
+        """Stop the ranks from `n` on (gracefully, then SIGKILL after `grace_s`); the ranks
+        below `n` go on untouched."""
+        for task in self._watchers[n:]:
+            task.cancel()
+        gone = [(r, h) for r, h in enumerate(self.handles) if r >= n and h is not None]
+        await self._reap([h for _, h in gone], grace_s)
+        self._dead_stopped(gone)
+        del self.specs[n:], self.handles[n:], self.restarts[n:], self._watchers[n:]
+
     async def _launch(self, rank: int) -> ProcessHandle:
         spec = self.specs[rank]
         if spec.bind.startswith("unix:"):
@@ -127,7 +153,12 @@ class GroupSupervisor:
         self.stopping = True
         for task in self._watchers:
             task.cancel()
-        live = [h for h in self.handles if h is not None]
+        await self._reap([h for h in self.handles if h is not None], grace_s)
+        self._dead_stopped(list(enumerate(self.handles)))
+
+    @staticmethod
+    async def _reap(live: list[Any], grace_s: float = 5.0) -> None:
+        """Ask `live` processes to stop; SIGKILL those still alive after `grace_s`."""
         for h in live:
             h.stop()
 
@@ -140,7 +171,10 @@ class GroupSupervisor:
                 await h.wait_exit()
 
         await asyncio.gather(*(reap(h) for h in live))
-        for rank, h in enumerate(self.handles):
+
+    def _dead_stopped(self, ranks: list[tuple[int, ProcessHandle | None]]) -> None:
+        """Calls still pending on these stopped ranks fail (cause "stopped")."""
+        for rank, h in ranks:
             if h is not None and h.address:
                 self.rt.pool.mark_dead(h.address, ActorDied(
                     self.label(rank), "stopped", kind=self.specs[rank].cls_qualname,

@@ -129,16 +129,20 @@ class ActorReconfigurer:
                 self.actors.use_trainer(group, new.micro_batch_tokens)
             else:
                 moved = tuple(n for n in old.rollout_slots if n not in new.rollout_slots)
-                # the same replicas in the same slots: rebuild the engines in their processes
-                in_place = (new.rollout_replicas == old.rollout_replicas
-                            and new.rollout_slots == old.rollout_slots)
+                # replicas that stay in their slots with their TP keep their processes: only
+                # the difference starts or stops (and their engines rebuild if the window or
+                # KV budget changed)
+                tp, kept = new.rollout_tp, min(new.rollout_replicas, old.rollout_replicas)
+                in_place = (tp == old.rollout_tp
+                            and new.rollout_slots[:kept * tp] == old.rollout_slots[:kept * tp])
+                start = kept * tp if in_place else 0
                 version = await self.actors.trainer[0].version.call_one()
                 group, t = await reconfigure_rollout(
-                    self.rt, self.actors.rollout, tensor_parallel_size=new.rollout_tp,
+                    self.rt, self.actors.rollout, tensor_parallel_size=tp,
                     replicas=new.rollout_replicas, trainer=self.actors.trainer, version=version,
                     env=self.env,
-                    slot=None if in_place else self._placed(
-                        new.rollout_slots, new.rollout_replicas, "rollout", new.rollout_tp),
+                    slot=self._placed(new.rollout_slots[start:],
+                                      new.rollout_replicas - start // tp, "rollout", tp),
                     max_model_len=new.max_model_len, kv_cache_gb=self.kv_cache_gb(new),
                     restart=self.restart, in_place=in_place)
                 self._release_joins("rollout", keep=tuple(  # rebuilt in place: kept too

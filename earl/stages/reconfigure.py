@@ -6,7 +6,9 @@ distributed checkpoint: every rank writes its shards), stops the group, spawns t
 into the new shards (parameters *and* Adam moments, schedule and step: not reset) and, when
 given a rollout group, re-pushes the weights at the current policy version.
 `reconfigure_rollout` does the same for the vLLM replicas: a new tensor-parallel degree or
-replica count, then the trainer pushes the current weights into them.
+replica count, then the trainer pushes the current weights into them; replicas that keep their
+TP and slots keep their processes (`in_place`: the group is resized, their engines rebuilt only
+if the config changed).
 
 Both report seconds by phase (`ReconfigTimes`). Samples in flight stay in the dock: the dock
 index and warehouses are other actors, untouched here. This module does not decide *when* to
@@ -21,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -31,6 +34,7 @@ from earl.runtime import ActorGroup, RestartPolicy, Runtime
 from earl.runtime.layout import Layout
 from earl.stages.rollout import RolloutActor
 from earl.stages.trainer import TrainerActor
+from earl.stages.vllm_engine import EngineConfig
 
 __all__ = ["ReconfigTimes", "reconfigure_rollout", "reconfigure_trainer"]
 
@@ -123,9 +127,11 @@ async def reconfigure_rollout(
     """Re-create the rollout `group` with a new TP degree (and replica count), then have
     `trainer` push the current weights into it at the current policy version.
 
-    With `in_place` (same replicas in the same slots) each replica rebuilds its engine inside
-    its warm process (`RolloutActor.rebuild`, phase ``rebuild_s``) instead of a new process
-    being spawned, and the runtime restarts a replica with the new config from then on.
+    With `in_place` the replicas that stay keep their processes (same TP, same slots): the
+    group is resized (`Runtime.resize`: replicas beyond `replicas` stop, phase ``stop_s``; new
+    ones start in `slot`, phase ``spawn_s``, while the kept ones rebuild their engines inside
+    their warm processes if the config changed, `RolloutActor.rebuild`, phase ``rebuild_s``),
+    and the runtime restarts a replica with the new config from then on.
 
     Args:
         rt: the runtime that spawned `group`.
@@ -138,11 +144,12 @@ async def reconfigure_rollout(
         version: the policy version to tag the weights with (default: the trainer's step,
             else the old replicas' version).
         env: environment of the new actor processes.
-        slot: the new replicas' device slots (`Runtime.spawn`'s ``slot=``: one per replica).
+        slot: the new replicas' device slots (`Runtime.spawn`'s ``slot=``: one per replica;
+            with `in_place`, one per replica added).
         restart: the new group's restart policy (a run passes its healer's: the replicas it
             re-creates are restarted after a death like the ones it spawned).
-        in_place: rebuild the engines in the live processes (`replicas` and `slot` must not
-            change; `env` and `restart` stay the group's).
+        in_place: keep the live processes of the replicas that stay (`env` and `restart` stay
+            the group's; `tensor_parallel_size` must not change).
         changes: other `EngineConfig` fields to change (e.g. ``kv_cache_gb``, ``max_model_len``).
 
     Returns:
@@ -156,12 +163,11 @@ async def reconfigure_rollout(
                    else await group[0].policy_version.call_one())
     t0 = time.perf_counter()
     if in_place:
-        if n != len(group):
-            raise ValueError(f"reconfigure_rollout(in_place=True) keeps the {len(group)} "
-                             f"replicas; {n} needs new processes (in_place=False)")
-        await group.rebuild.call(new_cfg, version)
-        rt.restart_with(group, new_cfg, version)
-        new, times = group, {"rebuild_s": time.perf_counter() - t0}
+        if tensor_parallel_size != cfg.tensor_parallel_size:
+            raise ValueError(f"reconfigure_rollout(in_place=True) keeps the replicas' TP "
+                             f"{cfg.tensor_parallel_size}; TP {tensor_parallel_size} needs new "
+                             "processes (in_place=False)")
+        new, times = await _resize_in_place(rt, group, n, cfg, new_cfg, version, slot)
     else:
         await group.close.call()
         await rt.stop(group)
@@ -173,3 +179,33 @@ async def reconfigure_rollout(
     if trainer is not None:
         await trainer.push_weights.call(new, version)
     return new, ReconfigTimes(**times, push_s=time.perf_counter() - t2)
+
+
+async def _resize_in_place(rt: Runtime, group: ActorGroup[RolloutActor], n: int,
+                           cfg: EngineConfig, new_cfg: EngineConfig, version: int, slot: Any
+                           ) -> tuple[ActorGroup[RolloutActor], dict[str, float]]:
+    """`group` with `n` replicas in `new_cfg`: the kept ones rebuilt where the config changed,
+    the added ones started meanwhile; seconds by phase."""
+    times: dict[str, float] = {}
+    t0 = time.perf_counter()
+    if n < len(group):
+        group = await rt.resize(group, n)
+        times["stop_s"] = time.perf_counter() - t0
+    rt.restart_with(group, new_cfg, version)  # restarts and added replicas run the new config
+
+    async def rebuild() -> None:
+        if new_cfg != cfg:
+            t = time.perf_counter()
+            await group.rebuild.call(new_cfg, version)
+            times["rebuild_s"] = time.perf_counter() - t
+
+    async def grow() -> ActorGroup[RolloutActor]:
+        if n <= len(group):
+            return group
+        t = time.perf_counter()
+        grown = await rt.resize(group, n, slot=slot)
+        times["spawn_s"] = time.perf_counter() - t
+        return grown
+
+    _, out = await asyncio.gather(rebuild(), grow())
+    return out, times

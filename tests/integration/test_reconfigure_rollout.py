@@ -93,3 +93,47 @@ async def test_rollout_rebuilds_its_engine_in_its_warm_process() -> None:
         await rt.wait_status(rollout[0], "up", min_restarts=1, timeout=120)
         assert (await rollout[0].engine_config.call_one()).max_model_len == 512
         await trainer.close.call()
+
+
+async def test_a_replica_count_change_keeps_the_replicas_that_stay() -> None:
+    """1 -> 2 replicas in place: the first replica keeps its process and engine, the added one
+    starts with the group's config and serves the trainer's weights at the version; 2 -> 1 stops
+    only the added one."""
+    from earl.runtime import Runtime
+    from earl.stages.reconfigure import reconfigure_rollout
+    from earl.stages.rollout import RolloutActor
+    from earl.stages.trainer import TrainerActor, TrainerConfig
+    from earl.stages.vllm_engine import EngineConfig
+
+    served, trained = default_model_dir(init_std=0.2, seed=0), default_model_dir(init_std=0.2,
+                                                                                 seed=1)
+    async with Runtime() as rt:
+        rollout, trainer = await asyncio.gather(
+            rt.spawn("rollout", RolloutActor,
+                     EngineConfig(model=str(served), dtype="float32", max_model_len=128,
+                                  kv_cache_gb=0.0625), n=1, env=ENV),
+            rt.spawn("trainer", TrainerActor, TrainerConfig(model=str(trained), threads=1),
+                     env=ENV))
+        await trainer.push_weights.call(rollout, 4)
+        first = await rollout[0].generate.call_one(PROMPT, GREEDY)
+        pid = (await rt.dir_call("lookup", "rollout")).pids[0]
+
+        rollout, grew = await reconfigure_rollout(rt, rollout, tensor_parallel_size=1,
+                                                  replicas=2, trainer=trainer, version=4,
+                                                  in_place=True)
+        pids = (await rt.dir_call("lookup", "rollout")).pids
+        assert len(rollout) == 2 and pids[0] == pid and pids[1] != pid
+        assert grew.spawn_s > 0 and grew.stop_s == grew.rebuild_s == 0  # nothing rebuilt
+        added = await rollout[1].generate.call_one(PROMPT, GREEDY)
+        assert added.token_ids == first.token_ids and set(added.versions) == {4}
+
+        rollout, shrank = await reconfigure_rollout(rt, rollout, tensor_parallel_size=1,
+                                                    replicas=1, trainer=trainer, version=4,
+                                                    in_place=True)
+        assert len(rollout) == 1 and (await rt.dir_call("lookup", "rollout")).pids == [pid]
+        assert shrank.stop_s > 0 and shrank.spawn_s == 0
+        again = await rollout[0].generate.call_one(PROMPT, GREEDY)
+        assert again.token_ids == first.token_ids
+        with pytest.raises(ValueError, match="TP 2 needs new processes"):
+            await reconfigure_rollout(rt, rollout, tensor_parallel_size=2, in_place=True)
+        await trainer.close.call()
