@@ -224,11 +224,18 @@ class Profiler:
 
 @dataclass(slots=True)
 class _Rate:
-    """A measured rate (exponential moving average) and its roofline at the same point."""
+    """A measured rate and its roofline at the same point: decayed sums of tokens and of
+    seconds, so the rate is their ratio (a step credited with too little time, e.g. a rollout
+    batch whose play overlapped the previous one's, cannot swing it)."""
 
-    tokens_per_s: float
+    tokens: float
+    seconds: float
     roofline: float
     steps: int = 1
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
 
 
 @dataclass(slots=True)
@@ -240,7 +247,8 @@ class RunProfile:
 
     Args:
         cost: the cost model whose roofline and memory the measurements calibrate.
-        smoothing: weight of a new step in a point's moving average.
+        smoothing: how much of a point's past its sums of tokens and seconds lose at each
+            new step (a moving average of the rate, weighted by the steps' seconds).
         bucket_base: smallest context bucket; buckets are half-octaves from it.
     """
 
@@ -271,15 +279,15 @@ class RunProfile:
         if stage == "train":
             self.train_tokens[:] = [*self.train_tokens[-7:], tokens]
         bucket = self.bucket_of(context)
-        rate = tokens / seconds
         roof = self.cost.tokens_per_s(stage, par, bucket, batch_tokens=max(batch_tokens, 1))
         key = (stage, str(par), bucket)
         old = self.rates.get(key)
         if old is None:
-            self.rates[key] = _Rate(rate, roof)
+            self.rates[key] = _Rate(tokens, seconds, roof)
         else:
-            a = self.smoothing
-            self.rates[key] = _Rate((1 - a) * old.tokens_per_s + a * rate, roof, old.steps + 1)
+            keep = 1 - self.smoothing
+            self.rates[key] = _Rate(keep * old.tokens + tokens, keep * old.seconds + seconds,
+                                    roof, old.steps + 1)
         if peak_bytes:
             kw = {"kv_tokens": batch_tokens} if stage == "rollout" else \
                 {"micro_batch_tokens": batch_tokens}

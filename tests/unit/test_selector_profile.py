@@ -80,13 +80,14 @@ def test_the_run_profile_calibrates_the_roofline_and_scales_memory() -> None:
     roof = cost.tokens_per_s("train", one, profile.bucket_of(900), batch_tokens=2048)
     profile.record("train", one, 900, tokens=20_000, seconds=10.0, batch_tokens=2048)
     profile.record("train", one, 900, tokens=30_000, seconds=10.0, batch_tokens=2048)
-    assert profile.tokens_per_s("train", one, 900) == pytest.approx(2500)  # moving average
-    assert profile.efficiency("train") == pytest.approx(2500 / roof)
+    rate = (0.5 * 20_000 + 30_000) / (0.5 * 10 + 10)  # decayed sums: tokens / seconds
+    assert profile.tokens_per_s("train", one, 900) == pytest.approx(rate)
+    assert profile.efficiency("train") == pytest.approx(rate / roof)
     policy = SearchPolicy(cost, PolicyConfig(actors={"t": "train"}), measured=profile)
     cap = 2**30
     ran = policy.evaluate("t", one, ("a",), 900, cap)
     new = policy.evaluate("t", two, ("a", "b"), 900, cap)
-    assert ran is not None and new is not None and ran.tokens_per_s == pytest.approx(2500)
+    assert ran is not None and new is not None and ran.tokens_per_s == pytest.approx(rate)
     assert new.tokens_per_s == pytest.approx(
         cost.tokens_per_s("train", two, 900, batch_tokens=new.micro_batch_tokens)
         * profile.efficiency("train"))
@@ -99,6 +100,20 @@ def test_the_run_profile_calibrates_the_roofline_and_scales_memory() -> None:
     assert shrunk is not None and shrunk.micro_batch_tokens < before
     rows = profile.record_row()
     assert rows["selector/profile/train/memory_scale"] == pytest.approx(1.5)
+
+
+def test_a_step_credited_with_too_little_time_does_not_swing_the_rate() -> None:
+    """A rollout batch whose play overlapped the previous one's is credited only the tail of
+    the busy time: as a sum it moves the rate a little, never by its own ratio (here 100x)."""
+    from earl.runtime.selector import RunProfile
+
+    cost = CostModel(ModelShape(hidden=64, layers=2, heads=2, kv_heads=2, intermediate=192,
+                                vocab=512, params=120_000), CostConfig())
+    profile = RunProfile(cost)
+    for _ in range(4):
+        profile.record("rollout", Parallel(), 900, tokens=10_000, seconds=1.0, batch_tokens=900)
+    profile.record("rollout", Parallel(), 900, tokens=10_000, seconds=0.01, batch_tokens=900)
+    assert 10_000 < profile.tokens_per_s("rollout", Parallel(), 900) < 25_000  # EMA: 505k
 
 
 def test_a_layout_measured_slow_stays_slow_at_a_context_it_has_not_run() -> None:
