@@ -318,7 +318,8 @@ def compare(*, quick: bool, root: str, window: int, device_mib: int = 0, steps: 
     git = _results.git_state()
     commit = git["commit"] if not git["modified"] else None
     resumed = []
-    for cfg in [*statics, sel_cfg]:
+    # the selector and the baseline first: an invocation cut short (and resumed) has them
+    for cfg in [sel_cfg, trunc_cfg, *(c for c in statics if c != trunc_cfg)]:
         if only and not any(o in cfg.name for o in only) and cfg not in (sel_cfg, trunc_cfg):
             continue
         full_eval = cfg in (sel_cfg, trunc_cfg)
