@@ -31,7 +31,8 @@ class PlacementConfig:
 
     `rollout`: vLLM rollout replicas; `reference`: reference actors (started only when
     `algorithm.kl_coef` > 0); `producers`: producer actors running agent coroutines
-    (each a warehouse shard of the dock); `launcher`: "local" processes or "ray".
+    (each a warehouse shard of the dock, and a rank of its index: a group's id picks the rank
+    that owns it); `launcher`: "local" processes or "ray".
     `slot_memory_mib`: each rollout replica, trainer rank and reference actor runs in its own
     device slot with this memory budget (a cgroup: the kernel's OOM killer enforces it; 0 = no
     slots);

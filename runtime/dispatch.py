@@ -56,6 +56,7 @@ class DispatchPlan:
     layout: Layout
     columns: tuple[str, ...]
     replicas: tuple[ReplicaPlan, ...]
+    issuers: tuple[tuple[int, int], ...] = ()  # (index rank, lease id) of the lease's parts
 
     def for_rank(self, rank: int) -> ReplicaPlan:
         return self.replicas[self.layout.coord(rank).dp]
@@ -97,8 +98,8 @@ def plan_step(lease: Lease, layout: Layout, rule: MicroBatchRule, *, step: int =
             )
         )
     return DispatchPlan(step=step, lease_id=lease.lease_id, index_rank=lease.index_rank,
-                        layout=layout,
-                        columns=lease.columns, replicas=tuple(replicas))
+                        layout=layout, columns=lease.columns, replicas=tuple(replicas),
+                        issuers=lease.issuers())
 
 
 def _merge(ops: list[FetchOp]) -> list[FetchOp]:

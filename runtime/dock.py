@@ -45,6 +45,7 @@ from earl.runtime.dock_index import (
     SampleInfo,
     WouldBlock,
     index_rank_of,
+    merge_leases,
 )
 from earl.runtime.dock_warehouse import Warehouse, WarehouseStatistics
 from earl.runtime.errors import CausedByDeath, actor_label
@@ -353,29 +354,49 @@ class Dock:
         """Lease `n` samples with `columns` ready that `stage` has not consumed (awaits); with
         `at_least`, whatever is ready from `at_least` up to `n`.
 
-        With a sharded index, one lease comes from one shard (whole groups live on one shard):
-        shards are tried in turn without waiting, then waited on in short slices.
+        With a sharded index each shard holds the groups its ids map to, so a step's samples
+        are spread over the shards: the lease is merged from what each has ready (whole groups
+        from each), tried in turn without waiting, then waited on in short slices; the parts
+        taken are held meanwhile and given back if the take fails or times out.
         """
-        args = (stage, list(columns), n, whole_groups, min_version)
+        args = (stage, list(columns), whole_groups, min_version)
         if len(self.index) == 1:
-            return await _local_errors(self.index.take.call_one(*args, True, timeout_s,
-                                                                 at_least=at_least))
+            return await _local_errors(self.index.take.call_one(
+                stage, list(columns), n, whole_groups, min_version, True, timeout_s,
+                at_least=at_least))
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        start = next(self._rr)
-        while True:
-            for k in range(len(self.index)):
-                shard = self.index[(start + k) % len(self.index)]
-                with contextlib.suppress(WouldBlock):
-                    return await _local_errors(shard.take.call_one(*args, False, None,
-                                                                   at_least=at_least))
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise TimeoutError(f"no index shard had {n} samples ready for {stage!r}")
-            with contextlib.suppress(TimeoutError):
-                shard = self.index[start % len(self.index)]
-                return await _local_errors(
-                    shard.take.call_one(*args, True, min(0.5, left or 0.5), at_least=at_least))
-            start += 1
+        start, parts, need = next(self._rr), [], n
+        done = n if at_least is None else at_least
+        try:
+            while True:
+                for k in range(len(self.index)):
+                    shard = self.index[(start + k) % len(self.index)]
+                    with contextlib.suppress(WouldBlock):
+                        got: Lease = await _local_errors(shard.take.call_one(
+                            args[0], args[1], need, args[2], args[3], False, None, at_least=1))
+                        parts.append(got)
+                        need -= len(got.samples)
+                        if n - need >= done:
+                            return merge_leases(parts)
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"the index shards had {n - need} of {n} samples ready "
+                                       f"for {stage!r}")
+                with contextlib.suppress(TimeoutError):
+                    shard = self.index[start % len(self.index)]
+                    got = await _local_errors(shard.take.call_one(
+                        args[0], args[1], need, args[2], args[3], True, min(0.5, left or 0.5),
+                        at_least=1))
+                    parts.append(got)
+                    need -= len(got.samples)
+                    if n - need >= done:
+                        return merge_leases(parts)
+                start += 1
+        except BaseException:
+            for part in parts:
+                with contextlib.suppress(Exception):
+                    await self.release(part)
+            raise
 
     def receiver(self, peer_host: str | None = None) -> Receiver:
         """Where a producer on `peer_host` (a `host_id()`; None: this host) sends to us."""
@@ -394,7 +415,7 @@ class Dock:
         """
         ops = [FetchOp(shard=s, sample_ids=tuple(ids), columns=tuple(cols))
                for s, ids, cols in lease.fetches()]
-        return await self._gather(lease.index_rank, lease.lease_id, ops, timeout_s)
+        return await self._gather(lease.issuers(), ops, timeout_s)
 
     async def fetch_replica(self, plan: DispatchPlan, rank: int, *,
                             timeout_s: float = 120.0) -> tuple[Batch, list[Frame]]:
@@ -402,10 +423,9 @@ class Dock:
         if not plan.is_leader(rank):
             raise ValueError(f"rank {rank} is not a replica leader; it receives via "
                              f"dispatch.receive_replica from rank {plan.for_rank(rank).leader}")
-        return await self._gather(plan.index_rank, plan.lease_id, plan.for_rank(rank).fetches,
-                                  timeout_s)
+        return await self._gather(plan.issuers, plan.for_rank(rank).fetches, timeout_s)
 
-    async def _gather(self, index_rank: int, lease_id: int, ops: Sequence[FetchOp],
+    async def _gather(self, issuers: Sequence[tuple[int, int]], ops: Sequence[FetchOp],
                       timeout_s: float) -> tuple[Batch, list[Frame]]:
         async def request(op: FetchOp, address: str) -> None:
             try:
@@ -424,7 +444,8 @@ class Dock:
                 request, timeout_s=timeout_s)
         except _ShardFailed as failed:
             self._hosts.pop(failed.shard, None)  # a restarted shard may be elsewhere
-            await self.index[index_rank].release.call_one(lease_id, failed.shard)
+            for index_rank, lease_id in issuers:
+                await self.index[index_rank].release.call_one(lease_id, failed.shard)
             if len(self.index) > 1:  # every index shard may hold groups from the dead warehouse
                 await self.index.drop_shard.call(failed.shard)
             raise DockFetchError.of(failed.shard, lease_id, failed.cause) from failed.cause
@@ -442,10 +463,12 @@ class Dock:
 
     async def ack(self, lease: Lease) -> None:
         """Mark the lease consumed; raises LeaseError if it expired or was already acked."""
-        await _local_errors(self.index[lease.index_rank].ack.call_one(lease.lease_id))
+        for index_rank, lease_id in lease.issuers():
+            await _local_errors(self.index[index_rank].ack.call_one(lease_id))
 
     async def release(self, lease: Lease) -> None:
-        await self.index[lease.index_rank].release.call_one(lease.lease_id)
+        for index_rank, lease_id in lease.issuers():
+            await self.index[index_rank].release.call_one(lease_id)
 
     async def take_lost(self) -> list[LostSample]:
         return [x for part in await self.index.take_lost.call() for x in part]

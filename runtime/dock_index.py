@@ -68,6 +68,12 @@ class Lease:
     columns: tuple[str, ...]
     samples: tuple[Location, ...]
     index_rank: int = 0  # which index shard issued it (ack/release go there)
+    parts: tuple[tuple[int, int], ...] = ()  # merged: (index rank, lease id) of each part
+
+    def issuers(self) -> tuple[tuple[int, int], ...]:
+        """(index rank, lease id) of each index shard's lease this one stands for: itself, or
+        the parts of a lease merged across a sharded index (`merge_leases`)."""
+        return self.parts or ((self.index_rank, self.lease_id),)
 
     def fetches(self) -> list[tuple[str, list[str], list[str]]]:
         """(shard, sample ids, columns) requests covering the lease, one per shard and column
@@ -78,6 +84,27 @@ class Lease:
                 cols = tuple(c for c in self.columns if loc.columns[c] == shard)
                 out.setdefault((shard, cols), []).append(loc.sample_id)
         return [(shard, ids, list(cols)) for (shard, cols), ids in out.items()]
+
+
+def merge_leases(leases: Sequence[Lease]) -> Lease:
+    """One lease standing for `leases` of the same stage and columns, taken from several index
+    shards (a step's groups live on the shards their ids map to): its samples in order, and
+    every part's (index rank, lease id) for ack and release.
+
+    Raises:
+        ValueError: no leases, or they differ in stage or columns.
+    """
+    if not leases:
+        raise ValueError("merge_leases needs at least one lease")
+    first = leases[0]
+    if any((x.stage, x.columns) != (first.stage, first.columns) for x in leases):
+        raise ValueError("merge_leases: the leases differ in stage or columns")
+    if len(leases) == 1:
+        return first
+    return Lease(lease_id=first.lease_id, stage=first.stage, columns=first.columns,
+                 samples=tuple(loc for x in leases for loc in x.samples),
+                 index_rank=first.index_rank,
+                 parts=tuple(p for x in leases for p in x.issuers()))
 
 
 @dataclass(frozen=True, slots=True)

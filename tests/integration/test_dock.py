@@ -231,6 +231,26 @@ async def test_sharded_index_routes_groups_and_merges_statistics(rt):
 
 
 @pytest.mark.timeout(90)
+async def test_a_step_spread_over_index_shards_is_one_merged_lease(rt):
+    """A step's groups live on the shards their ids map to: the lease is merged from each
+    shard's ready groups, fetched through a dispatch plan, and acked on every shard; a take that
+    cannot be filled gives back the parts it held."""
+    _ix, prod, dock = await _setup(rt, index_shards=2)
+    await prod.produce.call(3, 2)
+    with pytest.raises(TimeoutError, match="12 of 14"):
+        await dock.take("train", COLS, 14, timeout_s=1.0)
+    lease = await dock.take("train", COLS, 12, timeout_s=10)  # the parts were given back
+    assert len(lease.samples) == 12 and len(lease.issuers()) == 2
+    assert {r for r, _ in lease.issuers()} == {0, 1}
+    plan = plan_step(lease, Layout(dp=2), FixedCount(micro_batch_size=2))
+    got = await prod[0].lead.call_one(plan, 0) + await prod[1].lead.call_one(plan, 1)
+    assert sorted(got) == sorted(x.sample_id for x in lease.samples)
+    await dock.ack(lease)
+    assert (await dock.statistics()).samples == 0
+    dock.close()
+
+
+@pytest.mark.timeout(90)
 async def test_standalone_warehouse_actor_for_non_actor_producers(rt):
     ix = await rt.spawn("dock", IndexActor, stages=["train"], capacity=8)
     store = await rt.spawn("store", WarehouseActor, "dock")

@@ -89,6 +89,20 @@ def test_train_json_files_inspect_and_resume(tmp_path: Path) -> None:
     assert set(critic["values"]) <= set(_critic_state(Path(res2["checkpoint"]))["values"])
 
 
+def test_two_producers_shard_the_dock_index_and_every_step_trains_its_batch(
+        tmp_path: Path) -> None:
+    """With 2 producers the dock's index has a rank per producer; a step's groups hash to
+    both, and the trainer's lease is merged from them: every step trains its whole batch."""
+    p = _earl("train", "--output-dir", str(tmp_path / "run"), "--json", "--steps=3",
+              "--placement.producers=2", *SMALL)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "dock: index sharded over 2 ranks" in p.stderr
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    rows = [json.loads(x) for x in Path(res["metrics"]).read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["train/samples"] >= 16 for r in rows), rows
+
+
 @pytest.mark.slow
 def test_sigkill_then_resume(tmp_path: Path) -> None:
     out = tmp_path / "run"

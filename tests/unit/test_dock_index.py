@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from earl.runtime.dock_index import DockIndex, LeaseError, SampleInfo, WouldBlock
+from earl.runtime.dock_index import DockIndex, LeaseError, SampleInfo, WouldBlock, merge_leases
 from earl.runtime.dock_warehouse import Warehouse
 
 
@@ -169,3 +169,22 @@ def test_index_restart_rebuilds_from_warehouses():
     # the in-flight ref lease is forgotten -> available; train's ack survived
     assert len(fresh.take("ref", ["input_ids"], 3, whole_groups=False).samples) == 3
     assert [x.sample_id for x in fresh.take("train", ["input_ids"], 2).samples] == ["s1", "s2"]
+
+
+def test_leases_from_two_index_shards_merge_into_one():
+    """A step's groups spread over index shards: one lease stands for the parts, its samples in
+    order, ack and release addressed to every (index rank, lease id)."""
+    a = DockIndex(stages=["train"], capacity=8, index_rank=0)
+    b = DockIndex(stages=["train"], capacity=8, index_rank=1)
+    a.register(info("s0", "g0"))
+    b.register(info("s1", "g1"))
+    b.register(info("s2", "g2"))
+    la, lb = a.take("train", ["input_ids"], 1), b.take("train", ["input_ids"], 1)
+    merged = merge_leases([la, lb])
+    assert [x.sample_id for x in merged.samples] == ["s0", "s1"]
+    assert merged.issuers() == ((0, la.lease_id), (1, lb.lease_id))
+    assert merge_leases([la]) is la and la.issuers() == ((0, la.lease_id),)
+    with pytest.raises(ValueError, match="at least one"):
+        merge_leases([])
+    with pytest.raises(ValueError, match="stage or columns"):
+        merge_leases([la, b.take("train", ["versions"], 1, whole_groups=False)])
