@@ -206,6 +206,10 @@ def _peers(r: Result) -> str:
     return s
 
 
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def _selector(r: Result) -> str:
     def x(v: object) -> str:
         return f"**{v:.2f}x**" if isinstance(v, float) else "n/a"
@@ -216,9 +220,10 @@ def _selector(r: Result) -> str:
          f"{x(r['throughput_ratio_vs_best_static'])} the best static run in hindsight, "
          f"{x(r['throughput_ratio_vs_step0_pick'])} the step-0 pick "
          f"({len(r['static_runs'])} static runs); context growth "
-         f"{r['context_growth']:.2f}x; {r['reconfigurations']} reconfigurations (median "
-         f"{r['reconfig_seconds_median'] or 0:.1f} s), {r['trainer_layout_changes']} trainer "
-         f"layout changes, {r['device_moves']} device moves, {r['samples_lost']} samples lost")
+         f"{r['context_growth']:.2f}x; {_n(r['reconfigurations'], 'reconfiguration')} (median "
+         f"{r['reconfig_seconds_median'] or 0:.1f} s), "
+         f"{_n(r['trainer_layout_changes'], 'trainer layout change')}, "
+         f"{_n(r['device_moves'], 'device move')}, {_n(r['samples_lost'], 'sample')} lost")
     if all(isinstance(v, float) for v in survived.values()):
         s += (f"; games survived selector {survived['selector']:.2f} vs truncate "
               f"{survived['truncate']:.2f}")

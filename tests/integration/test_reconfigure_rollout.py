@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from typing import Any
 
 import pytest
 
@@ -20,22 +21,31 @@ PROMPT = [1, 50, 51, 52]
 ENV = {"OMP_NUM_THREADS": "1"}
 
 
-async def test_rollout_goes_tp1_to_tp2_with_the_trainers_weights() -> None:
-    from earl.runtime import RestartPolicy, Runtime
-    from earl.stages.reconfigure import reconfigure_rollout
+async def _spawn(rt: Any, max_model_len: int, kv_cache_gb: float,
+                 restart: Any = None) -> tuple[Any, Any]:
+    """One rollout replica serving a model and a trainer holding another (its weights differ,
+    so a push shows in the replica's greedy output)."""
     from earl.stages.rollout import RolloutActor
     from earl.stages.trainer import TrainerActor, TrainerConfig
     from earl.stages.vllm_engine import EngineConfig
 
     served, trained = default_model_dir(init_std=0.2, seed=0), default_model_dir(init_std=0.2,
                                                                                  seed=1)
+    return await asyncio.gather(
+        rt.spawn("rollout", RolloutActor,
+                 EngineConfig(model=str(served), dtype="float32", max_model_len=max_model_len,
+                              kv_cache_gb=kv_cache_gb), n=1, env=ENV, restart=restart),
+        rt.spawn("trainer", TrainerActor, TrainerConfig(model=str(trained), threads=1),
+                 env=ENV))
+
+
+async def test_rollout_goes_tp1_to_tp2_with_the_trainers_weights() -> None:
+    from earl.runtime import RestartPolicy, Runtime
+    from earl.stages.reconfigure import reconfigure_rollout
+
+    served = default_model_dir(init_std=0.2, seed=0)
     async with Runtime() as rt:
-        rollout, trainer = await asyncio.gather(
-            rt.spawn("rollout", RolloutActor,
-                     EngineConfig(model=str(served), dtype="float32", max_model_len=256,
-                                  kv_cache_gb=0.125), n=1, env=ENV),
-            rt.spawn("trainer", TrainerActor, TrainerConfig(model=str(trained), threads=1),
-                     env=ENV))
+        rollout, trainer = await _spawn(rt, 256, 0.125)
         before = await rollout[0].generate.call_one(PROMPT, GREEDY)
         await trainer.push_weights.call(rollout, 5)
         tp1 = await rollout[0].generate.call_one(PROMPT, GREEDY)
@@ -62,20 +72,9 @@ async def test_rollout_rebuilds_its_engine_in_its_warm_process() -> None:
     brings back the new window, not the spawn-time one."""
     from earl.runtime import RestartPolicy, Runtime
     from earl.stages.reconfigure import reconfigure_rollout
-    from earl.stages.rollout import RolloutActor
-    from earl.stages.trainer import TrainerActor, TrainerConfig
-    from earl.stages.vllm_engine import EngineConfig
 
-    served, trained = default_model_dir(init_std=0.2, seed=0), default_model_dir(init_std=0.2,
-                                                                                 seed=1)
     async with Runtime() as rt:
-        rollout, trainer = await asyncio.gather(
-            rt.spawn("rollout", RolloutActor,
-                     EngineConfig(model=str(served), dtype="float32", max_model_len=128,
-                                  kv_cache_gb=0.0625), n=1, env=ENV,
-                     restart=RestartPolicy(max_restarts=1)),
-            rt.spawn("trainer", TrainerActor, TrainerConfig(model=str(trained), threads=1),
-                     env=ENV))
+        rollout, trainer = await _spawn(rt, 128, 0.0625, RestartPolicy(max_restarts=1))
         await trainer.push_weights.call(rollout, 3)
         before = await rollout[0].generate.call_one(PROMPT, GREEDY)
         pid = (await rt.dir_call("lookup", "rollout")).pids[0]
@@ -101,19 +100,9 @@ async def test_a_replica_count_change_keeps_the_replicas_that_stay() -> None:
     only the added one."""
     from earl.runtime import Runtime
     from earl.stages.reconfigure import reconfigure_rollout
-    from earl.stages.rollout import RolloutActor
-    from earl.stages.trainer import TrainerActor, TrainerConfig
-    from earl.stages.vllm_engine import EngineConfig
 
-    served, trained = default_model_dir(init_std=0.2, seed=0), default_model_dir(init_std=0.2,
-                                                                                 seed=1)
     async with Runtime() as rt:
-        rollout, trainer = await asyncio.gather(
-            rt.spawn("rollout", RolloutActor,
-                     EngineConfig(model=str(served), dtype="float32", max_model_len=128,
-                                  kv_cache_gb=0.0625), n=1, env=ENV),
-            rt.spawn("trainer", TrainerActor, TrainerConfig(model=str(trained), threads=1),
-                     env=ENV))
+        rollout, trainer = await _spawn(rt, 128, 0.0625)
         await trainer.push_weights.call(rollout, 4)
         first = await rollout[0].generate.call_one(PROMPT, GREEDY)
         pid = (await rt.dir_call("lookup", "rollout")).pids[0]
