@@ -133,8 +133,9 @@ class SelectorConfig:
     per-process baseline (Python, torch) the cost model charges each slot when no slot is
     measured. `policy`: the policy's knobs (`earl.runtime.selector.PolicyConfig`); in a run
     its `queue_target` 0 means one batch (`batch_size` samples waiting to train is balanced),
-    its `dp_divides` 0 the groups per step (trainer replicas split whole groups) and its
-    `rollout_seqs` 0 one batch (the sequences the rollout decodes at once).
+    its `dp_divides` 0 the groups per step (trainer replicas split whole groups), its
+    `rollout_seqs` 0 one batch (the sequences the rollout decodes at once) and its
+    `max_context` 0 the model's positions (no context is planned for beyond them).
     `policy_factory`: another policy, "PATH.py:NAME" or "module:NAME" of a factory
     ``(cost, config, measured) -> Policy`` (`earl.runtime.selector.Policy`; "" = the built-in
     `SearchPolicy`); `measured` is the run's live profile (`RunProfile`).

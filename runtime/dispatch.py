@@ -51,12 +51,10 @@ class ReplicaPlan:
 @dataclass(frozen=True, slots=True)
 class DispatchPlan:
     step: int
-    lease_id: int
-    index_rank: int
+    issuers: tuple[tuple[int, int], ...]  # (index rank, lease id) of the lease (or its parts)
     layout: Layout
     columns: tuple[str, ...]
     replicas: tuple[ReplicaPlan, ...]
-    issuers: tuple[tuple[int, int], ...] = ()  # (index rank, lease id) of the lease's parts
 
     def for_rank(self, rank: int) -> ReplicaPlan:
         return self.replicas[self.layout.coord(rank).dp]
@@ -97,9 +95,8 @@ def plan_step(lease: Lease, layout: Layout, rule: MicroBatchRule, *, step: int =
                 tokens=sum(lengths[i] for i in idx),
             )
         )
-    return DispatchPlan(step=step, lease_id=lease.lease_id, index_rank=lease.index_rank,
-                        layout=layout, columns=lease.columns, replicas=tuple(replicas),
-                        issuers=lease.issuers())
+    return DispatchPlan(step=step, issuers=lease.issuers(), layout=layout,
+                        columns=lease.columns, replicas=tuple(replicas))
 
 
 def _merge(ops: list[FetchOp]) -> list[FetchOp]:

@@ -359,43 +359,43 @@ class Dock:
         from each), tried in turn without waiting, then waited on in short slices; the parts
         taken are held meanwhile and given back if the take fails or times out.
         """
-        args = (stage, list(columns), whole_groups, min_version)
         if len(self.index) == 1:
             return await _local_errors(self.index.take.call_one(
                 stage, list(columns), n, whole_groups, min_version, True, timeout_s,
                 at_least=at_least))
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        start, parts, need = next(self._rr), [], n
-        done = n if at_least is None else at_least
+        start, done = next(self._rr), n if at_least is None else at_least
+        parts: list[Lease] = []
+
+        async def part(shard: ActorGroup, wait: bool, slice_s: float | None) -> bool:  # type: ignore[type-arg]
+            """Take what `shard` has ready (whole groups, up to what is missing); True once
+            the parts make the lease."""
+            need = n - sum(len(x.samples) for x in parts)
+            parts.append(await _local_errors(shard.take.call_one(
+                stage, list(columns), need, whole_groups, min_version, wait, slice_s,
+                at_least=1)))
+            return n - need + len(parts[-1].samples) >= done
+
         try:
             while True:
                 for k in range(len(self.index)):
-                    shard = self.index[(start + k) % len(self.index)]
                     with contextlib.suppress(WouldBlock):
-                        got: Lease = await _local_errors(shard.take.call_one(
-                            args[0], args[1], need, args[2], args[3], False, None, at_least=1))
-                        parts.append(got)
-                        need -= len(got.samples)
-                        if n - need >= done:
+                        if await part(self.index[(start + k) % len(self.index)], False, None):
                             return merge_leases(parts)
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TimeoutError(f"the index shards had {n - need} of {n} samples ready "
+                    got = sum(len(x.samples) for x in parts)
+                    raise TimeoutError(f"the index shards had {got} of {n} samples ready "
                                        f"for {stage!r}")
                 with contextlib.suppress(TimeoutError):
-                    shard = self.index[start % len(self.index)]
-                    got = await _local_errors(shard.take.call_one(
-                        args[0], args[1], need, args[2], args[3], True, min(0.5, left or 0.5),
-                        at_least=1))
-                    parts.append(got)
-                    need -= len(got.samples)
-                    if n - need >= done:
+                    if await part(self.index[start % len(self.index)], True,
+                                  min(0.5, left or 0.5)):
                         return merge_leases(parts)
                 start += 1
         except BaseException:
-            for part in parts:
+            for taken in parts:
                 with contextlib.suppress(Exception):
-                    await self.release(part)
+                    await self.release(taken)
             raise
 
     def receiver(self, peer_host: str | None = None) -> Receiver:
@@ -448,7 +448,8 @@ class Dock:
                 await self.index[index_rank].release.call_one(lease_id, failed.shard)
             if len(self.index) > 1:  # every index shard may hold groups from the dead warehouse
                 await self.index.drop_shard.call(failed.shard)
-            raise DockFetchError.of(failed.shard, lease_id, failed.cause) from failed.cause
+            raise DockFetchError.of(failed.shard, issuers[0][1] if issuers else -1,
+                                    failed.cause) from failed.cause
         for kind, n in got.items():
             self._fetched[kind] = self._fetched.get(kind, 0) + n
         return batch, frames

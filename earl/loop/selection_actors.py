@@ -377,7 +377,8 @@ def selection_for_run(job: Job, actors: Actors) -> tuple[Selection, ActorReconfi
         # the rollout decodes one batch at a time
         sel.policy, dp_divides=sel.policy.dp_divides or job.cfg.batch_size // job.cfg.group_size,
         queue_target=sel.policy.queue_target or job.cfg.batch_size,
-        rollout_seqs=sel.policy.rollout_seqs or job.cfg.batch_size)
+        rollout_seqs=sel.policy.rollout_seqs or job.cfg.batch_size,
+        max_context=sel.policy.max_context or positions)
     profile = RunProfile(cost)
     selection = build_selection(policy=make_policy(sel.policy_factory, cost, knobs, profile),
                                 setting=setting, reconfigurer=reconf, slots=slots,

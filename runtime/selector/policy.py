@@ -270,7 +270,7 @@ class SearchPolicy:
         if not slots:
             raise ValueError("SearchPolicy.decide: slots is empty; pass slot name -> memory bytes")
         s, c = self._s, self.config
-        need = contexts.projected(c.lookahead_steps)
+        need = self._projected(contexts, c.lookahead_steps)
         bucket = self._bucket(need)
         cand = self.candidate(bucket, slots, queue_depths)
         cur = self._reevaluate(s.plan, bucket, slots)
@@ -332,6 +332,11 @@ class SearchPolicy:
         return Decision(step=step, when=when, plan=plan, changed=changed, reason=reason,
                         context=contexts, shortfall=shortfall)
 
+    def _projected(self, contexts: ContextStats, steps: int) -> int:
+        """The context expected `steps` ahead, capped at `max_context` (when set)."""
+        ahead = contexts.projected(steps)
+        return min(ahead, self.config.max_context) if self.config.max_context else ahead
+
     def _pays_off(self, cand: Plan, cur: Plan, queues: Mapping[str, int] | None
                   ) -> tuple[bool, str]:
         """Whether switching from `cur` to `cand` saves more than it costs over
@@ -388,7 +393,7 @@ class SearchPolicy:
         c = self.config
         fits: dict[int, bool] = {}
         for k in range(c.warn_steps + 1):
-            ctx = self.bucket_of(contexts.projected(c.lookahead_steps + k))
+            ctx = self.bucket_of(self._projected(contexts, c.lookahead_steps + k))
             if ctx not in fits:
                 fits[ctx] = self.candidate(ctx, slots) is not None
             if fits[ctx]:

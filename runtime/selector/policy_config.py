@@ -59,6 +59,9 @@ class PolicyConfig:
         max_kv_tokens: cap on a rollout replica's KV-cache budget.
         dp_divides: a train or reference layout's DP degree must divide this (a run's GRPO
             groups per step: data-parallel replicas split whole groups); 0: any.
+        max_context: the longest context any trajectory can reach (a run: the model's
+            positions); the projected context is capped there (a trend does not outgrow the
+            window). 0: no cap.
         rollout_seqs: sequences the rollout has to decode at once, over all its replicas (a
             run: its batch size); a replica's decode batch is its share of them, however much
             KV it could hold (the roofline is not credited for cache that stays empty). 0:
@@ -88,6 +91,7 @@ class PolicyConfig:
     queue_target: int = 0
     dp_divides: int = 0
     rollout_seqs: int = 0
+    max_context: int = 0
 
     def __post_init__(self) -> None:
         need(bool(self.actors), "actors", "must name at least one actor")
@@ -97,6 +101,8 @@ class PolicyConfig:
         need(0 <= self.headroom < 1, "headroom", f"must be in [0, 1), got {self.headroom}")
         for k in ("tp_max", "pp_max", "bucket_base", "patience"):
             need(getattr(self, k) >= 1, k, f"must be >= 1, got {getattr(self, k)}")
+        need(self.max_context >= 0, "max_context",
+             f"must be >= 0 tokens (0 = no cap), got {self.max_context}")
         need(self.rollout_seqs >= 0, "rollout_seqs",
              f"must be >= 0 sequences (0 = as many as the KV budget holds), got "
              f"{self.rollout_seqs}")

@@ -275,3 +275,20 @@ def test_rollout_seqs_caps_the_decode_batch_the_roofline_credits() -> None:
     assert rate(8) < rate(64) <= rate(0)
     with pytest.raises(ValueError, match="rollout_seqs"):
         PolicyConfig(rollout_seqs=-1)
+
+
+def test_the_projected_context_stops_at_max_context() -> None:
+    """A steep trend near the window does not plan for contexts no trajectory can reach (the
+    gauntlet's full run planned for 6,144 tokens with 4,096 positions and went to TP 2 with
+    recomputation for it)."""
+    stats = ContextTracker().observe([3000, 3500, 3729])
+    stats = type(stats)(p50=stats.p50, p95=stats.p95, max=3729, trend=565.0)
+
+    def bucket(cap: int) -> int:
+        d = SearchPolicy(MODEL, PolicyConfig(max_context=cap)).decide(
+            step=0, when="prep", contexts=stats, slots=slots())
+        return d.plan.context_bucket
+
+    assert bucket(0) == 6144 and bucket(4096) == 4096
+    with pytest.raises(ValueError, match="max_context"):
+        PolicyConfig(max_context=-1)
