@@ -21,7 +21,7 @@ def lease_of(n, *, shards=("p0", "p1"), lengths=None, ref_shard="r0"):
 def test_plan_splits_across_dp_and_fetches_each_slice_from_its_shards_once():
     lease = lease_of(8)
     plan = plan_step(lease, Layout(dp=2, tp=2), FixedCount(micro_batch_size=2), step=7)
-    assert plan.step == 7 and plan.lease_id == lease.lease_id
+    assert plan.step == 7 and plan.issuers == lease.issuers() == ((0, lease.lease_id),)
     assert [r.leader for r in plan.replicas] == [0, 2]
     assert plan.for_rank(3).dp == 1 and plan.is_leader(2) and not plan.is_leader(3)
     ids = [set(r.sample_ids) for r in plan.replicas]
