@@ -204,8 +204,8 @@ def _trajectories(out: str, window: int, played: dict[int, int]) -> dict[str, fl
             "cut_rate": round(cut / max(total, 1), 4)}
 
 
-def _resumed(cfg: Config, args: list[str], root: str, commit: str | None, timeout: float
-             ) -> tuple[dict[str, object], bool]:
+def _resumed(cfg: Config, args: list[str], root: str, commit: str | None, timeout: float,
+             device_mib: int) -> tuple[dict[str, object], bool]:
     """The run of `cfg` with `args`: read back from `root` when an earlier invocation with the
     same `--out` finished it at the same commit with the same arguments (`commit` None: the
     tree differs from its commit, nothing is read back), else run now and saved there."""
@@ -220,7 +220,8 @@ def _resumed(cfg: Config, args: list[str], root: str, commit: str | None, timeou
             return done["run"], True
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     load = os.getloadavg()[0]
-    run = {**_one(cfg, args, root, timeout), "started": started, "load_avg_1m_before": load}
+    run = {**_one(cfg, args, root, timeout), "device_mib": device_mib, "started": started,
+           "load_avg_1m_before": load}
     with open(saved, "w") as f:
         json.dump({"key": key, "run": run}, f)
     return run, False
@@ -228,8 +229,6 @@ def _resumed(cfg: Config, args: list[str], root: str, commit: str | None, timeou
 
 def _one(cfg: Config, args: list[str], root: str, timeout: float) -> dict[str, object]:
     out = f"{root}/{cfg.name.replace('/', '_')}"
-    device_mib = int(next(a for a in args if a.startswith("--placement.slot_memory_mib="))
-                     .split("=")[1])
     rc, stdout, stderr = _earl([*args, f"--output_dir={out}"], timeout)
     with open(f"{out}.log", "w") as f:  # the run's progress lines and errors, to look at
         f.write(stderr)
@@ -252,7 +251,7 @@ def _one(cfg: Config, args: list[str], root: str, timeout: float) -> dict[str, o
     lost = sum(max(0, int(str(r["episodes"])) - int(float(str(r.get("train/samples", 0)))))
                for r in steps)
     return {
-        "config": cfg.name, "devices": cfg.devices, "device_mib": device_mib,
+        "config": cfg.name, "devices": cfg.devices,
         "rollout": f"{cfg.replicas}x{cfg.rollout_tp}", "trainer_dp": cfg.trainer,
         "window": cfg.window, "micro_batch_tokens": cfg.budget,
         "outcome": "oom" if oom else "finished" if rc == 0 else f"error ({rc})",
@@ -325,7 +324,8 @@ def compare(*, quick: bool, root: str, window: int, device_mib: int = 0, steps: 
         full_eval = cfg in (sel_cfg, trunc_cfg)
         args = [*common, *cfg.args(sizes[cfg.devices]),
                 f"--eval_games={eval_games if full_eval else 8}"]
-        runs[cfg.name], again = _resumed(cfg, args, root, commit, 60.0 * (20 + steps / 4))
+        runs[cfg.name], again = _resumed(cfg, args, root, commit, 60.0 * (20 + steps / 4),
+                                         sizes[cfg.devices])
         if again:
             resumed.append(cfg.name)
     sel, trunc = runs[sel_cfg.name], runs[trunc_cfg.name]

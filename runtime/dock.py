@@ -26,9 +26,8 @@ import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 import numpy as np
 
@@ -39,14 +38,13 @@ from earl.runtime.dock_index import (
     DockIndex,
     DockStatistics,
     Lease,
-    LeaseError,
     Location,
     LostSample,
     SampleInfo,
     WouldBlock,
     index_rank_of,
-    merge_leases,
 )
+from earl.runtime.dock_take import index_errors, take_merged
 from earl.runtime.dock_warehouse import Warehouse, WarehouseStatistics
 from earl.runtime.errors import CausedByDeath, actor_label
 from earl.runtime.layout import Layout
@@ -55,8 +53,6 @@ from earl.runtime.transport import Receiver, Sender
 from earl.runtime.transport.base import Frame
 from earl.runtime.transport.route import Inbox, open_sender
 from earl.runtime.transport.shm_arena import ShmArena
-
-T = TypeVar("T")
 
 for _cls in (SampleInfo, Location, Lease, LostSample, DockStatistics, WarehouseStatistics,
              Layout, FetchOp, ReplicaPlan, DispatchPlan):  # plans travel to consumer ranks
@@ -326,7 +322,7 @@ class Dock:
         info = self.warehouse.put(sample_id, columns, group_id=group_id, group_size=group_size)
         assert isinstance(info, SampleInfo)
         try:
-            await _local_errors(self._owner(group_id).register.call_one(info, wait, timeout_s))
+            await index_errors(self._owner(group_id).register.call_one(info, wait, timeout_s))
         except BaseException:
             self.warehouse.evict([sample_id])
             raise
@@ -360,42 +356,18 @@ class Dock:
         taken are held meanwhile and given back if the take fails or times out.
         """
         if len(self.index) == 1:
-            return await _local_errors(self.index.take.call_one(
+            return await index_errors(self.index.take.call_one(
                 stage, list(columns), n, whole_groups, min_version, True, timeout_s,
                 at_least=at_least))
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        start, done = next(self._rr), n if at_least is None else at_least
         parts: list[Lease] = []
-
-        async def part(shard: ActorGroup, wait: bool, slice_s: float | None) -> bool:  # type: ignore[type-arg]
-            """Take what `shard` has ready (whole groups, up to what is missing); True once
-            the parts make the lease."""
-            need = n - sum(len(x.samples) for x in parts)
-            parts.append(await _local_errors(shard.take.call_one(
-                stage, list(columns), need, whole_groups, min_version, wait, slice_s,
-                at_least=1)))
-            return n - need + len(parts[-1].samples) >= done
-
         try:
-            while True:
-                for k in range(len(self.index)):
-                    with contextlib.suppress(WouldBlock):
-                        if await part(self.index[(start + k) % len(self.index)], False, None):
-                            return merge_leases(parts)
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    got = sum(len(x.samples) for x in parts)
-                    raise TimeoutError(f"the index shards had {got} of {n} samples ready "
-                                       f"for {stage!r}")
-                with contextlib.suppress(TimeoutError):
-                    if await part(self.index[start % len(self.index)], True,
-                                  min(0.5, left or 0.5)):
-                        return merge_leases(parts)
-                start += 1
+            return await take_merged(self.index, next(self._rr), parts, stage, list(columns),
+                                     n, whole_groups=whole_groups, min_version=min_version,
+                                     timeout_s=timeout_s, at_least=at_least)
         except BaseException:
-            for taken in parts:
+            for part in parts:
                 with contextlib.suppress(Exception):
-                    await self.release(taken)
+                    await self.release(part)
             raise
 
     def receiver(self, peer_host: str | None = None) -> Receiver:
@@ -465,7 +437,7 @@ class Dock:
     async def ack(self, lease: Lease) -> None:
         """Mark the lease consumed; raises LeaseError if it expired or was already acked."""
         for index_rank, lease_id in lease.issuers():
-            await _local_errors(self.index[index_rank].ack.call_one(lease_id))
+            await index_errors(self.index[index_rank].ack.call_one(lease_id))
 
     async def release(self, lease: Lease) -> None:
         for index_rank, lease_id in lease.issuers():
@@ -501,14 +473,3 @@ def _sum_dicts(ds: Iterable[dict[str, int]]) -> dict[str, int]:
         for k, v in d.items():
             out[k] = out.get(k, 0) + v
     return out
-
-
-async def _local_errors(call: Awaitable[T]) -> T:
-    """Re-raise the index's user-facing errors as themselves, not as ActorError."""
-    try:
-        return await call
-    except ActorError as e:
-        for cls in (WouldBlock, LeaseError, ValueError, TimeoutError):
-            if e.remote_type.rsplit(".", 1)[-1] == cls.__name__:
-                raise cls(e.remote_message) from None
-        raise

@@ -23,12 +23,12 @@ def test_a_finished_run_is_read_back_only_with_the_same_commit_and_args(
     monkeypatch.setattr(selector, "_one", one)
     cfg = selector.Config(2, 1, 1, 1, 1024, 8192)
     args = ["--steps=400", "--placement.slot_memory_mib=100"]
-    first, again = selector._resumed(cfg, args, str(tmp_path), "abc", 60.0)
+    first, again = selector._resumed(cfg, args, str(tmp_path), "abc", 60.0, 100)
     assert not again and first["tokens_per_s"] == 1.0 and "started" in first
-    back, again = selector._resumed(cfg, args, str(tmp_path), "abc", 60.0)
+    back, again = selector._resumed(cfg, args, str(tmp_path), "abc", 60.0, 100)
     assert again and back == first and len(ran) == 1
     for commit, other in (("def", args), ("abc", [*args, "--seed=1"]), (None, args)):
-        _, again = selector._resumed(cfg, other, str(tmp_path), commit, 60.0)
+        _, again = selector._resumed(cfg, other, str(tmp_path), commit, 60.0, 100)
         assert not again
     assert len(ran) == 4
     saved = json.loads((tmp_path / "static_d2_r1-t1_w1024_mb8k.result.json").read_text())
