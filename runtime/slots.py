@@ -460,6 +460,17 @@ class SlotPool:
         d = self[name].memory_cgroup
         return read_int(os.path.join(d, "memory.usage_in_bytes")) / 2**20 if d else None
 
+    def memory_peak_mib(self, name: str) -> float | None:
+        """The most memory charged to the slot since it was made or `reset_memory_peak`
+        (cgroup slots; None otherwise)."""
+        d = self[name].memory_cgroup
+        return read_int(os.path.join(d, "memory.max_usage_in_bytes")) / 2**20 if d else None
+
+    def reset_memory_peak(self, name: str) -> None:
+        """Start the slot's peak (`memory_peak_mib`) again from what it holds now."""
+        if d := self[name].memory_cgroup:
+            write(os.path.join(d, "memory.max_usage_in_bytes"), "0")
+
     def statistics(self) -> SlotPoolStatistics:
         return SlotPoolStatistics(slots=len(self._slots), assigned=dict(self._owner),
                                   memory_enforcement=self.memory_enforcement,

@@ -85,7 +85,7 @@ class Setting:
         return Parallel(tp=self.rollout_tp, dp=self.rollout_replicas)
 
 
-KV_CHANGE = 0.25  # a rollout KV budget this much larger than the current one is applied alone
+KV_CHANGE = 0.25  # a rollout KV budget this much larger or smaller is applied alone
 
 
 def setting_of(plan: Plan, current: Setting, *, max_context: int,
@@ -95,7 +95,10 @@ def setting_of(plan: Plan, current: Setting, *, max_context: int,
 
     The rollout's ``max_model_len`` grows to the plan's context bucket (capped at `max_context`,
     the model's positions) and never shrinks; its KV budget is the plan's, at least one context;
-    alone (a rebuild of the engines) it changes only when it grows by `KV_CHANGE` or more.
+    alone (a rebuild of the engines) it changes only when it grows or shrinks by `KV_CHANGE`
+    or more. The plan gives each replica the most KV its device holds (up to
+    `PolicyConfig.max_kv_tokens`), so a much smaller one means the current cache no longer fits
+    beside what the replica's process has grown to.
     Actors the plan does not name keep their setting.
     """
     s = current
@@ -118,9 +121,9 @@ def setting_of(plan: Plan, current: Setting, *, max_context: int,
         s = keep_places(s, current)
     same = s.rollout_key()[:4] == current.rollout_key()[:4]  # no rebuild for another reason
     if same and s.max_model_len <= current.kv_tokens \
-            and s.kv_tokens < current.kv_tokens * (1 + KV_CHANGE):
-        # vLLM allocated its cache at start and lives within its slot: a smaller one frees
-        # nothing, a slightly larger one is not worth a rebuild
+            and current.kv_tokens * (1 - KV_CHANGE) < s.kv_tokens \
+            < current.kv_tokens * (1 + KV_CHANGE):
+        # vLLM allocated its cache at start: a slightly other size is not worth a rebuild
         s = replace(s, kv_tokens=current.kv_tokens)
     return s
 

@@ -272,17 +272,14 @@ def build_selection(*, policy: Policy, setting: Setting, reconfigurer: ActorReco
 
 
 def slot_usage(pool: SlotPool | None) -> dict[str, float]:
-    """Per slot: MiB charged now and the peak since it was made (cgroup slots only)."""
-    import os
-
+    """Per slot: MiB charged now and the peak since it was made, or since the rollout replica
+    in it was measured (`SlotMemory.measure`; cgroup slots only)."""
     out: dict[str, float] = {}
     if pool is None:
         return out
     for name in pool.budgets():
-        d = pool[name].memory_cgroup
-        if d:
-            with open(os.path.join(d, "memory.max_usage_in_bytes")) as f:
-                out[f"selector/slot/{name}/peak_mib"] = int(f.read()) / 2**20
+        if (peak := pool.memory_peak_mib(name)) is not None:
+            out[f"selector/slot/{name}/peak_mib"] = peak
             out[f"selector/slot/{name}/used_mib"] = pool.memory_used_mib(name) or 0.0
     return out
 
@@ -292,9 +289,11 @@ class SlotMemory:
 
     The cost model's per-process reserve is the trainer's baseline (Python, torch: what its
     process holds before the model's working set). A slot whose process holds more before its
-    working set (vLLM) offers that much less. `measure` reads a slot's baseline once its actor
-    is up; a slot not measured yet offers its whole budget. The `kept` slots (the
-    reference's) are not offered: the selector does not move them.
+    working set (vLLM) offers that much less. `measure` reads a rollout slot's baseline once
+    its replica is up; from then on the slot's peak, less the KV cache, raises it (a replica's
+    process grows with the shapes it has run: the gauntlet's grew from 0.6 to 1.2 GiB before
+    oneDNN's primitive cache was capped). A slot not measured yet offers its whole budget. The
+    `kept` slots (the reference's) are not offered: the selector does not move them.
     """
 
     def __init__(self, pool: SlotPool, trainer: tuple[str, ...],
@@ -302,14 +301,27 @@ class SlotMemory:
         self.pool, self.kept = pool, frozenset(kept)
         self.base = {n: pool.memory_used_mib(n) or 0.0 for n in trainer}
         self.reserve = max(self.base.values(), default=600.0)
+        self._working: dict[str, tuple[float, str | None]] = {}  # slot -> KV MiB, its owner
 
     def measure(self, names: tuple[str, ...], working_mib: float = 0.0) -> None:
         """Read the baseline of `names`' processes now, less `working_mib` each (the KV cache
-        a rollout replica allocates at start: the cost model counts it)."""
+        a rollout replica allocates at start: the cost model counts it), and follow their
+        peaks while the same owner holds them."""
         for n in names:
             self.base[n] = (self.pool.memory_used_mib(n) or 0.0) - working_mib
+            self.pool.reset_memory_peak(n)
+            self._working[n] = (working_mib, self.pool.owner(n))
+
+    def _follow_peaks(self) -> None:
+        for n, (working, owner) in list(self._working.items()):
+            if self.pool.owner(n) != owner:  # its replica left the slot: the baseline too
+                del self._working[n]
+                self.base.pop(n, None)
+            elif (peak := self.pool.memory_peak_mib(n)) is not None:
+                self.base[n] = max(self.base[n], peak - working)
 
     def __call__(self) -> Mapping[str, float]:
+        self._follow_peaks()
         return {n: b - max(0.0, self.base.get(n, self.reserve) - self.reserve) * 2**20
                 for n, b in self.pool.budgets().items() if n not in self.kept}
 

@@ -32,6 +32,12 @@ __all__ = ["EngineConfig", "build_llm_engine", "cpu_binding", "engine_args",
 # module loads: vLLM reads them when it is imported (a warm host imports it before any build).
 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+# oneDNN keeps a primitive, with its scratch memory, per GEMM shape it has run: up to 1,024 by
+# default. A CPU replica meets a new batch shape nearly every decode step, so the gauntlet's
+# replicas grew from 0.6 to 1.1-1.2 GiB over 100 steps, past what their devices were sized for.
+# At 64 they stay at 0.68 GiB and decode as fast (docs/results.md, 2026-11-27). oneDNN reads
+# it at its first primitive, after this module loads.
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
 
 
 @dataclass(kw_only=True, slots=True)

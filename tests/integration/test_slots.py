@@ -214,11 +214,6 @@ class TinyTrainer(Actor):
         return self.params
 
 
-def _peak_mib(pool: SlotPool, name: str) -> float:
-    d = pool[name].memory_cgroup
-    return int(Path(d, "memory.max_usage_in_bytes").read_text()) / 2**20
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 async def test_the_policys_micro_batch_fits_a_real_slot_and_three_times_it_is_killed() -> None:
@@ -251,7 +246,8 @@ async def test_the_policys_micro_batch_fits_a_real_slot_and_three_times_it_is_ki
             seqs = mb // 2048
             assert seqs >= 2, d.reason  # the budget is not trivial
             assert await g.step.call_one(2048, seqs) == mb  # the plan's budget runs...
-            peak = _peak_mib(pool, "train0")
+            peak = pool.memory_peak_mib("train0")
+            assert peak is not None
             print(f"slot 1024 MiB: idle {idle:.0f} MiB, plan {seqs} x 2048 tokens, predicted "
                   f"{d.plan.actor('trainer').predicted_bytes / 2**20:.0f} MiB, peak {peak:.0f} MiB")
             assert peak <= 1024
@@ -260,6 +256,30 @@ async def test_the_policys_micro_batch_fits_a_real_slot_and_three_times_it_is_ki
             await rt.wait_status(g, "dead", timeout=10)
             with pytest.raises(ActorDied, match="out of memory in slot train0"):
                 await g.step.call_one(64, 1)
+
+
+@pytest.mark.timeout(90)
+async def test_a_rollout_slot_offers_less_as_its_process_grows_and_all_once_it_leaves() -> None:
+    """`SlotMemory` follows a measured slot's peak: what its process grew to after the
+    baseline is no longer offered to the cost model; a new owner gets the whole budget."""
+    from earl.loop.selection_actors import SlotMemory
+
+    with _pool() as pool:
+        pool.create("rollout0", cores=(0,), memory_mib=512)
+        pool.create("trainer0", cores=(0,), memory_mib=512)
+        async with Runtime() as rt:
+            g = await rt.spawn("rollout", Hog, slot=pool.assign("rollout0", "rollout"))
+            memory = SlotMemory(pool, ("trainer0",))
+            memory.measure(("rollout0",))
+            before = memory()["rollout0"]
+            await g.hog.call_one(96)
+            grown = memory()["rollout0"]
+            assert 90 <= (before - grown) / 2**20 <= 200, (before, grown)
+            assert memory()["trainer0"] == 512 * 2**20
+            await rt.stop(g)
+            pool.release("rollout0")
+            pool.assign("rollout0", "trainer")  # the slot changed hands: its baseline went too
+            assert memory()["rollout0"] == 512 * 2**20
 
 
 def test_a_gpu_slot_sets_device_visibility_and_leaves_host_memory_alone() -> None:

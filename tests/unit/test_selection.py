@@ -318,10 +318,11 @@ def test_the_first_plan_is_applied_at_spawn_not_by_a_re_creation() -> None:
 
 def test_a_kv_only_change_rebuilds_the_rollout_and_a_small_one_does_not() -> None:
     """The policy's KV budget alone is a change (vLLM sizes its cache at start: the engines
-    are rebuilt in place, same replicas and slots) when it grows by `KV_CHANGE` or more; a
-    smaller one frees nothing vLLM holds already, a slightly larger one is not worth it."""
+    are rebuilt in place, same replicas and slots) when it grows or shrinks by `KV_CHANGE` or
+    more (a much smaller plan: the cache no longer fits beside the grown process); a slightly
+    other size is not worth a rebuild."""
     for start, rebuilt in ((4096, True), (int(PLANNED_KV * 0.9), False),
-                           (PLANNED_KV * 3, False)):
+                           (int(PLANNED_KV * 1.1), False), (PLANNED_KV * 3, True)):
         reconf, rows, events = FakeReconfigurer(), [], []
         sel = _selection(reconf, rows, events, window=1024, kv=start)
 
@@ -334,7 +335,7 @@ def test_a_kv_only_change_rebuilds_the_rollout_and_a_small_one_does_not() -> Non
         if rebuilt:
             old, new = reconf.applied[0]
             assert old.rollout_key()[:4] == new.rollout_key()[:4]  # layout, slots, window
-            assert (old.kv_tokens, new.kv_tokens) == (4096, PLANNED_KV)
+            assert (old.kv_tokens, new.kv_tokens) == (start, PLANNED_KV)
             assert rows[0]["selector/applied_kv_tokens"] == PLANNED_KV
         else:
             assert sel.setting.kv_tokens == start
