@@ -60,6 +60,10 @@ def _coerce(value: object, tp: object, where: str) -> object:
         if not isinstance(value, dict):
             raise TypeError(f"config field {where!r} must be a mapping, got {value!r}")
         return {str(k): _coerce(v, args[1], f"{where}.{k}") for k, v in value.items()}
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # tuple[T, ...]
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"config field {where!r} must be a list, got {value!r}")
+        return tuple(_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise TypeError(f"config field {where!r} must be a list of {len(args)} values, "

@@ -200,6 +200,13 @@ class IndexActor(Actor):
         await self._notify()
 
     @endpoint
+    async def retract_shard(self, shard: str, stage: str) -> int:
+        """A leaving shard of `stage`'s added columns: `stage` writes them again elsewhere."""
+        n = self.ix.retract_shard(shard, stage)
+        await self._notify()
+        return n
+
+    @endpoint
     async def take_lost(self) -> list[LostSample]:
         return self.ix.take_lost()
 
@@ -445,6 +452,11 @@ class Dock:
 
     async def take_lost(self) -> list[LostSample]:
         return [x for part in await self.index.take_lost.call() for x in part]
+
+    async def retract_shard(self, shard: str, stage: str) -> int:
+        """Every index rank forgets the columns `stage` added on `shard`, and `stage` may take
+        those samples again (`DockIndex.retract_shard`); returns the samples retracted."""
+        return sum(await self.index.retract_shard.call(shard, stage))
 
     async def statistics(self) -> DockStatistics:
         """Totals over the index shards."""

@@ -359,6 +359,32 @@ class DockIndex:
                         evict.setdefault(s, []).append(sid)
         return evict
 
+    def retract_shard(self, shard: str, stage: str) -> int:
+        """A shard that holds only columns `stage` added (the reference's ``ref_logprobs``) is
+        leaving on purpose: its columns are removed and `stage` may take those samples again,
+        so the stage's next shard writes them anew. Returns the samples retracted.
+
+        Raises:
+            ValueError: `stage` is unknown; the shard holds samples it registered (they cannot
+                be written again by `stage`: stop it like a dead one, `drop_shard`); or a
+                lease in flight names its columns (retract between steps).
+        """
+        if stage not in self.stages:
+            raise ValueError(f"unknown stage {stage!r}; the dock's stages are {list(self.stages)}")
+        hit = [e for e in self._samples.values()
+               if any(s == shard for s, _ in e.columns.values())]
+        if own := [e.info.sample_id for e in hit if e.info.shard == shard]:
+            raise ValueError(f"shard {shard!r} registered {len(own)} sample(s) (e.g. "
+                             f"{own[0]!r}): only a shard of added columns can be retracted")
+        if busy := sorted({lid for e in hit for lid in e.leased.values()}):
+            raise ValueError(f"shard {shard!r} has columns in lease(s) {busy} in flight: "
+                             "retract it between steps, once they are acked or released")
+        for e in hit:
+            for c in [c for c, (s, _) in e.columns.items() if s == shard]:
+                del e.columns[c]
+            e.acked.discard(stage)
+        return len(hit)
+
     def evict_stale(self, min_version: int) -> dict[str, list[str]]:
         """Drop samples older than `min_version` (reported as lost for re-production)."""
         stale_groups = {e.info.group_id for e in self._samples.values()

@@ -5,7 +5,7 @@ dock's client) and the trainer's micro-batch token budget. The loop's parts read
 from it at each call, so a group re-created by the selector (`earl.loop.selection_actors`) or
 looked up again after a restart (`earl.loop.healing_parts`) is seen by every part at once.
 What changes during a run changes through its methods (`use_rollout`, `use_trainer`,
-`set_micro_batch_tokens`); nothing else assigns its attributes.
+`use_reference`, `set_micro_batch_tokens`); nothing else assigns its attributes.
 
 Not here: spawning the groups (`earl.loop.spawn`), or what each part does with them
 (`earl.loop.parts`).
@@ -13,6 +13,8 @@ Not here: spawning the groups (`earl.loop.spawn`), or what each part does with t
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -81,6 +83,17 @@ class Actors:
         self._rollout = group
         if version is not None and self._producers is not None:
             await self._producers.use_rollout.call(group.name, version)
+
+    def use_reference(self, group: ActorGroup[ReferenceActor]) -> None:
+        """A re-created reference group (new devices) scores the dock from now on."""
+        self._reference = group
+
+    async def reference_replaced(self, old: ActorGroup[ReferenceActor],
+                                 stopping: Callable[[], bool]) -> None:
+        """Return once the reference is no longer `old` (a move re-created it), or
+        `stopping()` is true."""
+        while self._reference is old and not stopping():
+            await asyncio.sleep(0.05)
 
     def use_producers(self, group: ActorGroup[ProducerActor]) -> None:
         self._producers = group

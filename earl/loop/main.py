@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -88,13 +89,15 @@ async def restore(job: Job, trainer_ckpt: str, producer_states: list[dict[str, o
 
 @contextlib.asynccontextmanager
 async def serving(job: Job) -> AsyncIterator[None]:
-    """While the body runs: the reference scores the dock, the healer rebuilds restarts."""
-    reference, pl, healer = job.attempt.actors.reference, job.cfg.placement, job.healer
+    """While the body runs: the reference scores the dock (its group as it is now: a move by
+    the selector stops one group's loop and re-creates it), the healer rebuilds restarts."""
+    actors, pl, healer = job.attempt.actors, job.cfg.placement, job.healer
 
     async def serve() -> None:
-        if reference is not None:
-            await healer.serve_reference(
-                job.rt, lambda: reference.serve_dock.call(256, "reference", True))
+        while (group := actors.reference) is not None and not healer.stopping:
+            await healer.serve_reference(job.rt, functools.partial(
+                group.serve_dock.call, 256, "reference", True))
+            await actors.reference_replaced(group, lambda: healer.stopping)
 
     async with asyncio.TaskGroup() as tg:
         tg.create_task(serve(), name="reference")
@@ -104,7 +107,7 @@ async def serving(job: Job) -> AsyncIterator[None]:
             yield
         finally:
             healer.close()
-            if reference is not None:
+            if (reference := actors.reference) is not None:
                 await healer.stop_reference(reference.stop_serving.call)
 
 

@@ -13,8 +13,10 @@ with its plan instead of re-creating them. A decided plan is turned into a `Sett
 live actors run) and applied through a `Reconfigurer`: the trainer's micro-batch token budget at once (nothing restarts); a new trainer
 layout or slots by re-creating the trainer group (resharded checkpoint, Adam state kept); a longer
 context or a new rollout layout by re-creating the vLLM replicas with the new ``max_model_len``
-and KV budget, the weights re-pushed at the current version. The rollout's context only grows (a
-restart to shrink it gains nothing). Re-creations wait until no play, push or eval is using the
+and KV budget, the weights re-pushed at the current version; the reference's devices (planned
+when it has devices of its own) by re-creating its ranks, whose ``ref_logprobs`` in the dock are
+retracted and scored again. The rollout's context only grows (a restart to shrink it gains
+nothing). Re-creations wait until no play, push or eval is using the
 actors (a readers-writer lock): samples already played stay in the dock, which is not touched.
 
 Not here: the decision itself (`earl.runtime.selector.policy`), re-creating actors
@@ -58,6 +60,8 @@ class Setting:
         max_model_len: the longest context the rollout replicas serve.
         kv_tokens: KV-cache tokens per replica (at least `max_model_len`).
         trainer_slots / rollout_slots: slot names each actor runs in (empty: no slots).
+        reference_slots: the reference's slots, one data-parallel rank each (empty: no slots,
+            or the selector does not plan the reference).
     """
 
     trainer_tp: int = 1
@@ -70,6 +74,7 @@ class Setting:
     kv_tokens: int
     trainer_slots: tuple[str, ...] = ()
     rollout_slots: tuple[str, ...] = ()
+    reference_slots: tuple[str, ...] = ()
 
     def trainer_key(self) -> tuple[object, ...]:
         return (self.trainer_tp, self.trainer_dp, self.trainer_slots)
@@ -77,6 +82,13 @@ class Setting:
     def rollout_key(self) -> tuple[object, ...]:
         return (self.rollout_tp, self.rollout_replicas, self.rollout_slots, self.max_model_len,
                 self.kv_tokens)
+
+    def reference_key(self) -> tuple[object, ...]:
+        return (self.reference_slots,)
+
+    def keys(self) -> tuple[tuple[object, ...], ...]:
+        """What re-creates an actor when it changes: trainer, rollout, reference."""
+        return (self.trainer_key(), self.rollout_key(), self.reference_key())
 
     def trainer_parallel(self) -> Parallel:
         return Parallel(tp=self.trainer_tp, dp=self.trainer_dp, recompute=self.trainer_recompute)
@@ -111,6 +123,12 @@ def setting_of(plan: Plan, current: Setting, *, max_context: int,
         s = replace(s, trainer_tp=t.parallel.tp, trainer_dp=t.parallel.dp,
                     micro_batch_tokens=t.micro_batch_tokens, trainer_slots=t.slots,
                     trainer_recompute=t.parallel.recompute)
+    if "reference" in names:
+        f = plan.actor("reference")
+        if (f.parallel.tp, f.parallel.pp) != (1, 1):
+            raise ValueError(f"selector plan gives the reference {f.parallel}: it scores data "
+                             "parallel only (one rank per device)")
+        s = replace(s, reference_slots=f.slots)
     if "rollout" in names:
         r = plan.actor("rollout")
         mml = min(max(current.max_model_len, plan.context_bucket), max_context)
@@ -135,33 +153,38 @@ def _with_rollout_of(s: Setting, other: Setting) -> Setting:
                    kv_tokens=other.kv_tokens)
 
 
+_PLACES = ("rollout_slots", "trainer_slots", "reference_slots")
+
+
 def keep_places(new: Setting, current: Setting) -> Setting:
     """`new` with each stage in the devices it holds now, as far as its count allows, and
-    free devices (or those the other stage gives up) for the rest: a plan names devices by
+    free devices (or those another stage gives up) for the rest: a plan names devices by
     position, but equal devices are interchangeable, so a change moves as few as it can (the
     rollout's replicas are rebuilt in place when its devices stay the same)."""
-    pool = set(new.rollout_slots) | set(new.trainer_slots)
-    pool |= set(current.rollout_slots) | set(current.trainer_slots)
-    n_r, n_t = len(new.rollout_slots), len(new.trainer_slots)
-    rollout = list(current.rollout_slots[:n_r])
-    trainer = [n for n in current.trainer_slots if n not in rollout][:n_t]
-    free = sorted(pool - set(rollout) - set(trainer)
-                  - set(current.rollout_slots) - set(current.trainer_slots))
-    given_up = sorted(pool - set(rollout) - set(trainer) - set(free))  # the other stage's
-    spare = free + given_up
-    if len(spare) < n_r - len(rollout) + n_t - len(trainer):
-        return new  # more devices than the two stages hold or could free: as the plan says
-    for names, n in ((rollout, n_r), (trainer, n_t)):
-        while len(names) < n:
-            names.append(spare.pop(0))
-    return replace(new, rollout_slots=tuple(rollout), trainer_slots=tuple(trainer))
+    want = {k: len(getattr(new, k)) for k in _PLACES}
+    held = {n for k in _PLACES for n in getattr(current, k)}
+    pool = held | {n for k in _PLACES for n in getattr(new, k)}
+    kept: dict[str, list[str]] = {}
+    for k in _PLACES:  # in order: the rollout keeps its devices first
+        taken = {n for v in kept.values() for n in v}
+        kept[k] = [n for n in getattr(current, k) if n not in taken][:want[k]]
+    taken = {n for v in kept.values() for n in v}
+    free = sorted(pool - taken - held)
+    spare = free + sorted(pool - taken - set(free))  # then those another stage gives up
+    if len(spare) < sum(want[k] - len(kept[k]) for k in _PLACES):
+        return new  # more devices than the stages hold or could free: as the plan says
+    for k in _PLACES:
+        while len(kept[k]) < want[k]:
+            kept[k].append(spare.pop(0))
+    return replace(new, rollout_slots=tuple(kept["rollout_slots"]),
+                   trainer_slots=tuple(kept["trainer_slots"]),
+                   reference_slots=tuple(kept["reference_slots"]))
 
 
 def _moves(old: Setting, new: Setting) -> int:
-    """Slots whose holder (rollout, trainer or none) differs between two settings."""
+    """Slots whose holder (rollout, trainer, reference or none) differs between two settings."""
     def holders(s: Setting) -> dict[str, str]:
-        return {**dict.fromkeys(s.rollout_slots, "rollout"),
-                **dict.fromkeys(s.trainer_slots, "trainer")}
+        return {n: k for k in _PLACES for n in getattr(s, k)}
     a, b = holders(old), holders(new)
     return sum(a.get(n) != b.get(n) for n in a.keys() | b.keys())
 
@@ -192,7 +215,7 @@ class SelectionStatistics:
     recompute_changes: int = 0
     trainer_layout_changes: int = 0  # trainer dp x tp changed (group re-created, resharded)
     rollout_layout_changes: int = 0  # rollout replicas x tp changed
-    device_moves: int = 0  # slots whose holder changed (rollout, trainer or none)
+    device_moves: int = 0  # slots whose holder changed (rollout, trainer, reference or none)
     reconfig_seconds: dict[str, float] = field(default_factory=dict)  # phase -> total seconds
 
 
@@ -322,8 +345,10 @@ class Selection:
                      f"{new.trainer_dp} on {list(new.trainer_slots)} (from "
                      f"{list(self.setting.rollout_slots)}, {list(self.setting.trainer_slots)})")
             first: dict[str, float] = {}
-            if set(new.rollout_slots) & set(self.setting.trainer_slots):
-                # the rollout starts in a device the trainer gives up: the trainer moves first
+            if set(new.rollout_slots) & (set(self.setting.trainer_slots)
+                                         | set(self.setting.reference_slots)):
+                # the rollout starts in a device the trainer (or reference) gives up: it moves
+                # first
                 first = await self._apply(_with_rollout_of(new, self.setting), decision=False)
             await spawn(new)
             self.setting = _with_rollout_of(self.setting, new)
@@ -420,6 +445,7 @@ class Selection:
                     "selector/applied_trainer_tp": self.setting.trainer_tp,
                     "selector/applied_rollout_replicas": self.setting.rollout_replicas,
                     "selector/applied_rollout_tp": self.setting.rollout_tp,
+                    "selector/applied_reference_ranks": len(self.setting.reference_slots),
                     "selector/trainer_layout_changes": st.trainer_layout_changes,
                     "selector/rollout_layout_changes": st.rollout_layout_changes,
                     "selector/device_moves": st.device_moves,
@@ -430,7 +456,7 @@ class Selection:
         """Apply `new` (re-creating what changed); `decision`: it ends a decision (counted)."""
         old, st = self.setting, self._stats
         times: dict[str, float] = {}
-        if new.trainer_key() != old.trainer_key() or new.rollout_key() != old.rollout_key():
+        if new.keys() != old.keys():
             async with self._lock.exclusive():
                 t0 = time.perf_counter()
                 times = await self.reconfigurer.apply(old, new)
@@ -456,7 +482,9 @@ class Selection:
             self.log(f"selector: reconfigured in {times['total_s']:.1f} s: trainer tp{new.trainer_tp}"
                      f"/dp{new.trainer_dp} on {list(new.trainer_slots)}, rollout "
                      f"tp{new.rollout_tp} x{new.rollout_replicas} max_model_len "
-                     f"{new.max_model_len}")
+                     f"{new.max_model_len}"
+                     + (f", reference on {list(new.reference_slots)}"
+                        if new.reference_slots != old.reference_slots else ""))
         else:
             if new.micro_batch_tokens != old.micro_batch_tokens:
                 await self.reconfigurer.set_micro_batch_tokens(new.micro_batch_tokens)

@@ -48,7 +48,7 @@ __all__ = ["ActorReconfigurer", "SlotMemory", "build_selection", "cost_model_of"
 
 
 class ActorReconfigurer:
-    """Re-creates the trainer / rollout groups of a run (see module docstring).
+    """Re-creates the trainer / rollout / reference groups of a run (see module docstring).
 
     Args:
         rt: the run's `Runtime`.
@@ -60,14 +60,16 @@ class ActorReconfigurer:
         kv_bytes_per_token: the rollout's KV bytes per token (sizes its KV budget).
         tracer: the run's `Tracer` (each re-creation is a span on the "selector" track).
         restart: the restart policy of re-created rollout replicas (the run's healer's).
+        reference_restart: the same for re-created reference ranks.
     """
 
     def __init__(self, rt: Any, actors: Actors, *, pool: SlotPool | None,
                  slot_memory: SlotMemory | None = None, env: dict[str, str],
                  checkpoint_dir: Path, kv_bytes_per_token: float, tracer: Any = None,
-                 restart: Any = None) -> None:
+                 restart: Any = None, reference_restart: Any = None) -> None:
         self.rt, self.actors, self.pool, self.env, self.tracer = rt, actors, pool, env, tracer
         self.slot_memory, self.restart = slot_memory, restart
+        self.reference_restart = reference_restart
         self.checkpoint_dir, self.kv_bytes = checkpoint_dir, kv_bytes_per_token
         self._n = 0
 
@@ -103,20 +105,26 @@ class ActorReconfigurer:
             return await self._apply(old, new)
 
     async def _apply(self, old: Setting, new: Setting) -> dict[str, float]:
-        from earl.stages.reconfigure import reconfigure_rollout, reconfigure_trainer
+        from earl.stages.reconfigure import (
+            reconfigure_reference,
+            reconfigure_rollout,
+            reconfigure_trainer,
+        )
 
         times: dict[str, float] = {}
-        steps: list[str] = []
-        if new.trainer_key() != old.trainer_key():
-            steps.append("trainer")
-        if new.rollout_key() != old.rollout_key():
-            steps.append("rollout")
-        # the actor giving up slots the other takes goes first, so they are free for it
-        if len(steps) == 2 and set(new.trainer_slots) & set(old.rollout_slots):
-            steps.reverse()
-        for actor in steps:
+        for actor in _order([a for a, o, n in zip(ACTORS, old.keys(), new.keys(), strict=True)
+                             if o != n], old, new):
             self._n += 1
-            if actor == "trainer":
+            if actor == "reference":
+                moved = tuple(n for n in old.reference_slots if n not in new.reference_slots)
+                ranks = len(new.reference_slots)
+                group, t = await reconfigure_reference(
+                    self.rt, self.actors.reference, self.actors.dock, ranks=ranks, env=self.env,
+                    slot=self._placed(new.reference_slots, ranks, "reference"),
+                    restart=self.reference_restart)
+                self._release(moved)
+                self.actors.use_reference(group)
+            elif actor == "trainer":
                 moved = tuple(n for n in old.trainer_slots if n not in new.trainer_slots)
                 # a slot can hold one rank: ranks beyond the slots run unplaced
                 ranks = new.trainer_tp * new.trainer_dp
@@ -183,6 +191,25 @@ class ActorReconfigurer:
         for joined in self.pool.joined():
             if joined not in keep and self.pool.owner(joined) == owner:
                 self.pool.release(joined)
+
+
+ACTORS = ("trainer", "rollout", "reference")  # in the order of `Setting.keys`
+
+
+def _order(actors: list[str], old: Setting, new: Setting) -> list[str]:
+    """`actors` in an order where each goes after those holding slots it takes (they give them
+    up first); where none is free of that (a swap), the rollout first."""
+    def slots(s: Setting, actor: str) -> set[str]:
+        return set(getattr(s, f"{actor}_slots"))
+
+    left, out = list(actors), []
+    while left:
+        free = [a for a in left
+                if not slots(new, a) & {n for b in left if b != a for n in slots(old, b)}]
+        nxt = free[0] if free else ("rollout" if "rollout" in left else left[0])
+        out.append(nxt)
+        left.remove(nxt)
+    return out
 
 
 # throughput lost per doubling of TP: CPU slots measured (bench/parallel.py: a TP-2 vLLM replica
@@ -326,15 +353,17 @@ class SlotMemory:
                 for n, b in self.pool.budgets().items() if n not in self.kept}
 
 
-def _slot_view(job: Job, rollout: tuple[str, ...], trainer: tuple[str, ...]
+def _slot_view(job: Job, rollout: tuple[str, ...], trainer: tuple[str, ...],
+               kept: tuple[str, ...]
                ) -> tuple[Callable[[], Mapping[str, float]], SlotMemory | None, float]:
     """What the slots offer the cost model, their `SlotMemory` (None without slots) and the
-    per-process reserve in MiB. Without slots: one notional slot per actor rank with an even
-    share of the memory available now."""
+    per-process reserve in MiB; `kept` slots are not offered (a reference the selector does
+    not plan). Without slots: one notional slot per actor rank with an even share of the
+    memory available now."""
     import psutil
 
     if job.slots is not None:
-        memory = SlotMemory(job.slots, trainer, kept=job.roles["reference"])
+        memory = SlotMemory(job.slots, trainer, kept=kept)
         return memory, memory, memory.reserve
     share = float(psutil.virtual_memory().available / (len(rollout) + len(trainer)))
 
@@ -355,7 +384,11 @@ def selection_for_run(job: Job, actors: Actors) -> tuple[Selection, ActorReconfi
 
     pl, pool, sel = job.cfg.placement, job.slots, job.cfg.selector
     rollout_names, trainer_names = job.roles["rollout"], job.roles["trainer"]
-    slots, slot_memory, reserve = _slot_view(job, rollout_names, trainer_names)
+    # the reference is planned (and moved) where it has devices of its own
+    reference = job.roles["reference"] if job.n_reference > 0 and pool is not None else ()
+    slots, slot_memory, reserve = _slot_view(
+        job, rollout_names, trainer_names,
+        kept=() if reference else job.roles["reference"])
     model_dir = str(job.start)
     tp_overhead = sel.tp_overhead if sel.tp_overhead >= 0 else (
         GPU_TP_OVERHEAD if pl.device == "cuda" else CPU_TP_OVERHEAD)
@@ -367,11 +400,12 @@ def selection_for_run(job: Job, actors: Actors) -> tuple[Selection, ActorReconfi
     setting = Setting(trainer_dp=pl.trainer, micro_batch_tokens=pl.micro_batch_tokens,
                       rollout_replicas=pl.rollout, max_model_len=window,
                       kv_tokens=int(pl.kv_cache_gb * 2**30 / kvb),
-                      trainer_slots=trainer_names, rollout_slots=rollout_names)
+                      trainer_slots=trainer_names, rollout_slots=rollout_names,
+                      reference_slots=reference)
     reconf = ActorReconfigurer(
         job.rt, actors, pool=pool, slot_memory=slot_memory, env=job.env,
         checkpoint_dir=job.out / "reshard", kv_bytes_per_token=kvb, tracer=job.tracer,
-        restart=job.healer.policy("rollout"))
+        restart=job.healer.policy("rollout"), reference_restart=job.healer.policy("reference"))
 
     def trace(d: Decision) -> None:
         now = time.perf_counter()
@@ -390,7 +424,9 @@ def selection_for_run(job: Job, actors: Actors) -> tuple[Selection, ActorReconfi
         sel.policy, dp_divides=sel.policy.dp_divides or job.cfg.batch_size // job.cfg.group_size,
         queue_target=sel.policy.queue_target or job.cfg.batch_size,
         rollout_seqs=sel.policy.rollout_seqs or job.cfg.batch_size,
-        max_context=sel.policy.max_context or positions)
+        max_context=sel.policy.max_context or positions,
+        **({"actors": {**sel.policy.actors, "reference": "reference"},
+            "dp_only": (*sel.policy.dp_only, "reference")} if reference else {}))
     profile = RunProfile(cost)
     selection = build_selection(policy=make_policy(sel.policy_factory, cost, knobs, profile),
                                 setting=setting, reconfigurer=reconf, slots=slots,

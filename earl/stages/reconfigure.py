@@ -8,7 +8,9 @@ given a rollout group, re-pushes the weights at the current policy version.
 `reconfigure_rollout` does the same for the vLLM replicas: a new tensor-parallel degree or
 replica count, then the trainer pushes the current weights into them; replicas that keep their
 TP and slots keep their processes (`in_place`: the group is resized, their engines rebuilt only
-if the config changed).
+if the config changed). `reconfigure_reference` moves the reference's ranks: the columns they
+added to the dock are retracted and scored again by the new ranks (the reference is frozen, so
+the values are the same), so no sample is lost.
 
 Both report seconds by phase (`ReconfigTimes`). Samples in flight stay in the dock: the dock
 index and warehouses are other actors, untouched here. This module does not decide *when* to
@@ -31,12 +33,15 @@ from pathlib import Path
 from typing import Any
 
 from earl.runtime import ActorGroup, RestartPolicy, Runtime
+from earl.runtime.dock import Dock
 from earl.runtime.layout import Layout
+from earl.stages.reference import ReferenceActor, ReferenceConfig
 from earl.stages.rollout import RolloutActor
 from earl.stages.trainer import TrainerActor
 from earl.stages.vllm_engine import EngineConfig
 
-__all__ = ["ReconfigTimes", "reconfigure_rollout", "reconfigure_trainer"]
+__all__ = ["ReconfigTimes", "reconfigure_reference", "reconfigure_rollout",
+           "reconfigure_trainer"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,6 +120,37 @@ async def reconfigure_trainer(
         t5 = time.perf_counter()
     return new, ReconfigTimes(save_s=t1 - t0, stop_s=t2 - t1, spawn_s=t3 - t2, load_s=t4 - t3,
                               push_s=t5 - t4)
+
+
+async def reconfigure_reference(
+    rt: Runtime, group: ActorGroup[ReferenceActor], dock: Dock, *, ranks: int,
+    env: dict[str, str] | None = None, slot: Any = None, restart: RestartPolicy | None = None,
+) -> tuple[ActorGroup[ReferenceActor], ReconfigTimes]:
+    """Re-create the reference `group` with `ranks` ranks in new slots; nothing is lost.
+
+    Each rank's ``serve_dock`` loop is stopped (its lease in progress finishes), the
+    ``ref_logprobs`` it added to the dock are retracted (`Dock.retract_shard`: the samples
+    wait for the "reference" stage again) and the group is stopped; the new ranks load the same
+    frozen model. The caller serves the dock with the new group afterwards, and no trainer
+    lease may be in flight (move between steps).
+
+    Returns:
+        (the new group, under the same name; seconds by phase: ``stop_s`` drains, retracts
+        and stops, ``spawn_s`` starts the new ranks with their model loaded).
+    """
+    if ranks < 1:
+        raise ValueError(f"reconfigure_reference: ranks must be >= 1, got {ranks}")
+    t0 = time.perf_counter()
+    await group.stop_serving.call()
+    for rank in range(len(group)):
+        await dock.retract_shard(f"{group.name}:{rank}", "reference")
+    cfg = ReferenceConfig(**await group[0].config.call_one())
+    index = await group[0].index.call_one()
+    await rt.stop(group)
+    t1 = time.perf_counter()
+    new = await rt.spawn(group.name, ReferenceActor, cfg, index, n=ranks, env=env, slot=slot,
+                         restart=restart)
+    return new, ReconfigTimes(stop_s=t1 - t0, spawn_s=time.perf_counter() - t1)
 
 
 async def reconfigure_rollout(

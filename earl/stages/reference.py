@@ -159,6 +159,8 @@ class ReferenceActor(WarehouseHost, Actor):
         self._dock: Dock | None = None
         self._lock = asyncio.Lock()
         self._serving = False
+        self._idle = asyncio.Event()  # no serve_dock loop running
+        self._idle.set()
         self.busy_s = 0.0  # seconds spent scoring
 
     @endpoint
@@ -204,19 +206,25 @@ class ReferenceActor(WarehouseHost, Actor):
         never trained before the reference has scored it.
         """
         self._serving = True
+        self._idle.clear()
         scored = 0
-        while self._serving:
-            try:
-                scored += await self.score_dock(max_samples, stage, timeout_s=0.5,
-                                                trained_only=trained_only, at_least=1)
-            except TimeoutError:
-                continue
+        try:
+            while self._serving:
+                try:
+                    scored += await self.score_dock(max_samples, stage, timeout_s=0.5,
+                                                    trained_only=trained_only, at_least=1)
+                except TimeoutError:
+                    continue
+        finally:
+            self._idle.set()
         return scored
 
     @endpoint
     async def stop_serving(self) -> None:
-        """End `serve_dock` after the lease in progress."""
+        """End `serve_dock` after the lease in progress; returns once it has ended (no lease
+        of this rank is in flight then)."""
         self._serving = False
+        await self._idle.wait()
 
     @endpoint
     async def logprobs(self, samples: list[np.ndarray]) -> list[np.ndarray]:
@@ -227,6 +235,11 @@ class ReferenceActor(WarehouseHost, Actor):
     @endpoint
     async def config(self) -> dict[str, object]:
         return asdict(self.ref.config)
+
+    @endpoint
+    async def index(self) -> str:
+        """The name of the dock index this rank scores for."""
+        return self.index_name
 
     @endpoint
     async def tokens_scored(self) -> int:

@@ -116,10 +116,11 @@ class SearchPolicy:
 
     def layouts(self, stage: Stage, n: int) -> list[Parallel]:
         """Every layout of `stage` on `n` devices (rollout: TP x DP only; train: with and
-        without activation recomputation)."""
+        without activation recomputation; a stage in `PolicyConfig.dp_only`: DP only)."""
         c, out = self.config, []
-        for tp in _pow2_upto(min(c.tp_max, n)):
-            pp_max = 1 if stage == "rollout" else min(c.pp_max, n // tp)
+        dp_only = stage in c.dp_only
+        for tp in _pow2_upto(1 if dp_only else min(c.tp_max, n)):
+            pp_max = 1 if stage == "rollout" or dp_only else min(c.pp_max, n // tp)
             for pp in _pow2_upto(pp_max):
                 dp = n // (tp * pp)
                 if n % (tp * pp) == 0 and (stage == "rollout" or not c.dp_divides

@@ -66,6 +66,8 @@ class PolicyConfig:
             run: its batch size); a replica's decode batch is its share of them, however much
             KV it could hold (the roofline is not credited for cache that stays empty). 0:
             as many as the KV budget holds.
+        dp_only: stages that run data parallel only, one rank per device (no TP or PP; a
+            run whose reference is planned: EARL's reference scores that way).
         queue_target: the dock backlog (samples) of a balanced pipeline, and the unit of
             extra demand: more waiting weighs the consumer stages, fewer the rollout (see
             `SearchPolicy._demand`; 0: ignore queue depths).
@@ -92,9 +94,13 @@ class PolicyConfig:
     dp_divides: int = 0
     rollout_seqs: int = 0
     max_context: int = 0
+    dp_only: tuple[Stage, ...] = ()
 
     def __post_init__(self) -> None:
         need(bool(self.actors), "actors", "must name at least one actor")
+        for stage in self.dp_only:
+            need(stage in ("rollout", "reference", "train"), "dp_only",
+                 f"{stage!r} unknown: use 'rollout', 'reference' or 'train'")
         for name, stage in self.actors.items():
             need(stage in ("rollout", "reference", "train"), f"actors.{name}",
                  f"{stage!r} unknown: use 'rollout', 'reference' or 'train'")

@@ -51,3 +51,35 @@ class Relayout:
 
 def factory(cost: CostModel, config: PolicyConfig, measured: RunProfile) -> Relayout:
     return Relayout(cost, config, measured)
+
+
+class ReferenceMove:
+    """From step `AT` on, a device moves from the rollout to the reference: 2 replicas on
+    devices 0-1, the trainer on device 2 and the reference on device 3 become one replica on
+    device 0 and a reference of 2 data-parallel ranks on devices 1 and 3."""
+
+    def __init__(self, cost: CostModel, config: PolicyConfig, measured: RunProfile) -> None:
+        self.inner = SearchPolicy(cost, config, measured=measured)
+        self.moved = False
+
+    def decide(self, *, step: int, when: str, contexts: ContextStats,
+               slots: Mapping[str, float], queue_depths: Mapping[str, int] | None = None
+               ) -> Decision:
+        d = self.inner.decide(step=step, when=when, contexts=contexts, slots=slots,
+                              queue_depths=queue_depths)
+        self.moved = moved = self.moved or step >= AT
+        rollout = replace(d.plan.actor("rollout"), parallel=Parallel(dp=1 if moved else 2),
+                          slots=("device0",) if moved else ("device0", "device1"))
+        trainer = replace(d.plan.actor("trainer"), parallel=Parallel(), slots=("device2",))
+        reference = replace(d.plan.actor("reference"), parallel=Parallel(dp=2 if moved else 1),
+                            slots=("device1", "device3") if moved else ("device3",))
+        plan = replace(d.plan, actors=(rollout, trainer, reference), feasible=True)
+        return replace(d, plan=plan, reason=f"scripted: {'moved' if moved else 'start'}")
+
+    def statistics(self) -> SelectorStatistics:
+        return self.inner.statistics()
+
+
+def reference_factory(cost: CostModel, config: PolicyConfig,
+                      measured: RunProfile) -> ReferenceMove:
+    return ReferenceMove(cost, config, measured)

@@ -78,3 +78,41 @@ def test_a_device_moves_to_the_trainer_mid_run_and_nothing_is_lost(tmp_path: Pat
     # weights and optimizer state; a warm host's imports stay charged where they were made)
     assert last["selector/slot/device1/used_mib"] > 20
     assert last["selector/slot/device2/used_mib"] > 20
+
+
+@pytest.mark.skipif(not _cgroups(), reason="needs writable cgroup v1 memory (root)")
+def test_a_device_moves_from_the_rollout_to_the_reference_mid_run_and_nothing_is_lost(
+        tmp_path: Path) -> None:
+    """With a KL term the reference has devices the selector plans: a scripted policy gives
+    it the rollout's device 1 mid-run (DP 2). Its old rank's ``ref_logprobs`` are scored
+    again by the new ranks, so every episode trains and the dock loses none."""
+    out = tmp_path / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    steps = 4
+    p = subprocess.run(
+        [sys.executable, "-m", "earl.cli", "train", "--recipe", "connect4", "--selector", "on",
+         f"--selector.policy_factory={HERE / 'relayout_policy.py'}:reference_factory",
+         "--output-dir", str(out), "--json", f"--steps={steps}", "--warm_start.steps=5",
+         "--batch_size=16", "--group_size=8", "--eval_games=2", "--eval_every=0",
+         "--checkpoint_every=100", "--algorithm.kl_coef=0.01", "--placement.reference=1",
+         "--placement.rollout=2", "--placement.devices=4", "--placement.slot_memory_mib=1500",
+         "--placement.kv_cache_gb=0.02", "--max_policy_lag=1"],
+        capture_output=True, text=True, timeout=840, env=env, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1])["steps"] == steps
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "reward" in r]
+    sel = [r for r in rows if "selector/when" in r]
+    ranks = [r["selector/applied_reference_ranks"] for r in sel]
+    assert ranks == sorted(ranks) and ranks[0] == 1 and ranks[-1] == 2
+    moved = [r for r in sel if r.get("selector/reconfig/reference/total_s", 0) > 0]
+    assert len(moved) == 1 and 0 < moved[0]["selector/step"] < steps - 1  # once, mid-run
+    assert sel[-1]["selector/device_moves"] == 1  # device1: rollout -> reference
+    assert sel[-1]["selector/trainer_layout_changes"] == 0
+    # nothing lost: every played episode trained, with its reference log-probs
+    assert sum(r["episodes"] for r in trained) == sum(r["train/samples"] for r in trained)
+    assert sum(r["episodes"] for r in trained) == 16 * steps
+    assert max(r["selector/queue/lost"] for r in sel) == 0
+    assert [r["step"] for r in trained] == list(range(1, steps + 1))
+    assert all(r["train/kl"] == r["train/kl"] for r in trained)  # the KL term ran every step
+    assert sel[-1]["selector/slot/device1/used_mib"] > 20  # a reference rank lives there

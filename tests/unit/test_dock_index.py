@@ -127,6 +127,34 @@ def test_dead_shard_requeues_whole_groups_for_reproduction_never_drops():
     assert st.samples == 2 and st.lost == 0 and st.leased == 2
 
 
+def test_a_retracted_column_shard_is_written_again_by_its_stage_and_nothing_is_lost():
+    ix = make()
+    for i in range(3):
+        ix.register(info(f"s{i}", gid=f"g{i}"))
+    ref = ix.take("ref", ["input_ids"], 3)
+    for i in range(3):
+        ix.add_columns(f"s{i}", "ref0", {"ref_logprobs": 16})
+    ix.ack(ref.lease_id)
+    held = ix.take("train", ["input_ids", "ref_logprobs"], 1)
+    with pytest.raises(ValueError, match=r"lease\(s\) \[2\] in flight"):
+        ix.retract_shard("ref0", "ref")  # the trainer still reads from it
+    ix.release(held.lease_id)
+    with pytest.raises(ValueError, match="registered 3 sample"):
+        ix.retract_shard("w0", "ref")  # a producer's data cannot be written again
+    assert ix.retract_shard("ref0", "ref") == 3
+    with pytest.raises(WouldBlock):  # the columns are gone...
+        ix.take("train", ["input_ids", "ref_logprobs"], 1)
+    again = ix.take("ref", ["input_ids"], 3)  # ...and the stage scores them again
+    assert [x.sample_id for x in again.samples] == ["s0", "s1", "s2"]
+    for i in range(3):
+        ix.add_columns(f"s{i}", "ref1", {"ref_logprobs": 16})
+    ix.ack(again.lease_id)
+    t = ix.take("train", ["input_ids", "ref_logprobs"], 3)
+    assert {x.columns["ref_logprobs"] for x in t.samples} == {"ref1"}
+    assert ix.ack(t.lease_id).evict == {"w0": ["s0", "s1", "s2"], "ref1": ["s0", "s1", "s2"]}
+    assert ix.take_lost() == [] and ix.statistics().samples == 0
+
+
 def test_version_filter_and_stale_eviction():
     ix = make()
     ix.register(info("old", "O", version=1))

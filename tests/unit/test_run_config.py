@@ -45,6 +45,13 @@ def test_parse_overrides_nested() -> None:
         parse_overrides(["--selector.initial_context=192", "--selector=on"])
 
 
+def test_a_list_of_any_length_fills_a_variadic_tuple() -> None:
+    cfg = load_config(None, ["--selector.policy.dp_only=[reference, train]"])
+    assert cfg.selector.policy.dp_only == ("reference", "train")
+    with pytest.raises(TypeError, match="selector.policy.dp_only"):
+        load_config(None, ["--selector.policy.dp_only=3"])
+
+
 @pytest.mark.parametrize(("overrides", "exc", "words"), [
     (["--algorithm.lrr=1"], ValueError, ["algorithm.lrr", "valid keys under algorithm", "gamma"]),
     (["--algorithm.lr=1"], ValueError, ["algorithm.lr", "now optim.lr"]),

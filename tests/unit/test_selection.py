@@ -184,6 +184,39 @@ def test_setting_of_caps_and_keeps_the_window() -> None:
         setting_of(plan(512, pp=2), cur, max_context=2048)
 
 
+def test_a_planned_reference_gets_its_devices_data_parallel_only() -> None:
+    cur = Setting(micro_batch_tokens=4096, max_model_len=1024, kv_tokens=1024,
+                  reference_slots=("r0",))
+
+    def plan(ref: Parallel, slots: tuple[str, ...]) -> Plan:
+        return Plan(context_bucket=1024, actors=(
+            ActorPlan(actor="reference", stage="reference", parallel=ref, slots=slots,
+                      micro_batch_tokens=1024, predicted_bytes=0, tokens_per_s=1),))
+
+    s = setting_of(plan(Parallel(dp=2), ("r0", "r1")), cur, max_context=2048)
+    assert s.reference_slots == ("r0", "r1") and s.trainer_key() == cur.trainer_key()
+    assert s.keys()[:2] == cur.keys()[:2] and s.keys()[2] != cur.keys()[2]
+    with pytest.raises(ValueError, match="data parallel only"):
+        setting_of(plan(Parallel(tp=2), ("r0", "r1")), cur, max_context=2048)
+
+
+def test_actors_giving_up_devices_are_re_created_before_those_taking_them() -> None:
+    from earl.loop.selection_actors import _order
+
+    old = Setting(micro_batch_tokens=1, max_model_len=1, kv_tokens=1, rollout_slots=("d0",),
+                  trainer_slots=("d1",), reference_slots=("d2", "d3"))
+    # the trainer takes the reference's d3, the reference takes nothing: reference first
+    new = replace(old, trainer_slots=("d1", "d3"), trainer_dp=2, reference_slots=("d2",))
+    assert _order(["trainer", "reference"], old, new) == ["reference", "trainer"]
+    # a chain: the rollout takes the trainer's d1, the trainer takes the reference's d2
+    chain = replace(old, rollout_slots=("d0", "d1"), trainer_slots=("d2",),
+                    reference_slots=("d3",))
+    assert _order(["trainer", "rollout", "reference"], old, chain) == \
+        ["reference", "trainer", "rollout"]
+    swap = replace(old, rollout_slots=("d1",), trainer_slots=("d0",))
+    assert _order(["trainer", "rollout"], old, swap) == ["rollout", "trainer"]
+
+
 class _Prod:
     def __init__(self, log: list[str]) -> None:
         self.log = log
@@ -476,3 +509,11 @@ def test_equal_devices_stay_where_they_are_across_a_change() -> None:
     assert three.rollout_slots == ("device0",)
     assert three.trainer_slots == ("device1", "device3", "device2")
     assert keep_places(two, two) == two  # nothing to move
+    # with a reference: it keeps its device, and a second rank takes the free one
+    ref = replace(cur, reference_slots=("device2",))
+    wide = replace(ref, trainer_dp=2, trainer_slots=("device0", "device1"),
+                   rollout_slots=("device2",), reference_slots=("device3", "device4"))
+    placed = keep_places(wide, ref)
+    assert placed.rollout_slots == ("device0",)
+    assert placed.trainer_slots == ("device1", "device3")
+    assert placed.reference_slots == ("device2", "device4")

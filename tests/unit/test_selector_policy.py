@@ -154,6 +154,17 @@ def test_bad_config_names_the_field() -> None:
         ContextTracker().observe([])
 
 
+def test_a_dp_only_stage_is_planned_one_rank_per_device() -> None:
+    both = PolicyConfig(tp_max=4, pp_max=4)
+    only = PolicyConfig(tp_max=4, pp_max=4, dp_only=("reference",))
+    assert {(p.tp, p.pp) for p in SearchPolicy(MODEL, both).layouts("reference", 4)} > {(1, 1)}
+    assert [(p.tp, p.pp, p.dp) for p in SearchPolicy(MODEL, only).layouts("reference", 4)] == \
+        [(1, 1, 4)]
+    assert len(SearchPolicy(MODEL, only).layouts("train", 4)) > 2  # other stages as before
+    with pytest.raises(ValueError, match="dp_only"):
+        PolicyConfig(dp_only=("ref",))  # type: ignore[arg-type]
+
+
 def test_a_lasting_backlog_moves_slots_live_after_patience_and_a_lost_slot_replans() -> None:
     policy = SearchPolicy(MODEL, PolicyConfig(queue_target=8, patience=2, cooldown_steps=0))
     tracker, pool = ContextTracker(), slots()
