@@ -30,25 +30,30 @@ def _cgroups() -> bool:
         return pool.memory_enforcement == "cgroup"
 
 
-@pytest.mark.skipif(not _cgroups(), reason="needs writable cgroup v1 memory (root)")
-def test_a_device_moves_to_the_trainer_mid_run_and_nothing_is_lost(tmp_path: Path) -> None:
-    out = tmp_path / "run"
+def _train(out: Path, factory: str, steps: int, *args: str
+           ) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+    """`earl train` on connect4 with the scripted policy `factory` of relayout_policy.py;
+    returns its trained rows and its selector rows."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    steps = 5
     p = subprocess.run(
         [sys.executable, "-m", "earl.cli", "train", "--recipe", "connect4", "--selector", "on",
-         f"--selector.policy_factory={HERE / 'relayout_policy.py'}:factory",
+         f"--selector.policy_factory={HERE / 'relayout_policy.py'}:{factory}",
          "--output-dir", str(out), "--json", f"--steps={steps}", "--warm_start.steps=5",
          "--batch_size=16", "--group_size=8", "--eval_games=2", "--eval_every=0",
-         "--checkpoint_every=100", "--placement.reference=0", "--placement.rollout=2",
-         "--placement.devices=3", "--placement.slot_memory_mib=1500",
-         "--placement.kv_cache_gb=0.02", "--max_policy_lag=1"],
+         "--checkpoint_every=100", "--placement.rollout=2", "--placement.slot_memory_mib=1500",
+         "--placement.kv_cache_gb=0.02", "--max_policy_lag=1", *args],
         capture_output=True, text=True, timeout=840, env=env, check=False)
     assert p.returncode == 0, p.stderr[-3000:]
     assert json.loads(p.stdout.strip().splitlines()[-1])["steps"] == steps
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    trained = [r for r in rows if "reward" in r]
-    sel = [r for r in rows if "selector/when" in r]
+    return [r for r in rows if "reward" in r], [r for r in rows if "selector/when" in r]
+
+
+@pytest.mark.skipif(not _cgroups(), reason="needs writable cgroup v1 memory (root)")
+def test_a_device_moves_to_the_trainer_mid_run_and_nothing_is_lost(tmp_path: Path) -> None:
+    steps = 5
+    trained, sel = _train(tmp_path / "run", "factory", steps, "--placement.reference=0",
+                          "--placement.devices=3")
     assert len(trained) == steps and len(sel) == 2 * steps
     # the layout moved once, one way: 2 replicas and one trainer rank, then one and DP 2
     dp = [r["selector/applied_trainer_dp"] for r in sel]
@@ -86,23 +91,10 @@ def test_a_device_moves_from_the_rollout_to_the_reference_mid_run_and_nothing_is
     """With a KL term the reference has devices the selector plans: a scripted policy gives
     it the rollout's device 1 mid-run (DP 2). Its old rank's ``ref_logprobs`` are scored
     again by the new ranks, so every episode trains and the dock loses none."""
-    out = tmp_path / "run"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     steps = 4
-    p = subprocess.run(
-        [sys.executable, "-m", "earl.cli", "train", "--recipe", "connect4", "--selector", "on",
-         f"--selector.policy_factory={HERE / 'relayout_policy.py'}:reference_factory",
-         "--output-dir", str(out), "--json", f"--steps={steps}", "--warm_start.steps=5",
-         "--batch_size=16", "--group_size=8", "--eval_games=2", "--eval_every=0",
-         "--checkpoint_every=100", "--algorithm.kl_coef=0.01", "--placement.reference=1",
-         "--placement.rollout=2", "--placement.devices=4", "--placement.slot_memory_mib=1500",
-         "--placement.kv_cache_gb=0.02", "--max_policy_lag=1"],
-        capture_output=True, text=True, timeout=840, env=env, check=False)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert json.loads(p.stdout.strip().splitlines()[-1])["steps"] == steps
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    trained = [r for r in rows if "reward" in r]
-    sel = [r for r in rows if "selector/when" in r]
+    trained, sel = _train(tmp_path / "run", "reference_factory", steps,
+                          "--algorithm.kl_coef=0.01", "--placement.reference=1",
+                          "--placement.devices=4")
     ranks = [r["selector/applied_reference_ranks"] for r in sel]
     assert ranks == sorted(ranks) and ranks[0] == 1 and ranks[-1] == 2
     moved = [r for r in sel if r.get("selector/reconfig/reference/total_s", 0) > 0]
