@@ -285,12 +285,16 @@ class Selection:
                  trace: Callable[[Decision], None] = lambda d: None,
                  log: Callable[[str], None] = lambda line: None,
                  initial_context: int | None = None, profile: RunProfile | None = None,
-                 equal_devices: bool = False) -> None:
+                 equal_devices: bool = False,
+                 reference_progress: Callable[[], Awaitable[tuple[int, float]]] | None = None
+                 ) -> None:
         self.policy, self.reconfigurer, self.setting = policy, reconfigurer, setting
         self.equal_devices = equal_devices
         self.slots, self.queues, self.max_context = slots, queues, max_context
         self.record, self.trace, self.log = record, trace, log
         self.profile = profile
+        self.reference_progress = reference_progress
+        self._reference_seen = (0, 0.0)  # tokens scored, busy seconds: at the last step
         self.tracker = ContextTracker()
         c = setting.max_model_len // 2 if initial_context is None else initial_context
         self.contexts = ContextStats(p50=c, p95=c, max=c)  # before any episode
@@ -386,6 +390,23 @@ class Selection:
             self._training[batch] = (self.setting, max((e.tokens for e in result.episodes),
                                                        default=0))
             yield
+            await self._record_reference(self._training[batch])
+
+    async def _record_reference(self, training: tuple[Setting, int]) -> None:
+        """The reference's tokens and busy seconds since the last step, into the profile at
+        its layout (its ranks score in parallel). Counters that went down were a re-created
+        group's: what it did is all new."""
+        setting, longest = training
+        if self.profile is None or self.reference_progress is None or not longest:
+            return
+        tokens, busy = await self.reference_progress()
+        seen_t, seen_b = self._reference_seen
+        self._reference_seen = (tokens, busy)
+        if tokens < seen_t or busy < seen_b:
+            seen_t, seen_b = 0, 0.0
+        ranks = max(1, len(setting.reference_slots))
+        self.profile.record("reference", Parallel(dp=ranks), longest, tokens=tokens - seen_t,
+                            seconds=(busy - seen_b) / ranks, batch_tokens=longest)
 
     def trained(self, batch: int, metrics: Mapping[str, float]) -> None:
         """Record batch `batch`'s training step into the profile: the trainer's ``tokens``,

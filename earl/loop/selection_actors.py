@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -283,8 +283,8 @@ def build_selection(*, policy: Policy, setting: Setting, reconfigurer: ActorReco
                     slots: Callable[[], Mapping[str, float]], dock: Dock,
                     stages: tuple[str, ...], max_context: int, record: Any = None,
                     trace: Any = None, log: Any = None, initial_context: int | None = None,
-                    profile: RunProfile | None = None, equal_devices: bool = False
-                    ) -> Selection:
+                    profile: RunProfile | None = None, equal_devices: bool = False,
+                    reference_progress: Any = None) -> Selection:
     """The run's `Selection`: `policy`, reading the dock's queue depths of `stages` and
     feeding `profile` (the policy's measured profile)."""
 
@@ -295,7 +295,8 @@ def build_selection(*, policy: Policy, setting: Setting, reconfigurer: ActorReco
                           {"record": record, "trace": trace, "log": log}.items() if v is not None}
     return Selection(policy, reconfigurer, setting=setting, slots=slots, queues=queues,
                      max_context=max_context, initial_context=initial_context,
-                     profile=profile, equal_devices=equal_devices, **kw)
+                     profile=profile, equal_devices=equal_devices,
+                     reference_progress=reference_progress, **kw)
 
 
 def slot_usage(pool: SlotPool | None) -> dict[str, float]:
@@ -433,5 +434,16 @@ def selection_for_run(job: Job, actors: Actors) -> tuple[Selection, ActorReconfi
                                 dock=actors.dock, stages=stages, max_context=positions,
                                 record=record, trace=trace, log=job.log,
                                 initial_context=sel.initial_context or positions,
-                                profile=profile, equal_devices=job.cfg.placement.devices > 0)
+                                profile=profile, equal_devices=job.cfg.placement.devices > 0,
+                                reference_progress=_reference_progress(actors) if reference
+                                else None)
     return selection, reconf
+
+
+def _reference_progress(actors: Actors) -> Callable[[], Awaitable[tuple[int, float]]]:
+    """Tokens scored and busy seconds of the live reference group, summed over its ranks."""
+    async def progress() -> tuple[int, float]:
+        group = actors.reference
+        assert group is not None
+        return (sum(await group.tokens_scored.call()), sum(await group.busy_seconds.call()))
+    return progress

@@ -406,6 +406,35 @@ def test_recompute_switches_live_and_the_step_reaches_the_profile() -> None:
     assert "selector/profile/train/efficiency" in rows[-1]
 
 
+def test_the_reference_is_measured_per_step_at_its_ranks_and_a_new_group_starts_afresh(
+) -> None:
+    """Each trained step records the reference's tokens and busy seconds since the last one,
+    per rank in parallel; counters that went down (a re-created group) count from zero."""
+    from earl.runtime.selector import RunProfile
+
+    reconf, rows, events = FakeReconfigurer(), [], []
+    sel = _selection(reconf, rows, events, window=1024)
+    sel.profile = RunProfile(COST)
+    sel.setting = replace(sel.setting, reference_slots=("r0", "r1"))
+    progress = iter([(3000, 4.0), (6000, 8.0), (1500, 1.0)])
+
+    async def reference() -> tuple[int, float]:
+        return next(progress)
+
+    sel.reference_progress = reference
+
+    async def main() -> None:
+        for b in range(3):
+            async with sel.train(b, _result(b, [600, 700, 800])):
+                pass
+
+    asyncio.run(main())
+    rate = sel.profile.rates[("reference", str(Parallel(dp=2)), sel.profile.bucket_of(800))]
+    # steps of 3000, 3000 and 1500 tokens in 2, 2 and 0.5 s (busy / 2 ranks); each older
+    # step counts half: 3000 / 4 + 3000 / 2 + 1500 tokens over 2 / 4 + 2 / 2 + 0.5 s
+    assert rate.tokens == pytest.approx(3750) and rate.seconds == pytest.approx(2.0)
+
+
 def test_a_policy_of_ones_own_plugs_in_by_factory(tmp_path: Path) -> None:
     """`selector.policy_factory` names a factory (cost, knobs, profile) -> Policy: the loop
     runs that policy's decisions unchanged; a bad reference names the field."""
