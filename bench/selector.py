@@ -36,7 +36,8 @@ selector run's p95 trajectory tokens over its last tenth of steps / first tenth)
 With `--out DIR` an invocation can be resumed: each finished run is kept in DIR with the commit
 and the arguments it ran with, and a later invocation with the same DIR, commit (a clean tree)
 and arguments reads it back instead of running it again (`resumed_runs`; each run records when
-it started and the load average then). The warm start is reused the same way.
+it started and the load average then). The warm start and the device sizes (`machine.json`)
+are reused the same way.
 """
 
 from __future__ import annotations
@@ -287,6 +288,22 @@ def _machine(device_mib: int, cores: int) -> dict[int, int]:
         avail = next(int(line.split()[1]) // 1024 for line in f
                      if line.startswith("MemAvailable:"))
     return {n: avail // 4 // n for n in (cores, 2 * cores)}
+
+
+def _sizes(root: str, device_mib: int, cores: int) -> dict[int, int]:
+    """Devices -> MiB per device (`_machine`), kept in `root`: an invocation resumed with the
+    same `--out` reuses the sizes its first one took (MemAvailable drifts between invocations,
+    and a run's device size is one of the arguments it is resumed by); `device_mib` sets them
+    anew."""
+    path = f"{root}/machine.json"
+    if not device_mib and os.path.isfile(path):
+        with open(path) as f:
+            return {int(k): int(v) for k, v in json.load(f).items()}
+    sizes = _sizes(root, device_mib, cores)
+    os.makedirs(root, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(sizes, f)
+    return sizes
 
 
 def compare(*, quick: bool, root: str, window: int, device_mib: int = 0, steps: int = 0,

@@ -33,3 +33,15 @@ def test_a_finished_run_is_read_back_only_with_the_same_commit_and_args(
     assert len(ran) == 4
     saved = json.loads((tmp_path / "static_d2_r1-t1_w1024_mb8k.result.json").read_text())
     assert saved["key"] == {"commit": None, "args": args}
+
+
+def test_a_resumed_invocation_keeps_the_device_sizes_of_the_first(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MemAvailable drifts between invocations; the sizes (run arguments) must not."""
+    avail = iter([1000, 1200])
+    monkeypatch.setattr(selector, "_machine",
+                        lambda mib, cores: {cores: mib or next(avail) // cores})
+    first = selector._sizes(str(tmp_path), 0, 2)
+    assert selector._sizes(str(tmp_path), 0, 2) == first == {2: 500}
+    assert selector._sizes(str(tmp_path), 300, 2) == {2: 300}  # --device-mib sets them anew
+    assert json.loads((tmp_path / "machine.json").read_text()) == {"2": 300}
