@@ -299,7 +299,7 @@ def _sizes(root: str, device_mib: int, cores: int) -> dict[int, int]:
     if not device_mib and os.path.isfile(path):
         with open(path) as f:
             return {int(k): int(v) for k, v in json.load(f).items()}
-    sizes = _sizes(root, device_mib, cores)
+    sizes = _machine(device_mib, cores)
     os.makedirs(root, exist_ok=True)
     with open(path, "w") as f:
         json.dump(sizes, f)
@@ -317,7 +317,7 @@ def compare(*, quick: bool, root: str, window: int, device_mib: int = 0, steps: 
     cores = len(os.sched_getaffinity(0))
     steps = steps or (30 if quick else 400)  # the recipe grew 4x in 378 steps
     eval_games = eval_games or (32 if quick else 100)
-    sizes = _machine(device_mib, cores)
+    sizes = _sizes(root, device_mib, cores)
     statics, sel_cfg, trunc_cfg = sweep(cores, window, MAX_MODEL_LEN)
     common = ["--recipe=gauntlet", "--seed=0", f"--steps={steps}", "--time_limit_minutes=600",
               "--eval_every=0", "--checkpoint_every=100000", "--max_restarts=0",
