@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from earl.runtime import ActorDied, ActorError
 from earl.runtime.selector import (
     ContextStats,
     ContextTracker,
@@ -399,7 +400,10 @@ class Selection:
         setting, longest = training
         if self.profile is None or self.reference_progress is None or not longest:
             return
-        tokens, busy = await self.reference_progress()
+        try:
+            tokens, busy = await self.reference_progress()
+        except (ActorDied, ActorError):  # a rank restarting: this step goes unmeasured
+            return
         seen_t, seen_b = self._reference_seen
         self._reference_seen = (tokens, busy)
         if tokens < seen_t or busy < seen_b:

@@ -410,21 +410,25 @@ def test_the_reference_is_measured_per_step_at_its_ranks_and_a_new_group_starts_
 ) -> None:
     """Each trained step records the reference's tokens and busy seconds since the last one,
     per rank in parallel; counters that went down (a re-created group) count from zero."""
+    from earl.runtime import ActorDied
     from earl.runtime.selector import RunProfile
 
     reconf, rows, events = FakeReconfigurer(), [], []
     sel = _selection(reconf, rows, events, window=1024)
     sel.profile = RunProfile(COST)
     sel.setting = replace(sel.setting, reference_slots=("r0", "r1"))
-    progress = iter([(3000, 4.0), (6000, 8.0), (1500, 1.0)])
+    progress = iter([(3000, 4.0), (6000, 8.0), None, (1500, 1.0)])
 
     async def reference() -> tuple[int, float]:
-        return next(progress)
+        got = next(progress)
+        if got is None:  # a rank restarting: that step goes unmeasured, the run goes on
+            raise ActorDied("reference[0]", "connection lost")
+        return got
 
     sel.reference_progress = reference
 
     async def main() -> None:
-        for b in range(3):
+        for b in range(4):
             async with sel.train(b, _result(b, [600, 700, 800])):
                 pass
 
