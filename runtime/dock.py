@@ -226,6 +226,11 @@ class IndexActor(Actor):
         return self.ix.statistics().samples
 
 
+def shard_name(group: str, rank: int) -> str:
+    """The warehouse shard that actor `group[rank]` hosts (see `WarehouseHost`)."""
+    return f"{group}:{rank}"
+
+
 def _shard_actor(shard: str) -> tuple[str, int]:
     """The actor (group, rank) holding warehouse `shard` ("<group>:<rank>", see WarehouseHost)."""
     group, _, rank = shard.rpartition(":")
@@ -247,7 +252,7 @@ class WarehouseHost:
     def warehouse(self) -> Warehouse:
         if not hasattr(self, "_warehouse"):
             # experience in shared memory: a same-host fetch sends its place, not its bytes
-            self._warehouse = Warehouse(f"{self.name}:{self.rank}",  # type: ignore[attr-defined]
+            self._warehouse = Warehouse(shard_name(self.name, self.rank),  # type: ignore[attr-defined]
                                         arena=ShmArena())
             self._senders = {}
         return self._warehouse

@@ -112,8 +112,7 @@ class ActorReconfigurer:
         )
 
         times: dict[str, float] = {}
-        for actor in _order([a for a, o, n in zip(ACTORS, old.keys(), new.keys(), strict=True)
-                             if o != n], old, new):
+        for actor in _order(new.changed(old), old, new):
             self._n += 1
             if actor == "reference":
                 moved = tuple(n for n in old.reference_slots if n not in new.reference_slots)
@@ -191,9 +190,6 @@ class ActorReconfigurer:
         for joined in self.pool.joined():
             if joined not in keep and self.pool.owner(joined) == owner:
                 self.pool.release(joined)
-
-
-ACTORS = ("trainer", "rollout", "reference")  # in the order of `Setting.keys`
 
 
 def _order(actors: list[str], old: Setting, new: Setting) -> list[str]:

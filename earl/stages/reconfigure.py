@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from earl.runtime import ActorGroup, RestartPolicy, Runtime
-from earl.runtime.dock import Dock
+from earl.runtime.dock import Dock, shard_name
 from earl.runtime.layout import Layout
 from earl.stages.reference import ReferenceActor, ReferenceConfig
 from earl.stages.rollout import RolloutActor
@@ -143,7 +143,7 @@ async def reconfigure_reference(
     t0 = time.perf_counter()
     await group.stop_serving.call()
     for rank in range(len(group)):
-        await dock.retract_shard(f"{group.name}:{rank}", "reference")
+        await dock.retract_shard(shard_name(group.name, rank), "reference")
     cfg = ReferenceConfig(**await group[0].config.call_one())
     index = await group[0].index.call_one()
     await rt.stop(group)
