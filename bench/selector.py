@@ -33,11 +33,15 @@ selector run's p95 trajectory tokens over its last tenth of steps / first tenth)
 `reconfig_seconds_median`, `samples_lost`, `oom_selector`, `final_eval` (selector and truncate,
 `--eval` gauntlets each), `goals`. `--quick` gives the same keys on a shorter run.
 
-With `--out DIR` an invocation can be resumed: each finished run is kept in DIR with the commit
-and the arguments it ran with, and a later invocation with the same DIR, commit (a clean tree)
-and arguments reads it back instead of running it again (`resumed_runs`; each run records when
-it started and the load average then). The warm start and the device sizes (`machine.json`)
-are reused the same way.
+With `--out DIR` an invocation can be resumed: each finished run is kept in DIR with the code
+it ran (`code`: the git trees of the packages, the bench and pyproject.toml, from a clean tree),
+the warm start's weights (their SHA-256) and the arguments, and a later invocation with the same
+DIR, code, weights and arguments reads it back instead of running it again (`resumed_runs`; each
+run records its commit, when it started and the load average then). The warm start and the
+device sizes (`machine.json`) are reused the same way. A commit that changes only results or
+docs keeps the code, so a sweep longer than a session goes on where it stopped:
+`bench/results/selector_runs/` keeps what the README's figures came from (its .gitignore keeps
+the result files, the device sizes and the warm start, not the runs' logs).
 """
 
 from __future__ import annotations
@@ -52,6 +56,10 @@ from dataclasses import dataclass
 import _results
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# what a run executes: a finished run is read back only if these are unchanged (`_code`)
+CODE = ("earl", "runtime", "agents", "envs", "bench/selector.py", "bench/_results.py",
+        "pyproject.toml")
 
 
 def _profile(buckets: tuple[int, ...], quiet: bool) -> list[dict[str, object]]:
@@ -205,16 +213,42 @@ def _trajectories(out: str, window: int, played: dict[int, int]) -> dict[str, fl
             "cut_rate": round(cut / max(total, 1), 4)}
 
 
-def _resumed(cfg: Config, args: list[str], root: str, commit: str | None, timeout: float,
+def _code() -> str | None:
+    """The git trees of the code a run executes (`CODE`), hashed; None when one of them
+    differs from the commit (nothing is read back then)."""
+    import hashlib
+    import subprocess
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", str(_results.REPO), *a], capture_output=True,
+                              text=True, check=True, timeout=30).stdout
+
+    try:
+        if git("status", "--porcelain", "--untracked-files=no", "--", *CODE).strip():
+            return None
+        return hashlib.sha256(git("ls-tree", "HEAD", "--", *CODE).encode()).hexdigest()[:16]
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _sha256(path: str) -> str:
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
+def _resumed(cfg: Config, args: list[str], root: str, code: str | None, timeout: float,
              device_mib: int) -> tuple[dict[str, object], bool]:
     """The run of `cfg` with `args`: read back from `root` when an earlier invocation with the
-    same `--out` finished it at the same commit with the same arguments (`commit` None: the
-    tree differs from its commit, nothing is read back), else run now and saved there."""
+    same `--out` finished it with the same `code` (`_code()/` the warm start's weights hash;
+    None: the tree differs from its commit, nothing is read back) and arguments, else run now
+    and saved there."""
     import datetime
 
     saved = f"{root}/{cfg.name.replace('/', '_')}.result.json"
-    key = {"commit": commit, "args": args}
-    if commit and os.path.isfile(saved):
+    key = {"code": code, "args": args}
+    if code and os.path.isfile(saved):
         with open(saved) as f:
             done = json.load(f)
         if done.get("key") == key:
@@ -222,7 +256,7 @@ def _resumed(cfg: Config, args: list[str], root: str, commit: str | None, timeou
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     load = os.getloadavg()[0]
     run = {**_one(cfg, args, root, timeout), "device_mib": device_mib, "started": started,
-           "load_avg_1m_before": load}
+           "load_avg_1m_before": load, "commit": _results.git_state()["commit"]}
     with open(saved, "w") as f:
         json.dump({"key": key, "run": run}, f)
     return run, False
@@ -330,9 +364,9 @@ def compare(*, quick: bool, root: str, window: int, device_mib: int = 0, steps: 
         if rc:
             raise RuntimeError(f"warm start failed: {err.strip().splitlines()[-1:]}")
     common += [f"--model.path={prep}/weights_start", "--warm_start.steps=0"]
+    weights = _sha256(f"{prep}/weights_start/model.safetensors")
     runs: dict[str, dict[str, object]] = {}
-    git = _results.git_state()
-    commit = git["commit"] if not git["modified"] else None
+    code = _code()
     resumed = []
     # the selector and the baseline first: an invocation cut short (and resumed) has them
     for cfg in [sel_cfg, trunc_cfg, *(c for c in statics if c != trunc_cfg)]:
@@ -341,8 +375,8 @@ def compare(*, quick: bool, root: str, window: int, device_mib: int = 0, steps: 
         full_eval = cfg in (sel_cfg, trunc_cfg)
         args = [*common, *cfg.args(sizes[cfg.devices]),
                 f"--eval_games={eval_games if full_eval else 8}"]
-        runs[cfg.name], again = _resumed(cfg, args, root, commit, 60.0 * (20 + steps / 4),
-                                         sizes[cfg.devices])
+        runs[cfg.name], again = _resumed(cfg, args, root, code and f"{code}/{weights}",
+                                         60.0 * (20 + steps / 4), sizes[cfg.devices])
         if again:
             resumed.append(cfg.name)
     sel, trunc = runs[sel_cfg.name], runs[trunc_cfg.name]

@@ -144,6 +144,9 @@ class SelectorConfig:
     13.5 s -> 1.8 s, a trainer rank's 4.5 s -> 0.3 s on the tiny model); each waits at idle
     CPU priority and holds its imports' memory (~540 MiB for vLLM, ~340 MiB for torch).
     -1: as many as a stage can hold (`placement.devices` - 1, else 2); 0: none.
+    `context_steps`: the steps whose longest trajectory the plan must hold (and whose maxima
+    the context's trend is fitted over): a layout changes back only after that many steps
+    without a context that needs it.
     `tp_overhead`: throughput lost to communication per doubling of tensor parallelism, which
     prices a TP layout the run has not measured yet (-1: from `placement.device`, 0.06 on
     cuda, 0.25 on cpu, where `bench/parallel.py` measured a TP-2 replica at 0.77x of two).
@@ -156,6 +159,7 @@ class SelectorConfig:
     policy: PolicyConfig = field(default_factory=_run_policy)
     policy_factory: str = ""
     warm_hosts: int = -1
+    context_steps: int = 8
     tp_overhead: float = -1.0
 
     def __post_init__(self) -> None:
@@ -170,6 +174,8 @@ class SelectorConfig:
         need(self.initial_context >= 0, "initial_context",
              "must be >= 0 tokens (0 = the model's positions)")
         need(self.reserve_mib >= 0, "reserve_mib", "must be >= 0")
+        need(self.context_steps >= 2, "context_steps",
+             f"must be >= 2 steps (the trend needs two), got {self.context_steps}")
         need(not self.policy_factory or ":" in self.policy_factory, "policy_factory",
              f"{self.policy_factory!r} must look like PATH.py:NAME or module:NAME, or be empty "
              "for the built-in policy")

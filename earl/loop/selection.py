@@ -133,6 +133,8 @@ class Selection:
             setting they ran with.
         equal_devices: the slots are interchangeable devices (`placement.devices`): a plan's
             devices are re-assigned so that each stage keeps its own (`keep_places`).
+        context_steps: the steps whose longest trajectory the policy plans for
+            (`ContextTracker.window`).
     """
 
     CUT = 0.7
@@ -145,7 +147,7 @@ class Selection:
                  trace: Callable[[Decision], None] = lambda d: None,
                  log: Callable[[str], None] = lambda line: None,
                  initial_context: int | None = None, profile: RunProfile | None = None,
-                 equal_devices: bool = False,
+                 equal_devices: bool = False, context_steps: int = 5,
                  reference_progress: Callable[[], Awaitable[tuple[int, float]]] | None = None
                  ) -> None:
         self.policy, self.reconfigurer, self.setting = policy, reconfigurer, setting
@@ -155,7 +157,7 @@ class Selection:
         self.profile = profile
         self.reference_progress = reference_progress
         self._reference_seen = (0, 0.0)  # tokens scored, busy seconds: at the last step
-        self.tracker = ContextTracker()
+        self.tracker = ContextTracker(window=context_steps)
         c = setting.max_model_len // 2 if initial_context is None else initial_context
         self.contexts = ContextStats(p50=c, p95=c, max=c)  # before any episode
         self._lock = _SharedExclusive()

@@ -280,7 +280,7 @@ def build_selection(*, policy: Policy, setting: Setting, reconfigurer: ActorReco
                     stages: tuple[str, ...], max_context: int, record: Any = None,
                     trace: Any = None, log: Any = None, initial_context: int | None = None,
                     profile: RunProfile | None = None, equal_devices: bool = False,
-                    reference_progress: Any = None) -> Selection:
+                    context_steps: int = 5, reference_progress: Any = None) -> Selection:
     """The run's `Selection`: `policy`, reading the dock's queue depths of `stages` and
     feeding `profile` (the policy's measured profile)."""
 
@@ -292,7 +292,7 @@ def build_selection(*, policy: Policy, setting: Setting, reconfigurer: ActorReco
     return Selection(policy, reconfigurer, setting=setting, slots=slots, queues=queues,
                      max_context=max_context, initial_context=initial_context,
                      profile=profile, equal_devices=equal_devices,
-                     reference_progress=reference_progress, **kw)
+                     context_steps=context_steps, reference_progress=reference_progress, **kw)
 
 
 def slot_usage(pool: SlotPool | None) -> dict[str, float]:
@@ -431,6 +431,7 @@ def selection_for_run(job: Job, actors: Actors) -> tuple[Selection, ActorReconfi
                                 record=record, trace=trace, log=job.log,
                                 initial_context=sel.initial_context or positions,
                                 profile=profile, equal_devices=job.cfg.placement.devices > 0,
+                                context_steps=sel.context_steps,
                                 reference_progress=_reference_progress(actors) if reference
                                 else None)
     return selection, reconf

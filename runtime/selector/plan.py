@@ -23,24 +23,29 @@ from earl.runtime.selector.cost import Parallel, Stage
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ContextStats:
-    """Live context lengths of trajectories (tokens). `trend`: growth of the max per step."""
+    """Live context lengths of trajectories (tokens). `trend`: growth of the max per step;
+    `recent_max`: the longest of the last steps' (`ContextTracker.window`; 0: only this one)."""
 
     p50: int
     p95: int
     max: int
     trend: float = 0.0
     count: int = 0
+    recent_max: int = 0
 
     def projected(self, steps: int) -> int:
-        """The max context expected `steps` steps ahead (never below today's max)."""
-        return self.max + round(max(0.0, self.trend) * steps)
+        """The max context expected `steps` steps ahead: the longest of the recent steps plus
+        the trend (a step's longest trajectory swings 2x from one step to the next; planning
+        for the last one alone would switch layouts back and forth)."""
+        return max(self.max, self.recent_max) + round(max(0.0, self.trend) * steps)
 
 
 class ContextTracker:
     """Keeps the last `window` steps' maxima; `observe` gives this step's statistics.
 
     Args:
-        window: steps the trend (least-squares slope of the per-step max) is fitted over.
+        window: steps the trend (least-squares slope of the per-step max) is fitted over and
+            whose longest trajectory is `recent_max`.
     """
 
     def __init__(self, window: int = 5) -> None:
@@ -63,7 +68,8 @@ class ContextTracker:
             y = np.asarray(self._maxima, dtype=np.float64)
             trend = float(np.polyfit(np.arange(len(y)), y, 1)[0])
         return ContextStats(p50=int(np.percentile(a, 50)), p95=int(np.percentile(a, 95)),
-                            max=int(a.max()), trend=trend, count=int(a.size))
+                            max=int(a.max()), trend=trend, count=int(a.size),
+                            recent_max=max(self._maxima))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

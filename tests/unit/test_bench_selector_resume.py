@@ -1,5 +1,6 @@
-"""`bench/selector.py --out DIR` resumes: a run finished at the same commit with the same
-arguments is read back; another commit, other arguments or a modified tree run it again."""
+"""`bench/selector.py --out DIR` resumes: a run finished with the same code (and warm start)
+and the same arguments is read back; other code, other arguments or a modified tree run it
+again."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from bench_scripts import load
 selector = load("selector")
 
 
-def test_a_finished_run_is_read_back_only_with_the_same_commit_and_args(
+def test_a_finished_run_is_read_back_only_with_the_same_code_and_args(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ran: list[list[str]] = []
 
@@ -27,12 +28,37 @@ def test_a_finished_run_is_read_back_only_with_the_same_commit_and_args(
     assert not again and first["tokens_per_s"] == 1.0 and "started" in first
     back, again = selector._resumed(cfg, args, str(tmp_path), "abc", 60.0, 100)
     assert again and back == first and len(ran) == 1
-    for commit, other in (("def", args), ("abc", [*args, "--seed=1"]), (None, args)):
-        _, again = selector._resumed(cfg, other, str(tmp_path), commit, 60.0, 100)
+    for code, other in (("def", args), ("abc", [*args, "--seed=1"]), (None, args)):
+        _, again = selector._resumed(cfg, other, str(tmp_path), code, 60.0, 100)
         assert not again
     assert len(ran) == 4
     saved = json.loads((tmp_path / "static_d2_r1-t1_w1024_mb8k.result.json").read_text())
-    assert saved["key"] == {"commit": None, "args": args}
+    assert saved["key"] == {"code": None, "args": args}
+
+
+def test_the_code_key_ignores_commits_that_change_only_results_or_docs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    def git(*a: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True)
+
+    git("init", "-q")
+    for path in ("earl/a.py", "docs/x.md"):
+        (tmp_path / path).parent.mkdir(exist_ok=True)
+        (tmp_path / path).write_text("1\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    monkeypatch.setattr(selector._results, "REPO", tmp_path)
+    code = selector._code()
+    assert code
+    (tmp_path / "docs/x.md").write_text("2\n")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "docs")
+    assert selector._code() == code
+    (tmp_path / "earl/a.py").write_text("2\n")
+    assert selector._code() is None  # modified, not committed: nothing is read back
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "code")
+    assert selector._code() not in (None, code)
 
 
 def test_a_resumed_invocation_keeps_the_device_sizes_of_the_first(

@@ -303,3 +303,17 @@ def test_the_projected_context_stops_at_max_context() -> None:
     assert bucket(0) == 6144 and bucket(4096) == 4096
     with pytest.raises(ValueError, match="max_context"):
         PolicyConfig(max_context=-1)
+
+
+def test_the_plan_holds_the_longest_context_of_the_recent_steps() -> None:
+    # a step's longest trajectory swings 2x from step to step: the bucket follows the recent
+    # maximum, so one short step does not switch the layout back
+    policy = SearchPolicy(MODEL, PolicyConfig(actors={"trainer": "train"}, lookahead_steps=0))
+    tr = ContextTracker(window=4)
+    buckets = []
+    for top in (3000, 1400, 1500, 1300, 1400, 1500, 1350):
+        d = policy.decide(step=len(buckets), when="prep", contexts=tr.observe([top]),
+                          slots=slots(1))
+        buckets.append(d.plan.context_bucket)
+    assert buckets[:4] == [3072] * 4  # the 3,000 stays in the window for 4 steps
+    assert buckets[-1] == 1536  # then the bucket shrinks to what the recent steps needed
