@@ -159,6 +159,9 @@ class Healer:
         self._stop = asyncio.Event()
         self.stopping = False         # the run is ending: deaths now are not healed
         self.stage: dict[str, str] = {}  # "group[rank]" -> the rebuild step in progress
+        self._rt: Any = None  # while `watch` runs: the runtime, its task group, its watchers
+        self._tg: asyncio.TaskGroup | None = None
+        self._watchers: dict[tuple[str, int], asyncio.Task[None]] = {}
 
     def policy(self, group: str) -> RestartPolicy:
         """The supervisor's policy for `group` (rewound groups are not restarted in place)."""
@@ -182,13 +185,30 @@ class Healer:
 
     # ---- watching restarts ---------------------------------------------------------------
     async def watch(self, rt: Any, groups: dict[str, int]) -> None:
-        """Rebuild every restart of `groups` (name -> ranks) until `close`; run it as a task."""
+        """Rebuild every restart of `groups` (name -> ranks) until `close`; run it as a task.
+        A group re-created or resized meanwhile is followed with `follow`."""
         async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(self._watch_rank(rt, name, rank))
-                     for name, n in groups.items() for rank in range(n)]
+            self._rt, self._tg = rt, tg
+            for name, n in groups.items():
+                for rank in range(n):
+                    self._watchers[(name, rank)] = tg.create_task(self._watch_rank(name, rank))
             await self._stop.wait()
-            for t in tasks:
+            for t in self._watchers.values():
                 t.cancel()
+        self._tg, self._watchers = None, {}
+
+    def follow(self, name: str, ranks: int) -> None:
+        """`name` was re-created or resized (a selector move) and has `ranks` ranks now: watch
+        each of them from the restart count it has now (what the move built needs no
+        rebuild; a re-created group's counts start again at 0). No-op outside `watch`."""
+        if self._tg is None:
+            return
+        for key in [k for k in self._watchers if k[0] == name]:
+            self._watchers.pop(key).cancel()
+            self._rebuilt.pop(key, None)
+        for rank in range(ranks):
+            self._watchers[(name, rank)] = self._tg.create_task(
+                self._watch_rank(name, rank, current=True))
 
     def close(self) -> None:
         """End `watch` (the run is over or being rewound): deaths from now on are not healed."""
@@ -200,8 +220,12 @@ class Healer:
         self._rebuilt.clear()
         self.stopping = False
 
-    async def _watch_rank(self, rt: Any, name: str, rank: int) -> None:
-        seen = 0
+    async def _watch_rank(self, name: str, rank: int, current: bool = False) -> None:
+        rt, seen = self._rt, 0
+        if current:  # a group just (re)built: its restarts so far need no rebuild
+            rec = await rt.dir_call("lookup", name)
+            seen = rec.restarts[rank] if rec is not None and rank < len(rec.restarts) else 0
+            self._rebuilt[(name, rank)] = seen
         while True:
             if not await rt.dir_call("wait_status", name, rank, "up", 3600.0, seen + 1):
                 continue

@@ -91,7 +91,7 @@ async def restore(job: Job, trainer_ckpt: str, producer_states: list[dict[str, o
 async def serving(job: Job) -> AsyncIterator[None]:
     """While the body runs: the reference scores the dock (its group as it is now: a move by
     the selector stops one group's loop and re-creates it), the healer rebuilds restarts."""
-    actors, pl, healer = job.attempt.actors, job.cfg.placement, job.healer
+    actors, healer = job.attempt.actors, job.healer
 
     async def serve() -> None:
         while (group := actors.reference) is not None and not healer.stopping:
@@ -101,8 +101,11 @@ async def serving(job: Job) -> AsyncIterator[None]:
 
     async with asyncio.TaskGroup() as tg:
         tg.create_task(serve(), name="reference")
-        tg.create_task(healer.watch(job.rt, {"rollout": pl.rollout, "producer": pl.producers,
-                                             "reference": job.n_reference}), name="healer")
+        # the groups as spawned (the selector's first plan may differ from the placement)
+        tg.create_task(healer.watch(job.rt, {
+            "rollout": len(actors.rollout), "producer": len(actors.producers),
+            "reference": len(actors.reference) if actors.reference is not None else 0}),
+            name="healer")
         try:
             yield
         finally:

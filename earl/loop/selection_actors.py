@@ -41,6 +41,7 @@ from earl.runtime.selector import (
 from earl.runtime.slots import SlotPool
 
 if TYPE_CHECKING:
+    from earl.loop.healing import Healer
     from earl.loop.job import Job
 
 __all__ = ["ActorReconfigurer", "SlotMemory", "build_selection", "cost_model_of",
@@ -59,17 +60,19 @@ class ActorReconfigurer:
         checkpoint_dir: where resharding checkpoints go.
         kv_bytes_per_token: the rollout's KV bytes per token (sizes its KV budget).
         tracer: the run's `Tracer` (each re-creation is a span on the "selector" track).
-        restart: the restart policy of re-created rollout replicas (the run's healer's).
-        reference_restart: the same for re-created reference ranks.
+        healer: the run's `Healer`: its restart policies for the re-created rollout replicas
+            and reference ranks, and it follows each re-created group (`Healer.follow`: a rank
+            a move added is rebuilt after a restart like the ones the run started with).
     """
 
     def __init__(self, rt: Any, actors: Actors, *, pool: SlotPool | None,
                  slot_memory: SlotMemory | None = None, env: dict[str, str],
                  checkpoint_dir: Path, kv_bytes_per_token: float, tracer: Any = None,
-                 restart: Any = None, reference_restart: Any = None) -> None:
+                 healer: Healer | None = None) -> None:
         self.rt, self.actors, self.pool, self.env, self.tracer = rt, actors, pool, env, tracer
-        self.slot_memory, self.restart = slot_memory, restart
-        self.reference_restart = reference_restart
+        self.slot_memory, self.healer = slot_memory, healer
+        self.restart = healer.policy("rollout") if healer is not None else None
+        self.reference_restart = healer.policy("reference") if healer is not None else None
         self.checkpoint_dir, self.kv_bytes = checkpoint_dir, kv_bytes_per_token
         self._n = 0
 
@@ -123,6 +126,7 @@ class ActorReconfigurer:
                     restart=self.reference_restart)
                 self._release(moved)
                 self.actors.use_reference(group)
+                self._follow("reference", ranks)
             elif actor == "trainer":
                 moved = tuple(n for n in old.trainer_slots if n not in new.trainer_slots)
                 # a slot can hold one rank: ranks beyond the slots run unplaced
@@ -157,10 +161,15 @@ class ActorReconfigurer:
                     for r in range(new.rollout_replicas)))
                 self._release(moved)
                 await self.actors.use_rollout(group, version)
+                self._follow("rollout", new.rollout_replicas)
             for k, v in t.as_dict().items():
                 times[f"{actor}/{k}"] = times.get(f"{actor}/{k}", 0.0) + v
         times["total_s"] = sum(v for k, v in times.items() if k.endswith("/total_s"))
         return times
+
+    def _follow(self, group: str, ranks: int) -> None:
+        if self.healer is not None:
+            self.healer.follow(group, ranks)
 
     def rollout_spawn(self, s: Setting) -> tuple[dict[str, Any], int, Any]:
         """The `EngineConfig` changes, replica count and slots that start the rollout group
@@ -402,7 +411,7 @@ def selection_for_run(job: Job, actors: Actors) -> tuple[Selection, ActorReconfi
     reconf = ActorReconfigurer(
         job.rt, actors, pool=pool, slot_memory=slot_memory, env=job.env,
         checkpoint_dir=job.out / "reshard", kv_bytes_per_token=kvb, tracer=job.tracer,
-        restart=job.healer.policy("rollout"), reference_restart=job.healer.policy("reference"))
+        healer=job.healer)
 
     def trace(d: Decision) -> None:
         now = time.perf_counter()

@@ -319,3 +319,56 @@ async def test_a_death_while_the_run_ends_is_not_waited_for() -> None:
     assert not waiting.done()
     healer.close()
     await asyncio.wait_for(waiting, 5)  # ends quietly
+
+
+class LiveDir:
+    """A directory of groups whose `wait_status` waits like the runtime's."""
+
+    def __init__(self) -> None:
+        self.groups: dict[str, Rec] = {}
+        self.changed = asyncio.Event()
+
+    def set(self, name: str, rec: Rec) -> None:
+        self.groups[name] = rec
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    async def dir_call(self, method: str, name: str, *a: Any) -> Any:
+        if method == "lookup":
+            return self.groups.get(name)
+        rank, status, _timeout, min_restarts = a
+        while True:
+            rec = self.groups.get(name)
+            if rec and rank < len(rec.status) and rec.status[rank] == status \
+                    and rec.restarts[rank] >= min_restarts:
+                return True
+            await self.changed.wait()
+
+
+async def test_a_group_a_move_recreated_is_watched_with_its_new_ranks() -> None:
+    """A selector move re-creates the rollout with more replicas (restart counts from 0):
+    a restart of an added replica, and one of a replica that had restarted before the move,
+    are rebuilt; the group as the move built it is not."""
+    rt, rebuilt = LiveDir(), []
+    rt.set("rollout", Rec(["up"], [0], [""]))
+    healer = Healer(max_restarts=3, log=lambda s: None)
+
+    async def rebuild(rank: int) -> None:
+        rebuilt.append(rank)
+
+    healer.rebuilds["rollout"] = rebuild
+    watching = asyncio.ensure_future(healer.watch(rt, {"rollout": 1}))
+    await asyncio.sleep(0.05)
+    rt.set("rollout", Rec(["up"], [1], ["killed"]))  # a restart before the move
+    await asyncio.sleep(0.05)
+    assert rebuilt == [0]
+    rt.set("rollout", Rec(["up", "up"], [0, 0], ["", ""]))  # the move: 2 new replicas
+    healer.follow("rollout", 2)
+    await asyncio.sleep(0.05)
+    assert rebuilt == [0]  # what the move built needs no rebuild
+    rt.set("rollout", Rec(["up", "up"], [1, 1], ["killed", "killed"]))
+    await asyncio.wait_for(healer.wait_rebuilt(rt, "rollout", 1), 5)
+    await asyncio.wait_for(healer.wait_rebuilt(rt, "rollout", 0), 5)
+    assert sorted(rebuilt) == [0, 0, 1] and healer.restarts["rollout"] == 3
+    healer.close()
+    await asyncio.wait_for(watching, 5)
