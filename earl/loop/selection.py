@@ -31,7 +31,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from earl.loop.setting import Setting, keep_places, moves, setting_of, with_rollout_of
 from earl.runtime import ActorDied, ActorError
@@ -45,8 +45,8 @@ from earl.runtime.selector import (
 )
 from earl.stages.batch_types import BatchResult
 
-__all__ = ["Reconfigurer", "Selection", "SelectionStatistics", "Setting", "keep_places",
-           "setting_of"]
+__all__ = ["Reconfigurer", "ReferenceProgress", "Selection", "SelectionStatistics", "Setting",
+           "keep_places", "setting_of"]
 
 
 class Reconfigurer(Protocol):
@@ -65,6 +65,17 @@ class Reconfigurer(Protocol):
         """Re-create the actors whose layout, slots or context changed; returns seconds by
         phase, keyed "<actor>/<phase>_s" (e.g. "trainer/save_s", "rollout/spawn_s")."""
         ...
+
+
+class ReferenceProgress(NamedTuple):
+    """The reference group since it started, summed over its ranks: tokens scored and busy
+    seconds; `peak_mib`: its ranks' largest memory peak since the last reading (0: not
+    measured); `token_budget`: padded tokens per forward pass."""
+
+    tokens: int
+    busy_s: float
+    peak_mib: float = 0.0
+    token_budget: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +159,7 @@ class Selection:
                  log: Callable[[str], None] = lambda line: None,
                  initial_context: int | None = None, profile: RunProfile | None = None,
                  equal_devices: bool = False, context_steps: int = 5,
-                 reference_progress: Callable[[], Awaitable[tuple[int, float]]] | None = None
+                 reference_progress: Callable[[], Awaitable[ReferenceProgress]] | None = None
                  ) -> None:
         self.policy, self.reconfigurer, self.setting = policy, reconfigurer, setting
         self.equal_devices = equal_devices
@@ -262,16 +273,19 @@ class Selection:
         if self.profile is None or self.reference_progress is None or not longest:
             return
         try:
-            tokens, busy = await self.reference_progress()
+            got = await self.reference_progress()
         except (ActorDied, ActorError):  # a rank restarting: this step goes unmeasured
             return
         seen_t, seen_b = self._reference_seen
-        self._reference_seen = (tokens, busy)
-        if tokens < seen_t or busy < seen_b:
+        self._reference_seen = (got.tokens, got.busy_s)
+        if got.tokens < seen_t or got.busy_s < seen_b:
             seen_t, seen_b = 0, 0.0
         ranks = max(1, len(setting.reference_slots))
-        self.profile.record("reference", Parallel(dp=ranks), longest, tokens=tokens - seen_t,
-                            seconds=(busy - seen_b) / ranks, batch_tokens=longest)
+        # a forward pass holds as many sequences as `token_budget` padded tokens, one at least
+        self.profile.record("reference", Parallel(dp=ranks), longest,
+                            tokens=got.tokens - seen_t, seconds=(got.busy_s - seen_b) / ranks,
+                            batch_tokens=max(longest, got.token_budget),
+                            peak_bytes=got.peak_mib * 2**20 if got.peak_mib else None)
 
     def trained(self, batch: int, metrics: Mapping[str, float]) -> None:
         """Record batch `batch`'s training step into the profile: the trainer's ``tokens``,

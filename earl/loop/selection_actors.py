@@ -17,6 +17,7 @@ Not here: the decision (`earl.runtime.selector`), when to apply (`earl.loop.sele
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from collections.abc import Awaitable, Callable, Mapping
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from earl.loop.actors import Actors
-from earl.loop.selection import Selection, Setting
+from earl.loop.selection import ReferenceProgress, Selection, Setting
 from earl.runtime.dock import Dock
 from earl.runtime.layout import Layout
 from earl.runtime.selector import (
@@ -446,10 +447,15 @@ def selection_for_run(job: Job, actors: Actors) -> tuple[Selection, ActorReconfi
     return selection, reconf
 
 
-def _reference_progress(actors: Actors) -> Callable[[], Awaitable[tuple[int, float]]]:
-    """Tokens scored and busy seconds of the live reference group, summed over its ranks."""
-    async def progress() -> tuple[int, float]:
+def _reference_progress(actors: Actors) -> Callable[[], Awaitable[ReferenceProgress]]:
+    """Tokens scored and busy seconds of the live reference group, summed over its ranks; its
+    ranks' largest memory peak since the last reading; its padded tokens per forward pass."""
+    async def progress() -> ReferenceProgress:
         group = actors.reference
         assert group is not None
-        return (sum(await group.tokens_scored.call()), sum(await group.busy_seconds.call()))
+        tokens, busy, peaks, cfg = await asyncio.gather(
+            group.tokens_scored.call(), group.busy_seconds.call(),
+            group.memory_peak_mib.call(), group[0].config.call_one())
+        return ReferenceProgress(sum(tokens), sum(busy), max(peaks, default=0.0),
+                                 int(cfg["token_budget"]))
     return progress

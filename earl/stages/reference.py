@@ -25,6 +25,7 @@ import numpy as np
 
 from earl.runtime import Actor, context, endpoint
 from earl.runtime.dock import Dock, WarehouseHost
+from earl.runtime.selector.profile import peak_bytes, reset_peak
 from earl.runtime.wire import message
 
 if TYPE_CHECKING:
@@ -249,6 +250,15 @@ class ReferenceActor(WarehouseHost, Actor):
     async def busy_seconds(self) -> float:
         """Seconds spent in forward passes so far (the reference stage's share of a step)."""
         return self.busy_s
+
+    @endpoint
+    async def memory_peak_mib(self) -> float:
+        """This rank's memory peak (MiB) since the last call, then a new one starts: the
+        resident set on CPU (the model, the forward passes and the dock columns it holds),
+        the CUDA allocator's peak on a GPU (the selector's measured reference memory)."""
+        peak = peak_bytes(self.ref.config.device) / 2**20
+        reset_peak(self.ref.config.device)
+        return peak
 
     @endpoint
     async def fetched_bytes(self) -> dict[str, int]:

@@ -78,6 +78,12 @@ async def test_a_moved_reference_scores_again_what_its_old_ranks_held_and_nothin
         for s, lp in zip(sorted(got), direct, strict=True):  # frozen: the same scores again
             np.testing.assert_allclose(got[s], lp, atol=1e-6)
         assert (await dock.statistics()).lost == 0 and not await dock.take_lost()
+        # each rank's memory peak (the selector's measured reference memory): a process with
+        # torch and the model resident, then a new peak starts from what it holds now
+        peaks = await new.memory_peak_mib.call()
+        assert all(p > 100 for p in peaks), peaks
+        assert all(0 < p2 <= p for p, p2 in zip(peaks, await new.memory_peak_mib.call(),
+                                               strict=True))
         await new.stop_serving.call()
         for t in tasks:
             with contextlib.suppress(Exception):

@@ -13,7 +13,7 @@ import pytest
 
 from earl.config import RunConfig
 from earl.loop.schedule import LoopState, Schedule
-from earl.loop.selection import Selection, Setting, keep_places, setting_of
+from earl.loop.selection import ReferenceProgress, Selection, Setting, keep_places, setting_of
 from earl.runtime.selector import (
     ActorPlan,
     CostConfig,
@@ -419,11 +419,11 @@ def test_the_reference_is_measured_per_step_at_its_ranks_and_a_new_group_starts_
     sel.setting = replace(sel.setting, reference_slots=("r0", "r1"))
     progress = iter([(3000, 4.0), (6000, 8.0), None, (1500, 1.0)])
 
-    async def reference() -> tuple[int, float]:
+    async def reference() -> ReferenceProgress:
         got = next(progress)
         if got is None:  # a rank restarting: that step goes unmeasured, the run goes on
             raise ActorDied("reference[0]", "connection lost")
-        return got
+        return ReferenceProgress(*got)
 
     sel.reference_progress = reference
 
@@ -437,6 +437,32 @@ def test_the_reference_is_measured_per_step_at_its_ranks_and_a_new_group_starts_
     # steps of 3000, 3000 and 1500 tokens in 2, 2 and 0.5 s (busy / 2 ranks); each older
     # step counts half: 3000 / 4 + 3000 / 2 + 1500 tokens over 2 / 4 + 2 / 2 + 0.5 s
     assert rate.tokens == pytest.approx(3750) and rate.seconds == pytest.approx(2.0)
+    assert "reference" not in sel.profile.memory  # no peak read: nothing assumed
+
+
+def test_the_reference_memory_peak_scales_its_predicted_memory() -> None:
+    """A reference rank whose peak exceeds the cost model's prediction for its forward
+    passes (`token_budget` padded tokens) makes the policy plan it larger from then on."""
+    from earl.runtime.selector import RunProfile
+
+    reconf, rows, events = FakeReconfigurer(), [], []
+    sel = _selection(reconf, rows, events, window=1024)
+    sel.profile = RunProfile(COST)
+    sel.setting = replace(sel.setting, reference_slots=("r0",))
+    predicted = COST.memory("reference", Parallel(), seq_len=800,
+                            micro_batch_tokens=4096).total
+
+    async def reference() -> ReferenceProgress:
+        return ReferenceProgress(3000, 4.0, peak_mib=1.5 * predicted / 2**20, token_budget=4096)
+
+    sel.reference_progress = reference
+
+    async def main() -> None:
+        async with sel.train(0, _result(0, [600, 700, 800])):
+            pass
+
+    asyncio.run(main())
+    assert sel.profile.memory_scale("reference") == pytest.approx(1.5, rel=0.01)
 
 
 def test_a_policy_of_ones_own_plugs_in_by_factory(tmp_path: Path) -> None:
