@@ -3,7 +3,7 @@
 The two hosts are Linux namespaces on this machine, made by tests/hosts.py (each its own veth
 address, `/dev/shm` and `/tmp`); bench/dispatch.py puts the repository root on `sys.path` to
 import it as `tests.hosts`. Both modes move the same bytes: 2 producers on B hold `n` samples
-(dispatch.py's six columns, constant per sample so every consumer can verify every byte it
+(bench/_dispatch_layout.py's six columns, constant per sample so every consumer can verify every byte it
 reads), and each of the 4 trainer ranks on A checksums every byte of its DP half.
 
 - decentralized: 2 warehouse processes on B (`Warehouse` over a `ShmArena`, as `WarehouseHost`
@@ -68,7 +68,7 @@ from _cross_host_caps import (
     role_tcp_recv,
     role_tcp_send,
 )
-from dispatch import (
+from _dispatch_layout import (
     _FILL,
     _WORDS,
     BYTES_PER_TOKEN,

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 import numpy as np
-from dispatch import checksum
+from _dispatch_layout import checksum
 
 from earl.runtime.transport.auth import set_run_secret
 
