@@ -218,7 +218,9 @@ def _selector(r: Result) -> str:
     survived = {k: (v or {}).get("games_survived") for k, v in ev.items()}
     s = (f"{r['steps']} steps on {r['cores']} cores: selector {sel['tokens_per_s']:,.0f} tok/s, "
          f"{x(r['throughput_ratio_vs_best_static'])} the best static run in hindsight, "
-         f"{x(r['throughput_ratio_vs_step0_pick'])} the step-0 pick "
+         f"{x(r['throughput_ratio_vs_step0_pick'])} the step-0 pick"
+         + (f", {x(r['throughput_ratio_vs_best_static_same_devices'])} the best on its devices"
+            if r.get("best_static_same_devices") else "") + " "
          f"({len(r['static_runs'])} static runs); context growth "
          f"{r['context_growth']:.2f}x; {_n(r['reconfigurations'], 'reconfiguration')} (median "
          f"{r['reconfig_seconds_median'] or 0:.1f} s), "

@@ -27,7 +27,9 @@ OOM killer enforces it) and a CPU share each, at two device sizes taken from the
 Throughput is trained tokens per second of loop time (reconfigurations included). Prints one JSON
 object: `static_runs`, `best_static_hindsight` (the fastest static run that neither OOMed nor
 cut), `step0_pick` (the fastest static run over its first tenth of steps: what a user would pick),
-`throughput_ratio_vs_best_static`, `throughput_ratio_vs_step0_pick`, `context_growth` (the
+`throughput_ratio_vs_best_static`, `throughput_ratio_vs_step0_pick`,
+`best_static_same_devices` and its ratio (the fastest clean static run on the selector's
+devices), `context_growth` (the
 selector run's p95 trajectory tokens over its last tenth of steps / first tenth),
 `reconfigurations`, `trainer_layout_changes`, `rollout_layout_changes`, `device_moves`,
 `reconfig_seconds_median`, `samples_lost`, `oom_selector`, `final_eval` (selector and truncate,
@@ -384,6 +386,10 @@ def compare(*, quick: bool, root: str, window: int, device_mib: int = 0, steps: 
     clean = {k: v for k, v in static_runs.items()
              if v["outcome"] == "finished" and not v["cut_rate"]}
     best = max(clean, key=lambda k: float(str(clean[k]["tokens_per_s"])), default="")
+    # the same hardware as the selector's: its device count and size (the other size is a
+    # machine cut into fewer, larger devices, each with more CPU)
+    same = max((k for k in clean if clean[k]["devices"] == sel_cfg.devices),
+               key=lambda k: float(str(clean[k]["tokens_per_s"])), default="")
     pick = max(static_runs, key=lambda k: float(str(static_runs[k]["tokens_per_s_first_tenth"])))
 
     def ratio(other: str) -> float | None:
@@ -398,6 +404,8 @@ def compare(*, quick: bool, root: str, window: int, device_mib: int = 0, steps: 
         "step0_pick_outcome": static_runs[pick]["outcome"],
         "throughput_ratio_vs_best_static": ratio(best),
         "throughput_ratio_vs_step0_pick": ratio(pick),
+        "best_static_same_devices": same,
+        "throughput_ratio_vs_best_static_same_devices": ratio(same),
         "context_growth": sel["context_growth"],
         "reconfigurations": sel["reconfigurations"],
         "trainer_layout_changes": sel["trainer_layout_changes"],

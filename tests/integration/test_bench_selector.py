@@ -39,6 +39,7 @@ def test_bench_selector_short(tmp_path: Path) -> None:
     res = json.loads(p.stdout.strip().splitlines()[-1])
     for key in ("static_runs", "best_static_hindsight", "step0_pick",
                 "throughput_ratio_vs_best_static", "throughput_ratio_vs_step0_pick",
+                "best_static_same_devices", "throughput_ratio_vs_best_static_same_devices",
                 "context_growth", "reconfigurations", "trainer_layout_changes",
                 "rollout_layout_changes", "device_moves", "reconfig_seconds_median",
                 "samples_lost", "oom_selector", "final_eval", "goals"):
@@ -54,6 +55,8 @@ def test_bench_selector_short(tmp_path: Path) -> None:
         assert statics[best]["outcome"] == "finished" and statics[best]["cut_rate"] == 0
         ratio = res["selector_run"]["tokens_per_s"] / statics[best]["tokens_per_s"]
         assert res["throughput_ratio_vs_best_static"] == pytest.approx(ratio, abs=1e-3)
+    same = res["best_static_same_devices"]  # the static run here has 2 devices, the selector 4
+    assert same == "" or statics[same]["devices"] == res["selector_run"]["devices"]
     sel = res["selector_run"]
     assert sel["outcome"] == "finished" and sel["steps"] == 4
     assert res["samples_lost"] == 0 and res["oom_selector"] is (sel["cut_rate"] > 0)
