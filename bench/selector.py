@@ -36,7 +36,8 @@ selector run's p95 trajectory tokens over its last tenth of steps / first tenth)
 `--eval` gauntlets each), `goals`. `--quick` gives the same keys on a shorter run.
 
 With `--out DIR` an invocation can be resumed: each finished run is kept in DIR with the code
-it ran (`code`: the git trees of the packages, the bench and pyproject.toml, from a clean tree),
+it ran (`code`: the git blobs of the packages, the bench and pyproject.toml, from a clean tree;
+a static run's leaves out `SELECTOR_ONLY`, the modules only the selector runs),
 the warm start's weights (their SHA-256) and the arguments, and a later invocation with the same
 DIR, code, weights and arguments reads it back instead of running it again (`resumed_runs`; each
 run records its commit, when it started and the load average then). The warm start and the
@@ -62,6 +63,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # what a run executes: a finished run is read back only if these are unchanged (`_code`)
 CODE = ("earl", "runtime", "agents", "envs", "bench/selector.py", "bench/_results.py",
         "pyproject.toml")
+# what only a run with the selector on executes: `earl train --selector off` builds no
+# `Selection`, policy or reconfigurer (earl.loop.spawn; of these modules it runs only their
+# definitions, imported), so a static run's key leaves them out and a change of the policy
+# re-runs the selector run alone
+SELECTOR_ONLY = ("earl/loop/selection.py", "earl/loop/selection_actors.py",
+                 "earl/loop/setting.py", "runtime/selector/policy.py",
+                 "runtime/selector/policy_config.py", "runtime/selector/plan.py")
 
 
 def _profile(buckets: tuple[int, ...], quiet: bool) -> list[dict[str, object]]:
@@ -215,9 +223,9 @@ def _trajectories(out: str, window: int, played: dict[int, int]) -> dict[str, fl
             "cut_rate": round(cut / max(total, 1), 4)}
 
 
-def _code() -> str | None:
-    """The git trees of the code a run executes (`CODE`), hashed; None when one of them
-    differs from the commit (nothing is read back then)."""
+def _code(leave_out: tuple[str, ...] = ()) -> str | None:
+    """The code a run executes (the blobs of `CODE` but `leave_out`), hashed; None when one
+    of them differs from the commit (nothing is read back then)."""
     import hashlib
     import subprocess
 
@@ -226,9 +234,12 @@ def _code() -> str | None:
                               text=True, check=True, timeout=30).stdout
 
     try:
-        if git("status", "--porcelain", "--untracked-files=no", "--", *CODE).strip():
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", *CODE)
+        if any(line[3:] not in leave_out for line in changed.splitlines()):
             return None
-        return hashlib.sha256(git("ls-tree", "HEAD", "--", *CODE).encode()).hexdigest()[:16]
+        blobs = [line for line in git("ls-tree", "-r", "HEAD", "--", *CODE).splitlines()
+                 if line.split("\t", 1)[1] not in leave_out]
+        return hashlib.sha256("\n".join(blobs).encode()).hexdigest()[:16]
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -368,7 +379,7 @@ def compare(*, quick: bool, root: str, window: int, device_mib: int = 0, steps: 
     common += [f"--model.path={prep}/weights_start", "--warm_start.steps=0"]
     weights = _sha256(f"{prep}/weights_start/model.safetensors")
     runs: dict[str, dict[str, object]] = {}
-    code = _code()
+    code, static_code = _code(), _code(SELECTOR_ONLY)
     resumed = []
     # the selector and the baseline first: an invocation cut short (and resumed) has them
     for cfg in [sel_cfg, trunc_cfg, *(c for c in statics if c != trunc_cfg)]:
@@ -377,7 +388,8 @@ def compare(*, quick: bool, root: str, window: int, device_mib: int = 0, steps: 
         full_eval = cfg in (sel_cfg, trunc_cfg)
         args = [*common, *cfg.args(sizes[cfg.devices]),
                 f"--eval_games={eval_games if full_eval else 8}"]
-        runs[cfg.name], again = _resumed(cfg, args, root, code and f"{code}/{weights}",
+        key = code if cfg.selector else static_code
+        runs[cfg.name], again = _resumed(cfg, args, root, key and f"{key}/{weights}",
                                          60.0 * (20 + steps / 4), sizes[cfg.devices])
         if again:
             resumed.append(cfg.name)

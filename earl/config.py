@@ -146,7 +146,9 @@ class SelectorConfig:
     -1: as many as a stage can hold (`placement.devices` - 1, else 2); 0: none.
     `context_steps`: the steps whose longest trajectory the plan must hold (and whose maxima
     the context's trend is fitted over): a layout changes back only after that many steps
-    without a context that needs it.
+    without a context that needs it (20: the policy's `horizon_steps`, over which a switch
+    must pay for itself; on the gauntlet's per-step maxima 8 steps gave 25 bucket changes in
+    400 steps, 20 gave 7).
     `tp_overhead`: throughput lost to communication per doubling of tensor parallelism, which
     prices a TP layout the run has not measured yet (-1: from `placement.device`, 0.06 on
     cuda, 0.25 on cpu, where `bench/parallel.py` measured a TP-2 replica at 0.77x of two).
@@ -159,7 +161,7 @@ class SelectorConfig:
     policy: PolicyConfig = field(default_factory=_run_policy)
     policy_factory: str = ""
     warm_hosts: int = -1
-    context_steps: int = 8
+    context_steps: int = 20
     tp_overhead: float = -1.0
 
     def __post_init__(self) -> None:

@@ -53,6 +53,7 @@ class _State:
     last_switch: int = -(10**9)
     better_streak: int = 0
     low_needs: list[int] = field(default_factory=list)
+    low_seen: ContextStats | None = None  # the observation `low_needs` counted last
     stats: SelectorStatistics = field(default_factory=SelectorStatistics)
 
 
@@ -235,7 +236,9 @@ class SearchPolicy:
             b *= 2
         return out
 
-    def _bucket(self, need: int) -> int:
+    def _bucket(self, need: int, contexts: ContextStats) -> int:
+        """The bucket for `need`: up at once, down after `patience` observations well below
+        (the rollout and the prep decision of a step see the same one: it counts once)."""
         s, c = self._s, self.config
         up = self.bucket_of(need)
         if up >= s.bucket:
@@ -245,6 +248,9 @@ class SearchPolicy:
         if need >= below * (1 - c.down_margin):  # not well inside the bucket below
             s.low_needs.clear()
             return s.bucket
+        if contexts is s.low_seen:  # the same observation (equal ones of two steps count)
+            return s.bucket
+        s.low_seen = contexts
         s.low_needs.append(need)
         if len(s.low_needs) < c.patience:
             return s.bucket
@@ -272,7 +278,7 @@ class SearchPolicy:
             raise ValueError("SearchPolicy.decide: slots is empty; pass slot name -> memory bytes")
         s, c = self._s, self.config
         need = self._projected(contexts, c.lookahead_steps)
-        bucket = self._bucket(need)
+        bucket = self._bucket(need, contexts)
         cand = self.candidate(bucket, slots, queue_depths)
         cur = self._reevaluate(s.plan, bucket, slots)
         changed, reason = False, ""

@@ -46,7 +46,8 @@ class PolicyConfig:
         lookahead_steps: plan for the context projected this many steps ahead.
         warn_steps: look this many steps further for contexts nothing can fit.
         switch_gain: a feasible plan is replaced only by one at least this much faster...
-        patience: ...for this many decisions in a row (also: bucket shrink confirmations).
+        patience: ...for this many decisions in a row (also: bucket shrink confirmations,
+            one per context observation).
         down_margin: the bucket shrinks only when the need is this far below the next lower
             bucket.
         cooldown_steps: steps between two voluntary switches.

@@ -59,6 +59,12 @@ def test_the_code_key_ignores_commits_that_change_only_results_or_docs(
     assert selector._code() is None  # modified, not committed: nothing is read back
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "code")
     assert selector._code() not in (None, code)
+    # a static run's key leaves out what only the selector runs: its change keeps static runs
+    static = selector._code(("earl/a.py",))
+    (tmp_path / "earl/a.py").write_text("3\n")
+    assert selector._code() is None and selector._code(("earl/a.py",)) == static
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "policy")
+    assert selector._code(("earl/a.py",)) == static
 
 
 def test_a_resumed_invocation_keeps_the_device_sizes_of_the_first(
@@ -71,3 +77,8 @@ def test_a_resumed_invocation_keeps_the_device_sizes_of_the_first(
     assert selector._sizes(str(tmp_path), 0, 2) == first == {2: 500}
     assert selector._sizes(str(tmp_path), 300, 2) == {2: 300}  # --device-mib sets them anew
     assert json.loads((tmp_path / "machine.json").read_text()) == {"2": 300}
+
+
+def test_what_only_the_selector_runs_names_files_that_exist() -> None:
+    root = Path(selector._results.REPO)
+    assert all((root / p).is_file() for p in selector.SELECTOR_ONLY), selector.SELECTOR_ONLY

@@ -317,3 +317,20 @@ def test_the_plan_holds_the_longest_context_of_the_recent_steps() -> None:
         buckets.append(d.plan.context_bucket)
     assert buckets[:4] == [3072] * 4  # the 3,000 stays in the window for 4 steps
     assert buckets[-1] == 1536  # then the bucket shrinks to what the recent steps needed
+
+
+def test_the_rollout_and_prep_decisions_of_a_step_count_its_contexts_once() -> None:
+    """Both decisions of a step see the same observation: a bucket shrinks after `patience`
+    observations well below it, not after one step seen twice."""
+    policy = SearchPolicy(MODEL, PolicyConfig(actors={"trainer": "train"}, lookahead_steps=0,
+                                              patience=2))
+    tr = ContextTracker(window=2)
+    big = tr.observe([3000])
+    policy.decide(step=0, when="prep", contexts=big, slots=slots(1))
+    tr.observe([1000])
+    low = tr.observe([1000])  # the 3,000 has left the window
+    for when in ("prep", "rollout"):
+        d = policy.decide(step=2, when=when, contexts=low, slots=slots(1))
+        assert d.plan.context_bucket == 3072
+    d = policy.decide(step=3, when="prep", contexts=tr.observe([1000]), slots=slots(1))
+    assert d.plan.context_bucket == 1024
