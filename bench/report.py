@@ -220,7 +220,11 @@ def _selector(r: Result) -> str:
          f"{x(r['throughput_ratio_vs_best_static'])} the best static run in hindsight, "
          f"{x(r['throughput_ratio_vs_step0_pick'])} the step-0 pick"
          + (f", {x(r['throughput_ratio_vs_best_static_same_devices'])} the best on its devices"
-            if r.get("best_static_same_devices") else "") + " "
+            if r.get("best_static_same_devices") else "")
+         + (f"; on the same work (its tokens per context length at each run's measured rate) "
+            f"{x(r['matched_ratio_vs_best_static'])} the best static run, "
+            f"{x(r['matched_ratio_vs_step0_pick'])} the step-0 pick"
+            if "matched_ratio_vs_best_static" in r else "") + " "
          f"({len(r['static_runs'])} static runs); context growth "
          f"{r['context_growth']:.2f}x; {_n(r['reconfigurations'], 'reconfiguration')} (median "
          f"{r['reconfig_seconds_median'] or 0:.1f} s), "

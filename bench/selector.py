@@ -29,7 +29,9 @@ object: `static_runs`, `best_static_hindsight` (the fastest static run that neit
 cut), `step0_pick` (the fastest static run over its first tenth of steps: what a user would pick),
 `throughput_ratio_vs_best_static`, `throughput_ratio_vs_step0_pick`,
 `best_static_same_devices` and its ratio (the fastest clean static run on the selector's
-devices), `context_growth` (the
+devices), the same on the same work (`matched_*`: each static run's seconds for the selector
+run's tokens at its own measured rate per context bucket, over the selector's seconds;
+`matched_seconds`), `context_growth` (the
 selector run's p95 trajectory tokens over its last tenth of steps / first tenth),
 `reconfigurations`, `trainer_layout_changes`, `rollout_layout_changes`, `device_moves`,
 `reconfig_seconds_median`, `samples_lost`, `oom_selector`, `final_eval` (selector and truncate,
@@ -324,7 +326,59 @@ def _one(cfg: Config, args: list[str], root: str, timeout: float) -> dict[str, o
                            f"x{r.get('selector/applied_rollout_tp')}"
                            f"-t{r.get('selector/applied_trainer_dp')}"
                            f"-w{r.get('selector/applied_max_model_len')}" for r in sel}),
+        "by_context": _by_context(steps, tokens, step_s),
     }
+
+
+def _context_bucket(tokens: int) -> int:
+    """Half-octaves from 256: 256, 384, 512, 768, 1024, 1536, ..."""
+    b = 256
+    while True:
+        for v in (b, b * 3 // 2):
+            if v >= tokens:
+                return v
+        b *= 2
+
+
+def _by_context(steps: list[dict[str, object]], tokens: list[float], step_s: list[float]
+                ) -> dict[str, list[float]]:
+    """Trained tokens and loop seconds per context bucket of each step's longest trajectory
+    (its `ctx_max`): the run's rate at each context length."""
+    out: dict[str, list[float]] = {}
+    for r, tok, sec in zip(steps, tokens, step_s, strict=True):
+        acc = out.setdefault(str(_context_bucket(int(float(str(r.get("ctx_max", 0)))))),
+                             [0.0, 0.0])
+        acc[0] += tok
+        acc[1] += sec
+    return {b: [round(t), round(sec, 3)] for b, (t, sec) in sorted(
+        out.items(), key=lambda kv: int(kv[0]))}
+
+
+def matched_seconds(run: dict[str, object], work: dict[str, list[float]]
+                    ) -> tuple[float | None, float]:
+    """The seconds `run` takes for `work` (tokens per context bucket, the selector run's) at
+    its own measured rate in each bucket, and the share of the work's tokens in buckets it
+    measured. A bucket it never reached takes its rate in the longest one below (a shorter
+    context trains no slower per token: this favours `run`); None for a run that OOMed.
+
+    The runs learn differently, so their contexts differ: tokens per second over a whole run
+    compare different work (a run that learned less trains shorter, faster trajectories).
+    This compares the same tokens at the same context lengths."""
+    if run["outcome"] != "finished":
+        return None, 0.0
+    rates = {int(b): t / sec for b, (t, sec) in run["by_context"].items()  # type: ignore[attr-defined]
+             if t > 0 and sec > 0}
+    if not rates:
+        return None, 0.0
+    total = seconds = direct = 0.0
+    for b, (tokens, _) in work.items():
+        at = int(b)
+        below = [k for k in rates if k <= at]
+        rate = rates[max(below)] if below else rates[min(rates)]
+        seconds += tokens / rate
+        total += tokens
+        direct += tokens if at in rates else 0.0
+    return seconds, direct / total if total else 0.0
 
 
 def _machine(device_mib: int, cores: int) -> dict[int, int]:
@@ -408,6 +462,21 @@ def compare(*, quick: bool, root: str, window: int, device_mib: int = 0, steps: 
         base = float(str(runs[other]["tokens_per_s"])) if other else 0.0
         return round(float(str(sel["tokens_per_s"])) / base, 3) if base else None
 
+    work = sel["by_context"]  # type: ignore[assignment]
+    for run in static_runs.values():
+        secs, cover = matched_seconds(run, work)  # type: ignore[arg-type]
+        run["matched_seconds"] = None if secs is None else round(secs, 1)
+        run["matched_coverage"] = round(cover, 3)
+    timed = {k: v for k, v in clean.items() if v["matched_seconds"] is not None}
+    best_matched = min(timed, key=lambda k: float(str(timed[k]["matched_seconds"])), default="")
+    same_matched = min((k for k in timed if timed[k]["devices"] == sel_cfg.devices),
+                       key=lambda k: float(str(timed[k]["matched_seconds"])), default="")
+
+    def matched(other: str) -> float | None:
+        secs = static_runs[other]["matched_seconds"] if other else None
+        return round(float(str(secs)) / float(str(sel["loop_s"])), 3) \
+            if secs is not None and sel["loop_s"] else None
+
     oom_selector = sel["outcome"] != "finished" or float(str(sel["cut_rate"])) > 0
     reconf = [float(x) for x in sel["reconfig_seconds"]]  # type: ignore[attr-defined]
     res: dict[str, object] = {
@@ -418,6 +487,11 @@ def compare(*, quick: bool, root: str, window: int, device_mib: int = 0, steps: 
         "throughput_ratio_vs_step0_pick": ratio(pick),
         "best_static_same_devices": same,
         "throughput_ratio_vs_best_static_same_devices": ratio(same),
+        "best_static_matched": best_matched,
+        "matched_ratio_vs_best_static": matched(best_matched),
+        "matched_ratio_vs_step0_pick": matched(pick),
+        "best_static_matched_same_devices": same_matched,
+        "matched_ratio_vs_best_static_same_devices": matched(same_matched),
         "context_growth": sel["context_growth"],
         "reconfigurations": sel["reconfigurations"],
         "trainer_layout_changes": sel["trainer_layout_changes"],
@@ -440,6 +514,10 @@ def compare(*, quick: bool, root: str, window: int, device_mib: int = 0, steps: 
         "throughput_ratio_vs_best_static>=1.1": r_best is not None and float(r_best) >= 1.1,
         "throughput_ratio_vs_step0_pick>=1.5_or_pick_ooms": res["step0_pick_outcome"] == "oom"
         or (r_pick is not None and float(r_pick) >= 1.5),
+        "matched_ratio_vs_best_static>=1.1": (m := res["matched_ratio_vs_best_static"])
+        is not None and float(m) >= 1.1,
+        "matched_ratio_vs_step0_pick>=1.5_or_pick_ooms": res["step0_pick_outcome"] == "oom"
+        or ((m := res["matched_ratio_vs_step0_pick"]) is not None and float(m) >= 1.5),
         "context_growth>=4": float(str(sel["context_growth"])) >= 4,
         "trainer_layout_changes>=1": int(str(sel["trainer_layout_changes"])) >= 1,
         "device_moves>=1": int(str(sel["device_moves"])) >= 1,

@@ -40,6 +40,8 @@ def test_bench_selector_short(tmp_path: Path) -> None:
     for key in ("static_runs", "best_static_hindsight", "step0_pick",
                 "throughput_ratio_vs_best_static", "throughput_ratio_vs_step0_pick",
                 "best_static_same_devices", "throughput_ratio_vs_best_static_same_devices",
+                "best_static_matched", "matched_ratio_vs_best_static",
+                "matched_ratio_vs_step0_pick",
                 "context_growth", "reconfigurations", "trainer_layout_changes",
                 "rollout_layout_changes", "device_moves", "reconfig_seconds_median",
                 "samples_lost", "oom_selector", "final_eval", "goals"):

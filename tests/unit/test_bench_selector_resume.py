@@ -82,3 +82,15 @@ def test_a_resumed_invocation_keeps_the_device_sizes_of_the_first(
 def test_what_only_the_selector_runs_names_files_that_exist() -> None:
     root = Path(selector._results.REPO)
     assert all((root / p).is_file() for p in selector.SELECTOR_ONLY), selector.SELECTOR_ONLY
+
+
+def test_the_same_work_is_timed_at_each_runs_own_rate_per_context() -> None:
+    """A static run is timed on the selector's tokens per context bucket at its own rates; a
+    bucket it never reached takes its rate in the longest one below; an OOM has no time."""
+    work = selector._by_context([{"ctx_max": 300}, {"ctx_max": 700}, {"ctx_max": 1500}],
+                                [100.0, 200.0, 400.0], [1.0, 2.0, 8.0])
+    assert work == {"384": [100, 1.0], "768": [200, 2.0], "1536": [400, 8.0]}
+    run = {"outcome": "finished", "by_context": {"384": [100, 1.0], "768": [400, 2.0]}}
+    secs, cover = selector.matched_seconds(run, work)
+    assert secs == pytest.approx(1.0 + 1.0 + 2.0) and cover == pytest.approx(300 / 700)
+    assert selector.matched_seconds({**run, "outcome": "oom"}, work) == (None, 0.0)
