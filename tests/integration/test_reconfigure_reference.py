@@ -76,7 +76,8 @@ async def test_a_moved_reference_scores_again_what_its_old_ranks_held_and_nothin
         assert shards <= {"reference:0", "reference:1"}
         direct = await new[0].logprobs.call_one([samples[s] for s in sorted(got)])
         for s, lp in zip(sorted(got), direct, strict=True):  # frozen: the same scores again
-            np.testing.assert_allclose(got[s], lp, atol=1e-6)
+            # fp32 on other batch shapes (padding) differs in the last bits: 5.7e-6 seen
+            np.testing.assert_allclose(got[s], lp, rtol=1e-5, atol=1e-5)
         assert (await dock.statistics()).lost == 0 and not await dock.take_lost()
         # each rank's memory peak (the selector's measured reference memory): a process with
         # torch and the model resident, then a new peak starts from what it holds now
