@@ -146,6 +146,11 @@ class Selection:
             devices are re-assigned so that each stage keeps its own (`keep_places`).
         context_steps: the steps whose longest trajectory the policy plans for
             (`ContextTracker.window`).
+        device_peak: the largest memory peak (MiB) charged to any of the given devices since
+            its last call (None: not measured). A stage's measured memory is then what its
+            devices were charged, the budget the kernel enforces, instead of the peak its
+            ranks report (a resident set counts pages charged elsewhere: what a warm host
+            imported, shared libraries).
     """
 
     CUT = 0.7
@@ -159,7 +164,8 @@ class Selection:
                  log: Callable[[str], None] = lambda line: None,
                  initial_context: int | None = None, profile: RunProfile | None = None,
                  equal_devices: bool = False, context_steps: int = 5,
-                 reference_progress: Callable[[], Awaitable[ReferenceProgress]] | None = None
+                 reference_progress: Callable[[], Awaitable[ReferenceProgress]] | None = None,
+                 device_peak: Callable[[tuple[str, ...]], float | None] | None = None
                  ) -> None:
         self.policy, self.reconfigurer, self.setting = policy, reconfigurer, setting
         self.equal_devices = equal_devices
@@ -167,6 +173,7 @@ class Selection:
         self.record, self.trace, self.log = record, trace, log
         self.profile = profile
         self.reference_progress = reference_progress
+        self.device_peak = device_peak
         self._reference_seen = (0, 0.0)  # tokens scored, busy seconds: at the last step
         self.tracker = ContextTracker(window=context_steps)
         c = setting.max_model_len // 2 if initial_context is None else initial_context
@@ -281,11 +288,18 @@ class Selection:
         if got.tokens < seen_t or got.busy_s < seen_b:
             seen_t, seen_b = 0, 0.0
         ranks = max(1, len(setting.reference_slots))
+        peak = self._peak(setting.reference_slots, got.peak_mib)
         # a forward pass holds as many sequences as `token_budget` padded tokens, one at least
         self.profile.record("reference", Parallel(dp=ranks), longest,
                             tokens=got.tokens - seen_t, seconds=(got.busy_s - seen_b) / ranks,
                             batch_tokens=max(longest, got.token_budget),
-                            peak_bytes=got.peak_mib * 2**20 if got.peak_mib else None)
+                            peak_bytes=peak * 2**20 if peak else None)
+
+    def _peak(self, devices: tuple[str, ...], reported: float | None) -> float | None:
+        """A stage's memory peak (MiB) since the last step: its devices' charged peak, else
+        what its ranks reported."""
+        charged = self.device_peak(devices) if self.device_peak and devices else None
+        return charged if charged is not None else reported
 
     def trained(self, batch: int, metrics: Mapping[str, float]) -> None:
         """Record batch `batch`'s training step into the profile: the trainer's ``tokens``,
@@ -295,7 +309,7 @@ class Selection:
             return
         tokens = int(metrics.get("tokens", 0))
         per_rank = -(-tokens // max(1, setting.trainer_dp))
-        peak = metrics.get("peak_rss_mib")
+        peak = self._peak(setting.trainer_slots, metrics.get("peak_rss_mib"))
         self.profile.record("train", setting.trainer_parallel(), longest, tokens=tokens,
                             seconds=float(metrics.get("step_time_s", 0.0)),
                             batch_tokens=max(longest, min(setting.micro_batch_tokens, per_rank)),

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from earl.loop.healing import Healer
     from earl.loop.job import Job
 
-__all__ = ["ActorReconfigurer", "SlotMemory", "build_selection", "cost_model_of",
+__all__ = ["ActorReconfigurer", "SlotMemory", "build_selection", "cost_model_of", "device_peak",
            "make_policy", "queue_depths", "selection_for_run", "slot_usage"]
 
 
@@ -290,7 +290,8 @@ def build_selection(*, policy: Policy, setting: Setting, reconfigurer: ActorReco
                     stages: tuple[str, ...], max_context: int, record: Any = None,
                     trace: Any = None, log: Any = None, initial_context: int | None = None,
                     profile: RunProfile | None = None, equal_devices: bool = False,
-                    context_steps: int = 5, reference_progress: Any = None) -> Selection:
+                    context_steps: int = 5, reference_progress: Any = None,
+                    device_peak: Any = None) -> Selection:
     """The run's `Selection`: `policy`, reading the dock's queue depths of `stages` and
     feeding `profile` (the policy's measured profile)."""
 
@@ -302,12 +303,14 @@ def build_selection(*, policy: Policy, setting: Setting, reconfigurer: ActorReco
     return Selection(policy, reconfigurer, setting=setting, slots=slots, queues=queues,
                      max_context=max_context, initial_context=initial_context,
                      profile=profile, equal_devices=equal_devices,
-                     context_steps=context_steps, reference_progress=reference_progress, **kw)
+                     context_steps=context_steps, reference_progress=reference_progress,
+                     device_peak=device_peak, **kw)
 
 
 def slot_usage(pool: SlotPool | None) -> dict[str, float]:
-    """Per slot: MiB charged now and the peak since it was made, or since the rollout replica
-    in it was measured (`SlotMemory.measure`; cgroup slots only)."""
+    """Per slot: MiB charged now and the peak since it was made, since the rollout replica in
+    it was measured (`SlotMemory.measure`) or since its trainer or reference step was
+    (`device_peak`; cgroup slots only)."""
     out: dict[str, float] = {}
     if pool is None:
         return out
@@ -442,9 +445,21 @@ def selection_for_run(job: Job, actors: Actors) -> tuple[Selection, ActorReconfi
                                 initial_context=sel.initial_context or positions,
                                 profile=profile, equal_devices=job.cfg.placement.devices > 0,
                                 context_steps=sel.context_steps,
+                                device_peak=device_peak(pool) if pool is not None else None,
                                 reference_progress=_reference_progress(actors) if reference
                                 else None)
     return selection, reconf
+
+
+def device_peak(pool: SlotPool) -> Callable[[tuple[str, ...]], float | None]:
+    """The largest memory peak charged to any of the named slots since the last call (cgroup
+    slots; None otherwise); then each starts a new peak (`SlotPool.reset_memory_peak`)."""
+    def peak(names: tuple[str, ...]) -> float | None:
+        got = [p for n in names if (p := pool.memory_peak_mib(n)) is not None]
+        for n in names:
+            pool.reset_memory_peak(n)
+        return max(got, default=None)
+    return peak
 
 
 def _reference_progress(actors: Actors) -> Callable[[], Awaitable[ReferenceProgress]]:

@@ -6,6 +6,7 @@ and the Schedule calls the selection around every stage."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -576,3 +577,32 @@ def test_equal_devices_stay_where_they_are_across_a_change() -> None:
     assert placed.rollout_slots == ("device0",)
     assert placed.trainer_slots == ("device1", "device3")
     assert placed.reference_slots == ("device2", "device4")
+
+
+def test_a_stage_in_devices_is_measured_by_what_its_devices_were_charged() -> None:
+    """With device slots the trainer's memory is its devices' charged peak (what the kernel
+    enforces), not its ranks' resident set (which counts pages charged elsewhere)."""
+    from earl.runtime.selector import RunProfile
+
+    def measured(device_peak: Callable[[tuple[str, ...]], float | None] | None) -> float:
+        reconf, rows, events = FakeReconfigurer(), [], []
+        sel = _selection(reconf, rows, events, window=1024)
+        sel.profile, sel.device_peak = RunProfile(COST), device_peak
+
+        async def main() -> None:
+            async with sel.train(0, _result(0, [600, 700, 800])):
+                pass
+            sel.trained(0, {"tokens": 2100.0, "step_time_s": 3.0, "peak_rss_mib": 900.0})
+
+        asyncio.run(main())
+        return sel.profile.memory["train"]
+
+    asked: list[tuple[str, ...]] = []
+
+    def charged(names: tuple[str, ...]) -> float:
+        asked.append(names)
+        return 700.0
+
+    assert measured(charged) == pytest.approx(measured(None) * 700 / 900)
+    assert asked == [("trainer0",)]
+    assert measured(lambda names: None) == pytest.approx(measured(None))  # not measured
