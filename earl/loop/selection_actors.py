@@ -72,8 +72,6 @@ class ActorReconfigurer:
                  healer: Healer | None = None) -> None:
         self.rt, self.actors, self.pool, self.env, self.tracer = rt, actors, pool, env, tracer
         self.slot_memory, self.healer = slot_memory, healer
-        self.restart = healer.policy("rollout") if healer is not None else None
-        self.reference_restart = healer.policy("reference") if healer is not None else None
         self.checkpoint_dir, self.kv_bytes = checkpoint_dir, kv_bytes_per_token
         self._n = 0
 
@@ -124,7 +122,7 @@ class ActorReconfigurer:
                 group, t = await reconfigure_reference(
                     self.rt, self.actors.reference, self.actors.dock, ranks=ranks, env=self.env,
                     slot=self._placed(new.reference_slots, ranks, "reference"),
-                    restart=self.reference_restart)
+                    restart=self._restart("reference"))
                 self._release(moved)
                 self.actors.use_reference(group)
                 self._follow("reference", ranks)
@@ -156,7 +154,7 @@ class ActorReconfigurer:
                     slot=self._placed(new.rollout_slots[start:],
                                       new.rollout_replicas - start // tp, "rollout", tp),
                     max_model_len=new.max_model_len, kv_cache_gb=self.kv_cache_gb(new),
-                    restart=self.restart, in_place=in_place)
+                    restart=self._restart("rollout"), in_place=in_place)
                 self._release_joins("rollout", keep=tuple(  # rebuilt in place: kept too
                     "_".join(new.rollout_slots[r * new.rollout_tp:(r + 1) * new.rollout_tp])
                     for r in range(new.rollout_replicas)))
@@ -167,6 +165,10 @@ class ActorReconfigurer:
                 times[f"{actor}/{k}"] = times.get(f"{actor}/{k}", 0.0) + v
         times["total_s"] = sum(v for k, v in times.items() if k.endswith("/total_s"))
         return times
+
+    def _restart(self, group: str) -> Any:
+        """The restart policy of `group`'s re-created ranks: the run's healer's."""
+        return self.healer.policy(group) if self.healer is not None else None
 
     def _follow(self, group: str, ranks: int) -> None:
         if self.healer is not None:
@@ -465,12 +467,14 @@ def device_peak(pool: SlotPool) -> Callable[[tuple[str, ...]], float | None]:
 def _reference_progress(actors: Actors) -> Callable[[], Awaitable[ReferenceProgress]]:
     """Tokens scored and busy seconds of the live reference group, summed over its ranks; its
     ranks' largest memory peak since the last reading; its padded tokens per forward pass."""
+    budget: list[int] = []  # padded tokens per forward pass, read once
+
     async def progress() -> ReferenceProgress:
         group = actors.reference
         assert group is not None
-        tokens, busy, peaks, cfg = await asyncio.gather(
-            group.tokens_scored.call(), group.busy_seconds.call(),
-            group.memory_peak_mib.call(), group[0].config.call_one())
-        return ReferenceProgress(sum(tokens), sum(busy), max(peaks, default=0.0),
-                                 int(cfg["token_budget"]))
+        if not budget:  # every group a move re-creates keeps the run's reference config
+            budget.append(int((await group[0].config.call_one())["token_budget"]))
+        tokens, busy, peaks = await asyncio.gather(
+            group.tokens_scored.call(), group.busy_seconds.call(), group.memory_peak_mib.call())
+        return ReferenceProgress(sum(tokens), sum(busy), max(peaks, default=0.0), budget[0])
     return progress
