@@ -288,18 +288,20 @@ class Selection:
         if got.tokens < seen_t or got.busy_s < seen_b:
             seen_t, seen_b = 0, 0.0
         ranks = max(1, len(setting.reference_slots))
-        peak = self._peak(setting.reference_slots, got.peak_mib)
+        peak, whole = self._peak(setting.reference_slots, got.peak_mib)
         # a forward pass holds as many sequences as `token_budget` padded tokens, one at least
         self.profile.record("reference", Parallel(dp=ranks), longest,
                             tokens=got.tokens - seen_t, seconds=(got.busy_s - seen_b) / ranks,
                             batch_tokens=max(longest, got.token_budget),
-                            peak_bytes=peak * 2**20 if peak else None)
+                            peak_bytes=peak * 2**20 if peak else None, whole_device=whole)
 
-    def _peak(self, devices: tuple[str, ...], reported: float | None) -> float | None:
-        """A stage's memory peak (MiB) since the last step: its devices' charged peak, else
-        what its ranks reported."""
+    def _peak(self, devices: tuple[str, ...], reported: float | None
+              ) -> tuple[float | None, bool]:
+        """A stage's memory peak (MiB) since the last step: its devices' charged peak (all a
+        device holds: True), else what its ranks reported (a CUDA allocator's peak leaves out
+        the context and the cache: False)."""
         charged = self.device_peak(devices) if self.device_peak and devices else None
-        return charged if charged is not None else reported
+        return (charged, True) if charged is not None else (reported, False)
 
     def trained(self, batch: int, metrics: Mapping[str, float]) -> None:
         """Record batch `batch`'s training step into the profile: the trainer's ``tokens``,
@@ -309,11 +311,12 @@ class Selection:
             return
         tokens = int(metrics.get("tokens", 0))
         per_rank = -(-tokens // max(1, setting.trainer_dp))
-        peak = self._peak(setting.trainer_slots, metrics.get("peak_rss_mib"))
+        peak, whole = self._peak(setting.trainer_slots, metrics.get("peak_rss_mib"))
         self.profile.record("train", setting.trainer_parallel(), longest, tokens=tokens,
                             seconds=float(metrics.get("step_time_s", 0.0)),
                             batch_tokens=max(longest, min(setting.micro_batch_tokens, per_rank)),
-                            peak_bytes=peak * 2**20 if peak else None)
+                            peak_bytes=peak * 2**20 if peak else None,
+                            whole_device=whole)
 
     def using(self) -> contextlib.AbstractAsyncContextManager[None]:
         """Hold the actors (no re-creation meanwhile), e.g. for a validation eval."""

@@ -5,7 +5,8 @@ statistics (`ContextStats`: p50/p95/max and trend), the dock's queue depths per 
 memory of each device slot and, through `measured`, the run's own profile. It plans for the
 context expected `lookahead_steps` ahead, rounded up to a bucket (half-octaves: 1K, 1.5K, 2K, 3K, 4K, ...), and for every actor picks the
 feasible (TP, PP, DP, recompute) with the most tokens/s (the cost model's roofline, replaced
-by measured profiles where they exist, scaled by each stage's measured efficiency elsewhere),
+by measured profiles where they exist, scaled by each stage's measured efficiency elsewhere;
+its memory corrected by the measured peaks both ways: `memory_scale`, `memory_slack`),
 with its largest micro-batch token budget. With `colocated=False` the slots are also split
 between the actors so the slowest stage, weighted by the dock's backlog (train-bound or
 rollout-bound), is as fast as possible: slots move from one actor to another.
@@ -86,7 +87,8 @@ class SearchPolicy:
         """The actor's plan in layout `par` at `context`, or None if it does not fit."""
         stage = self.config.actors[actor]
         scale = self.measured.memory_scale(stage) if self.measured else 1.0
-        usable = capacity * (1 - self.config.headroom) / scale
+        slack = self.measured.memory_slack(stage) if self.measured else 0.0
+        usable = (capacity * (1 - self.config.headroom) + slack) / scale
         mb = self.cost.max_micro_batch_tokens(stage, par, context, usable)
         if mb == 0:
             return None
@@ -94,7 +96,7 @@ class SearchPolicy:
             self.config.max_micro_batch_tokens
         mb = max(context, min(mb, cap // context * context))
         key = "kv_tokens" if stage == "rollout" else "micro_batch_tokens"
-        mem = self.cost.memory(stage, par, seq_len=context, **{key: mb}).total * scale
+        mem = self.cost.memory(stage, par, seq_len=context, **{key: mb}).total * scale - slack
         tps = self.measured.tokens_per_s(stage, par, context) if self.measured else None
         if tps is None:  # the roofline, in measured units once the layout or its stage ran
             busy = mb

@@ -17,7 +17,13 @@ class Measured(Protocol):
 
     def tokens_per_s(self, stage: Stage, par: Parallel, context: int) -> float | None: ...
 
-    def memory_scale(self, stage: Stage) -> float: ...
+    def memory_scale(self, stage: Stage) -> float:
+        """How much more than predicted `stage` used, at worst (>= 1)."""
+        ...
+
+    def memory_slack(self, stage: Stage) -> float:
+        """Bytes per device the model over-predicts `stage` by, at least (>= 0)."""
+        ...
 
     def efficiency(self, stage: Stage, par: Parallel | None = None) -> float:
         """Measured / roofline tokens/s: of layout `par` where it ran, else of the stage."""

@@ -17,7 +17,9 @@ each rollout and each training step (tokens, seconds, the trainer's peak residen
 the layout and context bucket it ran with. For a layout it has run, the policy gets the measured
 tokens/s; for one it has not, the cost model's roofline scaled by the stage's measured
 efficiency (measured / roofline where it did run), so plans compare in the same units; and the
-stage's memory is scaled by the worst measured / predicted ratio (never below 1).
+stage's memory is scaled by the worst measured / predicted ratio where the model predicted
+too little, and lowered by the least it over-predicted by where it always predicted too much
+(`memory_slack`).
 Not here: the decision (`policy`).
 """
 
@@ -158,6 +160,10 @@ class ProfileTable:
                   if s == stage and p.predicted_bytes > 0]
         return max([1.0, *ratios])
 
+    def memory_slack(self, stage: Stage) -> float:
+        """An offline point measures a step's growth, not a device's total: no slack."""
+        return 0.0
+
     def efficiency(self, stage: Stage, par: Parallel | None = None) -> float:
         """Profiled points are exact: unprofiled layouts keep the roofline (1.0)."""
         return 1.0
@@ -257,6 +263,7 @@ class RunProfile:
     bucket_base: int = 64
     rates: dict[tuple[Stage, str, int], _Rate] = field(default_factory=dict)
     memory: dict[Stage, float] = field(default_factory=dict)  # worst measured / predicted
+    slack: dict[Stage, float] = field(default_factory=dict)  # least predicted - measured bytes
     train_tokens: list[int] = field(default_factory=list)  # per training step, the last ones
     switches: list[float] = field(default_factory=list)  # seconds of each layout change
 
@@ -270,10 +277,13 @@ class RunProfile:
             b *= 2
 
     def record(self, stage: Stage, par: Parallel, context: int, *, tokens: int,
-               seconds: float, batch_tokens: int, peak_bytes: float | None = None) -> None:
+               seconds: float, batch_tokens: int, peak_bytes: float | None = None,
+               whole_device: bool = False) -> None:
         """One step of `stage` in layout `par`: `tokens` in `seconds`, its longest sequence
         `context`, `batch_tokens` per micro-batch (train) or resident KV tokens (rollout);
-        `peak_bytes`: the step's peak resident memory per device, if measured."""
+        `peak_bytes`: the step's peak memory per device, if measured; `whole_device`: it is
+        all the device held (a cgroup's charge), so it can also lower the prediction
+        (`memory_slack`); a process's own figure (a CUDA allocator's peak) only raises it."""
         if tokens <= 0 or seconds <= 0 or context <= 0:
             return
         if stage == "train":
@@ -293,6 +303,10 @@ class RunProfile:
                 {"micro_batch_tokens": batch_tokens}
             predicted = self.cost.memory(stage, par, seq_len=context, **kw).total
             self.memory[stage] = max(self.memory.get(stage, 0.0), peak_bytes / predicted)
+            if whole_device:
+                self.slack[stage] = min(self.slack.get(stage, predicted), predicted - peak_bytes)
+            elif peak_bytes > predicted:  # under-predicted: no slack whatever the devices say
+                self.slack[stage] = 0.0
 
     def efficiency(self, stage: Stage, par: Parallel | None = None) -> float:
         """Measured / roofline tokens/s: the median over the points layout `par` ran at, so a
@@ -318,6 +332,18 @@ class RunProfile:
         """The worst measured / predicted peak of `stage` (at least 1: only towards safety)."""
         return max(1.0, self.memory.get(stage, 1.0))
 
+    def memory_slack(self, stage: Stage) -> float:
+        """Bytes per device the cost model over-predicts `stage` by, at least: the smallest
+        predicted - measured peak of its steps measured whole (`record`'s `whole_device`), 0
+        once one step used more than predicted (then `memory_scale` corrects upwards) or before
+        any was measured whole. The policy subtracts it
+        from every prediction of the stage: the model counts what a process holds at rest
+        (reserve, weights, optimizer) and its activations, and on CPU it over-counts both (the
+        gauntlet's DP 2 trainer: 1,165 MiB predicted at 4,096 tokens, ~530 charged). Safe
+        while the model does not under-count how memory grows with the context and the
+        micro-batch, which the smallest slack of all steps (the tightest) bounds."""
+        return max(0.0, self.slack.get(stage, 0.0))
+
     def record_switch(self, seconds: float) -> None:
         """A layout change took `seconds` (re-creations, moves; not a budget change)."""
         self.switches.append(seconds)
@@ -332,9 +358,10 @@ class RunProfile:
         return xs[len(xs) // 2] if xs else None
 
     def record_row(self) -> dict[str, float]:
-        """Metrics: per stage its efficiency and memory scale ("selector/profile/...")."""
+        """Metrics: per stage its efficiency, memory scale and slack ("selector/profile/...")."""
         out: dict[str, float] = {}
         for stage in sorted({s for s, _, _ in self.rates}):
             out[f"selector/profile/{stage}/efficiency"] = self.efficiency(stage)
             out[f"selector/profile/{stage}/memory_scale"] = self.memory_scale(stage)
+            out[f"selector/profile/{stage}/memory_slack_mib"] = self.memory_slack(stage) / 2**20
         return out

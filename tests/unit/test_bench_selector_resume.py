@@ -1,6 +1,6 @@
-"""`bench/selector.py --out DIR` resumes: a run finished with the same code (and warm start)
-and the same arguments is read back; other code, other arguments or a modified tree run it
-again."""
+"""`bench/selector.py --out DIR` resumes (bench/_selector_runs.py): a run finished with the
+same code (and warm start) and the same arguments is read back; other code, other arguments or
+a modified tree run it again."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from bench_scripts import load
 
-selector = load("selector")
+runs = load("_selector_runs")
 
 
 def test_a_finished_run_is_read_back_only_with_the_same_code_and_args(
@@ -21,15 +21,15 @@ def test_a_finished_run_is_read_back_only_with_the_same_code_and_args(
         ran.append(args)
         return {"config": "x", "tokens_per_s": float(len(ran))}
 
-    monkeypatch.setattr(selector, "_one", one)
-    cfg = selector.Config(2, 1, 1, 1, 1024, 8192)
+    monkeypatch.setattr(runs, "one", one)
+    cfg = runs.Config(2, 1, 1, 1, 1024, 8192)
     args = ["--steps=400", "--placement.slot_memory_mib=100"]
-    first, again = selector._resumed(cfg, args, str(tmp_path), "abc", 60.0, 100)
+    first, again = runs.run_or_read_back(cfg, args, str(tmp_path), "abc", 60.0, 100)
     assert not again and first["tokens_per_s"] == 1.0 and "started" in first
-    back, again = selector._resumed(cfg, args, str(tmp_path), "abc", 60.0, 100)
+    back, again = runs.run_or_read_back(cfg, args, str(tmp_path), "abc", 60.0, 100)
     assert again and back == first and len(ran) == 1
     for code, other in (("def", args), ("abc", [*args, "--seed=1"]), (None, args)):
-        _, again = selector._resumed(cfg, other, str(tmp_path), code, 60.0, 100)
+        _, again = runs.run_or_read_back(cfg, other, str(tmp_path), code, 60.0, 100)
         assert not again
     assert len(ran) == 4
     saved = json.loads((tmp_path / "static_d2_r1-t1_w1024_mb8k.result.json").read_text())
@@ -49,48 +49,48 @@ def test_the_code_key_ignores_commits_that_change_only_results_or_docs(
         (tmp_path / path).write_text("1\n")
     git("add", ".")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
-    monkeypatch.setattr(selector._results, "REPO", tmp_path)
-    code = selector._code()
+    monkeypatch.setattr(runs._results, "REPO", tmp_path)
+    code = runs.code_key()
     assert code
     (tmp_path / "docs/x.md").write_text("2\n")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "docs")
-    assert selector._code() == code
+    assert runs.code_key() == code
     (tmp_path / "earl/a.py").write_text("2\n")
-    assert selector._code() is None  # modified, not committed: nothing is read back
+    assert runs.code_key() is None  # modified, not committed: nothing is read back
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "code")
-    assert selector._code() not in (None, code)
+    assert runs.code_key() not in (None, code)
     # a static run's key leaves out what only the selector runs: its change keeps static runs
-    static = selector._code(("earl/a.py",))
+    static = runs.code_key(("earl/a.py",))
     (tmp_path / "earl/a.py").write_text("3\n")
-    assert selector._code() is None and selector._code(("earl/a.py",)) == static
+    assert runs.code_key() is None and runs.code_key(("earl/a.py",)) == static
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "policy")
-    assert selector._code(("earl/a.py",)) == static
+    assert runs.code_key(("earl/a.py",)) == static
 
 
 def test_a_resumed_invocation_keeps_the_device_sizes_of_the_first(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """MemAvailable drifts between invocations; the sizes (run arguments) must not."""
     avail = iter([1000, 1200])
-    monkeypatch.setattr(selector, "_machine",
+    monkeypatch.setattr(runs, "_machine",
                         lambda mib, cores: {cores: mib or next(avail) // cores})
-    first = selector._sizes(str(tmp_path), 0, 2)
-    assert selector._sizes(str(tmp_path), 0, 2) == first == {2: 500}
-    assert selector._sizes(str(tmp_path), 300, 2) == {2: 300}  # --device-mib sets them anew
+    first = runs.device_sizes(str(tmp_path), 0, 2)
+    assert runs.device_sizes(str(tmp_path), 0, 2) == first == {2: 500}
+    assert runs.device_sizes(str(tmp_path), 300, 2) == {2: 300}  # --device-mib sets them anew
     assert json.loads((tmp_path / "machine.json").read_text()) == {"2": 300}
 
 
 def test_what_only_the_selector_runs_names_files_that_exist() -> None:
-    root = Path(selector._results.REPO)
-    assert all((root / p).is_file() for p in selector.SELECTOR_ONLY), selector.SELECTOR_ONLY
+    root = Path(runs._results.REPO)
+    assert all((root / p).is_file() for p in runs.SELECTOR_ONLY), runs.SELECTOR_ONLY
 
 
 def test_the_same_work_is_timed_at_each_runs_own_rate_per_context() -> None:
     """A static run is timed on the selector's tokens per context bucket at its own rates; a
     bucket it never reached takes its rate in the longest one below; an OOM has no time."""
-    work = selector._by_context([{"ctx_max": 300}, {"ctx_max": 700}, {"ctx_max": 1500}],
+    work = runs.by_context([{"ctx_max": 300}, {"ctx_max": 700}, {"ctx_max": 1500}],
                                 [100.0, 200.0, 400.0], [1.0, 2.0, 8.0])
     assert work == {"384": [100, 1.0], "768": [200, 2.0], "1536": [400, 8.0]}
     run = {"outcome": "finished", "by_context": {"384": [100, 1.0], "768": [400, 2.0]}}
-    secs, cover = selector.matched_seconds(run, work)
+    secs, cover = runs.matched_seconds(run, work)
     assert secs == pytest.approx(1.0 + 1.0 + 2.0) and cover == pytest.approx(300 / 700)
-    assert selector.matched_seconds({**run, "outcome": "oom"}, work) == (None, 0.0)
+    assert runs.matched_seconds({**run, "outcome": "oom"}, work) == (None, 0.0)

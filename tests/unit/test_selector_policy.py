@@ -213,6 +213,9 @@ class _Steps:
     def memory_scale(self, stage: object) -> float:
         return 1.0
 
+    def memory_slack(self, stage: object) -> float:
+        return 0.0
+
     def efficiency(self, stage: object, par: object = None) -> float:
         return 1.0
 

@@ -75,7 +75,7 @@ def test_the_run_profile_calibrates_the_roofline_and_scales_memory() -> None:
     cost = CostModel(ModelShape(hidden=64, layers=2, heads=2, kv_heads=2, intermediate=192,
                                 vocab=512, params=120_000),
                      CostConfig(weight_bytes=4, grad_bytes=4, optimizer_bytes=8, act_bytes=4,
-                                reserve_bytes=300 * 2**20))
+                                reserve_bytes=400 * 2**20))
     one, two = Parallel(), Parallel(dp=2)
     profile = RunProfile(cost)
     assert profile.efficiency("train") == 1.0 and profile.tokens_per_s("train", one, 900) is None
@@ -102,6 +102,54 @@ def test_the_run_profile_calibrates_the_roofline_and_scales_memory() -> None:
     assert shrunk is not None and shrunk.micro_batch_tokens < before
     rows = profile.record_row()
     assert rows["selector/profile/train/memory_scale"] == pytest.approx(1.5)
+
+
+def test_devices_that_held_less_than_predicted_lower_the_prediction_by_the_least_slack() -> None:
+    """A step whose devices were charged less than the model predicted lowers every
+    prediction of its stage by the smallest such slack, so a layout the model alone rejects
+    fits (here: no recomputation at 4,096 tokens); a process's own peak (a CUDA allocator's
+    leaves out the context) never does, and one step above the prediction removes the slack."""
+    from earl.runtime.selector import RunProfile
+
+    cost = CostModel(ModelShape(hidden=64, layers=2, heads=2, kv_heads=2, intermediate=192,
+                                vocab=320, params=40_000),
+                     CostConfig(attention="eager", score_bytes=8, logit_bytes=32,
+                                reserve_bytes=400 * 2**20))
+    dp2, dp2rc = Parallel(dp=2), Parallel(dp=2, recompute=True)
+    policy_cfg = PolicyConfig(actors={"t": "train"}, headroom=0.2, max_micro_batch_tokens=4096,
+                              tp_max=1, pp_max=1)
+    cap = 1467 * 2**20
+
+    def plan(profile: RunProfile) -> Parallel | None:
+        best = SearchPolicy(cost, policy_cfg, measured=profile).best("t", ("a", "b"), 4096, cap)
+        return best.parallel if best is not None else None
+
+    def predicted(par: Parallel, ctx: int, mb: int) -> float:
+        return cost.memory("train", par, seq_len=ctx, micro_batch_tokens=mb).total
+
+    def step(par: Parallel, ctx: int, mb: int, peak: float, whole: bool = True) -> None:
+        """A step at half its roofline (every layout equally efficient: memory decides)."""
+        roof = cost.tokens_per_s("train", par, profile.bucket_of(ctx), batch_tokens=mb)
+        profile.record("train", par, ctx, tokens=round(roof / 2), seconds=1.0,
+                       batch_tokens=mb, peak_bytes=peak, whole_device=whole)
+
+    profile = RunProfile(cost)
+    assert plan(profile) == dp2rc  # the model alone: 4,096 tokens only with recomputation
+    # what a CUDA rank reports leaves out what the device holds besides: no slack from it
+    step(dp2, 1024, 4096, 0.4 * predicted(dp2, 1024, 4096), whole=False)
+    assert profile.memory_slack("train") == 0.0 and plan(profile) == dp2rc
+    # two steps charged to the devices, both below the prediction: the smaller slack counts
+    step(dp2, 1024, 4096, predicted(dp2, 1024, 4096) - 600 * 2**20)
+    step(dp2rc, 3072, 3072, predicted(dp2rc, 3072, 3072) - 500 * 2**20)
+    assert profile.memory_slack("train") == pytest.approx(500 * 2**20)
+    assert profile.memory_scale("train") == 1.0
+    assert plan(profile) == dp2  # fits without recomputation now
+    rows = profile.record_row()
+    assert rows["selector/profile/train/memory_slack_mib"] == pytest.approx(500)
+    # a step above its prediction: the model under-counts somewhere, no slack any more
+    step(dp2, 1024, 4096, 1.1 * predicted(dp2, 1024, 4096))
+    assert profile.memory_slack("train") == 0.0 and profile.memory_scale("train") > 1.0
+    assert plan(profile) == dp2rc
 
 
 def test_a_step_credited_with_too_little_time_does_not_swing_the_rate() -> None:

@@ -1,0 +1,307 @@
+"""One run of `bench/selector.py`'s sweep: its layout (`Config`), the `earl train` child that
+runs it, what its files say (`one`: outcome, tokens/s, contexts, learning, the selector's
+changes, rates per context bucket), the same work at another run's rates (`matched_seconds`),
+and the resume by code (`run_or_read_back`, `code_key`, `device_sizes`): a finished run is read back from
+`--out` when the code it executes, the warm start and its arguments are unchanged."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from dataclasses import dataclass
+
+import _results
+
+# what a run executes: a finished run is read back only if these are unchanged (`code_key`)
+CODE = ("earl", "runtime", "agents", "envs", "bench/selector.py", "bench/_selector_runs.py",
+        "bench/_results.py",
+        "pyproject.toml")
+# what only a run with the selector on executes: `earl train --selector off` builds no
+# `Selection`, policy or reconfigurer (earl.loop.spawn; of these modules it runs only their
+# definitions, imported), so a static run's key leaves them out and a change of the policy
+# re-runs the selector run alone
+SELECTOR_ONLY = ("earl/loop/selection.py", "earl/loop/selection_actors.py",
+                 "earl/loop/setting.py", "runtime/selector/policy.py",
+                 "runtime/selector/policy_config.py", "runtime/selector/plan.py",
+                 "runtime/selector/cost.py")
+
+
+@dataclass(frozen=True)
+class Config:
+    """One run's layout: devices, rollout replicas x TP, trainer DP, window, micro-batch budget."""
+
+    devices: int
+    replicas: int
+    rollout_tp: int
+    trainer: int
+    window: int
+    budget: int
+    selector: bool = False
+    first_context: int = 0  # the selector's first plan assumes contexts this long
+
+    @property
+    def name(self) -> str:
+        tp = f"tp{self.rollout_tp}" if self.rollout_tp > 1 else ""
+        kind = "selector" if self.selector else "static"
+        return (f"{kind}/d{self.devices}/r{self.replicas}{tp}-t{self.trainer}"
+                f"/w{self.window}/mb{self.budget // 1024}k")
+
+    def args(self, device_mib: int) -> list[str]:
+        out = [f"--placement.devices={self.devices}", f"--placement.slot_memory_mib={device_mib}",
+               f"--placement.rollout={self.replicas}", f"--placement.rollout_tp={self.rollout_tp}",
+               f"--placement.trainer={self.trainer}", f"--placement.context_window={self.window}",
+               f"--placement.micro_batch_tokens={self.budget}"]
+        if self.selector:
+            out += ["--selector.mode=on", f"--selector.initial_context={self.first_context}"]
+        return out
+
+
+# `earl train` as a child process, printing the whole exception chain on failure (the CLI
+# prints one line; an actor's "out of memory in slot ..." is the cause of the error it shows).
+_CHILD = """
+import asyncio, json, sys, traceback
+from earl.config import load_config
+from earl.run import run
+cfg = load_config(None, sys.argv[1:])
+try:
+    res = asyncio.run(run(cfg, log=lambda line: print(line, file=sys.stderr, flush=True)))
+except BaseException as exc:
+    traceback.print_exception(exc)
+    print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+    sys.exit(1)
+print(json.dumps(res.to_json()))
+"""
+
+
+def run_earl(args: list[str], timeout: float) -> tuple[int, str, str]:
+    import subprocess
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    try:
+        p = subprocess.run([sys.executable, "-c", _CHILD, *args], text=True, capture_output=True,
+                           timeout=timeout, env=env, check=False)
+    except subprocess.TimeoutExpired:
+        return 124, "", "timeout"
+    return p.returncode, p.stdout, p.stderr
+
+
+def _rows(out: str) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
+    from pathlib import Path
+
+    path = Path(out) / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return [r for r in rows if "reward" in r], [r for r in rows if "selector/when" in r]
+
+
+def _p95(xs: list[int]) -> float:
+    return float(sorted(xs)[min(len(xs) - 1, int(0.95 * len(xs)))]) if xs else 0.0
+
+
+def _trajectories(out: str, window: int, played: dict[int, int]) -> dict[str, float]:
+    """Per batch, its trajectories' token counts: p95 over the first and the last tenth of the
+    batches, and the share cut by the window it was played with (`played`: batch -> window,
+    from the selector's rollout decisions; else `window`), within a turn of it."""
+    from pathlib import Path
+
+    from earl.stages.batch_types import batch_of
+
+    path = Path(out) / "trajectories.jsonl"
+    per: dict[int, list[int]] = {}
+    cut = total = 0
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        t = json.loads(line)
+        b, n = batch_of(str(t["sample_id"])), len(t["token_ids"])
+        per.setdefault(b, []).append(n)
+        total += 1
+        cut += bool(t["truncated"]) and n >= played.get(b, window) - 32
+    batches = sorted(per)
+    tenth = max(1, len(batches) // 10)
+    first = _p95([n for b in batches[:tenth] for n in per[b]])
+    last = _p95([n for b in batches[-tenth:] for n in per[b]])
+    return {"p95_first_tenth": first, "p95_last_tenth": last,
+            "context_growth": round(last / first, 2) if first else 0.0,
+            "cut_rate": round(cut / max(total, 1), 4)}
+
+
+def code_key(leave_out: tuple[str, ...] = ()) -> str | None:
+    """The code a run executes (the blobs of `CODE` but `leave_out`), hashed; None when one
+    of them differs from the commit (nothing is read back then)."""
+    import hashlib
+    import subprocess
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", str(_results.REPO), *a], capture_output=True,
+                              text=True, check=True, timeout=30).stdout
+
+    try:
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", *CODE)
+        if any(line[3:] not in leave_out for line in changed.splitlines()):
+            return None
+        blobs = [line for line in git("ls-tree", "-r", "HEAD", "--", *CODE).splitlines()
+                 if line.split("\t", 1)[1] not in leave_out]
+        return hashlib.sha256("\n".join(blobs).encode()).hexdigest()[:16]
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def sha256_16(path: str) -> str:
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
+def run_or_read_back(cfg: Config, args: list[str], root: str, code: str | None, timeout: float,
+             device_mib: int) -> tuple[dict[str, object], bool]:
+    """The run of `cfg` with `args`: read back from `root` when an earlier invocation with the
+    same `--out` finished it with the same `code` (`code_key()`/ the warm start's weights hash;
+    None: the tree differs from its commit, nothing is read back) and arguments, else run now
+    and saved there."""
+    import datetime
+
+    saved = f"{root}/{cfg.name.replace('/', '_')}.result.json"
+    key = {"code": code, "args": args}
+    if code and os.path.isfile(saved):
+        with open(saved) as f:
+            done = json.load(f)
+        if done.get("key") == key:
+            return done["run"], True
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    load = os.getloadavg()[0]
+    run = {**one(cfg, args, root, timeout), "device_mib": device_mib, "started": started,
+           "load_avg_1m_before": load, "commit": _results.git_state()["commit"]}
+    with open(saved, "w") as f:
+        json.dump({"key": key, "run": run}, f)
+    return run, False
+
+
+def one(cfg: Config, args: list[str], root: str, timeout: float) -> dict[str, object]:
+    out = f"{root}/{cfg.name.replace('/', '_')}"
+    rc, stdout, stderr = run_earl([*args, f"--output_dir={out}"], timeout)
+    with open(f"{out}.log", "w") as f:  # the run's progress lines and errors, to look at
+        f.write(stderr)
+    last = stdout.strip().splitlines()[-1] if stdout.strip() else "{}"
+    res = json.loads(last) if last.startswith("{") else {}
+    steps, sel = _rows(out)
+    oom = rc != 0 and "out of memory in slot" in stderr
+    step_s = [float(str(r["step_s"])) for r in steps]
+    tokens = [float(str(r.get("train/tokens", 0))) for r in steps]
+    tenth = max(1, len(steps) // 10)
+    played = {int(str(r["selector/step"])): int(str(r["selector/applied_max_model_len"]))
+              for r in sel if r["selector/when"] == "rollout"}
+    reconf = [float(str(r.get("selector/reconfig_s", 0.0))) for r in sel]
+
+    def counter(key: str) -> int:
+        return max((int(str(r.get(f"selector/{key}", 0))) for r in sel), default=0)
+
+    # played but not trained in its step (a step trains its episodes plus self-imitation
+    # replays, so it never trains fewer than it played unless some were lost)
+    lost = sum(max(0, int(str(r["episodes"])) - int(float(str(r.get("train/samples", 0)))))
+               for r in steps)
+    return {
+        "config": cfg.name, "devices": cfg.devices,
+        "rollout": f"{cfg.replicas}x{cfg.rollout_tp}", "trainer_dp": cfg.trainer,
+        "window": cfg.window, "micro_batch_tokens": cfg.budget,
+        "outcome": "oom" if oom else "finished" if rc == 0 else f"error ({rc})",
+        "error": str(res.get("error", "")).splitlines()[0] if rc and res.get("error") else "",
+        "steps": len(steps), "oom_step": len(steps) if oom else None,
+        "loop_s": round(sum(step_s), 2), "trained_tokens": int(sum(tokens)),
+        "tokens_per_s": round(sum(tokens) / sum(step_s), 1) if sum(step_s) else 0.0,
+        "tokens_per_s_first_tenth": round(sum(tokens[:tenth]) / sum(step_s[:tenth]), 1)
+        if sum(step_s[:tenth]) else 0.0,
+        **_trajectories(out, cfg.window, played),
+        "reward_first_tenth": round(statistics.fmean(
+            float(str(r["reward"])) for r in steps[:tenth]), 3) if steps else 0.0,
+        "reward_last_tenth": round(statistics.fmean(
+            float(str(r["reward"])) for r in steps[-tenth:]), 3) if steps else 0.0,
+        "final_eval": res.get("eval", {}), "samples_lost": lost + counter("queue/lost"),
+        "reconfigurations": counter("reconfigurations"),
+        "trainer_layout_changes": counter("trainer_layout_changes"),
+        "rollout_layout_changes": counter("rollout_layout_changes"),
+        "device_moves": counter("device_moves"),
+        "reconfig_seconds": [round(x, 2) for x in reconf if x > 0],
+        "layouts": sorted({f"r{r.get('selector/applied_rollout_replicas')}"
+                           f"x{r.get('selector/applied_rollout_tp')}"
+                           f"-t{r.get('selector/applied_trainer_dp')}"
+                           f"-w{r.get('selector/applied_max_model_len')}" for r in sel}),
+        "by_context": by_context(steps, tokens, step_s),
+    }
+
+
+def _context_bucket(tokens: int) -> int:
+    """Half-octaves from 256: 256, 384, 512, 768, 1024, 1536, ..."""
+    b = 256
+    while True:
+        for v in (b, b * 3 // 2):
+            if v >= tokens:
+                return v
+        b *= 2
+
+
+def by_context(steps: list[dict[str, object]], tokens: list[float], step_s: list[float]
+                ) -> dict[str, list[float]]:
+    """Trained tokens and loop seconds per context bucket of each step's longest trajectory
+    (its `ctx_max`): the run's rate at each context length."""
+    out: dict[str, list[float]] = {}
+    for r, tok, sec in zip(steps, tokens, step_s, strict=True):
+        acc = out.setdefault(str(_context_bucket(int(float(str(r.get("ctx_max", 0)))))),
+                             [0.0, 0.0])
+        acc[0] += tok
+        acc[1] += sec
+    return {b: [round(t), round(sec, 3)] for b, (t, sec) in sorted(
+        out.items(), key=lambda kv: int(kv[0]))}
+
+
+def matched_seconds(run: dict[str, object], work: dict[str, list[float]]
+                    ) -> tuple[float | None, float]:
+    """The seconds `run` takes for `work` (tokens per context bucket, the selector run's) at
+    its own measured rate in each bucket, and the share of the work's tokens in buckets it
+    measured. A bucket it never reached takes its rate in the longest one below (a shorter
+    context trains no slower per token: this favours `run`); None for a run that OOMed.
+
+    The runs learn differently, so their contexts differ: tokens per second over a whole run
+    compare different work (a run that learned less trains shorter, faster trajectories).
+    This compares the same tokens at the same context lengths."""
+    if run["outcome"] != "finished":
+        return None, 0.0
+    rates = {int(b): t / sec for b, (t, sec) in run["by_context"].items()  # type: ignore[attr-defined]
+             if t > 0 and sec > 0}
+    if not rates:
+        return None, 0.0
+    total = seconds = direct = 0.0
+    for b, (tokens, _) in work.items():
+        at = int(b)
+        below = [k for k in rates if k <= at]
+        rate = rates[max(below)] if below else rates[min(rates)]
+        seconds += tokens / rate
+        total += tokens
+        direct += tokens if at in rates else 0.0
+    return seconds, direct / total if total else 0.0
+
+
+def _machine(device_mib: int, cores: int) -> dict[int, int]:
+    """Devices -> MiB per device: `device_mib`, or a quarter of MemAvailable split evenly."""
+    if device_mib:
+        return {cores: device_mib, 2 * cores: device_mib}
+    with open("/proc/meminfo") as f:
+        avail = next(int(line.split()[1]) // 1024 for line in f
+                     if line.startswith("MemAvailable:"))
+    return {n: avail // 4 // n for n in (cores, 2 * cores)}
+
+
+def device_sizes(root: str, device_mib: int, cores: int) -> dict[int, int]:
+    """Devices -> MiB per device (`_machine`), kept in `root`: an invocation resumed with the
+    same `--out` reuses the sizes its first one took (MemAvailable drifts between invocations,
+    and a run's device size is one of the arguments it is resumed by); `device_mib` sets them
+    anew."""
+    path = f"{root}/machine.json"
+    if not device_mib and os.path.isfile(path):
+        with open(path) as f:
+            return {int(k): int(v) for k, v in json.load(f).items()}
+    sizes = _machine(device_mib, cores)
+    os.makedirs(root, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(sizes, f)
+    return sizes
