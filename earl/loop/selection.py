@@ -174,6 +174,7 @@ class Selection:
         self.profile = profile
         self.reference_progress = reference_progress
         self.device_peak = device_peak
+        self._unsettled: set[str] = set()  # devices moved since their peak was last read
         self._reference_seen = (0, 0.0)  # tokens scored, busy seconds: at the last step
         self.tracker = ContextTracker(window=context_steps)
         c = setting.max_model_len // 2 if initial_context is None else initial_context
@@ -299,8 +300,12 @@ class Selection:
               ) -> tuple[float | None, bool]:
         """A stage's memory peak (MiB) since the last step: its devices' charged peak (all a
         device holds: True), else what its ranks reported (a CUDA allocator's peak leaves out
-        the context and the cache: False)."""
+        the context and the cache: False). None for the first step after a move brought one
+        of `devices` to this stage: its peak counts what the device's last holder held."""
         charged = self.device_peak(devices) if self.device_peak and devices else None
+        if charged is not None and self._unsettled & set(devices):
+            self._unsettled -= set(devices)
+            return None, False
         return (charged, True) if charged is not None else (reported, False)
 
     def trained(self, batch: int, metrics: Mapping[str, float]) -> None:
@@ -380,6 +385,8 @@ class Selection:
                 times.setdefault("total_s", time.perf_counter() - t0)
             if self.profile is not None:  # what a switch costs, for the next decisions
                 self.profile.record_switch(times["total_s"])
+            moved = moves(old, new)
+            self._unsettled |= moved
             if new.trainer_key() == old.trainer_key():  # the trainer was kept
                 if new.micro_batch_tokens != old.micro_batch_tokens:
                     await self.reconfigurer.set_micro_batch_tokens(new.micro_batch_tokens)
@@ -395,7 +402,7 @@ class Selection:
                 rollout_layout_changes=st.rollout_layout_changes + int(
                     (new.rollout_tp, new.rollout_replicas) != (old.rollout_tp,
                                                                old.rollout_replicas)),
-                device_moves=st.device_moves + moves(old, new))
+                device_moves=st.device_moves + len(moved))
             self.log(f"selector: reconfigured in {times['total_s']:.1f} s: trainer tp{new.trainer_tp}"
                      f"/dp{new.trainer_dp} on {list(new.trainer_slots)}, rollout "
                      f"tp{new.rollout_tp} x{new.rollout_replicas} max_model_len "

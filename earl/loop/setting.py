@@ -156,9 +156,9 @@ def keep_places(new: Setting, current: Setting) -> Setting:
                    reference_slots=tuple(kept["reference_slots"]))
 
 
-def moves(old: Setting, new: Setting) -> int:
+def moves(old: Setting, new: Setting) -> set[str]:
     """Slots whose holder (rollout, trainer, reference or none) differs between two settings."""
     def holders(s: Setting) -> dict[str, str]:
         return {n: k for k in _PLACES for n in getattr(s, k)}
     a, b = holders(old), holders(new)
-    return sum(a.get(n) != b.get(n) for n in a.keys() | b.keys())
+    return {n for n in a.keys() | b.keys() if a.get(n) != b.get(n)}

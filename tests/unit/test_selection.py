@@ -606,3 +606,33 @@ def test_a_stage_in_devices_is_measured_by_what_its_devices_were_charged() -> No
     assert measured(charged) == pytest.approx(measured(None) * 700 / 900)
     assert asked == [("trainer0",)]
     assert measured(lambda names: None) == pytest.approx(measured(None))  # not measured
+
+
+def test_the_first_step_after_a_move_is_not_measured_on_the_device_it_moved() -> None:
+    """A device a move gave the trainer was charged for its last holder (a vLLM replica)
+    since its peak was last read: that step's peak is not the trainer's, so it is not
+    recorded (it ended the gauntlet's memory slack at step 4); the next step's is."""
+    from dataclasses import replace
+
+    from earl.runtime.selector import RunProfile
+
+    reconf, rows, events = FakeReconfigurer(), [], []
+    sel = _selection(reconf, rows, events, window=1024)
+    read: list[tuple[str, ...]] = []
+
+    def charged(names: tuple[str, ...]) -> float:
+        read.append(names)
+        return 200.0  # below what COST predicts for the step: slack
+
+    sel.profile, sel.device_peak = RunProfile(COST), charged
+    step = {"tokens": 2100.0, "step_time_s": 3.0, "peak_rss_mib": 900.0}
+    moved = replace(sel.setting, trainer_dp=2, trainer_slots=("trainer0", "rollout1"))
+
+    asyncio.run(sel._apply(moved))  # rollout1 held nothing of the trainer's before
+    for batch in (0, 1):  # two steps trained in the moved setting (no decision between)
+        sel._training[batch] = (sel.setting, 800)
+        sel.trained(batch, step)
+        if batch == 0:
+            assert "train" not in sel.profile.memory and read == [("trainer0", "rollout1")]
+    assert read == [("trainer0", "rollout1")] * 2  # both readings start a new peak
+    assert sel.profile.memory["train"] > 0 and sel.profile.memory_slack("train") > 0
