@@ -94,7 +94,9 @@ class SearchPolicy:
             return None
         cap = self.config.max_kv_tokens if stage == "rollout" else \
             self.config.max_micro_batch_tokens
-        mb = max(context, min(mb, cap // context * context))
+        # a micro-batch holds whole sequences; a KV budget is a pool of blocks: at its cap it
+        # stays the same whatever the bucket (a 0.4% smaller budget rebuilt two engines, 4.6 s)
+        mb = max(context, min(mb, cap if stage == "rollout" else cap // context * context))
         key = "kv_tokens" if stage == "rollout" else "micro_batch_tokens"
         mem = self.cost.memory(stage, par, seq_len=context, **{key: mb}).total * scale - slack
         tps = self.measured.tokens_per_s(stage, par, context) if self.measured else None

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from earl.runtime.selector.cost import CostConfig, CostModel, ModelShape
+from earl.runtime.selector.cost import CostConfig, CostModel, ModelShape, Parallel
 from earl.runtime.selector.plan import ContextTracker, Decision
 from earl.runtime.selector.policy import PolicyConfig, SearchPolicy
 
@@ -337,3 +337,15 @@ def test_the_rollout_and_prep_decisions_of_a_step_count_its_contexts_once() -> N
         assert d.plan.context_bucket == 3072
     d = policy.decide(step=3, when="prep", contexts=tr.observe([1000]), slots=slots(1))
     assert d.plan.context_bucket == 1024
+
+
+def test_the_rollout_kv_budget_at_its_cap_does_not_depend_on_the_context_bucket() -> None:
+    """A KV budget is a pool of blocks, not whole sequences: at `max_kv_tokens` it is the same
+    at every bucket, so a bucket change alone never rebuilds the engines for a budget a
+    fraction of a percent smaller (131,072 tokens at 1,024, 130,560 at 1,536 before)."""
+    policy = SearchPolicy(MODEL, PolicyConfig(max_kv_tokens=1 << 17))
+    budgets = {ctx: policy.evaluate("rollout", Parallel(), ("s00",), ctx, 80 * GB)
+               for ctx in (1024, 1536, 3072)}
+    assert all(p is not None and p.micro_batch_tokens == 1 << 17 for p in budgets.values())
+    train = policy.evaluate("trainer", Parallel(), ("s00",), 1536, 400 * GB)
+    assert train is not None and train.micro_batch_tokens % 1536 == 0  # whole sequences
