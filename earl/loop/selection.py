@@ -386,7 +386,7 @@ class Selection:
             if self.profile is not None:  # what a switch costs, for the next decisions
                 self.profile.record_switch(times["total_s"])
             moved = moves(old, new)
-            self._unsettled |= moved
+            self._unsettled |= moved  # their next peak counts their last holder (`_peak`)
             if new.trainer_key() == old.trainer_key():  # the trainer was kept
                 if new.micro_batch_tokens != old.micro_batch_tokens:
                     await self.reconfigurer.set_micro_batch_tokens(new.micro_batch_tokens)

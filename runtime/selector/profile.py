@@ -336,12 +336,12 @@ class RunProfile:
         """Bytes per device the cost model over-predicts `stage` by, at least: the smallest
         predicted - measured peak of its steps measured whole (`record`'s `whole_device`), 0
         once one step used more than predicted (then `memory_scale` corrects upwards) or before
-        any was measured whole. The policy subtracts it
-        from every prediction of the stage: the model counts what a process holds at rest
-        (reserve, weights, optimizer) and its activations, and on CPU it over-counts both (the
-        gauntlet's DP 2 trainer: 1,165 MiB predicted at 4,096 tokens, ~530 charged). Safe
-        while the model does not under-count how memory grows with the context and the
-        micro-batch, which the smallest slack of all steps (the tightest) bounds."""
+        any was measured whole. The policy subtracts it from every prediction of the stage:
+        the model counts what a process holds at rest (reserve, weights, optimizer) and its
+        activations, and on CPU it over-counts both (the gauntlet's DP 2 trainer: 1,165 MiB
+        predicted at 4,096 tokens, ~530 charged). Safe while the model does not under-count
+        how memory grows with the context and the micro-batch, which the smallest slack of all
+        steps (the tightest) bounds."""
         return max(0.0, self.slack.get(stage, 0.0))
 
     def record_switch(self, seconds: float) -> None:
