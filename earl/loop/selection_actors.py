@@ -224,14 +224,18 @@ def _order(actors: list[str], old: Setting, new: Setting) -> list[str]:
 # made 0.77x of two TP-1 replicas on the same 2 cores; a TP-2 trainer 0.93x of DP 2), GPUs the
 # roofline's NVLink default
 CPU_TP_OVERHEAD, GPU_TP_OVERHEAD = 0.25, 0.06
+# One CPU core's roofs (this machine's AMD EPYC, torch 2.13, one thread): a 1,024^2 fp32 matmul
+# ran 106 GFLOP/s, a 4,096^2 fp32 matrix-vector product streamed 24 GB/s. A device's CPU share
+# scales both alike; their ratio puts decode on CPU devices compute bound.
+CPU_PEAK_FLOPS, CPU_MEM_BW = 1.06e11, 2.4e10
 
 
 def cost_model_of(model_dir: str, *, reserve_mib: float, dtype_bytes: int = 4,
                   logit_bytes: float = 32.0, score_bytes: float = 8.0,
-                  tp_overhead: float = CPU_TP_OVERHEAD) -> CostModel:
-    """The cost model of the HF model in `model_dir`, fp32 on CPU, Adam's two moments, with
+                  tp_overhead: float = CPU_TP_OVERHEAD, cpu: bool = True) -> CostModel:
+    """The cost model of the HF model in `model_dir`, fp32, Adam's two moments, with
     `reserve_mib` of per-process baseline (Python, torch, vLLM) that every slot pays before the
-    model's bytes.
+    model's bytes; its roofs are a CPU core's (`cpu`) or an H100's.
 
     Calibrated on this machine's trainer (the tiny model, contexts ~1,250 tokens): OOM-killed in
     560 MiB at 10,240 and at 4,096 tokens per micro-batch, alive at 2,048 (>= 72 KB per token,
@@ -246,7 +250,9 @@ def cost_model_of(model_dir: str, *, reserve_mib: float, dtype_bytes: int = 4,
                                        kv_bytes=dtype_bytes, attention="eager",
                                        score_bytes=score_bytes, logit_bytes=logit_bytes,
                                        reserve_bytes=reserve_mib * 2**20,
-                                       tp_overhead=tp_overhead))
+                                       tp_overhead=tp_overhead,
+                                       **({"peak_flops": CPU_PEAK_FLOPS, "mem_bw": CPU_MEM_BW}
+                                          if cpu else {})))
 
 
 def _param_count(cfg: Mapping[str, Any]) -> int:
@@ -404,7 +410,8 @@ def selection_for_run(job: Job, actors: Actors) -> tuple[Selection, ActorReconfi
     model_dir = str(job.start)
     tp_overhead = sel.tp_overhead if sel.tp_overhead >= 0 else (
         GPU_TP_OVERHEAD if pl.device == "cuda" else CPU_TP_OVERHEAD)
-    cost = cost_model_of(model_dir, reserve_mib=reserve, tp_overhead=tp_overhead)
+    cost = cost_model_of(model_dir, reserve_mib=reserve, tp_overhead=tp_overhead,
+                         cpu=pl.device != "cuda")
     kvb = cost.kv_bytes_per_token(Parallel())
     positions = int(json.loads((Path(model_dir) / "config.json").read_text())
                     .get("max_position_embeddings", job.max_model_len))

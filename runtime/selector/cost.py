@@ -107,6 +107,10 @@ class CostConfig:
         tp_overhead: throughput lost to communication per doubling of TP (0.06: NVLink GPUs;
             CPU slots lose far more: `bench/parallel.py` measured a TP-2 vLLM replica at 0.77x
             of two TP-1 replicas on the same 2 cores, so a run on CPU devices uses 0.25).
+        peak_flops, mem_bw: one device's dense FLOP/s and memory bandwidth (bytes/s), the two
+            roofs of `tokens_per_s` (H100 by default). Only their ratio matters to a run (its
+            measured rates rescale the roofline): a GPU decodes bandwidth bound up to ~300
+            FLOPs per byte, a CPU core is compute bound from ~4.
     """
 
     weight_bytes: float = 2.0
@@ -121,10 +125,15 @@ class CostConfig:
     sequence_parallel: bool = False
     reserve_bytes: float = 0.0
     tp_overhead: float = 0.06
+    peak_flops: float = 989e12
+    mem_bw: float = 3.35e12
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_overhead < 1:
             raise ValueError(f"CostConfig.tp_overhead must be in [0, 1), got {self.tp_overhead}")
+        if self.peak_flops <= 0 or self.mem_bw <= 0:
+            raise ValueError(f"CostConfig.peak_flops and mem_bw must be > 0 (one device's "
+                             f"FLOP/s and bytes/s), got {self.peak_flops} and {self.mem_bw}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -267,31 +276,35 @@ class CostModel:
 
     # ---- throughput (roofline; profiles override) ---------------------------------------
     def tokens_per_s(self, stage: Stage, par: Parallel, seq_len: int, *, batch_tokens: int,
-                     peak_flops: float = 989e12, mem_bw: float = 3.35e12,
                      mfu: float = 0.4, step_tokens: int = 0) -> float:
-        """Tokens/s of the whole layout (all its devices) for one context length.
+        """Tokens/s of the whole layout (all its devices) for one context length, on devices of
+        `CostConfig.peak_flops` and `mem_bw`.
 
         Training and reference are compute bound (6 or 2 FLOPs per parameter per token plus
-        attention) at `mfu`; rollout decode is bandwidth bound (weights and the KV cache of the
-        `batch_tokens` resident tokens read once per decode step). Each doubling of TP costs
+        attention) at `mfu`; a rollout decode step reads the weights and the KV cache of the
+        `batch_tokens` resident tokens once and computes 2 FLOPs per parameter (plus attention)
+        for each sequence: it takes the longer of the two (on a GPU the read, on a CPU core the
+        compute from a few sequences on, where batching more sequences into one replica no
+        longer amortizes anything). Each doubling of TP costs
         `CostConfig.tp_overhead` of efficiency (communication), PP a bubble of (pp-1)/(micro-batches),
         where a DP replica's micro-batches are `step_tokens / (dp * batch_tokens)` (4 x pp when
         `step_tokens` is 0).
         """
-        s = self.shape
-        eff = (1 - self.config.tp_overhead) ** (par.tp.bit_length() - 1)
+        s, c = self.shape, self.config
+        eff = (1 - c.tp_overhead) ** (par.tp.bit_length() - 1)
         attn = 2 * s.layers * s.hidden * seq_len  # QK^T and AV per token (causal: half of 4)
         if stage == "rollout":
             seqs = max(1, batch_tokens // seq_len)
             step_bytes = (self.weight_bytes(par) + self.kv_bytes_per_token(par) * batch_tokens)
-            per_replica = seqs / (step_bytes / mem_bw) * eff
-            return per_replica * par.dp
+            step_flops = seqs * 2 * (s.params + attn) / (par.tp * par.pp)
+            step_s = max(step_bytes / c.mem_bw, step_flops / (c.peak_flops * mfu))
+            return seqs / step_s * eff * par.dp
         flops = (6 if stage == "train" else 2) * (s.params + attn)
-        if stage == "train" and (par.recompute or self.config.recompute):
+        if stage == "train" and (par.recompute or c.recompute):
             flops = flops * 4 // 3  # one more forward
         micro = max(1, step_tokens // (par.dp * batch_tokens)) if step_tokens else 4 * par.pp
         bubble = micro / (micro + par.pp - 1)
-        return par.devices * peak_flops * mfu * eff * bubble / flops
+        return par.devices * c.peak_flops * mfu * eff * bubble / flops
 
 
 def paper_points(model: CostModel | None = None) -> dict[int, float]:

@@ -105,7 +105,7 @@ class SearchPolicy:
             if stage == "rollout" and self.config.rollout_seqs:  # a replica's share decodes
                 busy = min(mb, -(-self.config.rollout_seqs // par.dp) * context)
             tps = self.cost.tokens_per_s(stage, par, context, batch_tokens=busy) * \
-                (self.measured.efficiency(stage, par) if self.measured else 1.0)
+                (self.measured.efficiency(stage, par, context) if self.measured else 1.0)
         return ActorPlan(actor=actor, stage=stage, parallel=par, micro_batch_tokens=mb,
                          slots=slots, predicted_bytes=mem, tokens_per_s=tps)
 

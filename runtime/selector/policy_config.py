@@ -25,8 +25,10 @@ class Measured(Protocol):
         """Bytes per device the model over-predicts `stage` by, at least (>= 0)."""
         ...
 
-    def efficiency(self, stage: Stage, par: Parallel | None = None) -> float:
-        """Measured / roofline tokens/s: of layout `par` where it ran, else of the stage."""
+    def efficiency(self, stage: Stage, par: Parallel | None = None,
+                   context: int | None = None) -> float:
+        """Measured / roofline tokens/s: of layout `par` where it ran, else of the stage (at
+        `context`, where it ran there)."""
         ...
 
     def step_tokens(self) -> float | None:

@@ -164,7 +164,8 @@ class ProfileTable:
         """An offline point measures a step's growth, not a device's total: no slack."""
         return 0.0
 
-    def efficiency(self, stage: Stage, par: Parallel | None = None) -> float:
+    def efficiency(self, stage: Stage, par: Parallel | None = None,
+                   context: int | None = None) -> float:
         """Profiled points are exact: unprofiled layouts keep the roofline (1.0)."""
         return 1.0
 
@@ -308,19 +309,26 @@ class RunProfile:
             elif peak_bytes > predicted:  # under-predicted: no slack whatever the devices say
                 self.slack[stage] = 0.0
 
-    def efficiency(self, stage: Stage, par: Parallel | None = None) -> float:
+    def efficiency(self, stage: Stage, par: Parallel | None = None,
+                   context: int | None = None) -> float:
         """Measured / roofline tokens/s: the median over the points layout `par` ran at, so a
         layout measured slow at one context stays slow at the next (on CPU a TP-2 replica is
         slower than the roofline says: the gauntlet trained 8.8k tok/s with one TP-2 replica,
-        17.6k with two TP-1); a layout not run yet, or `par` None:
-        the median over the stage's points (1.0 before any)."""
-        def median(key: Callable[[str], bool]) -> float | None:
-            ratios = sorted(r.tokens_per_s / r.roofline for (s, p, _), r in self.rates.items()
-                            if s == stage and key(p) and r.roofline > 0)
+        17.6k with two TP-1); a layout not run yet: the median over the stage's points at
+        `context`'s bucket, so it is priced against what the running layout measures there
+        (the stage's median over all buckets priced a TP-2 replica 26% above the two TP-1
+        replicas measured at that bucket; it ran 2.65x slower), else over all of them (1.0
+        before any)."""
+        def median(key: Callable[[str, int], bool]) -> float | None:
+            ratios = sorted(r.tokens_per_s / r.roofline for (s, p, b), r in self.rates.items()
+                            if s == stage and key(p, b) and r.roofline > 0)
             return ratios[len(ratios) // 2] if ratios else None
 
-        own = median(lambda p: p == str(par)) if par is not None else None
-        return own if own is not None else median(lambda p: True) or 1.0
+        own = median(lambda p, _: p == str(par)) if par is not None else None
+        if own is None and context is not None:
+            bucket = self.bucket_of(context)
+            own = median(lambda _, b: b == bucket)
+        return own if own is not None else median(lambda p, b: True) or 1.0
 
     def tokens_per_s(self, stage: Stage, par: Parallel, context: int) -> float | None:
         """The measured rate at this layout and bucket, or None (the policy then takes the

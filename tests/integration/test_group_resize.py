@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from pathlib import Path
 
 import pytest
 
@@ -75,3 +76,34 @@ async def test_resize_names_what_is_wrong() -> None:
         await rt.stop(g)
         with pytest.raises(KeyError, match="reps"):
             await rt.resize(g, 3)
+
+
+class Hoarder(Actor):
+    """Leaves reference cycles for a collection, and at exit writes what one found."""
+
+    def __init__(self, out: str) -> None:
+        import atexit
+        import gc
+
+        gc.disable()
+        self.cycles = [[] for _ in range(1000)]
+        for c in self.cycles:
+            c.append(c)
+        del self.cycles
+        atexit.register(lambda: Path(out).write_text(str(gc.collect())))
+
+    @endpoint
+    async def hello(self) -> int:
+        return os.getpid()
+
+
+async def test_a_stopped_rank_runs_its_exit_handlers_without_collecting(tmp_path: Path) -> None:
+    """vLLM's engine finalizer collected twice at exit, 0.8-1.8 s of a dropped replica's stop:
+    a stopping actor's handlers still run, but a collection frees nothing `os._exit` would
+    not."""
+    out = [str(tmp_path / f"r{i}") for i in range(2)]
+    async with Runtime() as rt:
+        g = await rt.spawn("hoard", Hoarder, out[1], n=2)
+        await g.hello.call()
+        await rt.resize(g, 1)
+        assert Path(out[1]).read_text() == "0"  # ran, found nothing to do

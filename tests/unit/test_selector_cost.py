@@ -100,3 +100,20 @@ def test_shape_from_a_hugging_face_config() -> None:
     with pytest.raises(ValueError, match="num_key_value_heads"):
         ModelShape.from_hf_config({k: v for k, v in cfg.items()
                                    if k != "num_key_value_heads"}, params=1)
+
+
+def test_a_cpu_core_decodes_compute_bound_so_one_tp2_replica_is_not_priced_above_two() -> None:
+    # 2 replicas x 32 sequences against one TP 2 replica of 64 on the same two devices, short
+    # contexts (the weights are most of what a step reads): a GPU reads them once per step for
+    # all 64 (bandwidth bound: batching twice the sequences doubles the rate), a CPU core
+    # computes every sequence (compute bound: batching gains nothing)
+    shape = ModelShape(hidden=1024, layers=8, heads=8, kv_heads=8, intermediate=4096,
+                       vocab=32000, params=1_000_000_000)
+    ctx = 128
+    for roofs, tp2_over_two in (({}, 2.0), ({"peak_flops": 1.06e11, "mem_bw": 2.4e10}, 1.0)):
+        m = CostModel(shape, CostConfig(tp_overhead=0.0, **roofs))
+        two = m.tokens_per_s("rollout", Parallel(dp=2), ctx, batch_tokens=32 * ctx)
+        tp2 = m.tokens_per_s("rollout", Parallel(tp=2), ctx, batch_tokens=64 * ctx)
+        assert tp2 / two == pytest.approx(tp2_over_two, rel=0.1)
+    with pytest.raises(ValueError, match="peak_flops"):
+        CostConfig(peak_flops=0)

@@ -216,7 +216,7 @@ class _Steps:
     def memory_slack(self, stage: object) -> float:
         return 0.0
 
-    def efficiency(self, stage: object, par: object = None) -> float:
+    def efficiency(self, stage: object, par: object = None, context: object = None) -> float:
         return 1.0
 
     def step_tokens(self) -> float:

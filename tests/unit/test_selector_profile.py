@@ -184,3 +184,24 @@ def test_a_layout_measured_slow_stays_slow_at_a_context_it_has_not_run() -> None
     assert profile.efficiency("rollout", one) == pytest.approx(0.8, rel=0.01)
     assert profile.efficiency("rollout", Parallel(dp=2)) == pytest.approx(0.8, rel=0.01)
     assert profile.tokens_per_s("rollout", tp2, 3000) is None  # another bucket: estimated
+
+
+def test_a_layout_not_run_is_priced_by_what_the_stage_measured_at_its_bucket() -> None:
+    """Two TP-1 replicas measured near their roofline at short contexts and far below it at
+    long ones: an unmeasured TP-2 replica at a long context takes the long contexts'
+    efficiency, not the median over every bucket (which priced it above the running layout)."""
+    from earl.runtime.selector import RunProfile
+
+    cost = CostModel(ModelShape(hidden=64, layers=2, heads=2, kv_heads=2, intermediate=192,
+                                vocab=512, params=120_000),
+                     CostConfig(weight_bytes=4, grad_bytes=4, optimizer_bytes=8, act_bytes=4))
+    two = Parallel(dp=2)
+    profile = RunProfile(cost)
+    for ctx, share in ((300, 0.9), (600, 0.9), (900, 0.9), (2000, 0.3)):
+        roof = cost.tokens_per_s("rollout", two, profile.bucket_of(ctx), batch_tokens=4096)
+        profile.record("rollout", two, ctx, tokens=int(share * roof * 10), seconds=10.0,
+                       batch_tokens=4096)
+    tp2 = Parallel(tp=2)
+    assert profile.efficiency("rollout", tp2) == pytest.approx(0.9, rel=0.01)
+    assert profile.efficiency("rollout", tp2, 2000) == pytest.approx(0.3, rel=0.01)
+    assert profile.efficiency("rollout", tp2, 5000) == pytest.approx(0.9, rel=0.01)  # not run
