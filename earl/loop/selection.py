@@ -175,6 +175,10 @@ class Selection:
         self.reference_progress = reference_progress
         self.device_peak = device_peak
         self._unsettled: set[str] = set()  # devices moved since their peak was last read
+        # actors re-created since they last started a batch, and the batches they started
+        # first: those warm up (new processes or engines) and their rates go unmeasured
+        self._fresh: set[str] = set()
+        self._warming: set[tuple[str, int]] = set()
         self._reference_seen = (0, 0.0)  # tokens scored, busy seconds: at the last step
         self.tracker = ContextTracker(window=context_steps)
         c = setting.max_model_len // 2 if initial_context is None else initial_context
@@ -204,9 +208,11 @@ class Selection:
         lengths = [max(e.tokens, int(window * self.GROW))
                    if e.truncated and e.tokens >= self.CUT * window else e.tokens
                    for e in result.episodes if e.tokens > 0]
+        warming = ("rollout", result.batch) in self._warming
+        self._warming.discard(("rollout", result.batch))
         if lengths:
             self.contexts = self.tracker.observe(lengths)
-            if self.profile is not None:  # trajectory tokens per second of busy rollout
+            if self.profile is not None and not warming:  # tokens per second of busy rollout
                 longest = max(e.tokens for e in result.episodes)
                 share = -(-len(result.episodes) // played.rollout_replicas)  # per replica
                 self.profile.record("rollout", played.rollout_parallel(), longest,
@@ -251,6 +257,7 @@ class Selection:
             await self._decide_and_apply(batch, "rollout")
         async with self._lock.shared():
             self._played[batch] = self.setting
+            self._first_batch("rollout", batch)
             start = time.perf_counter()
             try:
                 yield
@@ -270,14 +277,26 @@ class Selection:
         async with self._lock.shared():
             self._training[batch] = (self.setting, max((e.tokens for e in result.episodes),
                                                        default=0))
+            self._first_batch("trainer", batch)
+            self._first_batch("reference", batch)
             yield
-            await self._record_reference(self._training[batch])
+            await self._record_reference(batch, self._training[batch])
 
-    async def _record_reference(self, training: tuple[Setting, int]) -> None:
+    def _first_batch(self, actor: str, batch: int) -> None:
+        """`batch` is the first `actor` runs since it was re-created: its time goes unmeasured
+        (a new trainer rank's first step took 1.4 s, its third 0.6 s: priced by the first, the
+        layout it had just moved to looked 4x slower and the selector moved back)."""
+        if actor in self._fresh:
+            self._fresh.discard(actor)
+            self._warming.add((actor, batch))
+
+    async def _record_reference(self, batch: int, training: tuple[Setting, int]) -> None:
         """The reference's tokens and busy seconds since the last step, into the profile at
         its layout (its ranks score in parallel). Counters that went down were a re-created
-        group's: what it did is all new."""
+        group's: what it did is all new. Its first batch since re-created goes unmeasured."""
         setting, longest = training
+        warming = ("reference", batch) in self._warming
+        self._warming.discard(("reference", batch))
         if self.profile is None or self.reference_progress is None or not longest:
             return
         try:
@@ -288,6 +307,8 @@ class Selection:
         self._reference_seen = (got.tokens, got.busy_s)
         if got.tokens < seen_t or got.busy_s < seen_b:
             seen_t, seen_b = 0, 0.0
+        if warming:
+            return
         ranks = max(1, len(setting.reference_slots))
         peak, whole = self._peak(setting.reference_slots, got.peak_mib)
         # a forward pass holds as many sequences as `token_budget` padded tokens, one at least
@@ -312,6 +333,9 @@ class Selection:
         """Record batch `batch`'s training step into the profile: the trainer's ``tokens``,
         ``step_time_s`` and ``peak_rss_mib`` (per rank) at the setting it ran with."""
         setting, longest = self._training.pop(batch, (self.setting, 0))
+        if ("trainer", batch) in self._warming:  # its devices' peak is read at the next step
+            self._warming.discard(("trainer", batch))
+            return
         if self.profile is None or not longest:
             return
         tokens = int(metrics.get("tokens", 0))
@@ -387,6 +411,7 @@ class Selection:
                 self.profile.record_switch(times["total_s"])
             moved = moves(old, new)
             self._unsettled |= moved  # their next peak counts their last holder (`_peak`)
+            self._fresh |= set(new.changed(old))
             if new.trainer_key() == old.trainer_key():  # the trainer was kept
                 if new.micro_batch_tokens != old.micro_batch_tokens:
                     await self.reconfigurer.set_micro_batch_tokens(new.micro_batch_tokens)

@@ -636,3 +636,40 @@ def test_the_first_step_after_a_move_is_not_measured_on_the_device_it_moved() ->
             assert "train" not in sel.profile.memory and read == [("trainer0", "rollout1")]
     assert read == [("trainer0", "rollout1")] * 2  # both readings start a new peak
     assert sel.profile.memory["train"] > 0 and sel.profile.memory_slack("train") > 0
+
+
+def test_the_first_batch_of_a_re_created_actor_is_not_measured() -> None:
+    """A re-created trainer (new ranks) and rollout (new replicas) warm up on their first
+    batch: that batch's rates stay out of the profile (priced by it, a layout just moved to
+    looked 4x slower and the selector moved back); the next batch's go in."""
+    from earl.runtime.selector import RunProfile
+
+    reconf, rows, events = FakeReconfigurer(), [], []
+    sel = _selection(reconf, rows, events, window=1024)
+    profile = sel.profile = RunProfile(COST)
+
+    def steps() -> tuple[int, int]:
+        def of(stage: str) -> int:
+            return sum(r.steps for (s, _, _), r in profile.rates.items() if s == stage)
+        return of("rollout"), of("train")
+
+    async def batch(b: int) -> None:
+        async with sel.rollout(b):
+            pass
+        async with sel.train(b, _result(b, [600, 700, 800])):
+            pass
+        sel.trained(b, {"tokens": 2100.0, "step_time_s": 3.0})
+
+    async def main() -> None:
+        await batch(0)  # the first plan: no re-creation, measured
+        assert steps() == (1, 1)
+        planned = sel.setting
+        sel.setting = replace(planned, trainer_dp=2, rollout_replicas=2)  # as if elsewhere
+        await sel._apply(planned)  # both re-created
+        await batch(1)
+        assert steps() == (1, 1)
+        await batch(2)
+        assert steps() == (2, 2)
+
+    asyncio.run(main())
+    assert len(reconf.applied) == 1
