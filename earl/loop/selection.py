@@ -187,7 +187,8 @@ class Selection:
         self._decide_lock = asyncio.Lock()
         self._stats = SelectionStatistics()
         self._played: dict[int, Setting] = {}  # batch -> the setting it was played with
-        self._training: dict[int, tuple[Setting, int]] = {}  # batch -> setting, longest seq
+        # batch -> the setting it trains with, its longest sequence, its trajectories' tokens
+        self._training: dict[int, tuple[Setting, int, int]] = {}
         self._busy: dict[int, float] = {}  # batch -> rollout seconds it alone accounts for
         self._last_end = float("-inf")  # when the latest play ended
         self.decisions: list[Decision] = []
@@ -275,8 +276,9 @@ class Selection:
         self.observe(result)
         await self._decide_and_apply(batch, "prep")
         async with self._lock.shared():
-            self._training[batch] = (self.setting, max((e.tokens for e in result.episodes),
-                                                       default=0))
+            self._training[batch] = (self.setting,
+                                     max((e.tokens for e in result.episodes), default=0),
+                                     sum(e.tokens for e in result.episodes))
             self._first_batch("trainer", batch)
             self._first_batch("reference", batch)
             yield
@@ -290,11 +292,12 @@ class Selection:
             self._fresh.discard(actor)
             self._warming.add((actor, batch))
 
-    async def _record_reference(self, batch: int, training: tuple[Setting, int]) -> None:
+    async def _record_reference(self, batch: int, training: tuple[Setting, int, int]
+                                ) -> None:
         """The reference's tokens and busy seconds since the last step, into the profile at
         its layout (its ranks score in parallel). Counters that went down were a re-created
         group's: what it did is all new. Its first batch since re-created goes unmeasured."""
-        setting, longest = training
+        setting, longest, _ = training
         warming = ("reference", batch) in self._warming
         self._warming.discard(("reference", batch))
         if self.profile is None or self.reference_progress is None or not longest:
@@ -330,9 +333,12 @@ class Selection:
         return (charged, True) if charged is not None else (reported, False)
 
     def trained(self, batch: int, metrics: Mapping[str, float]) -> None:
-        """Record batch `batch`'s training step into the profile: the trainer's ``tokens``,
-        ``step_time_s`` and ``peak_rss_mib`` (per rank) at the setting it ran with."""
-        setting, longest = self._training.pop(batch, (self.setting, 0))
+        """Record batch `batch`'s training step into the profile at the setting it ran with:
+        its ``step_time_s`` and ``peak_rss_mib`` (per rank), and as its tokens the batch's
+        trajectory tokens, the rollout's unit (a step also trains replayed samples, the
+        trainer's ``tokens``: with the gauntlet's self-imitation 1.3-1.8x the batch's, which
+        priced the trainer that much faster against the rollout than it keeps up)."""
+        setting, longest, played = self._training.pop(batch, (self.setting, 0, 0))
         if ("trainer", batch) in self._warming:  # its devices' peak is read at the next step
             self._warming.discard(("trainer", batch))
             return
@@ -341,7 +347,8 @@ class Selection:
         tokens = int(metrics.get("tokens", 0))
         per_rank = -(-tokens // max(1, setting.trainer_dp))
         peak, whole = self._peak(setting.trainer_slots, metrics.get("peak_rss_mib"))
-        self.profile.record("train", setting.trainer_parallel(), longest, tokens=tokens,
+        self.profile.record("train", setting.trainer_parallel(), longest,
+                            tokens=played or tokens,
                             seconds=float(metrics.get("step_time_s", 0.0)),
                             batch_tokens=max(longest, min(setting.micro_batch_tokens, per_rank)),
                             peak_bytes=peak * 2**20 if peak else None,

@@ -630,7 +630,7 @@ def test_the_first_step_after_a_move_is_not_measured_on_the_device_it_moved() ->
 
     asyncio.run(sel._apply(moved))  # rollout1 held nothing of the trainer's before
     for batch in (0, 1):  # two steps trained in the moved setting (no decision between)
-        sel._training[batch] = (sel.setting, 800)
+        sel._training[batch] = (sel.setting, 800, 2100)
         sel.trained(batch, step)
         if batch == 0:
             assert "train" not in sel.profile.memory and read == [("trainer0", "rollout1")]
@@ -673,3 +673,25 @@ def test_the_first_batch_of_a_re_created_actor_is_not_measured() -> None:
 
     asyncio.run(main())
     assert len(reconf.applied) == 1
+
+
+def test_a_training_step_is_measured_in_its_batchs_trajectory_tokens() -> None:
+    """The trainer's rate is in the rollout's unit, the batch's trajectory tokens per second,
+    however many more tokens the step trained (replayed samples: the gauntlet's
+    self-imitation trains 48 samples per 32 played): the two rates compare as time per step."""
+    from earl.runtime.selector import RunProfile
+
+    reconf, rows, events = FakeReconfigurer(), [], []
+    sel = _selection(reconf, rows, events, window=1024)
+    sel.profile = RunProfile(COST)
+
+    async def main() -> None:
+        async with sel.rollout(0):
+            pass
+        async with sel.train(0, _result(0, [600, 700, 800])):
+            pass
+        sel.trained(0, {"tokens": 3150.0, "step_time_s": 3.0})  # 1.5x what was played
+
+    asyncio.run(main())
+    assert sel.profile.tokens_per_s("train", Parallel(), 800) == pytest.approx(2100 / 3.0)
+    assert sel.profile.step_tokens() == 2100
