@@ -64,6 +64,10 @@ class PolicyConfig:
             at the new plan's rate) times this, against what a switch costs (the run's measured
             ones, else `switch_cost_s`). Before any step is measured, hysteresis alone decides.
         switch_cost_s: a switch's cost before one is measured (seconds).
+        respawn_cost_s: the least a switch that changes a rollout's TP degree costs: its
+            replicas start as new engine processes (warm hosts hold one-process replicas):
+            17.9 s on the tiny model on half-core CPU devices, against ~1 s for the device
+            moves whose median `switch_cost_s` is replaced by.
         max_micro_batch_tokens: cap on the train/reference micro-batch budget.
         max_kv_tokens: cap on a rollout replica's KV-cache budget.
         dp_divides: a train or reference layout's DP degree must divide this (a run's GRPO
@@ -97,6 +101,7 @@ class PolicyConfig:
     cooldown_steps: int = 3
     horizon_steps: int = 20
     switch_cost_s: float = 5.0
+    respawn_cost_s: float = 15.0
     max_micro_batch_tokens: int = 65536
     max_kv_tokens: int = 1 << 20
     queue_target: int = 0
@@ -116,6 +121,8 @@ class PolicyConfig:
         need(0 <= self.headroom < 1, "headroom", f"must be in [0, 1), got {self.headroom}")
         for k in ("tp_max", "pp_max", "bucket_base", "patience"):
             need(getattr(self, k) >= 1, k, f"must be >= 1, got {getattr(self, k)}")
+        need(self.respawn_cost_s >= 0, "respawn_cost_s",
+             f"must be >= 0 seconds, got {self.respawn_cost_s}")
         need(self.max_context >= 0, "max_context",
              f"must be >= 0 tokens (0 = no cap), got {self.max_context}")
         need(self.rollout_seqs >= 0, "rollout_seqs",

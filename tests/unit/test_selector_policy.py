@@ -378,3 +378,29 @@ def test_speed_is_looked_up_where_the_steps_run_and_memory_at_the_bucket() -> No
     bare = SearchPolicy(small, PolicyConfig(), measured=_ByContext(1e4, 5.0))  # no decision
     at_bucket = bare.evaluate("trainer", Parallel(dp=2), two, d.plan.context_bucket, 80 * GB)
     assert at_bucket is not None and at_bucket.tokens_per_s == 1.0
+
+
+def test_a_rollout_tp_change_is_priced_as_new_engine_processes() -> None:
+    """Device moves measured ~1 s (warm hosts); a rollout TP change starts new engine
+    processes (17.9 s): it must pay off against `respawn_cost_s`, not the median of moves."""
+    from earl.runtime.selector.plan import Plan
+
+    small = CostModel(ModelShape(hidden=64, layers=2, heads=2, kv_heads=2, intermediate=192,
+                                 vocab=512, params=120_000))
+    policy = SearchPolicy(small, PolicyConfig(respawn_cost_s=15.0),
+                          measured=_Steps(1e4, switch_s=1.0))
+    two, other = ("s00", "s01"), ("s02", "s03")
+
+    def plan(rollout: Parallel, trainer: Parallel) -> Plan:
+        r = policy.evaluate("rollout", rollout, two, 1024, 80 * GB)
+        t = policy.evaluate("trainer", trainer, other, 1024, 80 * GB)
+        assert r is not None and t is not None
+        return Plan(actors=(r, t), context_bucket=1024)
+
+    cur = plan(Parallel(dp=2), Parallel(dp=2))
+    _, ledger = policy._pays_off(plan(Parallel(tp=2), Parallel(dp=2)), cur, None)
+    assert "a switch costs 15.0 s" in ledger
+    _, ledger = policy._pays_off(plan(Parallel(dp=2), Parallel(tp=2)), cur, None)
+    assert "a switch costs 1.0 s" in ledger
+    with pytest.raises(ValueError, match="respawn_cost_s"):
+        PolicyConfig(respawn_cost_s=-1)
