@@ -55,7 +55,6 @@ class _State:
     better_streak: int = 0
     low_needs: list[int] = field(default_factory=list)
     low_seen: ContextStats | None = None  # the observation `low_needs` counted last
-    rate_context: int = 0  # where rates are looked up (the latest step's longest; 0: bucket)
     stats: SelectorStatistics = field(default_factory=SelectorStatistics)
 
 
@@ -100,17 +99,13 @@ class SearchPolicy:
         mb = max(context, min(mb, cap if stage == "rollout" else cap // context * context))
         key = "kv_tokens" if stage == "rollout" else "micro_batch_tokens"
         mem = self.cost.memory(stage, par, seq_len=context, **{key: mb}).total * scale - slack
-        # memory holds the bucket; speed is of the steps being run, where the run measured
-        # them (priced at the bucket, the stages' rooflines, which fall with the context at
-        # different rates, moved a device to the rollout that the trainer needed)
-        at = min(context, self._s.rate_context or context)
-        tps = self.measured.tokens_per_s(stage, par, at) if self.measured else None
+        tps = self.measured.tokens_per_s(stage, par, context) if self.measured else None
         if tps is None:  # the roofline, in measured units once the layout or its stage ran
             busy = mb
             if stage == "rollout" and self.config.rollout_seqs:  # a replica's share decodes
-                busy = min(mb, -(-self.config.rollout_seqs // par.dp) * at)
-            tps = self.cost.tokens_per_s(stage, par, at, batch_tokens=busy) * \
-                (self.measured.efficiency(stage, par, at) if self.measured else 1.0)
+                busy = min(mb, -(-self.config.rollout_seqs // par.dp) * context)
+            tps = self.cost.tokens_per_s(stage, par, context, batch_tokens=busy) * \
+                (self.measured.efficiency(stage, par, context) if self.measured else 1.0)
         return ActorPlan(actor=actor, stage=stage, parallel=par, micro_batch_tokens=mb,
                          slots=slots, predicted_bytes=mem, tokens_per_s=tps)
 
@@ -286,7 +281,6 @@ class SearchPolicy:
         if not slots:
             raise ValueError("SearchPolicy.decide: slots is empty; pass slot name -> memory bytes")
         s, c = self._s, self.config
-        s.rate_context = contexts.max if self.measured is not None else 0
         need = self._projected(contexts, c.lookahead_steps)
         bucket = self._bucket(need, contexts)
         cand = self.candidate(bucket, slots, queue_depths)

@@ -351,35 +351,6 @@ def test_the_rollout_kv_budget_at_its_cap_does_not_depend_on_the_context_bucket(
     assert train is not None and train.micro_batch_tokens % 1536 == 0  # whole sequences
 
 
-class _ByContext(_Steps):
-    """A profile that measured the trainer's DP 2 fast at short contexts and slow at long."""
-
-    def tokens_per_s(self, stage: str, par: object, context: int) -> float | None:
-        from earl.runtime.selector.cost import Parallel
-
-        if stage == "train" and par == Parallel(dp=2):
-            return 1e6 if context <= 1024 else 1.0
-        return None
-
-
-def test_speed_is_looked_up_where_the_steps_run_and_memory_at_the_bucket() -> None:
-    """A plan holds the bucket (the projected longest context) in memory, and is priced at
-    the rates measured at the latest step's longest, where the profile keys its steps."""
-    small = CostModel(ModelShape(hidden=64, layers=2, heads=2, kv_heads=2, intermediate=192,
-                                 vocab=512, params=120_000))
-    stats = ContextTracker().observe([600, 900])  # longest 900
-    stats = type(stats)(p50=stats.p50, p95=stats.p95, max=900, trend=300.0)  # growing
-    two = ("s00", "s01")
-    policy = SearchPolicy(small, PolicyConfig(), measured=_ByContext(1e4, 5.0))
-    d = policy.decide(step=0, when="prep", contexts=stats, slots=slots(4))
-    assert d.plan.context_bucket > 1024  # planned for more than the step ran
-    plan = policy.evaluate("trainer", Parallel(dp=2), two, d.plan.context_bucket, 80 * GB)
-    assert plan is not None and plan.tokens_per_s == 1e6
-    bare = SearchPolicy(small, PolicyConfig(), measured=_ByContext(1e4, 5.0))  # no decision
-    at_bucket = bare.evaluate("trainer", Parallel(dp=2), two, d.plan.context_bucket, 80 * GB)
-    assert at_bucket is not None and at_bucket.tokens_per_s == 1.0
-
-
 def test_a_rollout_tp_change_is_priced_as_new_engine_processes() -> None:
     """Device moves measured ~1 s (warm hosts); a rollout TP change starts new engine
     processes (17.9 s): it must pay off against `respawn_cost_s`, not the median of moves."""
