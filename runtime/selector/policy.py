@@ -361,8 +361,8 @@ class SearchPolicy:
             return True, ""
         saved = tokens * (1 / old - 1 / new) * c.horizon_steps
         cost = (m.switch_seconds() if m is not None else None) or c.switch_cost_s
-        if any(a.stage == "rollout" and b.actor == a.actor and a.parallel.tp != b.parallel.tp
-               for a in cand.actors for b in cur.actors):  # new engine processes
+        if any(a.stage == "rollout" and a.parallel.tp != cur.actor(a.actor).parallel.tp
+               for a in cand.actors):  # new engine processes
             cost = max(cost, c.respawn_cost_s)
         return saved > cost, (f"would save {saved:.1f} s over {c.horizon_steps} steps, a "
                               f"switch costs {cost:.1f} s")
