@@ -236,6 +236,24 @@ def _selector(r: Result) -> str:
     return s
 
 
+def _selector_bound(r: Result) -> str:
+    sm, sweeps = r["summary"], r["sweeps"].values()
+    statics = {c for s in sweeps for c in s["static_commits"]}
+    one = all(len({v["run"] for v in s["fastest_by_bucket"].values()}) == 1 for s in sweeps)
+
+    def span(key: str, unit: str = "x") -> str:
+        lo, hi = f"{sm[key]['min']:.2f}", f"{sm[key]['max']:.2f}"
+        return f"**{lo}{unit}**" if lo == hi else f"**{lo}-{hi}{unit}**"
+
+    return (f"{len(statics)} static sweeps, {_n(len(r['sweeps']), 'selector run')}"
+            + ("; one static layout is the fastest at every context length in each" if one
+               else "")
+            + f": a policy switching for free to the fastest swept layout at each context "
+            f"reaches {span('oracle_ratio_max_over_works')} the best static run (goal 1.1x), "
+            f"{span('oracle_ratio_vs_step0_pick')} the step-0 pick (goal 1.5x); the selector "
+            f"runs reached {span('selector_share_of_oracle', '')} of it")
+
+
 def _simulate(r: Result) -> str:
     big = max(r["runs"], key=lambda x: x["gpus"])
     return (f"{big['gpus']} GPUs, 70B, contexts 4K -> 32K: selector "
@@ -301,6 +319,8 @@ ROWS: list[tuple[str, str, Callable[[Result], str]]] = [
     ("peers", "peer: TRL at its best (GRPOTrainer or AsyncGRPOTrainer), same agentic task and budget", _peers),
     ("parallel", "tensor parallelism on CPU", _parallel),
     ("selector", "parallelism selector in `earl train`, gauntlet (contexts grow as it learns), device slots", _selector),
+    ("selector_bound", ("the selector's ceiling on this machine: free, clairvoyant switching "
+     "among the swept layouts"), _selector_bound),
     ("selector_simulate", "parallelism selector, simulated cluster", _simulate),
     ("scale_model", "data through the driver per step, analytic model", _scale),
 ]
