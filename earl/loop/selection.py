@@ -155,6 +155,7 @@ class Selection:
 
     CUT = 0.7
     GROW = 4.0
+    SETTLE_STEPS = 2  # steps after a change (or the start) not measured end to end
 
     def __init__(self, policy: Policy, reconfigurer: Reconfigurer, *, setting: Setting,
                  slots: Callable[[], Mapping[str, float]],
@@ -193,6 +194,10 @@ class Selection:
         self._last_end = float("-inf")  # when the latest play ended
         self.decisions: list[Decision] = []
         self._started: int | None = None  # the batch whose rollout decision `start` took
+        # end-to-end steps for the policy (`observe_step`): when the last step ended, and how
+        # many steps after a change go unmeasured (the change and new actors' warm-up)
+        self._step_end: float | None = None
+        self._unmeasured = self.SETTLE_STEPS
 
     def statistics(self) -> SelectionStatistics:
         return self._stats
@@ -339,6 +344,7 @@ class Selection:
         trainer's ``tokens``: with the gauntlet's self-imitation 1.3-1.8x the batch's, which
         priced the trainer that much faster against the rollout than it keeps up)."""
         setting, longest, played = self._training.pop(batch, (self.setting, 0, 0))
+        self._step_done(played)
         if ("trainer", batch) in self._warming:  # its devices' peak is read at the next step
             self._warming.discard(("trainer", batch))
             return
@@ -353,6 +359,19 @@ class Selection:
                             batch_tokens=max(longest, min(setting.micro_batch_tokens, per_rank)),
                             peak_bytes=peak * 2**20 if peak else None,
                             whole_device=whole)
+
+    def _step_done(self, tokens: int) -> None:
+        """A training step ended: its batch's trajectory tokens over the loop's seconds since
+        the previous one, to a policy that takes them (`observe_step`: `SearchPolicy` probes
+        by them), unless a change came in between or shortly before."""
+        now, last = time.perf_counter(), self._step_end
+        self._step_end = now
+        if self._unmeasured > 0 or last is None:
+            self._unmeasured = max(0, self._unmeasured - 1)
+            return
+        observe = getattr(self.policy, "observe_step", None)
+        if observe is not None and tokens > 0:
+            observe(tokens=tokens, seconds=now - last)
 
     def using(self) -> contextlib.AbstractAsyncContextManager[None]:
         """Hold the actors (no re-creation meanwhile), e.g. for a validation eval."""
@@ -418,6 +437,7 @@ class Selection:
                 self.profile.record_switch(times["total_s"])
             moved = moves(old, new)
             self._unsettled |= moved  # their next peak counts their last holder (`_peak`)
+            self._unmeasured = self.SETTLE_STEPS
             self._fresh |= set(new.changed(old))
             if new.trainer_key() == old.trainer_key():  # the trainer was kept
                 if new.micro_batch_tokens != old.micro_batch_tokens:

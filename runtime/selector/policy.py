@@ -18,6 +18,15 @@ passed; an infeasible current plan is replaced at once. When no configuration wi
 contexts projected within `warn_steps`, the decision carries a `Shortfall` with the minimum
 resources, before it is needed.
 
+Probes, so a layout priced wrong early is not kept for the rest of the run: the stage rates
+it composes come from a few batches each, and a layout the run has left is not measured again.
+With `probe_every` steps of the current plan measured end to end (`observe_step`: a step's
+trajectory tokens over the loop's seconds), the best other plan that starts no new engine
+processes (the same rollout TP) and is priced within `probe_margin` of the current one runs for
+`probe_steps` measured steps; the faster of the two, end to end, stays, and the policy does not
+switch from it to the other on prices until the next probe. A probe that loses doubles the wait
+for the next one (at most 4x), one that wins resets it.
+
 `SearchPolicy` implements the loop's `plan.Policy` protocol. Not here: applying a plan (the
 loop re-creates actors), measuring (`profile`).
 """
@@ -47,6 +56,23 @@ def _pow2_upto(n: int) -> list[int]:
     return out
 
 
+Shape = tuple[tuple[str, Parallel], ...]  # a plan's layouts, whatever its devices and budgets
+
+
+def _shape(plan: Plan) -> Shape:
+    return tuple((a.actor, a.parallel) for a in plan.actors)
+
+
+@dataclass(slots=True)
+class _Probe:
+    """A plan on trial against the one it replaced (`back`), whose measured loop rate over its
+    last steps was `before`; `steps`: (tokens, seconds) of the trial's measured steps."""
+
+    back: Plan
+    before: float
+    steps: list[tuple[float, float]] = field(default_factory=list)
+
+
 @dataclass(slots=True)
 class _State:
     plan: Plan | None = None
@@ -56,6 +82,12 @@ class _State:
     low_needs: list[int] = field(default_factory=list)
     low_seen: ContextStats | None = None  # the observation `low_needs` counted last
     stats: SelectorStatistics = field(default_factory=SelectorStatistics)
+    # end-to-end steps measured since the last switch (tokens, seconds), and probing
+    loop: list[tuple[float, float]] = field(default_factory=list)
+    probe: _Probe | None = None
+    last_probe: int = -(10**9)
+    probe_wait: int = 1  # x probe_every: doubles after a probe that lost
+    verdict: tuple[Shape, Shape] | None = None  # the last probe's (faster, slower) end to end
 
 
 class SearchPolicy:
@@ -110,10 +142,13 @@ class SearchPolicy:
                          slots=slots, predicted_bytes=mem, tokens_per_s=tps)
 
     def best(self, actor: str, slots: tuple[str, ...], context: int,
-             capacity: float) -> ActorPlan | None:
-        """The fastest feasible layout of `actor` on exactly `slots`, or None."""
+             capacity: float, *, rollout_tp: int = 0) -> ActorPlan | None:
+        """The fastest feasible layout of `actor` on exactly `slots`, or None (`rollout_tp`: a
+        rollout's TP degree must be that one)."""
         found: ActorPlan | None = None
         for par in self.layouts(self.config.actors[actor], len(slots)):
+            if rollout_tp and self.config.actors[actor] == "rollout" and par.tp != rollout_tp:
+                continue
             p = self.evaluate(actor, par, slots, context, capacity)
             if p is not None and (found is None or p.tokens_per_s > found.tokens_per_s):
                 found = p
@@ -135,20 +170,24 @@ class SearchPolicy:
         return out
 
     def candidate(self, context: int, slots: Mapping[str, float],
-                  queues: Mapping[str, int] | None = None) -> Plan | None:
-        """The best plan at `context` over `slots` (name -> bytes), or None if none fits."""
+                  queues: Mapping[str, int] | None = None, *, other_than: Shape = (),
+                  rollout_tp: int = 0) -> Plan | None:
+        """The best plan at `context` over `slots` (name -> bytes), or None if none fits;
+        `other_than`: not one with these layouts; `rollout_tp`: the rollout's TP degree."""
         names = tuple(sorted(slots))
         cap = min(slots.values())
         actors = list(self.config.actors)
         if self.config.colocated:
-            plans = [self.best(a, names, context, cap) for a in actors]
+            plans = [self.best(a, names, context, cap, rollout_tp=rollout_tp) for a in actors]
             if any(p is None for p in plans):
                 return None
-            return Plan(actors=tuple(p for p in plans if p is not None), context_bucket=context)
-        return self._split(actors, names, context, cap, queues or {})
+            plan = Plan(actors=tuple(p for p in plans if p is not None), context_bucket=context)
+            return None if _shape(plan) == other_than else plan
+        return self._split(actors, names, context, cap, queues or {}, other_than, rollout_tp)
 
     def _split(self, actors: list[str], names: tuple[str, ...], context: int, cap: float,
-               queues: Mapping[str, int]) -> Plan | None:
+               queues: Mapping[str, int], other_than: Shape = (), rollout_tp: int = 0
+               ) -> Plan | None:
         n = len(names)
         if n < len(actors):
             return None
@@ -157,7 +196,8 @@ class SearchPolicy:
             gran *= 2
         counts = list(range(gran, n + 1, gran))
         # best plan of each actor per slot count (slot names fixed later)
-        table = {a: {k: self.best(a, names[:k], context, cap) for k in counts} for a in actors}
+        table = {a: {k: self.best(a, names[:k], context, cap, rollout_tp=rollout_tp)
+                     for k in counts} for a in actors}
         demand = self._demand(queues)
         best_split: tuple[float, list[int]] | None = None
 
@@ -167,9 +207,14 @@ class SearchPolicy:
                 p = table[actors[i]].get(left)
                 if p is None:
                     return
+                split = [*chosen, left]
+                if other_than and other_than == tuple(
+                        (a, q.parallel) for a, k in zip(actors, split, strict=True)
+                        if (q := table[a][k]) is not None):
+                    return
                 score = min(worst, p.tokens_per_s / demand[actors[i]])
                 if best_split is None or score > best_split[0]:
-                    best_split = (score, [*chosen, left])
+                    best_split = (score, split)
                 return
             for k in counts:
                 rest = left - k
@@ -286,6 +331,8 @@ class SearchPolicy:
         cand = self.candidate(bucket, slots, queue_depths)
         cur = self._reevaluate(s.plan, bucket, slots)
         changed, reason = False, ""
+        probing = self._probing(step, cur, bucket, slots, queue_depths) \
+            if cand is not None and cur is not None else None
         if cand is None:
             plan = cur if cur is not None else self._fallback(bucket, slots)
             plan = replace(plan, feasible=False)
@@ -305,10 +352,17 @@ class SearchPolicy:
                 why = (f"current layout cannot hold context {bucket} (max {contexts.max}, "
                        f"trend {contexts.trend:+.0f}/step)")
             reason = f"{why}: {self._summary(cand)}"
+        elif probing is not None:
+            plan, changed, reason = probing
         else:
             gain = self.score(cand, queue_depths) / max(self.score(cur, queue_depths), 1e-9) - 1
             pays, ledger = self._pays_off(cand, cur, queue_depths)
-            if cand.layouts() != cur.layouts() and gain >= c.switch_gain and not pays:
+            if s.verdict == (_shape(cur), _shape(cand)):  # the probe measured, the price guessed
+                s.better_streak = 0
+                plan = cur
+                reason = (f"kept: measured faster end to end than a plan priced {gain:+.0%} "
+                          "(the last probe)")
+            elif cand.layouts() != cur.layouts() and gain >= c.switch_gain and not pays:
                 s.better_streak = 0
                 plan = cur
                 reason = f"kept: a plan {gain:+.0%} faster {ledger}"
@@ -331,6 +385,9 @@ class SearchPolicy:
         if changed:
             s.better_streak = 0
             s.last_switch = step
+            s.loop.clear()
+            if probing is None:  # a forced or voluntary change ends a trial
+                s.probe = None
         s.plan, s.bucket = plan, bucket
         shortfall = self._shortfall(step, contexts, slots)
         st = s.stats
@@ -342,6 +399,57 @@ class SearchPolicy:
             switch_steps=st.switch_steps + ((step,) if changed else ()))
         return Decision(step=step, when=when, plan=plan, changed=changed, reason=reason,
                         context=contexts, shortfall=shortfall)
+
+    def observe_step(self, *, tokens: float, seconds: float) -> None:
+        """One training step of the current plan, end to end: its batch's trajectory tokens
+        and the loop's seconds since the previous step (the loop leaves out the steps a change
+        or a new actor's warm-up ran in)."""
+        s = self._s
+        if tokens <= 0 or seconds <= 0:
+            return
+        s.loop[:] = [*s.loop[-63:], (tokens, seconds)]
+        if s.probe is not None:
+            s.probe.steps.append((tokens, seconds))
+
+    def _probing(self, step: int, cur: Plan | None, bucket: int, slots: Mapping[str, float],
+                 queues: Mapping[str, int] | None) -> tuple[Plan, bool, str] | None:
+        """The decision a probe makes now (plan, changed, reason), or None: start one, hold
+        one that is measuring, or end one (see the module docstring)."""
+        s, c = self._s, self.config
+        if cur is None:
+            return None
+        if s.probe is not None:
+            got = s.probe.steps
+            if len(got) < c.probe_steps:
+                return cur, False, (f"probing: {len(got)}/{c.probe_steps} step(s) measured, "
+                                    f"against {s.probe.before:,.0f} tok/s before")
+            rate = sum(t for t, _ in got) / sum(sec for _, sec in got)
+            probe, back = s.probe, self._reevaluate(s.probe.back, bucket, slots)
+            s.probe, s.last_probe = None, step
+            if rate >= probe.before or back is None:
+                s.probe_wait = 1
+                s.verdict = (_shape(cur), _shape(probe.back))
+                return cur, False, (f"probe kept: {rate:,.0f} tok/s end to end against "
+                                    f"{probe.before:,.0f} before")
+            s.probe_wait = min(4, 2 * s.probe_wait)
+            s.verdict = (_shape(back), _shape(cur))
+            return back, True, (f"probe lost: {rate:,.0f} tok/s end to end against "
+                                f"{probe.before:,.0f} before; back to {self._summary(back)}")
+        if not c.probe_every or len(s.loop) < c.probe_steps or \
+                step - max(s.last_switch, s.last_probe) < c.probe_every * s.probe_wait:
+            return None
+        recent = s.loop[-c.probe_steps:]
+        before = sum(t for t, _ in recent) / sum(sec for _, sec in recent)
+        tp = next((a.parallel.tp for a in cur.actors if a.stage == "rollout"), 0)
+        alt = self.candidate(bucket, slots, queues, other_than=_shape(cur), rollout_tp=tp)
+        s.last_probe = step  # priced once per interval, tried or not
+        if alt is None or self.score(alt, queues) < \
+                (1 - c.probe_margin) * self.score(cur, queues):
+            return None
+        s.probe = _Probe(back=cur, before=before)
+        gain = self.score(alt, queues) / max(self.score(cur, queues), 1e-9) - 1
+        return alt, True, (f"probe for {c.probe_steps} steps (priced {gain:+.0%}; the current "
+                           f"plan {before:,.0f} tok/s end to end): {self._summary(alt)}")
 
     def _projected(self, contexts: ContextStats, steps: int) -> int:
         """The context expected `steps` ahead, capped at `max_context` (when set)."""

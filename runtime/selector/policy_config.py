@@ -68,6 +68,16 @@ class PolicyConfig:
             replicas start as new engine processes (warm hosts hold one-process replicas):
             17.9 s on the tiny model on half-core CPU devices, against ~1 s for the device
             moves whose median `switch_cost_s` is replaced by.
+        probe_every: steps of the current plan between two probes of the best other plan
+            that starts no new engine processes (and is priced within `probe_margin` of it):
+            that plan runs `probe_steps` steps measured end to end, and the faster stays (a
+            lost probe doubles the wait, at most 4x). It needs steps measured end to end
+            (`SearchPolicy.observe_step`; the loop feeds them): without, no probe. 0: none.
+            The stage rates a plan is priced by come from a few batches each: one of three
+            gauntlet runs left the faster layout at step 17 on such rates and never measured
+            it again (0.68x the best static run on its devices, against 0.91-0.95x).
+        probe_steps: measured steps of a probe, and of the current plan before it.
+        probe_margin: a plan priced this much below the current one is not probed.
         max_micro_batch_tokens: cap on the train/reference micro-batch budget.
         max_kv_tokens: cap on a rollout replica's KV-cache budget.
         dp_divides: a train or reference layout's DP degree must divide this (a run's GRPO
@@ -102,6 +112,9 @@ class PolicyConfig:
     horizon_steps: int = 20
     switch_cost_s: float = 5.0
     respawn_cost_s: float = 15.0
+    probe_every: int = 50
+    probe_steps: int = 6
+    probe_margin: float = 0.3
     max_micro_batch_tokens: int = 65536
     max_kv_tokens: int = 1 << 20
     queue_target: int = 0
@@ -123,6 +136,11 @@ class PolicyConfig:
             need(getattr(self, k) >= 1, k, f"must be >= 1, got {getattr(self, k)}")
         need(self.respawn_cost_s >= 0, "respawn_cost_s",
              f"must be >= 0 seconds, got {self.respawn_cost_s}")
+        need(self.probe_every >= 0, "probe_every",
+             f"must be >= 0 steps (0 = no probes), got {self.probe_every}")
+        need(self.probe_steps >= 1, "probe_steps", f"must be >= 1, got {self.probe_steps}")
+        need(0 <= self.probe_margin < 1, "probe_margin",
+             f"must be in [0, 1), got {self.probe_margin}")
         need(self.max_context >= 0, "max_context",
              f"must be >= 0 tokens (0 = no cap), got {self.max_context}")
         need(self.rollout_seqs >= 0, "rollout_seqs",

@@ -695,3 +695,34 @@ def test_a_training_step_is_measured_in_its_batchs_trajectory_tokens() -> None:
     asyncio.run(main())
     assert sel.profile.tokens_per_s("train", Parallel(), 800) == pytest.approx(2100 / 3.0)
     assert sel.profile.step_tokens() == 2100
+
+
+def test_the_policy_is_fed_steps_end_to_end_but_those_a_change_ran_in() -> None:
+    """`observe_step` gets each training step's trajectory tokens and the loop's seconds since
+    the previous step; the first steps, and the `SETTLE_STEPS` after a re-creation (the change
+    itself, new actors warming up), are left out."""
+    reconf, rows, events = FakeReconfigurer(), [], []
+    sel = _selection(reconf, rows, events, window=1024)
+    fed: list[tuple[float, float]] = []
+    sel.policy.observe_step = lambda *, tokens, seconds: fed.append((tokens, seconds))  # type: ignore[method-assign]
+
+    async def batch(b: int) -> None:
+        async with sel.rollout(b):
+            await asyncio.sleep(0.01)
+        async with sel.train(b, _result(b, [600, 700, 800])):
+            pass
+        sel.trained(b, {"tokens": 2100.0, "step_time_s": 0.01})
+
+    async def main() -> None:
+        for b in range(4):
+            await batch(b)
+        assert len(fed) == 4 - Selection.SETTLE_STEPS
+        assert all(t == 2100 and s >= 0.01 for t, s in fed)
+        planned = sel.setting
+        sel.setting = replace(planned, trainer_dp=2)  # as if elsewhere: re-created below
+        await sel._apply(planned)
+        for b in range(4, 7):
+            await batch(b)
+        assert len(fed) == 4 - Selection.SETTLE_STEPS + 3 - Selection.SETTLE_STEPS
+
+    asyncio.run(main())

@@ -375,3 +375,63 @@ def test_a_rollout_tp_change_is_priced_as_new_engine_processes() -> None:
     assert "a switch costs 1.0 s" in ledger
     with pytest.raises(ValueError, match="respawn_cost_s"):
         PolicyConfig(respawn_cost_s=-1)
+
+
+def _probe_policy(**knobs: float) -> tuple[SearchPolicy, dict[str, float]]:
+    small = CostModel(ModelShape(hidden=64, layers=2, heads=2, kv_heads=2, intermediate=192,
+                                 vocab=512, params=120_000))
+    cfg = PolicyConfig(actors={"rollout": "rollout", "trainer": "train"}, probe_every=5,
+                       probe_steps=2, probe_margin=0.99, **knobs)  # type: ignore[arg-type]
+    return SearchPolicy(small, cfg), slots(4)
+
+
+def _shape(d: Decision) -> tuple[tuple[str, Parallel], ...]:
+    return tuple((a.actor, a.parallel) for a in d.plan.actors)
+
+
+@pytest.mark.parametrize("probe_faster", [False, True])
+def test_a_probe_runs_the_other_plan_and_the_faster_end_to_end_stays(probe_faster: bool) -> None:
+    """Stage rates from a few batches can price the faster layout lower (a gauntlet run left it
+    at step 17 and never measured it again): every `probe_every` steps the best other plan
+    (same rollout TP) runs `probe_steps` steps measured end to end, and the faster stays; the
+    policy does not switch back on prices until the next probe, and a lost probe doubles the
+    wait for the next."""
+    policy, pool = _probe_policy()
+    stats = ContextTracker().observe([1024, 800])
+
+    def step(n: int, seconds: float = 1.0) -> Decision:
+        policy.observe_step(tokens=1000.0, seconds=seconds)
+        return policy.decide(step=n, when="prep", contexts=stats, slots=pool)
+
+    first = policy.decide(step=0, when="prep", contexts=stats, slots=pool)
+    assert not any(step(n).changed for n in range(1, 5))  # no probe before `probe_every`
+    probe = step(5)
+    assert probe.changed and probe.reason.startswith("probe for 2 steps")
+    assert _shape(probe) != _shape(first)
+    assert probe.plan.actor("rollout").parallel.tp == first.plan.actor("rollout").parallel.tp
+    held = step(6, 0.5 if probe_faster else 2.0)
+    assert not held.changed and held.reason.startswith("probing: 1/2")
+    end = step(7, 0.5 if probe_faster else 2.0)
+    if probe_faster:  # 2,000 tok/s against 1,000: kept, and not left on prices
+        assert not end.changed and end.reason.startswith("probe kept")
+        later = [step(n, 0.5) for n in range(8, 12)]
+        assert all(_shape(d) == _shape(probe) and not d.changed for d in later)
+        assert any("measured faster end to end" in d.reason for d in later)
+        again = step(12, 0.5)  # the next probe re-tests the first plan after probe_every
+        assert again.changed and _shape(again) == _shape(first)
+    else:  # 500 tok/s: back to the first plan; the next probe waits 2 x probe_every
+        assert end.changed and end.reason.startswith("probe lost")
+        assert _shape(end) == _shape(first)
+        waited = [step(n) for n in range(8, 17)]
+        assert not any(d.changed for d in waited)
+        assert step(17).reason.startswith("probe for")
+
+
+def test_no_probe_without_steps_measured_end_to_end() -> None:
+    """A policy the loop does not feed (`observe_step`; the cluster simulator) never probes."""
+    policy, pool = _probe_policy()
+    stats = ContextTracker().observe([1024, 800])
+    ds = [policy.decide(step=n, when="prep", contexts=stats, slots=pool) for n in range(30)]
+    assert sum(d.changed for d in ds) == 1  # the first plan only
+    with pytest.raises(ValueError, match="probe_margin"):
+        PolicyConfig(probe_margin=1.0)
