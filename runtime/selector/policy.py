@@ -18,14 +18,15 @@ passed; an infeasible current plan is replaced at once. When no configuration wi
 contexts projected within `warn_steps`, the decision carries a `Shortfall` with the minimum
 resources, before it is needed.
 
-Probes, so a layout priced wrong early is not kept for the rest of the run: the stage rates
-it composes come from a few batches each, and a layout the run has left is not measured again.
-With `probe_every` steps of the current plan measured end to end (`observe_step`: a step's
-trajectory tokens over the loop's seconds), the best other plan that starts no new engine
-processes (the same rollout TP) and is priced within `probe_margin` of the current one runs for
-`probe_steps` measured steps; the faster of the two, end to end, stays, and the policy does not
-switch from it to the other on prices until the next probe. A probe that loses doubles the wait
-for the next one (at most 4x), one that wins resets it.
+Prices propose, steps measured end to end decide. A plan is priced by composing stage rates,
+each from a few batches, and a layout the run has left is not measured again; so the loop also
+gives the policy each training step end to end (`observe_step`: its batch's trajectory tokens
+over the loop's seconds), and once a plan has run `probe_steps` of them at a bucket its rate
+there is kept. A plan measured `switch_gain` faster there than the current one is switched back
+to; one measured there is not switched to on prices. Every `probe_every` steps the best plan not
+yet measured at the bucket that starts no new engine processes (the same rollout TP) and is
+priced within `probe_margin` of the current one runs `probe_steps` steps; if it is slower end
+to end the policy goes back, and the wait for the next probe doubles (at most 4x).
 
 `SearchPolicy` implements the loop's `plan.Policy` protocol. Not here: applying a plan (the
 loop re-creates actors), measuring (`profile`).
@@ -33,7 +34,7 @@ loop re-creates actors), measuring (`profile`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 
 from earl.runtime.selector.cost import CostModel, Parallel, Stage
@@ -63,14 +64,21 @@ def _shape(plan: Plan) -> Shape:
     return tuple((a.actor, a.parallel) for a in plan.actors)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class _Probe:
-    """A plan on trial against the one it replaced (`back`), whose measured loop rate over its
-    last steps was `before`; `steps`: (tokens, seconds) of the trial's measured steps."""
+    """A plan on trial against the one it replaced (`back`), measured `before` tok/s end to
+    end."""
 
     back: Plan
     before: float
-    steps: list[tuple[float, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class _End:
+    """A plan's tokens/s end to end over its last `probe_steps` measured steps."""
+
+    rate: float
+    plan: Plan
 
 
 @dataclass(slots=True)
@@ -87,7 +95,7 @@ class _State:
     probe: _Probe | None = None
     last_probe: int = -(10**9)
     probe_wait: int = 1  # x probe_every: doubles after a probe that lost
-    verdict: tuple[Shape, Shape] | None = None  # the last probe's (faster, slower) end to end
+    ends: dict[tuple[Shape, int], _End] = field(default_factory=dict)  # (layouts, bucket)
 
 
 class SearchPolicy:
@@ -170,10 +178,10 @@ class SearchPolicy:
         return out
 
     def candidate(self, context: int, slots: Mapping[str, float],
-                  queues: Mapping[str, int] | None = None, *, other_than: Shape = (),
-                  rollout_tp: int = 0) -> Plan | None:
+                  queues: Mapping[str, int] | None = None, *,
+                  other_than: Collection[Shape] = (), rollout_tp: int = 0) -> Plan | None:
         """The best plan at `context` over `slots` (name -> bytes), or None if none fits;
-        `other_than`: not one with these layouts; `rollout_tp`: the rollout's TP degree."""
+        `other_than`: none with these layouts; `rollout_tp`: the rollout's TP degree."""
         names = tuple(sorted(slots))
         cap = min(slots.values())
         actors = list(self.config.actors)
@@ -182,12 +190,12 @@ class SearchPolicy:
             if any(p is None for p in plans):
                 return None
             plan = Plan(actors=tuple(p for p in plans if p is not None), context_bucket=context)
-            return None if _shape(plan) == other_than else plan
+            return None if _shape(plan) in other_than else plan
         return self._split(actors, names, context, cap, queues or {}, other_than, rollout_tp)
 
     def _split(self, actors: list[str], names: tuple[str, ...], context: int, cap: float,
-               queues: Mapping[str, int], other_than: Shape = (), rollout_tp: int = 0
-               ) -> Plan | None:
+               queues: Mapping[str, int], other_than: Collection[Shape] = (),
+               rollout_tp: int = 0) -> Plan | None:
         n = len(names)
         if n < len(actors):
             return None
@@ -208,9 +216,9 @@ class SearchPolicy:
                 if p is None:
                     return
                 split = [*chosen, left]
-                if other_than and other_than == tuple(
+                if other_than and tuple(
                         (a, q.parallel) for a, k in zip(actors, split, strict=True)
-                        if (q := table[a][k]) is not None):
+                        if (q := table[a][k]) is not None) in other_than:
                     return
                 score = min(worst, p.tokens_per_s / demand[actors[i]])
                 if best_split is None or score > best_split[0]:
@@ -331,8 +339,6 @@ class SearchPolicy:
         cand = self.candidate(bucket, slots, queue_depths)
         cur = self._reevaluate(s.plan, bucket, slots)
         changed, reason = False, ""
-        probing = self._probing(step, cur, bucket, slots, queue_depths) \
-            if cand is not None and cur is not None else None
         if cand is None:
             plan = cur if cur is not None else self._fallback(bucket, slots)
             plan = replace(plan, feasible=False)
@@ -340,6 +346,7 @@ class SearchPolicy:
                       f"{contexts.trend:+.0f}/step) on {len(slots)} slot(s) of "
                       f"{min(slots.values()) / 2**30:.1f} GiB")
             changed = s.plan is None or plan.layouts() != s.plan.layouts()
+            s.probe = None
         elif cur is None:
             plan, changed = cand, True
             if s.plan is None:
@@ -352,42 +359,13 @@ class SearchPolicy:
                 why = (f"current layout cannot hold context {bucket} (max {contexts.max}, "
                        f"trend {contexts.trend:+.0f}/step)")
             reason = f"{why}: {self._summary(cand)}"
-        elif probing is not None:
-            plan, changed, reason = probing
+            s.probe = None
         else:
-            gain = self.score(cand, queue_depths) / max(self.score(cur, queue_depths), 1e-9) - 1
-            pays, ledger = self._pays_off(cand, cur, queue_depths)
-            if s.verdict == (_shape(cur), _shape(cand)):  # the probe measured, the price guessed
-                s.better_streak = 0
-                plan = cur
-                reason = (f"kept: measured faster end to end than a plan priced {gain:+.0%} "
-                          "(the last probe)")
-            elif cand.layouts() != cur.layouts() and gain >= c.switch_gain and not pays:
-                s.better_streak = 0
-                plan = cur
-                reason = f"kept: a plan {gain:+.0%} faster {ledger}"
-            elif cand.layouts() != cur.layouts() and gain >= c.switch_gain:
-                s.better_streak += 1
-                ready = s.better_streak >= c.patience and step - s.last_switch >= c.cooldown_steps
-                if ready:
-                    plan, changed = cand, True
-                    reason = (f"{gain:+.0%} faster (tokens/s) at context {bucket}: "
-                              f"{self._summary(cand)}")
-                else:
-                    plan = cur
-                    reason = (f"kept: a plan {gain:+.0%} faster seen {s.better_streak}/"
-                              f"{c.patience} time(s), {step - s.last_switch} step(s) since the "
-                              "last switch")
-            else:
-                s.better_streak = 0
-                plan = cur
-                reason = f"kept: best within {c.switch_gain:.0%} at context {bucket}"
+            plan, changed, reason = self._voluntary(step, cand, cur, bucket, slots, queue_depths)
         if changed:
             s.better_streak = 0
             s.last_switch = step
             s.loop.clear()
-            if probing is None:  # a forced or voluntary change ends a trial
-                s.probe = None
         s.plan, s.bucket = plan, bucket
         shortfall = self._shortfall(step, contexts, slots)
         st = s.stats
@@ -400,56 +378,120 @@ class SearchPolicy:
         return Decision(step=step, when=when, plan=plan, changed=changed, reason=reason,
                         context=contexts, shortfall=shortfall)
 
+
+    def _voluntary(self, step: int, cand: Plan, cur: Plan, bucket: int,
+                   slots: Mapping[str, float], queues: Mapping[str, int] | None
+                   ) -> tuple[Plan, bool, str]:
+        """(plan, changed, reason) when the current plan still fits: a probe's step, a plan
+        measured faster end to end at this bucket, one priced faster, or a new probe."""
+        s, c = self._s, self.config
+        if s.probe is not None:
+            return self._probe_step(step, cur, bucket, slots)
+        mine = self._end(cur, bucket)
+        others = [(e.rate, e.plan) for (shape, b), e in s.ends.items()
+                  if b == bucket and shape != _shape(cur)]
+        if mine is not None and others and step - s.last_switch >= c.cooldown_steps:
+            rate, best = max(others, key=lambda x: x[0])
+            back = self._reevaluate(best, bucket, slots)
+            if rate >= mine * (1 + c.switch_gain) and back is not None:
+                return back, True, (f"measured {rate / mine - 1:+.0%} faster end to end at "
+                                    f"context {bucket} ({rate:,.0f} tok/s against {mine:,.0f}): "
+                                    f"{self._summary(back)}")
+        plan, changed, reason = self._priced(step, cand, cur, bucket, queues, mine)
+        if changed or s.better_streak:  # a switch, or one on its way
+            return plan, changed, reason
+        return self._start_probe(step, cur, bucket, slots, queues, mine) or \
+            (plan, changed, reason)
+
+    def _priced(self, step: int, cand: Plan, cur: Plan, bucket: int,
+                queues: Mapping[str, int] | None, mine: float | None
+                ) -> tuple[Plan, bool, str]:
+        """The switch the prices call for: `switch_gain` faster for `patience` decisions,
+        after `cooldown_steps`, paying off (`_pays_off`); not to a plan measured end to end
+        at this bucket (the measurement decides: `_voluntary`)."""
+        s, c = self._s, self.config
+        gain = self.score(cand, queues) / max(self.score(cur, queues), 1e-9) - 1
+        if cand.layouts() == cur.layouts() or gain < c.switch_gain:
+            s.better_streak = 0
+            return cur, False, f"kept: best within {c.switch_gain:.0%} at context {bucket}"
+        theirs = self._end(cand, bucket)
+        if mine is not None and theirs is not None:
+            s.better_streak = 0
+            return cur, False, (f"kept: a plan priced {gain:+.0%} ran {theirs:,.0f} tok/s end "
+                                f"to end at context {bucket}, this one {mine:,.0f}")
+        pays, ledger = self._pays_off(cand, cur, queues)
+        if not pays:
+            s.better_streak = 0
+            return cur, False, f"kept: a plan {gain:+.0%} faster {ledger}"
+        s.better_streak += 1
+        if s.better_streak >= c.patience and step - s.last_switch >= c.cooldown_steps:
+            return cand, True, (f"{gain:+.0%} faster (tokens/s) at context {bucket}: "
+                                f"{self._summary(cand)}")
+        return cur, False, (f"kept: a plan {gain:+.0%} faster seen {s.better_streak}/"
+                            f"{c.patience} time(s), {step - s.last_switch} step(s) since the "
+                            "last switch")
+
     def observe_step(self, *, tokens: float, seconds: float) -> None:
         """One training step of the current plan, end to end: its batch's trajectory tokens
         and the loop's seconds since the previous step (the loop leaves out the steps a change
-        or a new actor's warm-up ran in)."""
-        s = self._s
+        or a new actor's warm-up ran in). Once `probe_steps` of them ran since the last change,
+        their rate is the plan's at its bucket (`_end`)."""
+        s, c = self._s, self.config
         if tokens <= 0 or seconds <= 0:
             return
         s.loop[:] = [*s.loop[-63:], (tokens, seconds)]
-        if s.probe is not None:
-            s.probe.steps.append((tokens, seconds))
+        if s.plan is not None and len(s.loop) >= c.probe_steps:
+            recent = s.loop[-c.probe_steps:]
+            s.ends[(_shape(s.plan), s.bucket)] = _End(
+                sum(t for t, _ in recent) / sum(sec for _, sec in recent), s.plan)
 
-    def _probing(self, step: int, cur: Plan | None, bucket: int, slots: Mapping[str, float],
-                 queues: Mapping[str, int] | None) -> tuple[Plan, bool, str] | None:
-        """The decision a probe makes now (plan, changed, reason), or None: start one, hold
-        one that is measuring, or end one (see the module docstring)."""
+    def _end(self, plan: Plan, bucket: int) -> float | None:
+        """`plan`'s layouts' tokens/s end to end at `bucket`, when measured."""
+        e = self._s.ends.get((_shape(plan), bucket))
+        return e.rate if e is not None else None
+
+    def _probe_step(self, step: int, cur: Plan, bucket: int, slots: Mapping[str, float]
+                    ) -> tuple[Plan, bool, str]:
+        """A probe measuring: held until `probe_steps` steps ran, then kept or left."""
         s, c = self._s, self.config
-        if cur is None:
-            return None
-        if s.probe is not None:
-            got = s.probe.steps
-            if len(got) < c.probe_steps:
-                return cur, False, (f"probing: {len(got)}/{c.probe_steps} step(s) measured, "
-                                    f"against {s.probe.before:,.0f} tok/s before")
-            rate = sum(t for t, _ in got) / sum(sec for _, sec in got)
-            probe, back = s.probe, self._reevaluate(s.probe.back, bucket, slots)
-            s.probe, s.last_probe = None, step
-            if rate >= probe.before or back is None:
-                s.probe_wait = 1
-                s.verdict = (_shape(cur), _shape(probe.back))
-                return cur, False, (f"probe kept: {rate:,.0f} tok/s end to end against "
-                                    f"{probe.before:,.0f} before")
-            s.probe_wait = min(4, 2 * s.probe_wait)
-            s.verdict = (_shape(back), _shape(cur))
-            return back, True, (f"probe lost: {rate:,.0f} tok/s end to end against "
-                                f"{probe.before:,.0f} before; back to {self._summary(back)}")
-        if not c.probe_every or len(s.loop) < c.probe_steps or \
+        probe = s.probe
+        assert probe is not None
+        if len(s.loop) < c.probe_steps:
+            return cur, False, (f"probing: {len(s.loop)}/{c.probe_steps} step(s) measured, "
+                                f"against {probe.before:,.0f} tok/s before")
+        recent = s.loop[-c.probe_steps:]
+        rate = sum(t for t, _ in recent) / sum(sec for _, sec in recent)
+        back = self._reevaluate(probe.back, bucket, slots)
+        s.probe, s.last_probe = None, step
+        if rate >= probe.before or back is None:
+            s.probe_wait = 1
+            return cur, False, (f"probe kept: {rate:,.0f} tok/s end to end against "
+                                f"{probe.before:,.0f} before")
+        s.probe_wait = min(4, 2 * s.probe_wait)
+        return back, True, (f"probe lost: {rate:,.0f} tok/s end to end against "
+                            f"{probe.before:,.0f} before; back to {self._summary(back)}")
+
+    def _start_probe(self, step: int, cur: Plan, bucket: int, slots: Mapping[str, float],
+                     queues: Mapping[str, int] | None, mine: float | None
+                     ) -> tuple[Plan, bool, str] | None:
+        """A probe of the best plan not measured at this bucket that starts no new engine
+        processes, priced within `probe_margin`, every `probe_every` x the wait steps."""
+        s, c = self._s, self.config
+        if not c.probe_every or mine is None or \
                 step - max(s.last_switch, s.last_probe) < c.probe_every * s.probe_wait:
             return None
-        recent = s.loop[-c.probe_steps:]
-        before = sum(t for t, _ in recent) / sum(sec for _, sec in recent)
         tp = next((a.parallel.tp for a in cur.actors if a.stage == "rollout"), 0)
-        alt = self.candidate(bucket, slots, queues, other_than=_shape(cur), rollout_tp=tp)
+        measured = {shape for shape, b in s.ends if b == bucket}
+        alt = self.candidate(bucket, slots, queues, other_than={_shape(cur), *measured},
+                             rollout_tp=tp)
         s.last_probe = step  # priced once per interval, tried or not
         if alt is None or self.score(alt, queues) < \
                 (1 - c.probe_margin) * self.score(cur, queues):
             return None
-        s.probe = _Probe(back=cur, before=before)
+        s.probe = _Probe(back=cur, before=mine)
         gain = self.score(alt, queues) / max(self.score(cur, queues), 1e-9) - 1
         return alt, True, (f"probe for {c.probe_steps} steps (priced {gain:+.0%}; the current "
-                           f"plan {before:,.0f} tok/s end to end): {self._summary(alt)}")
+                           f"plan {mine:,.0f} tok/s end to end): {self._summary(alt)}")
 
     def _projected(self, contexts: ContextStats, steps: int) -> int:
         """The context expected `steps` ahead, capped at `max_context` (when set)."""

@@ -68,15 +68,16 @@ class PolicyConfig:
             replicas start as new engine processes (warm hosts hold one-process replicas):
             17.9 s on the tiny model on half-core CPU devices, against ~1 s for the device
             moves whose median `switch_cost_s` is replaced by.
-        probe_every: steps of the current plan between two probes of the best other plan
-            that starts no new engine processes (and is priced within `probe_margin` of it):
-            that plan runs `probe_steps` steps measured end to end, and the faster stays (a
-            lost probe doubles the wait, at most 4x). It needs steps measured end to end
-            (`SearchPolicy.observe_step`; the loop feeds them): without, no probe. 0: none.
-            The stage rates a plan is priced by come from a few batches each: one of three
-            gauntlet runs left the faster layout at step 17 on such rates and never measured
-            it again (0.68x the best static run on its devices, against 0.91-0.95x).
-        probe_steps: measured steps of a probe, and of the current plan before it.
+        probe_every: steps between two probes: the best plan not measured end to end at
+            the bucket that starts no new engine processes, priced within `probe_margin`, runs
+            `probe_steps` steps; the faster end to end stays (a lost probe doubles the wait, at
+            most 4x). Steps come end to end from the loop (`SearchPolicy.observe_step`);
+            without them, no probe and no measured switch. 0: no probes. Stage rates from a few
+            batches each made one of three gauntlet runs leave the faster layout at step 17
+            and never measure it again (0.68x the best static run on its devices, against
+            0.91-0.95x).
+        probe_steps: steps measured end to end that give a plan its rate at a bucket (and
+            a probe its length).
         probe_margin: a plan priced this much below the current one is not probed.
         max_micro_batch_tokens: cap on the train/reference micro-batch budget.
         max_kv_tokens: cap on a rollout replica's KV-cache budget.

@@ -416,9 +416,8 @@ def test_a_probe_runs_the_other_plan_and_the_faster_end_to_end_stays(probe_faste
         assert not end.changed and end.reason.startswith("probe kept")
         later = [step(n, 0.5) for n in range(8, 12)]
         assert all(_shape(d) == _shape(probe) and not d.changed for d in later)
-        assert any("measured faster end to end" in d.reason for d in later)
-        again = step(12, 0.5)  # the next probe re-tests the first plan after probe_every
-        assert again.changed and _shape(again) == _shape(first)
+        assert any(d.reason.startswith("kept: a plan priced") and "end to end" in d.reason
+                   for d in later)
     else:  # 500 tok/s: back to the first plan; the next probe waits 2 x probe_every
         assert end.changed and end.reason.startswith("probe lost")
         assert _shape(end) == _shape(first)
@@ -435,3 +434,34 @@ def test_no_probe_without_steps_measured_end_to_end() -> None:
     assert sum(d.changed for d in ds) == 1  # the first plan only
     with pytest.raises(ValueError, match="probe_margin"):
         PolicyConfig(probe_margin=1.0)
+
+
+def test_a_plan_priced_faster_but_measured_slower_end_to_end_is_left_and_not_taken_again() -> None:
+    """Prices propose, steps measured end to end decide: a switch the prices called for is
+    undone once the new plan runs slower end to end than the old one did at the same bucket,
+    and the prices do not take it again there."""
+    small = CostModel(ModelShape(hidden=64, layers=2, heads=2, kv_heads=2, intermediate=192,
+                                 vocab=512, params=120_000))
+    measured = _Steps(1e6, switch_s=1.0)
+    policy = SearchPolicy(small, PolicyConfig(
+        actors={"rollout": "rollout", "trainer": "train"}, patience=1, cooldown_steps=0,
+        probe_every=0, probe_steps=2), measured=measured)
+    stats, pool = ContextTracker().observe([1024, 800]), slots(4)
+
+    def step(n: int, seconds: float) -> Decision:
+        policy.observe_step(tokens=1000.0, seconds=seconds)
+        return policy.decide(step=n, when="prep", contexts=stats, slots=pool)
+
+    first = policy.decide(step=0, when="prep", contexts=stats, slots=pool)
+    assert not step(1, 1.0).changed and not step(2, 1.0).changed  # 1,000 tok/s end to end
+    measured.slow = ("train", first.plan.actor("trainer").parallel)  # priced slow from now
+    priced = step(3, 1.0)
+    assert priced.changed and "faster (tokens/s)" in priced.reason
+    assert not step(4, 2.0).changed  # one step of the new plan: not measured yet
+    back = step(5, 2.0)  # two at 500 tok/s
+    assert back.changed and back.reason.startswith("measured +100% faster end to end")
+    assert _shape(back) == _shape(first)
+    kept = [step(n, 1.0) for n in range(6, 10)]
+    assert not any(d.changed for d in kept)
+    assert all(d.reason.startswith("kept: a plan priced") and "ran 500 tok/s" in d.reason
+               for d in kept)
