@@ -22,11 +22,13 @@ Prices propose, steps measured end to end decide. A plan is priced by composing 
 each from a few batches, and a layout the run has left is not measured again; so the loop also
 gives the policy each training step end to end (`observe_step`: its batch's trajectory tokens
 over the loop's seconds), and once a plan has run `probe_steps` of them at a bucket its rate
-there is kept. A plan measured `switch_gain` faster there than the current one is switched back
-to; one measured there is not switched to on prices. Every `probe_every` steps the best plan not
-yet measured at the bucket that starts no new engine processes (the same rollout TP) and is
-priced within `probe_margin` of the current one runs `probe_steps` steps; if it is slower end
-to end the policy goes back, and the wait for the next probe doubles (at most 4x).
+there is kept. A plan is left on prices only once it has such a rate (to come back to); a plan
+measured `switch_gain` faster there than the current one is switched back to; one measured
+there is not switched to on prices. Every `probe_every` steps the best plan not yet measured at
+the bucket with another split of the devices that starts no new engine processes (the same
+rollout TP) and is priced within `probe_margin` of the current one runs `probe_steps` steps; if
+it is slower end to end the policy goes back, and the wait for the next probe doubles (at most
+4x).
 
 `SearchPolicy` implements the loop's `plan.Policy` protocol. Not here: applying a plan (the
 loop re-creates actors), measuring (`profile`).
@@ -64,6 +66,11 @@ def _shape(plan: Plan) -> Shape:
     return tuple((a.actor, a.parallel) for a in plan.actors)
 
 
+def _split_of(plan: Plan) -> tuple[int, ...]:
+    """How many devices each actor holds."""
+    return tuple(len(a.slots) for a in plan.actors)
+
+
 @dataclass(frozen=True, slots=True)
 class _Probe:
     """A plan on trial against the one it replaced (`back`), measured `before` tok/s end to
@@ -96,6 +103,7 @@ class _State:
     last_probe: int = -(10**9)
     probe_wait: int = 1  # x probe_every: doubles after a probe that lost
     ends: dict[tuple[Shape, int], _End] = field(default_factory=dict)  # (layouts, bucket)
+    fed: bool = False  # the loop gives steps end to end (`observe_step`)
 
 
 class SearchPolicy:
@@ -179,9 +187,11 @@ class SearchPolicy:
 
     def candidate(self, context: int, slots: Mapping[str, float],
                   queues: Mapping[str, int] | None = None, *,
-                  other_than: Collection[Shape] = (), rollout_tp: int = 0) -> Plan | None:
+                  other_than: Collection[Shape] = (), rollout_tp: int = 0,
+                  other_split: tuple[int, ...] = ()) -> Plan | None:
         """The best plan at `context` over `slots` (name -> bytes), or None if none fits;
-        `other_than`: none with these layouts; `rollout_tp`: the rollout's TP degree."""
+        `other_than`: none with these layouts; `rollout_tp`: the rollout's TP degree;
+        `other_split`: not this many devices per actor (split plans only)."""
         names = tuple(sorted(slots))
         cap = min(slots.values())
         actors = list(self.config.actors)
@@ -191,11 +201,12 @@ class SearchPolicy:
                 return None
             plan = Plan(actors=tuple(p for p in plans if p is not None), context_bucket=context)
             return None if _shape(plan) in other_than else plan
-        return self._split(actors, names, context, cap, queues or {}, other_than, rollout_tp)
+        return self._split(actors, names, context, cap, queues or {}, other_than, rollout_tp,
+                           other_split)
 
     def _split(self, actors: list[str], names: tuple[str, ...], context: int, cap: float,
                queues: Mapping[str, int], other_than: Collection[Shape] = (),
-               rollout_tp: int = 0) -> Plan | None:
+               rollout_tp: int = 0, other_split: tuple[int, ...] = ()) -> Plan | None:
         n = len(names)
         if n < len(actors):
             return None
@@ -216,6 +227,8 @@ class SearchPolicy:
                 if p is None:
                     return
                 split = [*chosen, left]
+                if tuple(split) == other_split:
+                    return
                 if other_than and tuple(
                         (a, q.parallel) for a, k in zip(actors, split, strict=True)
                         if (q := table[a][k]) is not None) in other_than:
@@ -414,6 +427,10 @@ class SearchPolicy:
         if cand.layouts() == cur.layouts() or gain < c.switch_gain:
             s.better_streak = 0
             return cur, False, f"kept: best within {c.switch_gain:.0%} at context {bucket}"
+        if mine is None and s.fed:  # the loop measures plans: this one first, to come back to
+            return cur, False, (f"kept: a plan priced {gain:+.0%}; this one is not measured end "
+                                f"to end at context {bucket} yet ({len(s.loop)}/"
+                                f"{c.probe_steps} steps)")
         theirs = self._end(cand, bucket)
         if mine is not None and theirs is not None:
             s.better_streak = 0
@@ -439,6 +456,7 @@ class SearchPolicy:
         s, c = self._s, self.config
         if tokens <= 0 or seconds <= 0:
             return
+        s.fed = True
         s.loop[:] = [*s.loop[-63:], (tokens, seconds)]
         if s.plan is not None and len(s.loop) >= c.probe_steps:
             recent = s.loop[-c.probe_steps:]
@@ -483,7 +501,7 @@ class SearchPolicy:
         tp = next((a.parallel.tp for a in cur.actors if a.stage == "rollout"), 0)
         measured = {shape for shape, b in s.ends if b == bucket}
         alt = self.candidate(bucket, slots, queues, other_than={_shape(cur), *measured},
-                             rollout_tp=tp)
+                             rollout_tp=tp, other_split=_split_of(cur))
         s.last_probe = step  # priced once per interval, tried or not
         if alt is None or self.score(alt, queues) < \
                 (1 - c.probe_margin) * self.score(cur, queues):

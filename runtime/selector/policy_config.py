@@ -69,7 +69,8 @@ class PolicyConfig:
             17.9 s on the tiny model on half-core CPU devices, against ~1 s for the device
             moves whose median `switch_cost_s` is replaced by.
         probe_every: steps between two probes: the best plan not measured end to end at
-            the bucket that starts no new engine processes, priced within `probe_margin`, runs
+            the bucket, with another split of the devices, that starts no new engine processes
+            and is priced within `probe_margin`, runs
             `probe_steps` steps; the faster end to end stays (a lost probe doubles the wait, at
             most 4x). Steps come end to end from the loop (`SearchPolicy.observe_step`);
             without them, no probe and no measured switch. 0: no probes. Stage rates from a few
@@ -77,7 +78,7 @@ class PolicyConfig:
             and never measure it again (0.68x the best static run on its devices, against
             0.91-0.95x).
         probe_steps: steps measured end to end that give a plan its rate at a bucket (and
-            a probe its length).
+            a probe its length); a plan is left on prices only once it has that rate.
         probe_margin: a plan priced this much below the current one is not probed.
         max_micro_batch_tokens: cap on the train/reference micro-batch budget.
         max_kv_tokens: cap on a rollout replica's KV-cache budget.

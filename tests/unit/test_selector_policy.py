@@ -465,3 +465,32 @@ def test_a_plan_priced_faster_but_measured_slower_end_to_end_is_left_and_not_tak
     assert not any(d.changed for d in kept)
     assert all(d.reason.startswith("kept: a plan priced") and "ran 500 tok/s" in d.reason
                for d in kept)
+
+
+def test_a_plan_is_left_on_prices_only_once_measured_end_to_end() -> None:
+    """Where the loop measures plans end to end, the current plan first runs `probe_steps`
+    measured steps at its bucket (so a measured switch can come back to it: three gauntlet runs
+    left their first plan at step 4 on two batches' rates); a policy nothing feeds (the cluster
+    simulator) switches on prices alone, as before."""
+    small = CostModel(ModelShape(hidden=64, layers=2, heads=2, kv_heads=2, intermediate=192,
+                                 vocab=512, params=120_000))
+    stats, pool = ContextTracker().observe([1024, 800]), slots(4)
+
+    def run(fed: bool) -> list[Decision]:
+        measured = _Steps(1e6, switch_s=1.0)
+        policy = SearchPolicy(small, PolicyConfig(
+            actors={"rollout": "rollout", "trainer": "train"}, patience=1, cooldown_steps=0,
+            probe_every=0, probe_steps=3), measured=measured)
+        first = policy.decide(step=0, when="prep", contexts=stats, slots=pool)
+        measured.slow = ("train", first.plan.actor("trainer").parallel)
+        out = []
+        for n in range(1, 5):
+            if fed:
+                policy.observe_step(tokens=1000.0, seconds=1.0)
+            out.append(policy.decide(step=n, when="prep", contexts=stats, slots=pool))
+        return out
+
+    fed = run(fed=True)
+    assert [d.changed for d in fed] == [False, False, True, False]
+    assert "not measured end to end at context 1024 yet (1/3 steps)" in fed[0].reason
+    assert run(fed=False)[0].changed
