@@ -197,6 +197,7 @@ class Selection:
         # end-to-end steps for the policy (`observe_step`): when the last step ended, and how
         # many steps after a change go unmeasured (the change and new actors' warm-up)
         self._step_end: float | None = None
+        self._typical: dict[int, int] = {}  # batch -> its trajectories' token-weighted length
         self._unmeasured = self.SETTLE_STEPS
 
     def statistics(self) -> SelectionStatistics:
@@ -284,6 +285,8 @@ class Selection:
             self._training[batch] = (self.setting,
                                      max((e.tokens for e in result.episodes), default=0),
                                      sum(e.tokens for e in result.episodes))
+            total = sum(e.tokens for e in result.episodes)
+            self._typical[batch] = sum(e.tokens ** 2 for e in result.episodes) // max(total, 1)
             self._first_batch("trainer", batch)
             self._first_batch("reference", batch)
             yield
@@ -344,7 +347,7 @@ class Selection:
         trainer's ``tokens``: with the gauntlet's self-imitation 1.3-1.8x the batch's, which
         priced the trainer that much faster against the rollout than it keeps up)."""
         setting, longest, played = self._training.pop(batch, (self.setting, 0, 0))
-        self._step_done(played)
+        self._step_done(played, self._typical.pop(batch, 0))
         if ("trainer", batch) in self._warming:  # its devices' peak is read at the next step
             self._warming.discard(("trainer", batch))
             return
@@ -360,10 +363,11 @@ class Selection:
                             peak_bytes=peak * 2**20 if peak else None,
                             whole_device=whole)
 
-    def _step_done(self, tokens: int) -> None:
+    def _step_done(self, tokens: int, context: int) -> None:
         """A training step ended: its batch's trajectory tokens over the loop's seconds since
-        the previous one, to a policy that takes them (`observe_step`: `SearchPolicy` probes
-        by them), unless a change came in between or shortly before."""
+        the previous one, and their token-weighted length, to a policy that takes them
+        (`observe_step`: `SearchPolicy` compares plans by them), unless a change came in
+        between or shortly before."""
         now, last = time.perf_counter(), self._step_end
         self._step_end = now
         if self._unmeasured > 0 or last is None:
@@ -371,7 +375,7 @@ class Selection:
             return
         observe = getattr(self.policy, "observe_step", None)
         if observe is not None and tokens > 0:
-            observe(tokens=tokens, seconds=now - last)
+            observe(tokens=tokens, seconds=now - last, context=context)
 
     def using(self) -> contextlib.AbstractAsyncContextManager[None]:
         """Hold the actors (no re-creation meanwhile), e.g. for a validation eval."""

@@ -104,6 +104,7 @@ class _State:
     probe_wait: int = 1  # x probe_every: doubles after a probe that lost
     ends: dict[tuple[Shape, int], _End] = field(default_factory=dict)  # (layouts, bucket)
     fed: bool = False  # the loop gives steps end to end (`observe_step`)
+    roofline: bool = False  # ...with their contexts: rates in roofline seconds per second
 
 
 class SearchPolicy:
@@ -408,8 +409,8 @@ class SearchPolicy:
             back = self._reevaluate(best, bucket, slots)
             if rate >= mine * (1 + c.switch_gain) and back is not None:
                 return back, True, (f"measured {rate / mine - 1:+.0%} faster end to end at "
-                                    f"context {bucket} ({rate:,.0f} tok/s against {mine:,.0f}): "
-                                    f"{self._summary(back)}")
+                                    f"context {bucket} ({self._rate(rate)} against "
+                                    f"{self._rate(mine)}): {self._summary(back)}")
         plan, changed, reason = self._priced(step, cand, cur, bucket, queues, mine)
         if changed or s.better_streak:  # a switch, or one on its way
             return plan, changed, reason
@@ -434,8 +435,8 @@ class SearchPolicy:
         theirs = self._end(cand, bucket)
         if mine is not None and theirs is not None:
             s.better_streak = 0
-            return cur, False, (f"kept: a plan priced {gain:+.0%} ran {theirs:,.0f} tok/s end "
-                                f"to end at context {bucket}, this one {mine:,.0f}")
+            return cur, False, (f"kept: a plan priced {gain:+.0%} ran {self._rate(theirs)} end "
+                                f"to end at context {bucket}, this one {self._rate(mine)}")
         pays, ledger = self._pays_off(cand, cur, queues)
         if not pays:
             s.better_streak = 0
@@ -448,20 +449,30 @@ class SearchPolicy:
                             f"{c.patience} time(s), {step - s.last_switch} step(s) since the "
                             "last switch")
 
-    def observe_step(self, *, tokens: float, seconds: float) -> None:
-        """One training step of the current plan, end to end: its batch's trajectory tokens
-        and the loop's seconds since the previous step (the loop leaves out the steps a change
-        or a new actor's warm-up ran in). Once `probe_steps` of them ran since the last change,
-        their rate is the plan's at its bucket (`_end`)."""
+    def observe_step(self, *, tokens: float, seconds: float, context: int = 0) -> None:
+        """One training step of the current plan, end to end: its batch's trajectory tokens,
+        the loop's seconds since the previous step (the loop leaves out the steps a change or a
+        new actor's warm-up ran in) and, where given, its trajectories' typical length
+        (`context`: token-weighted). Once `probe_steps` of them ran since the last change,
+        their rate is the plan's at its bucket (`_end`): with `context`, in roofline seconds
+        per second, which a growing context does not lower (on the tiny model a token at 1,536
+        tokens of context costs 27% more than at 1,024: a plan measured a few steps earlier
+        looked that much faster, and run J moved back to it)."""
         s, c = self._s, self.config
         if tokens <= 0 or seconds <= 0:
             return
-        s.fed = True
+        if context > 0:  # the roofline's seconds for these tokens at this context
+            tokens /= self.cost.tokens_per_s("train", Parallel(), context, batch_tokens=context)
+        s.fed, s.roofline = True, context > 0
         s.loop[:] = [*s.loop[-63:], (tokens, seconds)]
         if s.plan is not None and len(s.loop) >= c.probe_steps:
             recent = s.loop[-c.probe_steps:]
             s.ends[(_shape(s.plan), s.bucket)] = _End(
                 sum(t for t, _ in recent) / sum(sec for _, sec in recent), s.plan)
+
+    def _rate(self, rate: float) -> str:
+        """An end-to-end rate as the reasons show it."""
+        return f"{rate:.3f}x the roofline" if self._s.roofline else f"{rate:,.0f} tok/s"
 
     def _end(self, plan: Plan, bucket: int) -> float | None:
         """`plan`'s layouts' tokens/s end to end at `bucket`, when measured."""
@@ -476,18 +487,18 @@ class SearchPolicy:
         assert probe is not None
         if len(s.loop) < c.probe_steps:
             return cur, False, (f"probing: {len(s.loop)}/{c.probe_steps} step(s) measured, "
-                                f"against {probe.before:,.0f} tok/s before")
+                                f"against {self._rate(probe.before)} before")
         recent = s.loop[-c.probe_steps:]
         rate = sum(t for t, _ in recent) / sum(sec for _, sec in recent)
         back = self._reevaluate(probe.back, bucket, slots)
         s.probe, s.last_probe = None, step
         if rate >= probe.before or back is None:
             s.probe_wait = 1
-            return cur, False, (f"probe kept: {rate:,.0f} tok/s end to end against "
-                                f"{probe.before:,.0f} before")
+            return cur, False, (f"probe kept: {self._rate(rate)} end to end against "
+                                f"{self._rate(probe.before)} before")
         s.probe_wait = min(4, 2 * s.probe_wait)
-        return back, True, (f"probe lost: {rate:,.0f} tok/s end to end against "
-                            f"{probe.before:,.0f} before; back to {self._summary(back)}")
+        return back, True, (f"probe lost: {self._rate(rate)} end to end against "
+                            f"{self._rate(probe.before)} before; back to {self._summary(back)}")
 
     def _start_probe(self, step: int, cur: Plan, bucket: int, slots: Mapping[str, float],
                      queues: Mapping[str, int] | None, mine: float | None
@@ -509,7 +520,7 @@ class SearchPolicy:
         s.probe = _Probe(back=cur, before=mine)
         gain = self.score(alt, queues) / max(self.score(cur, queues), 1e-9) - 1
         return alt, True, (f"probe for {c.probe_steps} steps (priced {gain:+.0%}; the current "
-                           f"plan {mine:,.0f} tok/s end to end): {self._summary(alt)}")
+                           f"plan {self._rate(mine)} end to end): {self._summary(alt)}")
 
     def _projected(self, contexts: ContextStats, steps: int) -> int:
         """The context expected `steps` ahead, capped at `max_context` (when set)."""

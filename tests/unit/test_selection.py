@@ -698,13 +698,17 @@ def test_a_training_step_is_measured_in_its_batchs_trajectory_tokens() -> None:
 
 
 def test_the_policy_is_fed_steps_end_to_end_but_those_a_change_ran_in() -> None:
-    """`observe_step` gets each training step's trajectory tokens and the loop's seconds since
-    the previous step; the first steps, and the `SETTLE_STEPS` after a re-creation (the change
+    """`observe_step` gets each training step's trajectory tokens, the loop's seconds since
+    the previous step and the trajectories' token-weighted length; the first steps, and the `SETTLE_STEPS` after a re-creation (the change
     itself, new actors warming up), are left out."""
     reconf, rows, events = FakeReconfigurer(), [], []
     sel = _selection(reconf, rows, events, window=1024)
     fed: list[tuple[float, float]] = []
-    sel.policy.observe_step = lambda *, tokens, seconds: fed.append((tokens, seconds))  # type: ignore[method-assign]
+    def observe(*, tokens: float, seconds: float, context: int) -> None:
+        assert context == (600**2 + 700**2 + 800**2) // 2100  # token-weighted length
+        fed.append((tokens, seconds))
+
+    sel.policy.observe_step = observe  # type: ignore[method-assign]
 
     async def batch(b: int) -> None:
         async with sel.rollout(b):

@@ -494,3 +494,35 @@ def test_a_plan_is_left_on_prices_only_once_measured_end_to_end() -> None:
     assert [d.changed for d in fed] == [False, False, True, False]
     assert "not measured end to end at context 1024 yet (1/3 steps)" in fed[0].reason
     assert run(fed=False)[0].changed
+
+
+@pytest.mark.parametrize("with_context", [True, False])
+def test_end_to_end_rates_compare_plans_at_the_same_cost_per_token(with_context: bool) -> None:
+    """Contexts grow while plans take turns, and a token of a longer context costs more: given
+    each step's typical context, the end-to-end rates are in roofline seconds per second, so a
+    plan measured a few steps earlier at shorter contexts does not look faster for it (run J
+    moved back to one that did); without contexts the raw rates compare."""
+    small = CostModel(ModelShape(hidden=64, layers=2, heads=2, kv_heads=2, intermediate=192,
+                                 vocab=512, params=120_000))
+    measured = _Steps(1e6, switch_s=1.0)
+    policy = SearchPolicy(small, PolicyConfig(
+        actors={"rollout": "rollout", "trainer": "train"}, patience=1, cooldown_steps=0,
+        probe_every=0, probe_steps=2), measured=measured)
+    stats, pool = ContextTracker().observe([1024, 800]), slots(4)
+    roof = {n: small.tokens_per_s("train", Parallel(), n, batch_tokens=n) for n in (512, 1024)}
+    slower = roof[1024] / roof[512]  # the longer context's tokens/s at the same efficiency
+
+    def step(n: int, seconds: float, context: int) -> Decision:
+        policy.observe_step(tokens=1000.0, seconds=seconds,
+                            context=context if with_context else 0)
+        return policy.decide(step=n, when="prep", contexts=stats, slots=pool)
+
+    first = policy.decide(step=0, when="prep", contexts=stats, slots=pool)
+    step(1, 1.0, 512)
+    step(2, 1.0, 512)
+    measured.slow = ("train", first.plan.actor("trainer").parallel)
+    assert step(3, 1.0, 512).changed  # on prices
+    step(4, 1.0 / (1.05 * slower), 1024)  # 5% faster than the first plan, per unit of cost
+    after = step(5, 1.0 / (1.05 * slower), 1024)
+    assert slower < 0.85  # the raw rate is lower by more than switch_gain
+    assert after.changed is not with_context
