@@ -79,7 +79,10 @@ class PolicyConfig:
             0.91-0.95x).
         probe_steps: steps measured end to end that give a plan its rate at a bucket (and
             a probe its length); a plan is left on prices only once it has that rate.
-        probe_margin: a plan priced this much below the current one is not probed.
+        probe_margin: a plan priced this much below the current one is not probed. Wide: the
+            prices are what a probe checks, and on the gauntlet they put two replicas and a DP
+            2 trainer below 0.7x three replicas and one rank for 250 steps (run K, 46d5192, at
+            0.3), where the static runs measure them 1.3-1.6x as fast.
         max_micro_batch_tokens: cap on the train/reference micro-batch budget.
         max_kv_tokens: cap on a rollout replica's KV-cache budget.
         dp_divides: a train or reference layout's DP degree must divide this (a run's GRPO
@@ -116,7 +119,7 @@ class PolicyConfig:
     respawn_cost_s: float = 15.0
     probe_every: int = 50
     probe_steps: int = 6
-    probe_margin: float = 0.3
+    probe_margin: float = 0.75
     max_micro_batch_tokens: int = 65536
     max_kv_tokens: int = 1 << 20
     queue_target: int = 0
