@@ -161,12 +161,20 @@ class SearchPolicy:
     def best(self, actor: str, slots: tuple[str, ...], context: int,
              capacity: float, *, rollout_tp: int = 0) -> ActorPlan | None:
         """The fastest feasible layout of `actor` on exactly `slots`, or None (`rollout_tp`: a
-        rollout's TP degree must be that one)."""
+        rollout's TP degree must be that one). A layout with activation recomputation only
+        where the same one without does not fit: it computes one more forward, and a price
+        above the plain layout's is the measured efficiencies' doing (run M trained 376 of
+        400 steps recomputing, priced +36% on the efficiency a one-rank trainer measured)."""
         found: ActorPlan | None = None
+        fits: set[Parallel] = set()  # layouts that hold `context` without recomputation
         for par in self.layouts(self.config.actors[actor], len(slots)):
             if rollout_tp and self.config.actors[actor] == "rollout" and par.tp != rollout_tp:
                 continue
+            if par.recompute and replace(par, recompute=False) in fits:
+                continue  # a memory lever: never faster (one more forward), only what fits
             p = self.evaluate(actor, par, slots, context, capacity)
+            if p is not None and not par.recompute:
+                fits.add(par)
             if p is not None and (found is None or p.tokens_per_s > found.tokens_per_s):
                 found = p
         return found

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -526,3 +527,28 @@ def test_end_to_end_rates_compare_plans_at_the_same_cost_per_token(with_context:
     after = step(5, 1.0 / (1.05 * slower), 1024)
     assert slower < 0.85  # the raw rate is lower by more than switch_gain
     assert after.changed is not with_context
+
+
+class _Efficient(_Steps):
+    """Recomputing layouts measured (or borrowed) at 4x the plain ones' efficiency."""
+
+    def efficiency(self, stage: object, par: object = None, context: object = None) -> float:
+        return 2.0 if getattr(par, "recompute", False) else 0.5
+
+
+def test_activation_recomputation_is_taken_only_where_the_plain_layout_does_not_fit() -> None:
+    """Recomputation computes one more forward: never faster than the same layout without. A
+    price that says otherwise comes from efficiencies (a layout not run borrows its stage's
+    at the bucket; run M trained 376 of 400 steps recomputing on one); it is used only for
+    what the plain layout cannot hold."""
+    small = CostModel(ModelShape(hidden=64, layers=2, heads=2, kv_heads=2, intermediate=192,
+                                 vocab=512, params=120_000))
+    policy = SearchPolicy(small, measured=_Efficient(1e4, 1.0))
+    two = ("s00", "s01")
+    plain = policy.best("trainer", two, 4096, 1 * GB)
+    assert plain is not None and not plain.parallel.recompute
+    priced = policy.evaluate("trainer", replace(plain.parallel, recompute=True), two, 4096,
+                             1 * GB)
+    assert priced is not None and priced.tokens_per_s > plain.tokens_per_s  # the price's view
+    tight = policy.best("trainer", two, 4096, 0.05 * GB)  # only recomputation holds it here
+    assert tight is not None and tight.parallel.recompute
