@@ -282,10 +282,9 @@ class Selection:
         self.observe(result)
         await self._decide_and_apply(batch, "prep")
         async with self._lock.shared():
-            self._training[batch] = (self.setting,
-                                     max((e.tokens for e in result.episodes), default=0),
-                                     sum(e.tokens for e in result.episodes))
             total = sum(e.tokens for e in result.episodes)
+            self._training[batch] = (self.setting,
+                                     max((e.tokens for e in result.episodes), default=0), total)
             self._typical[batch] = sum(e.tokens ** 2 for e in result.episodes) // max(total, 1)
             self._first_batch("trainer", batch)
             self._first_batch("reference", batch)
@@ -378,7 +377,9 @@ class Selection:
             observe(tokens=tokens, seconds=now - last, context=context)
 
     def using(self) -> contextlib.AbstractAsyncContextManager[None]:
-        """Hold the actors (no re-creation meanwhile), e.g. for a validation eval."""
+        """Hold the actors (no re-creation meanwhile), e.g. for a validation eval (the step
+        it runs in is not measured end to end)."""
+        self._unmeasured = max(self._unmeasured, 1)
         return self._lock.shared()
 
     async def _decide_and_apply(self, batch: int, when: str) -> None:

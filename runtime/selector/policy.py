@@ -73,8 +73,8 @@ def _split_of(plan: Plan) -> tuple[int, ...]:
 
 @dataclass(frozen=True, slots=True)
 class _Probe:
-    """A plan on trial against the one it replaced (`back`), measured `before` tok/s end to
-    end."""
+    """A plan on trial against the one it replaced (`back`), whose rate end to end was
+    `before` (`_End`)."""
 
     back: Plan
     before: float
@@ -82,7 +82,8 @@ class _Probe:
 
 @dataclass(frozen=True, slots=True)
 class _End:
-    """A plan's tokens/s end to end over its last `probe_steps` measured steps."""
+    """A plan's rate end to end over its last `probe_steps` measured steps: roofline seconds
+    per second where the loop gives each step's context, else tokens/s (`observe_step`)."""
 
     rate: float
     plan: Plan
