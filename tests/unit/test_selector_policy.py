@@ -13,6 +13,8 @@ from earl.runtime.selector.policy import PolicyConfig, SearchPolicy
 
 GB = 1e9
 MODEL = CostModel(ModelShape.llama31_8b(), CostConfig(attention="flash"))
+SMALL = CostModel(ModelShape(hidden=64, layers=2, heads=2, kv_heads=2, intermediate=192,
+                             vocab=512, params=120_000))
 
 
 def slots(n: int = 16, cap: float = 80 * GB) -> dict[str, float]:
@@ -357,9 +359,7 @@ def test_a_rollout_tp_change_is_priced_as_new_engine_processes() -> None:
     processes (17.9 s): it must pay off against `respawn_cost_s`, not the median of moves."""
     from earl.runtime.selector.plan import Plan
 
-    small = CostModel(ModelShape(hidden=64, layers=2, heads=2, kv_heads=2, intermediate=192,
-                                 vocab=512, params=120_000))
-    policy = SearchPolicy(small, PolicyConfig(respawn_cost_s=15.0),
+    policy = SearchPolicy(SMALL, PolicyConfig(respawn_cost_s=15.0),
                           measured=_Steps(1e4, switch_s=1.0))
     two, other = ("s00", "s01"), ("s02", "s03")
 
@@ -379,15 +379,20 @@ def test_a_rollout_tp_change_is_priced_as_new_engine_processes() -> None:
 
 
 def _probe_policy(**knobs: float) -> tuple[SearchPolicy, dict[str, float]]:
-    small = CostModel(ModelShape(hidden=64, layers=2, heads=2, kv_heads=2, intermediate=192,
-                                 vocab=512, params=120_000))
     cfg = PolicyConfig(actors={"rollout": "rollout", "trainer": "train"}, probe_every=5,
                        probe_steps=2, probe_margin=0.99, **knobs)  # type: ignore[arg-type]
-    return SearchPolicy(small, cfg), slots(4)
+    return SearchPolicy(SMALL, cfg), slots(4)
 
 
 def _shape(d: Decision) -> tuple[tuple[str, Parallel], ...]:
     return tuple((a.actor, a.parallel) for a in d.plan.actors)
+
+
+def _switching(measured: _Steps, probe_steps: int) -> SearchPolicy:
+    """A rollout and a trainer on `SMALL`, switching at once on prices, no probes."""
+    return SearchPolicy(SMALL, PolicyConfig(
+        actors={"rollout": "rollout", "trainer": "train"}, patience=1, cooldown_steps=0,
+        probe_every=0, probe_steps=probe_steps), measured=measured)
 
 
 @pytest.mark.parametrize("probe_faster", [False, True])
@@ -441,12 +446,8 @@ def test_a_plan_priced_faster_but_measured_slower_end_to_end_is_left_and_not_tak
     """Prices propose, steps measured end to end decide: a switch the prices called for is
     undone once the new plan runs slower end to end than the old one did at the same bucket,
     and the prices do not take it again there."""
-    small = CostModel(ModelShape(hidden=64, layers=2, heads=2, kv_heads=2, intermediate=192,
-                                 vocab=512, params=120_000))
     measured = _Steps(1e6, switch_s=1.0)
-    policy = SearchPolicy(small, PolicyConfig(
-        actors={"rollout": "rollout", "trainer": "train"}, patience=1, cooldown_steps=0,
-        probe_every=0, probe_steps=2), measured=measured)
+    policy = _switching(measured, probe_steps=2)
     stats, pool = ContextTracker().observe([1024, 800]), slots(4)
 
     def step(n: int, seconds: float) -> Decision:
@@ -473,15 +474,11 @@ def test_a_plan_is_left_on_prices_only_once_measured_end_to_end() -> None:
     measured steps at its bucket (so a measured switch can come back to it: three gauntlet runs
     left their first plan at step 4 on two batches' rates); a policy nothing feeds (the cluster
     simulator) switches on prices alone, as before."""
-    small = CostModel(ModelShape(hidden=64, layers=2, heads=2, kv_heads=2, intermediate=192,
-                                 vocab=512, params=120_000))
     stats, pool = ContextTracker().observe([1024, 800]), slots(4)
 
     def run(fed: bool) -> list[Decision]:
         measured = _Steps(1e6, switch_s=1.0)
-        policy = SearchPolicy(small, PolicyConfig(
-            actors={"rollout": "rollout", "trainer": "train"}, patience=1, cooldown_steps=0,
-            probe_every=0, probe_steps=3), measured=measured)
+        policy = _switching(measured, probe_steps=3)
         first = policy.decide(step=0, when="prep", contexts=stats, slots=pool)
         measured.slow = ("train", first.plan.actor("trainer").parallel)
         out = []
@@ -503,14 +500,10 @@ def test_end_to_end_rates_compare_plans_at_the_same_cost_per_token(with_context:
     each step's typical context, the end-to-end rates are in roofline seconds per second, so a
     plan measured a few steps earlier at shorter contexts does not look faster for it (run J
     moved back to one that did); without contexts the raw rates compare."""
-    small = CostModel(ModelShape(hidden=64, layers=2, heads=2, kv_heads=2, intermediate=192,
-                                 vocab=512, params=120_000))
     measured = _Steps(1e6, switch_s=1.0)
-    policy = SearchPolicy(small, PolicyConfig(
-        actors={"rollout": "rollout", "trainer": "train"}, patience=1, cooldown_steps=0,
-        probe_every=0, probe_steps=2), measured=measured)
+    policy = _switching(measured, probe_steps=2)
     stats, pool = ContextTracker().observe([1024, 800]), slots(4)
-    roof = {n: small.tokens_per_s("train", Parallel(), n, batch_tokens=n) for n in (512, 1024)}
+    roof = {n: SMALL.tokens_per_s("train", Parallel(), n, batch_tokens=n) for n in (512, 1024)}
     slower = roof[1024] / roof[512]  # the longer context's tokens/s at the same efficiency
 
     def step(n: int, seconds: float, context: int) -> Decision:
@@ -541,9 +534,7 @@ def test_activation_recomputation_is_taken_only_where_the_plain_layout_does_not_
     price that says otherwise comes from efficiencies (a layout not run borrows its stage's
     at the bucket; run M trained 376 of 400 steps recomputing on one); it is used only for
     what the plain layout cannot hold."""
-    small = CostModel(ModelShape(hidden=64, layers=2, heads=2, kv_heads=2, intermediate=192,
-                                 vocab=512, params=120_000))
-    policy = SearchPolicy(small, measured=_Efficient(1e4, 1.0))
+    policy = SearchPolicy(SMALL, measured=_Efficient(1e4, 1.0))
     two = ("s00", "s01")
     plain = policy.best("trainer", two, 4096, 1 * GB)
     assert plain is not None and not plain.parallel.recompute
