@@ -25,7 +25,7 @@ CODE = ("earl", "runtime", "agents", "envs", "bench/selector.py", "bench/_select
 SELECTOR_ONLY = ("earl/loop/selection.py", "earl/loop/selection_actors.py",
                  "earl/loop/setting.py", "runtime/selector/policy.py",
                  "runtime/selector/policy_config.py", "runtime/selector/plan.py",
-                 "runtime/selector/cost.py")
+                 "runtime/selector/cost.py", "runtime/selector/switching.py")
 
 
 @dataclass(frozen=True)
@@ -264,21 +264,29 @@ def matched_seconds(run: dict[str, object], work: dict[str, list[float]]
     The runs learn differently, so their contexts differ: tokens per second over a whole run
     compare different work (a run that learned less trains shorter, faster trajectories).
     This compares the same tokens at the same context lengths."""
-    if run["outcome"] != "finished":
+    if run["outcome"] != "finished" or not _rates(run):
         return None, 0.0
-    rates = {int(b): t / sec for b, (t, sec) in run["by_context"].items()  # type: ignore[attr-defined]
-             if t > 0 and sec > 0}
-    if not rates:
-        return None, 0.0
+    ran = _rates(run)
     total = seconds = direct = 0.0
     for b, (tokens, _) in work.items():
-        at = int(b)
-        below = [k for k in rates if k <= at]
-        rate = rates[max(below)] if below else rates[min(rates)]
-        seconds += tokens / rate
+        seconds += tokens / rate_at(run, int(b))
         total += tokens
-        direct += tokens if at in rates else 0.0
+        direct += tokens if int(b) in ran else 0.0
     return seconds, direct / total if total else 0.0
+
+
+def _rates(run: dict[str, object]) -> dict[int, float]:
+    """`run`'s tokens/s in each context bucket it trained in."""
+    return {int(b): t / sec for b, (t, sec) in run["by_context"].items()  # type: ignore[attr-defined]
+            if t > 0 and sec > 0}
+
+
+def rate_at(run: dict[str, object], bucket: int) -> float:
+    """`run`'s tokens/s in `bucket`: its own, else in the longest bucket below it it ran (a
+    shorter context trains no slower per token: this favours `run`), else in its shortest."""
+    rates = _rates(run)
+    below = [b for b in rates if b <= bucket]
+    return rates[max(below)] if below else rates[min(rates)]
 
 
 def _machine(device_mib: int, cores: int) -> dict[int, int]:

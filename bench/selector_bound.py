@@ -8,7 +8,8 @@ one there) and, for each, prices the selector run's work (its trained tokens per
 bucket, `by_context`) at the *oracle*: in each bucket, the fastest rate any static run that
 finished without cutting measured there: a policy that knew every swept layout's rate in advance
 and switched between them at no cost at every step. A static run takes, in a bucket it never
-reached, its rate in the longest one below (as `matched_seconds` does in the sweep): that
+reached, its rate in the longest one below (`_selector_runs.rate_at`, as the sweep's
+`matched_seconds` prices it): that
 favours it, so the oracle is an upper bound for a policy choosing among the swept layouts.
 
 Prints one JSON object: `sweeps`, one entry per file with `commit`, `fastest_by_bucket`
@@ -31,18 +32,10 @@ import sys
 from pathlib import Path
 
 import _results
+from _selector_runs import rate_at
 
 Runs = dict[str, dict[str, object]]
 Work = dict[str, list[float]]  # bucket -> [tokens, seconds]
-
-
-def rate_at(run: dict[str, object], bucket: int) -> float:
-    """`run`'s tokens/s in `bucket`: its own, else in the longest bucket below it it ran (a
-    shorter context trains no slower per token), else in its shortest."""
-    rates = {int(b): t / s for b, (t, s) in run["by_context"].items()  # type: ignore[attr-defined]
-             if t > 0 and s > 0}
-    below = [b for b in rates if b <= bucket]
-    return rates[max(below)] if below else rates[min(rates)]
 
 
 def seconds(work: Work, rate: dict[int, float]) -> float:

@@ -78,6 +78,16 @@ class ReferenceProgress(NamedTuple):
     token_budget: int = 0
 
 
+class _Training(NamedTuple):
+    """A batch in training: the setting it trains with, its longest trajectory, its
+    trajectories' tokens and their token-weighted length (`Selection.trained`)."""
+
+    setting: Setting
+    longest: int
+    played: int
+    typical: int
+
+
 @dataclass(frozen=True, slots=True)
 class SelectionStatistics:
     decisions: int = 0
@@ -188,8 +198,7 @@ class Selection:
         self._decide_lock = asyncio.Lock()
         self._stats = SelectionStatistics()
         self._played: dict[int, Setting] = {}  # batch -> the setting it was played with
-        # batch -> the setting it trains with, its longest sequence, its trajectories' tokens
-        self._training: dict[int, tuple[Setting, int, int]] = {}
+        self._training: dict[int, _Training] = {}  # batches in training
         self._busy: dict[int, float] = {}  # batch -> rollout seconds it alone accounts for
         self._last_end = float("-inf")  # when the latest play ended
         self.decisions: list[Decision] = []
@@ -197,7 +206,6 @@ class Selection:
         # end-to-end steps for the policy (`observe_step`): when the last step ended, and how
         # many steps after a change go unmeasured (the change and new actors' warm-up)
         self._step_end: float | None = None
-        self._typical: dict[int, int] = {}  # batch -> its trajectories' token-weighted length
         self._unmeasured = self.SETTLE_STEPS
 
     def statistics(self) -> SelectionStatistics:
@@ -283,9 +291,9 @@ class Selection:
         await self._decide_and_apply(batch, "prep")
         async with self._lock.shared():
             total = sum(e.tokens for e in result.episodes)
-            self._training[batch] = (self.setting,
-                                     max((e.tokens for e in result.episodes), default=0), total)
-            self._typical[batch] = sum(e.tokens ** 2 for e in result.episodes) // max(total, 1)
+            self._training[batch] = _Training(
+                self.setting, max((e.tokens for e in result.episodes), default=0), total,
+                sum(e.tokens ** 2 for e in result.episodes) // max(total, 1))
             self._first_batch("trainer", batch)
             self._first_batch("reference", batch)
             yield
@@ -299,12 +307,12 @@ class Selection:
             self._fresh.discard(actor)
             self._warming.add((actor, batch))
 
-    async def _record_reference(self, batch: int, training: tuple[Setting, int, int]
+    async def _record_reference(self, batch: int, training: _Training
                                 ) -> None:
         """The reference's tokens and busy seconds since the last step, into the profile at
         its layout (its ranks score in parallel). Counters that went down were a re-created
         group's: what it did is all new. Its first batch since re-created goes unmeasured."""
-        setting, longest, _ = training
+        setting, longest = training.setting, training.longest
         warming = ("reference", batch) in self._warming
         self._warming.discard(("reference", batch))
         if self.profile is None or self.reference_progress is None or not longest:
@@ -345,8 +353,9 @@ class Selection:
         trajectory tokens, the rollout's unit (a step also trains replayed samples, the
         trainer's ``tokens``: with the gauntlet's self-imitation 1.3-1.8x the batch's, which
         priced the trainer that much faster against the rollout than it keeps up)."""
-        setting, longest, played = self._training.pop(batch, (self.setting, 0, 0))
-        self._step_done(played, self._typical.pop(batch, 0))
+        setting, longest, played, typical = self._training.pop(batch,
+                                                                _Training(self.setting, 0, 0, 0))
+        self._step_done(played, typical)
         if ("trainer", batch) in self._warming:  # its devices' peak is read at the next step
             self._warming.discard(("trainer", batch))
             return

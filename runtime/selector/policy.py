@@ -12,23 +12,13 @@ between the actors so the slowest stage, weighted by the dock's backlog (train-b
 rollout-bound), is as fast as possible: slots move from one actor to another.
 
 Hysteresis, so a noisy context does not thrash the layout: the bucket rises at once (else OOM)
-but falls only after `patience` decisions well below it; a faster plan replaces a feasible one
-only if it is `switch_gain` better for `patience` decisions in a row and `cooldown_steps` have
-passed; an infeasible current plan is replaced at once. When no configuration will fit the
+but falls only after `patience` decisions well below it; an infeasible current plan is
+replaced at once. When no configuration will fit the
 contexts projected within `warn_steps`, the decision carries a `Shortfall` with the minimum
 resources, before it is needed.
 
-Prices propose, steps measured end to end decide. A plan is priced by composing stage rates,
-each from a few batches, and a layout the run has left is not measured again; so the loop also
-gives the policy each training step end to end (`observe_step`: its batch's trajectory tokens
-over the loop's seconds), and once a plan has run `probe_steps` of them at a bucket its rate
-there is kept. A plan is left on prices only once it has such a rate (to come back to); a plan
-measured `switch_gain` faster there than the current one is switched back to; one measured
-there is not switched to on prices. Every `probe_every` steps the best plan not yet measured at
-the bucket with another split of the devices that starts no new engine processes (the same
-rollout TP) and is priced within `probe_margin` of the current one runs `probe_steps` steps; if
-it is slower end to end the policy goes back, and the wait for the next probe doubles (at most
-4x).
+A plan that still fits is left, or not, by `switching.Switching`: prices propose, steps
+measured end to end decide (`observe_step`), with probes of plans not measured yet.
 
 `SearchPolicy` implements the loop's `plan.Policy` protocol. Not here: applying a plan (the
 loop re-creates actors), measuring (`profile`).
@@ -49,6 +39,7 @@ from earl.runtime.selector.plan import (
     Shortfall,
 )
 from earl.runtime.selector.policy_config import Measured, PolicyConfig
+from earl.runtime.selector.switching import Shape, Switching, shape
 
 
 def _pow2_upto(n: int) -> list[int]:
@@ -59,53 +50,13 @@ def _pow2_upto(n: int) -> list[int]:
     return out
 
 
-Shape = tuple[tuple[str, Parallel], ...]  # a plan's layouts, whatever its devices and budgets
-
-
-def _shape(plan: Plan) -> Shape:
-    return tuple((a.actor, a.parallel) for a in plan.actors)
-
-
-def _split_of(plan: Plan) -> tuple[int, ...]:
-    """How many devices each actor holds."""
-    return tuple(len(a.slots) for a in plan.actors)
-
-
-@dataclass(frozen=True, slots=True)
-class _Probe:
-    """A plan on trial against the one it replaced (`back`), whose rate end to end was
-    `before` (`_End`)."""
-
-    back: Plan
-    before: float
-
-
-@dataclass(frozen=True, slots=True)
-class _End:
-    """A plan's rate end to end over its last `probe_steps` measured steps: roofline seconds
-    per second where the loop gives each step's context, else tokens/s (`observe_step`)."""
-
-    rate: float
-    plan: Plan
-
-
 @dataclass(slots=True)
 class _State:
     plan: Plan | None = None
     bucket: int = 0
-    last_switch: int = -(10**9)
-    better_streak: int = 0
     low_needs: list[int] = field(default_factory=list)
     low_seen: ContextStats | None = None  # the observation `low_needs` counted last
     stats: SelectorStatistics = field(default_factory=SelectorStatistics)
-    # end-to-end steps measured since the last switch (tokens, seconds), and probing
-    loop: list[tuple[float, float]] = field(default_factory=list)
-    probe: _Probe | None = None
-    last_probe: int = -(10**9)
-    probe_wait: int = 1  # x probe_every: doubles after a probe that lost
-    ends: dict[tuple[Shape, int], _End] = field(default_factory=dict)  # (layouts, bucket)
-    fed: bool = False  # the loop gives steps end to end (`observe_step`)
-    roofline: bool = False  # ...with their contexts: rates in roofline seconds per second
 
 
 class SearchPolicy:
@@ -123,6 +74,7 @@ class SearchPolicy:
         self.config = config or PolicyConfig()
         self.measured = measured
         self._s = _State()
+        self.switching = Switching(self)
 
     @property
     def plan(self) -> Plan | None:
@@ -210,7 +162,7 @@ class SearchPolicy:
             if any(p is None for p in plans):
                 return None
             plan = Plan(actors=tuple(p for p in plans if p is not None), context_bucket=context)
-            return None if _shape(plan) in other_than else plan
+            return None if shape(plan) in other_than else plan
         return self._split(actors, names, context, cap, queues or {}, other_than, rollout_tp,
                            other_split)
 
@@ -360,7 +312,7 @@ class SearchPolicy:
         need = self._projected(contexts, c.lookahead_steps)
         bucket = self._bucket(need, contexts)
         cand = self.candidate(bucket, slots, queue_depths)
-        cur = self._reevaluate(s.plan, bucket, slots)
+        cur = self.reevaluate(s.plan, bucket, slots)
         changed, reason = False, ""
         if cand is None:
             plan = cur if cur is not None else self._fallback(bucket, slots)
@@ -369,7 +321,7 @@ class SearchPolicy:
                       f"{contexts.trend:+.0f}/step) on {len(slots)} slot(s) of "
                       f"{min(slots.values()) / 2**30:.1f} GiB")
             changed = s.plan is None or plan.layouts() != s.plan.layouts()
-            s.probe = None
+            self.switching.probe = None  # a change the plan needs ends a trial
         elif cur is None:
             plan, changed = cand, True
             if s.plan is None:
@@ -381,14 +333,13 @@ class SearchPolicy:
             else:
                 why = (f"current layout cannot hold context {bucket} (max {contexts.max}, "
                        f"trend {contexts.trend:+.0f}/step)")
-            reason = f"{why}: {self._summary(cand)}"
-            s.probe = None
+            reason = f"{why}: {self.summary(cand)}"
+            self.switching.probe = None
         else:
-            plan, changed, reason = self._voluntary(step, cand, cur, bucket, slots, queue_depths)
+            plan, changed, reason = self.switching.choose(step, cand, cur, bucket, slots,
+                                                          queue_depths)
         if changed:
-            s.better_streak = 0
-            s.last_switch = step
-            s.loop.clear()
+            self.switching.switched(step)
         s.plan, s.bucket = plan, bucket
         shortfall = self._shortfall(step, contexts, slots)
         st = s.stats
@@ -402,163 +353,26 @@ class SearchPolicy:
                         context=contexts, shortfall=shortfall)
 
 
-    def _voluntary(self, step: int, cand: Plan, cur: Plan, bucket: int,
-                   slots: Mapping[str, float], queues: Mapping[str, int] | None
-                   ) -> tuple[Plan, bool, str]:
-        """(plan, changed, reason) when the current plan still fits: a probe's step, a plan
-        measured faster end to end at this bucket, one priced faster, or a new probe."""
-        s, c = self._s, self.config
-        if s.probe is not None:
-            return self._probe_step(step, cur, bucket, slots)
-        mine = self._end(cur, bucket)
-        others = [(e.rate, e.plan) for (shape, b), e in s.ends.items()
-                  if b == bucket and shape != _shape(cur)]
-        if mine is not None and others and step - s.last_switch >= c.cooldown_steps:
-            rate, best = max(others, key=lambda x: x[0])
-            back = self._reevaluate(best, bucket, slots)
-            if rate >= mine * (1 + c.switch_gain) and back is not None:
-                return back, True, (f"measured {rate / mine - 1:+.0%} faster end to end at "
-                                    f"context {bucket} ({self._rate(rate)} against "
-                                    f"{self._rate(mine)}): {self._summary(back)}")
-        plan, changed, reason = self._priced(step, cand, cur, bucket, queues, mine)
-        if changed or s.better_streak:  # a switch, or one on its way
-            return plan, changed, reason
-        return self._start_probe(step, cur, bucket, slots, queues, mine) or \
-            (plan, changed, reason)
-
-    def _priced(self, step: int, cand: Plan, cur: Plan, bucket: int,
-                queues: Mapping[str, int] | None, mine: float | None
-                ) -> tuple[Plan, bool, str]:
-        """The switch the prices call for: `switch_gain` faster for `patience` decisions,
-        after `cooldown_steps`, paying off (`_pays_off`); not to a plan measured end to end
-        at this bucket (the measurement decides: `_voluntary`)."""
-        s, c = self._s, self.config
-        gain = self.score(cand, queues) / max(self.score(cur, queues), 1e-9) - 1
-        if cand.layouts() == cur.layouts() or gain < c.switch_gain:
-            s.better_streak = 0
-            return cur, False, f"kept: best within {c.switch_gain:.0%} at context {bucket}"
-        if mine is None and s.fed:  # the loop measures plans: this one first, to come back to
-            return cur, False, (f"kept: a plan priced {gain:+.0%}; this one is not measured end "
-                                f"to end at context {bucket} yet ({len(s.loop)}/"
-                                f"{c.probe_steps} steps)")
-        theirs = self._end(cand, bucket)
-        if mine is not None and theirs is not None:
-            s.better_streak = 0
-            return cur, False, (f"kept: a plan priced {gain:+.0%} ran {self._rate(theirs)} end "
-                                f"to end at context {bucket}, this one {self._rate(mine)}")
-        pays, ledger = self._pays_off(cand, cur, queues)
-        if not pays:
-            s.better_streak = 0
-            return cur, False, f"kept: a plan {gain:+.0%} faster {ledger}"
-        s.better_streak += 1
-        if s.better_streak >= c.patience and step - s.last_switch >= c.cooldown_steps:
-            return cand, True, (f"{gain:+.0%} faster (tokens/s) at context {bucket}: "
-                                f"{self._summary(cand)}")
-        return cur, False, (f"kept: a plan {gain:+.0%} faster seen {s.better_streak}/"
-                            f"{c.patience} time(s), {step - s.last_switch} step(s) since the "
-                            "last switch")
-
     def observe_step(self, *, tokens: float, seconds: float, context: int = 0) -> None:
         """One training step of the current plan, end to end: its batch's trajectory tokens,
         the loop's seconds since the previous step (the loop leaves out the steps a change or a
-        new actor's warm-up ran in) and, where given, its trajectories' typical length
-        (`context`: token-weighted). Once `probe_steps` of them ran since the last change,
-        their rate is the plan's at its bucket (`_end`): with `context`, in roofline seconds
-        per second, which a growing context does not lower (on the tiny model a token at 1,536
-        tokens of context costs 27% more than at 1,024: a plan measured a few steps earlier
-        looked that much faster, and run J moved back to it)."""
-        s, c = self._s, self.config
-        if tokens <= 0 or seconds <= 0:
-            return
-        if context > 0:  # the roofline's seconds for these tokens at this context
-            tokens /= self.cost.tokens_per_s("train", Parallel(), context, batch_tokens=context)
-        s.fed, s.roofline = True, context > 0
-        s.loop[:] = [*s.loop[-63:], (tokens, seconds)]
-        if s.plan is not None and len(s.loop) >= c.probe_steps:
-            recent = s.loop[-c.probe_steps:]
-            s.ends[(_shape(s.plan), s.bucket)] = _End(
-                sum(t for t, _ in recent) / sum(sec for _, sec in recent), s.plan)
-
-    def _rate(self, rate: float) -> str:
-        """An end-to-end rate as the reasons show it."""
-        return f"{rate:.3f}x the roofline" if self._s.roofline else f"{rate:,.0f} tok/s"
-
-    def _end(self, plan: Plan, bucket: int) -> float | None:
-        """`plan`'s layouts' tokens/s end to end at `bucket`, when measured."""
-        e = self._s.ends.get((_shape(plan), bucket))
-        return e.rate if e is not None else None
-
-    def _probe_step(self, step: int, cur: Plan, bucket: int, slots: Mapping[str, float]
-                    ) -> tuple[Plan, bool, str]:
-        """A probe measuring: held until `probe_steps` steps ran, then kept or left."""
-        s, c = self._s, self.config
-        probe = s.probe
-        assert probe is not None
-        if len(s.loop) < c.probe_steps:
-            return cur, False, (f"probing: {len(s.loop)}/{c.probe_steps} step(s) measured, "
-                                f"against {self._rate(probe.before)} before")
-        recent = s.loop[-c.probe_steps:]
-        rate = sum(t for t, _ in recent) / sum(sec for _, sec in recent)
-        back = self._reevaluate(probe.back, bucket, slots)
-        s.probe, s.last_probe = None, step
-        if rate >= probe.before or back is None:
-            s.probe_wait = 1
-            return cur, False, (f"probe kept: {self._rate(rate)} end to end against "
-                                f"{self._rate(probe.before)} before")
-        s.probe_wait = min(4, 2 * s.probe_wait)
-        return back, True, (f"probe lost: {self._rate(rate)} end to end against "
-                            f"{self._rate(probe.before)} before; back to {self._summary(back)}")
-
-    def _start_probe(self, step: int, cur: Plan, bucket: int, slots: Mapping[str, float],
-                     queues: Mapping[str, int] | None, mine: float | None
-                     ) -> tuple[Plan, bool, str] | None:
-        """A probe of the best plan not measured at this bucket that starts no new engine
-        processes, priced within `probe_margin`, every `probe_every` x the wait steps."""
-        s, c = self._s, self.config
-        if not c.probe_every or mine is None or \
-                step - max(s.last_switch, s.last_probe) < c.probe_every * s.probe_wait:
-            return None
-        tp = next((a.parallel.tp for a in cur.actors if a.stage == "rollout"), 0)
-        measured = {shape for shape, b in s.ends if b == bucket}
-        alt = self.candidate(bucket, slots, queues, other_than={_shape(cur), *measured},
-                             rollout_tp=tp, other_split=_split_of(cur))
-        s.last_probe = step  # priced once per interval, tried or not
-        if alt is None or self.score(alt, queues) < \
-                (1 - c.probe_margin) * self.score(cur, queues):
-            return None
-        s.probe = _Probe(back=cur, before=mine)
-        gain = self.score(alt, queues) / max(self.score(cur, queues), 1e-9) - 1
-        return alt, True, (f"probe for {c.probe_steps} steps (priced {gain:+.0%}; the current "
-                           f"plan {self._rate(mine)} end to end): {self._summary(alt)}")
+        new actor's warm-up ran in) and, where given, its trajectories' token-weighted length
+        (`context`): the rate is then in roofline seconds per second, which a growing context
+        does not lower (on the tiny model a token at 1,536 tokens of context costs 27% more
+        than at 1,024: a plan measured a few steps earlier looked that much faster, and run J
+        moved back to it). Feeds `switching`."""
+        self.switching.observe(tokens=tokens, seconds=seconds, context=context,
+                               plan=self._s.plan, bucket=self._s.bucket)
 
     def _projected(self, contexts: ContextStats, steps: int) -> int:
         """The context expected `steps` ahead, capped at `max_context` (when set)."""
         ahead = contexts.projected(steps)
         return min(ahead, self.config.max_context) if self.config.max_context else ahead
 
-    def _pays_off(self, cand: Plan, cur: Plan, queues: Mapping[str, int] | None
-                  ) -> tuple[bool, str]:
-        """Whether switching from `cur` to `cand` saves more than it costs over
-        `horizon_steps` steps, and the ledger that says so."""
-        c, m = self.config, self.measured
-        tokens = m.step_tokens() if m is not None else None
-        if not tokens:
-            return True, ""
-        old, new = self.score(cur, queues), self.score(cand, queues)
-        if old <= 0 or new <= 0:
-            return True, ""
-        saved = tokens * (1 / old - 1 / new) * c.horizon_steps
-        cost = (m.switch_seconds() if m is not None else None) or c.switch_cost_s
-        if any(a.stage == "rollout" and a.parallel.tp != cur.actor(a.actor).parallel.tp
-               for a in cand.actors):  # new engine processes
-            cost = max(cost, c.respawn_cost_s)
-        return saved > cost, (f"would save {saved:.1f} s over {c.horizon_steps} steps, a "
-                              f"switch costs {cost:.1f} s")
-
-    def _summary(self, plan: Plan) -> str:
+    def summary(self, plan: Plan) -> str:
         return "; ".join(a.describe() for a in plan.actors)
 
-    def _reevaluate(self, plan: Plan | None, bucket: int,
+    def reevaluate(self, plan: Plan | None, bucket: int,
                     slots: Mapping[str, float]) -> Plan | None:
         """The current layouts at the new bucket, or None if one no longer fits / lost slots."""
         if plan is None or not plan.feasible:

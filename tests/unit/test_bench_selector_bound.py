@@ -8,6 +8,7 @@ import pytest
 from bench_scripts import load
 
 bound = load("selector_bound")
+runs = load("_selector_runs")
 
 
 def _run(devices: int, rates: dict[int, float], *, cut: float = 0.0, outcome: str = "finished"
@@ -54,6 +55,6 @@ def test_layouts_that_cross_give_the_oracle_its_gain() -> None:
 
 def test_a_bucket_not_reached_takes_the_rate_below() -> None:
     run = _run(2, {1024: 2000.0, 2048: 1000.0})
-    assert bound.rate_at(run, 4096) == pytest.approx(1000.0)
-    assert bound.rate_at(run, 1536) == pytest.approx(2000.0)
-    assert bound.rate_at(run, 512) == pytest.approx(2000.0)  # below its shortest: its shortest
+    assert runs.rate_at(run, 4096) == pytest.approx(1000.0)
+    assert runs.rate_at(run, 1536) == pytest.approx(2000.0)
+    assert runs.rate_at(run, 512) == pytest.approx(2000.0)  # below its shortest: its shortest

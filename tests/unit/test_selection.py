@@ -14,7 +14,14 @@ import pytest
 
 from earl.config import RunConfig
 from earl.loop.schedule import LoopState, Schedule
-from earl.loop.selection import ReferenceProgress, Selection, Setting, keep_places, setting_of
+from earl.loop.selection import (
+    ReferenceProgress,
+    Selection,
+    Setting,
+    _Training,
+    keep_places,
+    setting_of,
+)
 from earl.runtime.selector import (
     ActorPlan,
     CostConfig,
@@ -630,7 +637,7 @@ def test_the_first_step_after_a_move_is_not_measured_on_the_device_it_moved() ->
 
     asyncio.run(sel._apply(moved))  # rollout1 held nothing of the trainer's before
     for batch in (0, 1):  # two steps trained in the moved setting (no decision between)
-        sel._training[batch] = (sel.setting, 800, 2100)
+        sel._training[batch] = _Training(sel.setting, 800, 2100, 0)
         sel.trained(batch, step)
         if batch == 0:
             assert "train" not in sel.profile.memory and read == [("trainer0", "rollout1")]

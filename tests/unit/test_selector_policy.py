@@ -370,9 +370,9 @@ def test_a_rollout_tp_change_is_priced_as_new_engine_processes() -> None:
         return Plan(actors=(r, t), context_bucket=1024)
 
     cur = plan(Parallel(dp=2), Parallel(dp=2))
-    _, ledger = policy._pays_off(plan(Parallel(tp=2), Parallel(dp=2)), cur, None)
+    _, ledger = policy.switching.pays_off(plan(Parallel(tp=2), Parallel(dp=2)), cur, None)
     assert "a switch costs 15.0 s" in ledger
-    _, ledger = policy._pays_off(plan(Parallel(dp=2), Parallel(tp=2)), cur, None)
+    _, ledger = policy.switching.pays_off(plan(Parallel(dp=2), Parallel(tp=2)), cur, None)
     assert "a switch costs 1.0 s" in ledger
     with pytest.raises(ValueError, match="respawn_cost_s"):
         PolicyConfig(respawn_cost_s=-1)

@@ -1,0 +1,223 @@
+"""When the selector leaves a plan that still fits: prices propose, steps measured end to end
+decide.
+
+A plan is priced by composing stage rates, each from a few batches, and a layout the run has
+left is not measured again; so the loop also gives the policy each training step end to end
+(`SearchPolicy.observe_step`: its batch's trajectory tokens over the loop's seconds, in roofline
+seconds per second at the batch's typical context where given), and once a plan has run
+`probe_steps` of them at a bucket its rate there is kept. A plan is left on prices only once
+it has such a rate (to come back to), only for one `switch_gain` faster for `patience`
+decisions in a row, `cooldown_steps` after the last switch, and only if the switch pays for
+itself over `horizon_steps`; a plan measured `switch_gain` faster at the bucket is switched back
+to; one measured there is not switched to on prices. Every `probe_every` steps the best plan
+not yet measured at the bucket with another split of the devices that starts no new engine
+processes (the same rollout TP) and is priced within `probe_margin` of the current one runs
+`probe_steps` steps; if it is slower end to end the policy goes back, and the wait for the next
+probe doubles (at most 4x).
+
+Not here: which plan is best (`policy.SearchPolicy`: search, buckets, forced changes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from earl.runtime.selector.cost import Parallel
+from earl.runtime.selector.plan import Plan
+
+if TYPE_CHECKING:
+    from earl.runtime.selector.policy import SearchPolicy
+
+Shape = tuple[tuple[str, Parallel], ...]  # a plan's layouts, whatever its devices and budgets
+Choice = tuple[Plan, bool, str]  # (plan, changed, reason)
+
+
+def shape(plan: Plan) -> Shape:
+    return tuple((a.actor, a.parallel) for a in plan.actors)
+
+
+def split_of(plan: Plan) -> tuple[int, ...]:
+    """How many devices each actor holds."""
+    return tuple(len(a.slots) for a in plan.actors)
+
+
+@dataclass(frozen=True, slots=True)
+class _End:
+    """A plan's rate end to end over its last `probe_steps` measured steps: roofline seconds
+    per second where the loop gives each step's context, else tokens/s."""
+
+    rate: float
+    plan: Plan
+
+
+@dataclass(frozen=True, slots=True)
+class _Probe:
+    """A plan on trial against the one it replaced (`back`), whose rate was `before`."""
+
+    back: Plan
+    before: float
+
+
+@dataclass(slots=True)
+class Switching:
+    """The voluntary-switch state of one `SearchPolicy` (see the module docstring)."""
+
+    policy: SearchPolicy
+    last_switch: int = -(10**9)
+    better_streak: int = 0
+    loop: list[tuple[float, float]] = field(default_factory=list)  # since the last switch
+    ends: dict[tuple[Shape, int], _End] = field(default_factory=dict)  # (layouts, bucket)
+    probe: _Probe | None = None
+    last_probe: int = -(10**9)
+    probe_wait: int = 1  # x probe_every: doubles after a probe that lost
+    fed: bool = False  # the loop gives steps end to end
+    roofline: bool = False  # ...with their contexts: rates in roofline seconds per second
+
+    def observe(self, *, tokens: float, seconds: float, context: int, plan: Plan | None,
+                bucket: int) -> None:
+        """One step of `plan` at `bucket` (`SearchPolicy.observe_step`)."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        if context > 0:  # the roofline's seconds for these tokens at this context
+            tokens /= self.policy.cost.tokens_per_s("train", Parallel(), context,
+                                                    batch_tokens=context)
+        self.fed, self.roofline = True, context > 0
+        self.loop[:] = [*self.loop[-63:], (tokens, seconds)]
+        rate = self._recent()
+        if plan is not None and rate is not None:
+            self.ends[(shape(plan), bucket)] = _End(rate, plan)
+
+    def switched(self, step: int) -> None:
+        """The plan changed at `step`: its steps are measured anew."""
+        self.better_streak, self.last_switch = 0, step
+        self.loop.clear()
+
+    def choose(self, step: int, cand: Plan, cur: Plan, bucket: int,
+               slots: Mapping[str, float], queues: Mapping[str, int] | None) -> Choice:
+        """The decision when the current plan still fits: a probe's step, a plan measured
+        faster end to end at this bucket, one priced faster, or a new probe."""
+        p, c = self.policy, self.policy.config
+        if self.probe is not None:
+            return self._probe_step(step, cur, bucket, slots)
+        mine = self._end(cur, bucket)
+        others = [(e.rate, e.plan) for (sh, b), e in self.ends.items()
+                  if b == bucket and sh != shape(cur)]
+        if mine is not None and others and step - self.last_switch >= c.cooldown_steps:
+            rate, best = max(others, key=lambda x: x[0])
+            back = p.reevaluate(best, bucket, slots)
+            if rate >= mine * (1 + c.switch_gain) and back is not None:
+                return back, True, (f"measured {rate / mine - 1:+.0%} faster end to end at "
+                                    f"context {bucket} ({self._show(rate)} against "
+                                    f"{self._show(mine)}): {p.summary(back)}")
+        plan, changed, reason = self._priced(step, cand, cur, bucket, queues, mine)
+        if changed or self.better_streak:  # a switch, or one on its way
+            return plan, changed, reason
+        return self._start_probe(step, cur, bucket, slots, queues, mine) or \
+            (plan, changed, reason)
+
+    def pays_off(self, cand: Plan, cur: Plan, queues: Mapping[str, int] | None
+                 ) -> tuple[bool, str]:
+        """Whether switching from `cur` to `cand` saves more than it costs over
+        `horizon_steps` steps, and the ledger that says so."""
+        p, c, m = self.policy, self.policy.config, self.policy.measured
+        tokens = m.step_tokens() if m is not None else None
+        if not tokens:
+            return True, ""
+        old, new = p.score(cur, queues), p.score(cand, queues)
+        if old <= 0 or new <= 0:
+            return True, ""
+        saved = tokens * (1 / old - 1 / new) * c.horizon_steps
+        cost = (m.switch_seconds() if m is not None else None) or c.switch_cost_s
+        if any(a.stage == "rollout" and a.parallel.tp != cur.actor(a.actor).parallel.tp
+               for a in cand.actors):  # new engine processes
+            cost = max(cost, c.respawn_cost_s)
+        return saved > cost, (f"would save {saved:.1f} s over {c.horizon_steps} steps, a "
+                              f"switch costs {cost:.1f} s")
+
+    def _priced(self, step: int, cand: Plan, cur: Plan, bucket: int,
+                queues: Mapping[str, int] | None, mine: float | None) -> Choice:
+        """The switch the prices call for; not to a plan measured end to end at this bucket
+        (the measurement decides: `choose`)."""
+        p, c = self.policy, self.policy.config
+        gain = p.score(cand, queues) / max(p.score(cur, queues), 1e-9) - 1
+        if cand.layouts() == cur.layouts() or gain < c.switch_gain:
+            self.better_streak = 0
+            return cur, False, f"kept: best within {c.switch_gain:.0%} at context {bucket}"
+        if mine is None and self.fed:  # the loop measures plans: this one first, to come back
+            return cur, False, (f"kept: a plan priced {gain:+.0%}; this one is not measured end "
+                                f"to end at context {bucket} yet ({len(self.loop)}/"
+                                f"{c.probe_steps} steps)")
+        theirs = self._end(cand, bucket)
+        if mine is not None and theirs is not None:
+            self.better_streak = 0
+            return cur, False, (f"kept: a plan priced {gain:+.0%} ran {self._show(theirs)} end "
+                                f"to end at context {bucket}, this one {self._show(mine)}")
+        pays, ledger = self.pays_off(cand, cur, queues)
+        if not pays:
+            self.better_streak = 0
+            return cur, False, f"kept: a plan {gain:+.0%} faster {ledger}"
+        self.better_streak += 1
+        if self.better_streak >= c.patience and step - self.last_switch >= c.cooldown_steps:
+            return cand, True, (f"{gain:+.0%} faster (tokens/s) at context {bucket}: "
+                                f"{p.summary(cand)}")
+        return cur, False, (f"kept: a plan {gain:+.0%} faster seen {self.better_streak}/"
+                            f"{c.patience} time(s), {step - self.last_switch} step(s) since "
+                            "the last switch")
+
+    def _probe_step(self, step: int, cur: Plan, bucket: int,
+                    slots: Mapping[str, float]) -> Choice:
+        """A probe measuring: held until `probe_steps` steps ran, then kept or left."""
+        p, c, probe = self.policy, self.policy.config, self.probe
+        assert probe is not None
+        rate = self._recent()
+        if rate is None:
+            return cur, False, (f"probing: {len(self.loop)}/{c.probe_steps} step(s) measured, "
+                                f"against {self._show(probe.before)} before")
+        back = p.reevaluate(probe.back, bucket, slots)
+        self.probe, self.last_probe = None, step
+        if rate >= probe.before or back is None:
+            self.probe_wait = 1
+            return cur, False, (f"probe kept: {self._show(rate)} end to end against "
+                                f"{self._show(probe.before)} before")
+        self.probe_wait = min(4, 2 * self.probe_wait)
+        return back, True, (f"probe lost: {self._show(rate)} end to end against "
+                            f"{self._show(probe.before)} before; back to {p.summary(back)}")
+
+    def _start_probe(self, step: int, cur: Plan, bucket: int, slots: Mapping[str, float],
+                     queues: Mapping[str, int] | None, mine: float | None) -> Choice | None:
+        """A probe of the best plan not measured at this bucket that starts no new engine
+        processes, priced within `probe_margin`, every `probe_every` x the wait steps."""
+        p, c = self.policy, self.policy.config
+        if not c.probe_every or mine is None or \
+                step - max(self.last_switch, self.last_probe) < c.probe_every * self.probe_wait:
+            return None
+        tp = next((a.parallel.tp for a in cur.actors if a.stage == "rollout"), 0)
+        measured = {sh for sh, b in self.ends if b == bucket}
+        alt = p.candidate(bucket, slots, queues, other_than={shape(cur), *measured},
+                          rollout_tp=tp, other_split=split_of(cur))
+        self.last_probe = step  # priced once per interval, tried or not
+        if alt is None or p.score(alt, queues) < (1 - c.probe_margin) * p.score(cur, queues):
+            return None
+        self.probe = _Probe(back=cur, before=mine)
+        gain = p.score(alt, queues) / max(p.score(cur, queues), 1e-9) - 1
+        return alt, True, (f"probe for {c.probe_steps} steps (priced {gain:+.0%}; the current "
+                           f"plan {self._show(mine)} end to end): {p.summary(alt)}")
+
+    def _recent(self) -> float | None:
+        """The rate of the last `probe_steps` steps since the last switch (None: fewer)."""
+        n = self.policy.config.probe_steps
+        if len(self.loop) < n:
+            return None
+        recent = self.loop[-n:]
+        return sum(t for t, _ in recent) / sum(sec for _, sec in recent)
+
+    def _end(self, plan: Plan, bucket: int) -> float | None:
+        """`plan`'s layouts' rate end to end at `bucket`, when measured."""
+        e = self.ends.get((shape(plan), bucket))
+        return e.rate if e is not None else None
+
+    def _show(self, rate: float) -> str:
+        """An end-to-end rate as the reasons show it."""
+        return f"{rate:.3f}x the roofline" if self.roofline else f"{rate:,.0f} tok/s"
