@@ -165,7 +165,10 @@ class Selection:
 
     CUT = 0.7
     GROW = 4.0
-    SETTLE_STEPS = 2  # steps after a change (or the start) not measured end to end
+    # steps after a change (or the start) not measured end to end: new processes warm up and
+    # the pipeline refills (run Q at 569fb32: six steps after a move back to r2-t2 ran 1.0 s
+    # each, the next nine 0.7 s at the same contexts; with two left out a probe measured that)
+    SETTLE_STEPS = 6
 
     def __init__(self, policy: Policy, reconfigurer: Reconfigurer, *, setting: Setting,
                  slots: Callable[[], Mapping[str, float]],

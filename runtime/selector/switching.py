@@ -5,7 +5,7 @@ A plan is priced by composing stage rates, each from a few batches, and a layout
 left is not measured again; so the loop also gives the policy each training step end to end
 (`SearchPolicy.observe_step`: its batch's trajectory tokens over the loop's seconds, in roofline
 seconds per second at the batch's typical context where given), and once a plan has run
-`probe_steps` of them at a bucket its rate there is kept. A plan is left on prices only once
+`probe_steps` of them at a bucket its rate there is kept (over its last 3 x `probe_steps`). A plan is left on prices only once
 it has such a rate (to come back to), only for one `switch_gain` faster for `patience`
 decisions in a row, `cooldown_steps` after the last switch, and only if the switch pays for
 itself over `horizon_steps`; a plan measured `switch_gain` faster at the bucket is switched back
@@ -206,11 +206,13 @@ class Switching:
                            f"plan {self._show(mine)} end to end): {p.summary(alt)}")
 
     def _recent(self) -> float | None:
-        """The rate of the last `probe_steps` steps since the last switch (None: fewer)."""
+        """The rate of the steps since the last switch, the last 3 x `probe_steps` of them
+        (None: fewer than `probe_steps`): one step's seconds vary 2-3x with the batch's
+        longest game, so a plan held longer is compared by more of its steps."""
         n = self.policy.config.probe_steps
         if len(self.loop) < n:
             return None
-        recent = self.loop[-n:]
+        recent = self.loop[-3 * n:]
         return sum(t for t, _ in recent) / sum(sec for _, sec in recent)
 
     def _end(self, plan: Plan, bucket: int) -> float | None:

@@ -706,8 +706,9 @@ def test_a_training_step_is_measured_in_its_batchs_trajectory_tokens() -> None:
 
 def test_the_policy_is_fed_steps_end_to_end_but_those_a_change_ran_in() -> None:
     """`observe_step` gets each training step's trajectory tokens, the loop's seconds since
-    the previous step and the trajectories' token-weighted length; the first steps, and the `SETTLE_STEPS` after a re-creation (the change
-    itself, new actors warming up), are left out."""
+    the previous step and the trajectories' token-weighted length; the first `SETTLE_STEPS`,
+    and as many after a re-creation (the change itself, new actors warming up, the pipeline
+    refilling), are left out."""
     reconf, rows, events = FakeReconfigurer(), [], []
     sel = _selection(reconf, rows, events, window=1024)
     fed: list[tuple[float, float]] = []
@@ -725,15 +726,16 @@ def test_the_policy_is_fed_steps_end_to_end_but_those_a_change_ran_in() -> None:
         sel.trained(b, {"tokens": 2100.0, "step_time_s": 0.01})
 
     async def main() -> None:
-        for b in range(4):
+        settle = Selection.SETTLE_STEPS
+        for b in range(settle + 2):
             await batch(b)
-        assert len(fed) == 4 - Selection.SETTLE_STEPS
+        assert len(fed) == 2
         assert all(t == 2100 and s >= 0.01 for t, s in fed)
         planned = sel.setting
         sel.setting = replace(planned, trainer_dp=2)  # as if elsewhere: re-created below
         await sel._apply(planned)
-        for b in range(4, 7):
+        for b in range(settle + 2, 2 * settle + 5):
             await batch(b)
-        assert len(fed) == 4 - Selection.SETTLE_STEPS + 3 - Selection.SETTLE_STEPS
+        assert len(fed) == 2 + 3
 
     asyncio.run(main())

@@ -543,3 +543,16 @@ def test_activation_recomputation_is_taken_only_where_the_plain_layout_does_not_
     assert priced is not None and priced.tokens_per_s > plain.tokens_per_s  # the price's view
     tight = policy.best("trainer", two, 4096, 0.05 * GB)  # only recomputation holds it here
     assert tight is not None and tight.parallel.recompute
+
+
+def test_a_plan_held_longer_is_rated_by_more_of_its_steps() -> None:
+    """A step's seconds vary 2-3x with its batch's longest game: a plan's end-to-end rate is
+    taken over its last 3 x `probe_steps` steps since it came in, not the last `probe_steps`
+    alone (two slow batches would halve it)."""
+    policy = _switching(_Steps(1e6, switch_s=1.0), probe_steps=2)
+    stats, pool = ContextTracker().observe([1024, 800]), slots(4)
+    policy.decide(step=0, when="prep", contexts=stats, slots=pool)
+    for seconds in (1.0, 1.0, 1.0, 1.0, 4.0, 4.0):
+        policy.observe_step(tokens=1000.0, seconds=seconds)
+    (end,) = policy.switching.ends.values()
+    assert end.rate == pytest.approx(6000 / 12)  # the last two alone: 2000 / 8
