@@ -210,6 +210,7 @@ class Selection:
         # many steps after a change go unmeasured (the change and new actors' warm-up)
         self._step_end: float | None = None
         self._unmeasured = self.SETTLE_STEPS
+        self._observe(tokens=0.0, seconds=0.0, context=0)  # steps will come end to end
 
     def statistics(self) -> SelectionStatistics:
         return self._stats
@@ -377,16 +378,20 @@ class Selection:
     def _step_done(self, tokens: int, context: int) -> None:
         """A training step ended: its batch's trajectory tokens over the loop's seconds since
         the previous one, and their token-weighted length, to a policy that takes them
-        (`observe_step`: `SearchPolicy` compares plans by them), unless a change came in
-        between or shortly before."""
+        (`observe_step`: `SearchPolicy` compares plans by them); with seconds 0 where a change
+        came in between or shortly before (`SETTLE_STEPS`)."""
         now, last = time.perf_counter(), self._step_end
         self._step_end = now
-        if self._unmeasured > 0 or last is None:
-            self._unmeasured = max(0, self._unmeasured - 1)
-            return
+        measured = self._unmeasured == 0 and last is not None
+        self._unmeasured = max(0, self._unmeasured - 1)
+        if tokens > 0:  # seconds 0: a step that ran, unmeasured
+            self._observe(tokens=tokens, seconds=now - last if measured and last is not None else 0.0,
+                          context=context)
+
+    def _observe(self, *, tokens: float, seconds: float, context: int) -> None:
         observe = getattr(self.policy, "observe_step", None)
-        if observe is not None and tokens > 0:
-            observe(tokens=tokens, seconds=now - last, context=context)
+        if observe is not None:
+            observe(tokens=tokens, seconds=seconds, context=context)
 
     def using(self) -> contextlib.AbstractAsyncContextManager[None]:
         """Hold the actors (no re-creation meanwhile), e.g. for a validation eval (the step

@@ -197,9 +197,10 @@ class Policy(Protocol):
     policy with a factory ``(cost, config, measured) -> Policy`` (``selector.policy_factory``;
     `policy.SearchPolicy` itself is the default), where `measured` is the run's live profile
     (`profile.RunProfile`: tokens/s and memory per stage and layout, measured as it trains).
-    A policy may also define ``observe_step(*, tokens, seconds)``: the loop then gives it each
-    training step end to end (its batch's trajectory tokens, the loop's seconds since the
-    previous step), leaving out the steps a change and new actors' warm-up ran in.
+    A policy may also define ``observe_step(*, tokens, seconds, context)``: the loop then gives
+    it each training step end to end (its batch's trajectory tokens, the loop's seconds since
+    the previous step, their token-weighted length), with ``seconds`` 0 for the steps a change
+    and new actors' warm-up ran in (and once at its start, before any step).
     """
 
     def decide(self, *, step: int, when: str, contexts: ContextStats,

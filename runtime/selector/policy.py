@@ -360,7 +360,10 @@ class SearchPolicy:
         (`context`): the rate is then in roofline seconds per second, which a growing context
         does not lower (on the tiny model a token at 1,536 tokens of context costs 27% more
         than at 1,024: a plan measured a few steps earlier looked that much faster, and run J
-        moved back to it). Feeds `switching`."""
+        moved back to it). `seconds` 0: a step the loop leaves unmeasured, or, from the loop's
+        start, none yet: a plan is then not left on prices before it has run measured steps
+        (run S at 0f82699 left its first plan at step 5, before its first measured step).
+        Feeds `switching`."""
         self.switching.observe(tokens=tokens, seconds=seconds, context=context,
                                plan=self._s.plan, bucket=self._s.bucket)
 

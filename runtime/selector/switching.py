@@ -77,13 +77,15 @@ class Switching:
 
     def observe(self, *, tokens: float, seconds: float, context: int, plan: Plan | None,
                 bucket: int) -> None:
-        """One step of `plan` at `bucket` (`SearchPolicy.observe_step`)."""
+        """One step of `plan` at `bucket` (`SearchPolicy.observe_step`); `seconds` 0: one the
+        loop left unmeasured (or, at its start, none yet): steps come end to end all the same."""
+        self.fed = True
         if tokens <= 0 or seconds <= 0:
             return
         if context > 0:  # the roofline's seconds for these tokens at this context
             tokens /= self.policy.cost.tokens_per_s("train", Parallel(), context,
                                                     batch_tokens=context)
-        self.fed, self.roofline = True, context > 0
+        self.roofline = context > 0
         self.loop[:] = [*self.loop[-63:], (tokens, seconds)]
         rate = self._recent()
         if plan is not None and rate is not None:

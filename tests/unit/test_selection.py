@@ -712,9 +712,13 @@ def test_the_policy_is_fed_steps_end_to_end_but_those_a_change_ran_in() -> None:
     reconf, rows, events = FakeReconfigurer(), [], []
     sel = _selection(reconf, rows, events, window=1024)
     fed: list[tuple[float, float]] = []
+    told: list[float] = []  # every call's seconds: 0 for the steps left unmeasured
+
     def observe(*, tokens: float, seconds: float, context: int) -> None:
-        assert context == (600**2 + 700**2 + 800**2) // 2100  # token-weighted length
-        fed.append((tokens, seconds))
+        told.append(seconds)
+        if seconds:
+            assert context == (600**2 + 700**2 + 800**2) // 2100  # token-weighted length
+            fed.append((tokens, seconds))
 
     sel.policy.observe_step = observe  # type: ignore[method-assign]
 
@@ -737,5 +741,6 @@ def test_the_policy_is_fed_steps_end_to_end_but_those_a_change_ran_in() -> None:
         for b in range(settle + 2, 2 * settle + 5):
             await batch(b)
         assert len(fed) == 2 + 3
+        assert len(told) == len(fed) + 2 * settle  # the unmeasured ones: seconds 0
 
     asyncio.run(main())

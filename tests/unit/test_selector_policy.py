@@ -476,15 +476,17 @@ def test_a_plan_is_left_on_prices_only_once_measured_end_to_end() -> None:
     simulator) switches on prices alone, as before."""
     stats, pool = ContextTracker().observe([1024, 800]), slots(4)
 
-    def run(fed: bool) -> list[Decision]:
+    def run(fed: bool, unmeasured: int = 0) -> list[Decision]:
         measured = _Steps(1e6, switch_s=1.0)
         policy = _switching(measured, probe_steps=3)
+        if fed:  # the loop's start: no step yet
+            policy.observe_step(tokens=0.0, seconds=0.0)
         first = policy.decide(step=0, when="prep", contexts=stats, slots=pool)
         measured.slow = ("train", first.plan.actor("trainer").parallel)
         out = []
-        for n in range(1, 5):
+        for n in range(1, 5 + unmeasured):
             if fed:
-                policy.observe_step(tokens=1000.0, seconds=1.0)
+                policy.observe_step(tokens=1000.0, seconds=1.0 if n > unmeasured else 0.0)
             out.append(policy.decide(step=n, when="prep", contexts=stats, slots=pool))
         return out
 
@@ -492,6 +494,11 @@ def test_a_plan_is_left_on_prices_only_once_measured_end_to_end() -> None:
     assert [d.changed for d in fed] == [False, False, True, False]
     assert "not measured end to end at context 1024 yet (1/3 steps)" in fed[0].reason
     assert run(fed=False)[0].changed
+    # the loop's first steps go unmeasured (settling): the plan is kept through them too (run
+    # S at 0f82699 left its first plan at step 5, before its first measured step)
+    settling = run(fed=True, unmeasured=4)
+    assert [d.changed for d in settling] == [False] * 6 + [True, False]
+    assert "(0/3 steps)" in settling[0].reason
 
 
 @pytest.mark.parametrize("with_context", [True, False])
