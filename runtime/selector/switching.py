@@ -8,7 +8,8 @@ seconds per second at the batch's typical context where given), and once a plan 
 `probe_steps` of them at a bucket its rate there is kept (over its last 3 x `probe_steps`). A plan is left on prices only once
 it has such a rate (to come back to), only for one `switch_gain` faster for `patience`
 decisions in a row, `cooldown_steps` after the last switch, and only if the switch pays for
-itself over `horizon_steps`; a plan measured `switch_gain` faster at the bucket is switched back
+itself over `horizon_steps` (at the loop's measured seconds per step; a switch to a plan not
+measured at the bucket costs the way back too); a plan measured `switch_gain` faster at the bucket is switched back
 to; one measured there is not switched to on prices. Every `probe_every` steps the best plan
 not yet measured at the bucket with another split of the devices that starts no new engine
 processes (the same rollout TP) and is priced within `probe_margin` of the current one runs
@@ -119,24 +120,32 @@ class Switching:
         return self._start_probe(step, cur, bucket, slots, queues, mine) or \
             (plan, changed, reason)
 
-    def pays_off(self, cand: Plan, cur: Plan, queues: Mapping[str, int] | None
-                 ) -> tuple[bool, str]:
+    def pays_off(self, cand: Plan, cur: Plan, queues: Mapping[str, int] | None,
+                 bucket: int | None = None) -> tuple[bool, str]:
         """Whether switching from `cur` to `cand` saves more than it costs over
-        `horizon_steps` steps, and the ledger that says so."""
+        `horizon_steps` steps, and the ledger that says so. The prices give the share of a
+        step the switch saves; a step's seconds are the loop's, measured end to end, where it
+        gives them (composed stage prices put run T's steps at several times what they took,
+        and a TP 2 replica "paid" for a 17 s start). A plan not measured end to end at
+        `bucket` may be measured slower and left: its switch costs the way back too."""
         p, c, m = self.policy, self.policy.config, self.policy.measured
         tokens = m.step_tokens() if m is not None else None
-        if not tokens:
-            return True, ""
         old, new = p.score(cur, queues), p.score(cand, queues)
-        if old <= 0 or new <= 0:
+        step_s = self._step_seconds()
+        if old <= 0 or new <= 0 or (step_s is None and not tokens):
             return True, ""
-        saved = tokens * (1 / old - 1 / new) * c.horizon_steps
+        if step_s is None:  # the priced seconds of a measured step's tokens
+            step_s = (tokens or 0.0) / old
+        saved = step_s * (1 - old / new) * c.horizon_steps
         cost = (m.switch_seconds() if m is not None else None) or c.switch_cost_s
         if any(a.stage == "rollout" and a.parallel.tp != cur.actor(a.actor).parallel.tp
                for a in cand.actors):  # new engine processes
             cost = max(cost, c.respawn_cost_s)
+        back = self.fed and bucket is not None and self._end(cand, bucket) is None
+        if back:
+            cost *= 2
         return saved > cost, (f"would save {saved:.1f} s over {c.horizon_steps} steps, a "
-                              f"switch costs {cost:.1f} s")
+                              f"switch costs {cost:.1f} s" + (" there and back" if back else ""))
 
     def _priced(self, step: int, cand: Plan, cur: Plan, bucket: int,
                 queues: Mapping[str, int] | None, mine: float | None) -> Choice:
@@ -156,7 +165,7 @@ class Switching:
             self.better_streak = 0
             return cur, False, (f"kept: a plan priced {gain:+.0%} ran {self._show(theirs)} end "
                                 f"to end at context {bucket}, this one {self._show(mine)}")
-        pays, ledger = self.pays_off(cand, cur, queues)
+        pays, ledger = self.pays_off(cand, cur, queues, bucket)
         if not pays:
             self.better_streak = 0
             return cur, False, f"kept: a plan {gain:+.0%} faster {ledger}"
@@ -216,6 +225,14 @@ class Switching:
             return None
         recent = self.loop[-3 * n:]
         return sum(t for t, _ in recent) / sum(sec for _, sec in recent)
+
+    def _step_seconds(self) -> float | None:
+        """The loop's seconds per step over the steps `_recent` rates (None: too few)."""
+        n = self.policy.config.probe_steps
+        if len(self.loop) < n:
+            return None
+        recent = self.loop[-3 * n:]
+        return sum(sec for _, sec in recent) / len(recent)
 
     def _end(self, plan: Plan, bucket: int) -> float | None:
         """`plan`'s layouts' rate end to end at `bucket`, when measured."""

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from earl.runtime.selector.cost import CostConfig, CostModel, ModelShape, Parallel
-from earl.runtime.selector.plan import ContextTracker, Decision
+from earl.runtime.selector.plan import ContextTracker, Decision, Plan
 from earl.runtime.selector.policy import PolicyConfig, SearchPolicy
 
 GB = 1e9
@@ -563,3 +563,31 @@ def test_a_plan_held_longer_is_rated_by_more_of_its_steps() -> None:
         policy.observe_step(tokens=1000.0, seconds=seconds)
     (end,) = policy.switching.ends.values()
     assert end.rate == pytest.approx(6000 / 12)  # the last two alone: 2000 / 8
+
+
+def test_a_switch_pays_off_at_the_loops_measured_step_seconds_there_and_back() -> None:
+    """Where the loop measures steps, the saving is the priced share of a step times the
+    step's measured seconds (run T's composed prices put its steps at several times what they
+    took, and a TP 2 replica "paid" for a 17 s start), and a switch to a plan not measured at
+    the bucket costs the way back too."""
+    policy = SearchPolicy(SMALL, PolicyConfig(respawn_cost_s=15.0, horizon_steps=50,
+                                              probe_steps=2),
+                          measured=_Steps(1e9, switch_s=1.0))  # priced: long steps
+    two, other = ("s00", "s01"), ("s02", "s03")
+
+    def plan(rollout: Parallel) -> Plan:
+        r = policy.evaluate("rollout", rollout, two, 1024, 80 * GB)
+        t = policy.evaluate("trainer", Parallel(dp=2), other, 1024, 80 * GB)
+        assert r is not None and t is not None
+        return Plan(actors=(r, t), context_bucket=1024)
+
+    cur, dp2 = plan(Parallel(tp=2)), plan(Parallel(dp=2))  # new engine processes either way
+    share = 1 - policy.score(cur, None) / policy.score(dp2, None)
+    assert share > 0
+    priced, ledger = policy.switching.pays_off(dp2, cur, None, 1024)
+    assert priced and "there and back" not in ledger, ledger  # nothing measured: prices
+    for _ in range(2):
+        policy.observe_step(tokens=1000.0, seconds=0.5)
+    pays, ledger = policy.switching.pays_off(dp2, cur, None, 1024)
+    assert f"would save {0.5 * share * 50:.1f} s" in ledger
+    assert "a switch costs 30.0 s there and back" in ledger and not pays
