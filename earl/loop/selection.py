@@ -382,11 +382,11 @@ class Selection:
         came in between or shortly before (`SETTLE_STEPS`)."""
         now, last = time.perf_counter(), self._step_end
         self._step_end = now
-        measured = self._unmeasured == 0 and last is not None
+        # seconds 0: a step that ran, unmeasured
+        seconds = now - last if self._unmeasured == 0 and last is not None else 0.0
         self._unmeasured = max(0, self._unmeasured - 1)
-        if tokens > 0:  # seconds 0: a step that ran, unmeasured
-            self._observe(tokens=tokens, seconds=now - last if measured and last is not None else 0.0,
-                          context=context)
+        if tokens > 0:
+            self._observe(tokens=tokens, seconds=seconds, context=context)
 
     def _observe(self, *, tokens: float, seconds: float, context: int) -> None:
         observe = getattr(self.policy, "observe_step", None)

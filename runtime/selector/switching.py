@@ -5,16 +5,16 @@ A plan is priced by composing stage rates, each from a few batches, and a layout
 left is not measured again; so the loop also gives the policy each training step end to end
 (`SearchPolicy.observe_step`: its batch's trajectory tokens over the loop's seconds, in roofline
 seconds per second at the batch's typical context where given), and once a plan has run
-`probe_steps` of them at a bucket its rate there is kept (over its last 3 x `probe_steps`). A plan is left on prices only once
-it has such a rate (to come back to), only for one `switch_gain` faster for `patience`
-decisions in a row, `cooldown_steps` after the last switch, and only if the switch pays for
-itself over `horizon_steps` (at the loop's measured seconds per step; a switch to a plan not
-measured at the bucket costs the way back too); a plan measured `switch_gain` faster at the bucket is switched back
-to; one measured there is not switched to on prices. Every `probe_every` steps the best plan
-not yet measured at the bucket with another split of the devices that starts no new engine
-processes (the same rollout TP) and is priced within `probe_margin` of the current one runs
-`probe_steps` steps; if it is slower end to end the policy goes back, and the wait for the next
-probe doubles (at most 4x).
+`probe_steps` of them at a bucket its rate there is kept (over its last 3 x `probe_steps`). A
+plan is left on prices only once it has such a rate (to come back to), only for one
+`switch_gain` faster for `patience` decisions in a row, `cooldown_steps` after the last switch,
+and only if the switch pays for itself over `horizon_steps` (at the loop's measured seconds per
+step; a switch to a plan not measured at the bucket costs the way back too); a plan measured
+`switch_gain` faster at the bucket is switched back to; one measured there is not switched to
+on prices. Every `probe_every` steps the best plan not yet measured at the bucket with another
+split of the devices that starts no new engine processes (the same rollout TP) and is priced
+within `probe_margin` of the current one runs `probe_steps` steps; if it is slower end to end
+the policy goes back, and the wait for the next probe doubles (at most 4x).
 
 Not here: which plan is best (`policy.SearchPolicy`: search, buckets, forced changes).
 """
@@ -46,8 +46,8 @@ def split_of(plan: Plan) -> tuple[int, ...]:
 
 @dataclass(frozen=True, slots=True)
 class _End:
-    """A plan's rate end to end over its last `probe_steps` measured steps: roofline seconds
-    per second where the loop gives each step's context, else tokens/s."""
+    """A plan's rate end to end over its last measured steps (`Switching._window`): roofline
+    seconds per second where the loop gives each step's context, else tokens/s."""
 
     rate: float
     plan: Plan
@@ -216,23 +216,22 @@ class Switching:
         return alt, True, (f"probe for {c.probe_steps} steps (priced {gain:+.0%}; the current "
                            f"plan {self._show(mine)} end to end): {p.summary(alt)}")
 
-    def _recent(self) -> float | None:
-        """The rate of the steps since the last switch, the last 3 x `probe_steps` of them
-        (None: fewer than `probe_steps`): one step's seconds vary 2-3x with the batch's
+    def _window(self) -> list[tuple[float, float]] | None:
+        """The steps since the last switch a rate is taken over: the last 3 x `probe_steps`
+        (None: fewer than `probe_steps`). One step's seconds vary 2-3x with the batch's
         longest game, so a plan held longer is compared by more of its steps."""
         n = self.policy.config.probe_steps
-        if len(self.loop) < n:
-            return None
-        recent = self.loop[-3 * n:]
-        return sum(t for t, _ in recent) / sum(sec for _, sec in recent)
+        return self.loop[-3 * n:] if len(self.loop) >= n else None
+
+    def _recent(self) -> float | None:
+        """The rate over `_window` (None: too few steps)."""
+        w = self._window()
+        return sum(t for t, _ in w) / sum(sec for _, sec in w) if w else None
 
     def _step_seconds(self) -> float | None:
-        """The loop's seconds per step over the steps `_recent` rates (None: too few)."""
-        n = self.policy.config.probe_steps
-        if len(self.loop) < n:
-            return None
-        recent = self.loop[-3 * n:]
-        return sum(sec for _, sec in recent) / len(recent)
+        """The loop's seconds per step over `_window` (None: too few steps)."""
+        w = self._window()
+        return sum(sec for _, sec in w) / len(w) if w else None
 
     def _end(self, plan: Plan, bucket: int) -> float | None:
         """`plan`'s layouts' rate end to end at `bucket`, when measured."""
