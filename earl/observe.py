@@ -1,5 +1,4 @@
-"""Observability of a run: progress line, metrics (JSONL + TensorBoard), Chrome trace, plots,
-trajectory dump.
+"""Observability of a run: progress line, metrics (JSONL + TensorBoard), Chrome trace, plots.
 
 - `Metrics` appends one JSON object per step to `metrics.jsonl` and mirrors scalars to
   TensorBoard (`tb/`).
@@ -7,7 +6,6 @@ trajectory dump.
   Chrome/Perfetto trace (`trace.json`, open in ui.perfetto.dev or chrome://tracing).
 - `progress_line` formats the one-line status printed every step.
 - `write_plots` draws the reward/win-rate curve and context lengths to PNG.
-- `TrajectoryDump` appends trajectories as JSON lines for `earl inspect`.
 
 Nothing here decides anything about training; all of it is optional output.
 """
@@ -20,10 +18,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
 from pathlib import Path
-
-from earl.runtime.types import Trajectory
 
 
 class Metrics:
@@ -155,22 +150,3 @@ def write_plots(metrics: list[dict[str, float | int | str]],
     fig.savefig(paths["context"], dpi=90)
     plt.close(fig)
     return paths
-
-
-class TrajectoryDump:
-    """Appends trajectories (with their step) to `trajectories.jsonl`."""
-
-    def __init__(self, out_dir: Path, *, append: bool = False) -> None:
-        self.path = out_dir / "trajectories.jsonl"
-        self._f = open(self.path, "a" if append else "w")  # noqa: SIM115
-
-    def write(self, step: int, trajs: list[Trajectory], advantages: list[float]) -> None:
-        for t, a in zip(trajs, advantages, strict=True):
-            d = asdict(t)
-            d["step"] = step
-            d["advantage"] = a
-            self._f.write(json.dumps(d) + "\n")
-        self._f.flush()
-
-    def close(self) -> None:
-        self._f.close()

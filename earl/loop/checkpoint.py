@@ -131,7 +131,9 @@ class CheckpointStore:
 
 
 def trim_logs(out: Path, step: int) -> None:
-    """Drop records of steps after `step` from the run's JSONL logs (replayed on resume)."""
+    """Drop records of steps after `step` from the run's JSONL logs: those a resume replays,
+    and an earlier run's in the same folder when a run starts fresh (`step` 0; the producers
+    append to the trajectory dumps)."""
     for path in [out / "metrics.jsonl", *out.glob("trajectories*.jsonl")]:
         if not path.is_file():
             continue

@@ -43,8 +43,7 @@ async def train_attempt(job: Job, resume: bool) -> RunResult:
 
     cfg, recipe, store = job.cfg, job.recipe, job.checkpoints()
     state, trainer_ckpt, producer_states = store.load() if resume else (LoopState(), "", [])
-    if resume:
-        trim_logs(job.out, state.step)  # the metrics and trajectories of steps not kept
+    trim_logs(job.out, state.step)  # the logged steps not kept: all of them on a fresh start
     job.begin(state, resume=resume)
     if not resume:
         await warm_start(job, model_folder(cfg, job.out))

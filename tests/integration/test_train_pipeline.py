@@ -92,8 +92,14 @@ def test_train_json_files_inspect_and_resume(tmp_path: Path) -> None:
 def test_two_producers_shard_the_dock_index_and_every_step_trains_its_batch(
         tmp_path: Path) -> None:
     """With 2 producers the dock's index has a rank per producer; a step's groups hash to
-    both, and the trainer's lease is merged from them: every step trains its whole batch."""
-    p = _earl("train", "--output-dir", str(tmp_path / "run"), "--json", "--steps=3",
+    both, and the trainer's lease is merged from them: every step trains its whole batch.
+    The folder holds an earlier run's trajectory dumps: a fresh run starts them empty (the
+    producers append)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    for name in ("trajectories.jsonl", "trajectories.1.jsonl"):
+        (out / name).write_text(json.dumps({"sample_id": "b000000-earlier", "step": 1}) + "\n")
+    p = _earl("train", "--output-dir", str(out), "--json", "--steps=3",
               "--placement.producers=2", *SMALL)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "dock: index sharded over 2 ranks" in p.stderr
@@ -101,6 +107,9 @@ def test_two_producers_shard_the_dock_index_and_every_step_trains_its_batch(
     rows = [json.loads(x) for x in Path(res["metrics"]).read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["train/samples"] >= 16 for r in rows), rows
+    dumped = [json.loads(x) for f in out.glob("trajectories*.jsonl")
+              for x in f.read_text().splitlines()]
+    assert len(dumped) == 3 * 16 and all("earlier" not in d["sample_id"] for d in dumped)
 
 
 @pytest.mark.slow
