@@ -78,7 +78,8 @@ class PolicyConfig:
             and never measure it again (0.68x the best static run on its devices, against
             0.91-0.95x).
         probe_steps: steps measured end to end that give a plan its rate at a bucket (and
-            a probe its length); a plan is left on prices only once it has that rate.
+            a trial, a probe's or a switch's on prices, its length); a plan is left on prices
+            only once it has that rate.
         probe_margin: a plan priced this much below the current one is not probed. Wide: the
             prices are what a probe checks, and on the gauntlet they put two replicas and a DP
             2 trainer below 0.7x three replicas and one rank for 250 steps (run K, 46d5192, at

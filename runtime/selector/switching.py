@@ -5,16 +5,24 @@ A plan is priced by composing stage rates, each from a few batches, and a layout
 left is not measured again; so the loop also gives the policy each training step end to end
 (`SearchPolicy.observe_step`: its batch's trajectory tokens over the loop's seconds, in roofline
 seconds per second at the batch's typical context where given), and once a plan has run
-`probe_steps` of them at a bucket its rate there is kept (over its last 3 x `probe_steps`). A
-plan is left on prices only once it has such a rate (to come back to), only for one
-`switch_gain` faster for `patience` decisions in a row, `cooldown_steps` after the last switch,
-and only if the switch pays for itself over `horizon_steps` (at the loop's measured seconds per
-step; a switch to a plan not measured at the bucket costs the way back too); a plan measured
-`switch_gain` faster at the bucket is switched back to; one measured there is not switched to
-on prices. Every `probe_every` steps the best plan not yet measured at the bucket with another
-split of the devices that starts no new engine processes (the same rollout TP) and is priced
-within `probe_margin` of the current one runs `probe_steps` steps; if it is slower end to end
-the policy goes back, and the wait for the next probe doubles (at most 4x).
+`probe_steps` of them at a bucket its rate there is kept (over its last 3 x `probe_steps` at
+that bucket: a step's end-to-end efficiency rises with its context, ~20% a half-octave on the
+gauntlet, so rates of two buckets do not compare). A plan is left on prices only once it has
+such a rate, only for one `switch_gain` faster for `patience` decisions in a row,
+`cooldown_steps` after the last switch, and only if the switch pays for itself over
+`horizon_steps` (at the loop's measured seconds per step; a switch to a plan not measured at
+the bucket costs the way back too); a plan measured `switch_gain` faster at the bucket is
+switched back to; one measured there is not switched to on prices. Every `probe_every` steps
+the best plan not yet measured at the bucket with another split of the devices that starts no
+new engine processes (the same rollout TP) and is priced within `probe_margin` of the current
+one is tried too.
+
+Either way the new plan is on trial: it runs `probe_steps` measured steps and stays only if it
+is at least as fast end to end as the plan it replaced at the same bucket; if it is slower the
+policy goes back and the wait for the next probe doubles (at most 4x). Runs R, T and U left two
+replicas and two trainer ranks for three and one on prices at steps 12-30, and held them until a
+probe 50-200 steps later measured them 15-35% slower. Where the contexts move to another bucket
+before the trial is measured at either, it goes back without a verdict.
 
 Not here: which plan is best (`policy.SearchPolicy`: search, buckets, forced changes).
 """
@@ -55,10 +63,12 @@ class _End:
 
 @dataclass(frozen=True, slots=True)
 class _Probe:
-    """A plan on trial against the one it replaced (`back`), whose rate was `before`."""
+    """A plan on trial against the one it replaced (`back`), whose rate at `bucket`, where
+    the trial began, was `before`."""
 
     back: Plan
     before: float
+    bucket: int
 
 
 @dataclass(slots=True)
@@ -68,7 +78,8 @@ class Switching:
     policy: SearchPolicy
     last_switch: int = -(10**9)
     better_streak: int = 0
-    loop: list[tuple[float, float]] = field(default_factory=list)  # since the last switch
+    loop: list[tuple[float, float, int]] = field(default_factory=list)  # since the last
+    # switch: (tokens, seconds, bucket) per measured step
     ends: dict[tuple[Shape, int], _End] = field(default_factory=dict)  # (layouts, bucket)
     probe: _Probe | None = None
     last_probe: int = -(10**9)
@@ -87,8 +98,8 @@ class Switching:
             tokens /= self.policy.cost.tokens_per_s("train", Parallel(), context,
                                                     batch_tokens=context)
         self.roofline = context > 0
-        self.loop[:] = [*self.loop[-63:], (tokens, seconds)]
-        rate = self._recent()
+        self.loop[:] = [*self.loop[-63:], (tokens, seconds, bucket)]
+        rate = self._recent(bucket)
         if plan is not None and rate is not None:
             self.ends[(shape(plan), bucket)] = _End(rate, plan)
 
@@ -103,7 +114,7 @@ class Switching:
         faster end to end at this bucket, one priced faster, or a new probe."""
         p, c = self.policy, self.policy.config
         if self.probe is not None:
-            return self._probe_step(step, cur, bucket, slots)
+            return self._trial_step(step, cur, bucket, slots)
         mine = self._end(cur, bucket)
         others = [(e.rate, e.plan) for (sh, b), e in self.ends.items()
                   if b == bucket and sh != shape(cur)]
@@ -158,7 +169,7 @@ class Switching:
             return cur, False, f"kept: best within {c.switch_gain:.0%} at context {bucket}"
         if mine is None and self.fed:  # the loop measures plans: this one first, to come back
             return cur, False, (f"kept: a plan priced {gain:+.0%}; this one is not measured end "
-                                f"to end at context {bucket} yet ({len(self.loop)}/"
+                                f"to end at context {bucket} yet ({self._measured(bucket)}/"
                                 f"{c.probe_steps} steps)")
         theirs = self._end(cand, bucket)
         if mine is not None and theirs is not None:
@@ -171,30 +182,46 @@ class Switching:
             return cur, False, f"kept: a plan {gain:+.0%} faster {ledger}"
         self.better_streak += 1
         if self.better_streak >= c.patience and step - self.last_switch >= c.cooldown_steps:
-            return cand, True, (f"{gain:+.0%} faster (tokens/s) at context {bucket}: "
+            if mine is not None:  # measured end to end: the new plan is on trial
+                self.probe = _Probe(back=cur, before=mine, bucket=bucket)
+            return cand, True, (f"{gain:+.0%} faster (tokens/s) at context {bucket}"
+                                f"{', on trial' if mine is not None else ''}: "
                                 f"{p.summary(cand)}")
         return cur, False, (f"kept: a plan {gain:+.0%} faster seen {self.better_streak}/"
                             f"{c.patience} time(s), {step - self.last_switch} step(s) since "
                             "the last switch")
 
-    def _probe_step(self, step: int, cur: Plan, bucket: int,
+    def _trial_step(self, step: int, cur: Plan, bucket: int,
                     slots: Mapping[str, float]) -> Choice:
-        """A probe measuring: held until `probe_steps` steps ran, then kept or left."""
+        """A plan on trial (a probe, or a switch on prices): held until it has `probe_steps`
+        measured steps at a bucket where the plan it replaced has a rate too (where the trial
+        began, else the current bucket), then kept if at least as fast there, else left. After
+        3 x `probe_steps` measured steps with neither, it goes back without a verdict."""
         p, c, probe = self.policy, self.policy.config, self.probe
         assert probe is not None
-        rate = self._recent()
-        if rate is None:
-            return cur, False, (f"probing: {len(self.loop)}/{c.probe_steps} step(s) measured, "
-                                f"against {self._show(probe.before)} before")
+        rate, at = self._recent(probe.bucket), probe.bucket
+        before: float | None = probe.before
+        if rate is None and bucket != probe.bucket:
+            rate, before, at = self._recent(bucket), self._end(probe.back, bucket), bucket
         back = p.reevaluate(probe.back, bucket, slots)
+        if rate is None or before is None:
+            if len(self.loop) < 3 * c.probe_steps or back is None:
+                why = (f"{self._measured(at)}/{c.probe_steps} step(s) measured at context {at}"
+                       if rate is None else f"the plan it replaced has no rate at context {at}")
+                return cur, False, f"on trial: {why} ({len(self.loop)}/{3 * c.probe_steps})"
+            self.probe = None
+            return back, True, (f"trial without a verdict: the contexts moved from "
+                                f"{probe.bucket} to {bucket} before it was measured; back to "
+                                f"{p.summary(back)}")
         self.probe, self.last_probe = None, step
-        if rate >= probe.before or back is None:
+        if rate >= before or back is None:
             self.probe_wait = 1
-            return cur, False, (f"probe kept: {self._show(rate)} end to end against "
-                                f"{self._show(probe.before)} before")
+            return cur, False, (f"trial kept: {self._show(rate)} end to end against "
+                                f"{self._show(before)} before, at context {at}")
         self.probe_wait = min(4, 2 * self.probe_wait)
-        return back, True, (f"probe lost: {self._show(rate)} end to end against "
-                            f"{self._show(probe.before)} before; back to {p.summary(back)}")
+        return back, True, (f"trial lost: {self._show(rate)} end to end against "
+                            f"{self._show(before)} before, at context {at}; back to "
+                            f"{p.summary(back)}")
 
     def _start_probe(self, step: int, cur: Plan, bucket: int, slots: Mapping[str, float],
                      queues: Mapping[str, int] | None, mine: float | None) -> Choice | None:
@@ -211,27 +238,33 @@ class Switching:
         self.last_probe = step  # priced once per interval, tried or not
         if alt is None or p.score(alt, queues) < (1 - c.probe_margin) * p.score(cur, queues):
             return None
-        self.probe = _Probe(back=cur, before=mine)
+        self.probe = _Probe(back=cur, before=mine, bucket=bucket)
         gain = p.score(alt, queues) / max(p.score(cur, queues), 1e-9) - 1
         return alt, True, (f"probe for {c.probe_steps} steps (priced {gain:+.0%}; the current "
                            f"plan {self._show(mine)} end to end): {p.summary(alt)}")
 
-    def _window(self) -> list[tuple[float, float]] | None:
+    def _window(self, bucket: int | None = None) -> list[tuple[float, float, int]] | None:
         """The steps since the last switch a rate is taken over: the last 3 x `probe_steps`
-        (None: fewer than `probe_steps`). One step's seconds vary 2-3x with the batch's
-        longest game, so a plan held longer is compared by more of its steps."""
+        (at `bucket`, where given; None: fewer than `probe_steps`). One step's seconds vary
+        2-3x with the batch's longest game, so a plan held longer is compared by more of its
+        steps."""
         n = self.policy.config.probe_steps
-        return self.loop[-3 * n:] if len(self.loop) >= n else None
+        steps = [x for x in self.loop if bucket is None or x[2] == bucket][-3 * n:]
+        return steps if len(steps) >= n else None
 
-    def _recent(self) -> float | None:
-        """The rate over `_window` (None: too few steps)."""
-        w = self._window()
-        return sum(t for t, _ in w) / sum(sec for _, sec in w) if w else None
+    def _measured(self, bucket: int) -> int:
+        """Measured steps at `bucket` since the last switch."""
+        return sum(x[2] == bucket for x in self.loop)
+
+    def _recent(self, bucket: int) -> float | None:
+        """The rate at `bucket` over `_window` (None: too few steps there)."""
+        w = self._window(bucket)
+        return sum(x[0] for x in w) / sum(x[1] for x in w) if w else None
 
     def _step_seconds(self) -> float | None:
-        """The loop's seconds per step over `_window` (None: too few steps)."""
+        """The loop's seconds per step over `_window`, whatever the bucket (None: too few)."""
         w = self._window()
-        return sum(sec for _, sec in w) / len(w) if w else None
+        return sum(x[1] for x in w) / len(w) if w else None
 
     def _end(self, plan: Plan, bucket: int) -> float | None:
         """`plan`'s layouts' rate end to end at `bucket`, when measured."""
