@@ -321,7 +321,7 @@ class SearchPolicy:
                       f"{contexts.trend:+.0f}/step) on {len(slots)} slot(s) of "
                       f"{min(slots.values()) / 2**30:.1f} GiB")
             changed = s.plan is None or plan.layouts() != s.plan.layouts()
-            self.switching.probe = None  # a change the plan needs ends a trial
+            self.switching.forced()
         elif cur is None:
             plan, changed = cand, True
             if s.plan is None:
@@ -334,7 +334,7 @@ class SearchPolicy:
                 why = (f"current layout cannot hold context {bucket} (max {contexts.max}, "
                        f"trend {contexts.trend:+.0f}/step)")
             reason = f"{why}: {self.summary(cand)}"
-            self.switching.probe = None
+            self.switching.forced()
         else:
             plan, changed, reason = self.switching.choose(step, cand, cur, bucket, slots,
                                                           queue_depths)

@@ -103,6 +103,11 @@ class Switching:
         if plan is not None and rate is not None:
             self.ends[(shape(plan), bucket)] = _End(rate, plan)
 
+    def forced(self) -> None:
+        """A change the plan needs (it no longer fits, or the slots changed): a trial ends
+        without a verdict."""
+        self.probe = None
+
     def switched(self, step: int) -> None:
         """The plan changed at `step`: its steps are measured anew."""
         self.better_streak, self.last_switch = 0, step
