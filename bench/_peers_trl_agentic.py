@@ -150,10 +150,9 @@ class PacedEpisodes(Episodes):
                     completion[i] += suffix
                     mask[i] += [0] * len(suffix)
 
-        gen = asyncio.create_task(batcher())
-        try:
+        async with asyncio.TaskGroup() as tg:  # a failed generation ends the episodes too
+            gen = tg.create_task(batcher())
             await asyncio.gather(*(episode(i) for i in range(n)))
-        finally:
             gen.cancel()
         return {"prompt_ids": prompt_ids, "completion_ids": completion, "env_mask": mask,
                 "episode_reward": [work.episode_reward(s, r)
