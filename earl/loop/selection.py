@@ -451,6 +451,9 @@ class Selection:
         old, st = self.setting, self._stats
         times: dict[str, float] = {}
         if new.changed(old):
+            # the policy holds the new plan from its decision on: a step that ends while the
+            # change waits for the lock or runs ran the old one (run Y counted one in a trial)
+            self._unmeasured = self.SETTLE_STEPS
             async with self._lock.exclusive():
                 t0 = time.perf_counter()
                 times = await self.reconfigurer.apply(old, new)

@@ -708,7 +708,8 @@ def test_the_policy_is_fed_steps_end_to_end_but_those_a_change_ran_in() -> None:
     """`observe_step` gets each training step's trajectory tokens, the loop's seconds since
     the previous step and the trajectories' token-weighted length; the first `SETTLE_STEPS`,
     and as many after a re-creation (the change itself, new actors warming up, the pipeline
-    refilling), are left out."""
+    refilling), are left out, as is a step that ends while the change is applied (it ran the
+    old plan, which the policy has already left)."""
     reconf, rows, events = FakeReconfigurer(), [], []
     sel = _selection(reconf, rows, events, window=1024)
     fed: list[tuple[float, float]] = []
@@ -735,12 +736,25 @@ def test_the_policy_is_fed_steps_end_to_end_but_those_a_change_ran_in() -> None:
             await batch(b)
         assert len(fed) == 2
         assert all(t == 2100 and s >= 0.01 for t, s in fed)
+        b = settle + 2
+        async with sel.rollout(b):
+            pass
+        async with sel.train(b, _result(b, [600, 700, 800])):
+            pass
         planned = sel.setting
         sel.setting = replace(planned, trainer_dp=2)  # as if elsewhere: re-created below
+        apply = reconf.apply
+
+        async def step_ends_meanwhile(old: Setting, new: Setting) -> dict[str, float]:
+            sel.trained(b, {"tokens": 2100.0, "step_time_s": 0.01})  # it ran the old plan
+            return await apply(old, new)
+
+        reconf.apply = step_ends_meanwhile  # type: ignore[method-assign]
         await sel._apply(planned)
-        for b in range(settle + 2, 2 * settle + 5):
+        assert told[-1] == 0.0 and len(fed) == 2
+        for b in range(settle + 3, 2 * settle + 6):
             await batch(b)
         assert len(fed) == 2 + 3
-        assert len(told) == len(fed) + 2 * settle  # the unmeasured ones: seconds 0
+        assert len(told) == len(fed) + 2 * settle + 1  # the unmeasured ones: seconds 0
 
     asyncio.run(main())
