@@ -80,6 +80,12 @@ class PolicyConfig:
         probe_steps: steps measured end to end that give a plan its rate at a bucket (and
             a trial, a probe's or a switch's on prices, its length); a plan is left on prices
             only once it has that rate.
+        trial_sigmas: a trial (a probe's, or a switch's on prices) is decided once its rate
+            end to end and the old plan's differ by this many standard errors (from their
+            steps' spread), or after 3 x `probe_steps` measured steps, when the faster stays;
+            a plan measured faster is switched back to only by this much too. Over 6 steps a
+            gauntlet rate's standard error is ~10% (runs W-Y), the size of the gaps between
+            its layouts at a bucket. 0: the rates alone decide, at `probe_steps`.
         probe_margin: a plan priced this much below the current one is not probed. Wide: the
             prices are what a probe checks, and on the gauntlet they put two replicas and a DP
             2 trainer below 0.7x three replicas and one rank for 250 steps (run K, 46d5192, at
@@ -120,6 +126,7 @@ class PolicyConfig:
     respawn_cost_s: float = 15.0
     probe_every: int = 50
     probe_steps: int = 6
+    trial_sigmas: float = 2.0
     probe_margin: float = 0.75
     max_micro_batch_tokens: int = 65536
     max_kv_tokens: int = 1 << 20
@@ -145,6 +152,9 @@ class PolicyConfig:
         need(self.probe_every >= 0, "probe_every",
              f"must be >= 0 steps (0 = no probes), got {self.probe_every}")
         need(self.probe_steps >= 1, "probe_steps", f"must be >= 1, got {self.probe_steps}")
+        need(self.trial_sigmas >= 0, "trial_sigmas",
+             f"must be >= 0 standard errors (0 = the rates alone decide), got "
+             f"{self.trial_sigmas}")
         need(0 <= self.probe_margin < 1, "probe_margin",
              f"must be in [0, 1), got {self.probe_margin}")
         need(self.max_context >= 0, "max_context",

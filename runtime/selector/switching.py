@@ -19,7 +19,14 @@ one is tried too.
 
 Either way the new plan is on trial: it runs `probe_steps` measured steps and stays only if it
 is at least as fast end to end as the plan it replaced at the same bucket; if it is slower the
-policy goes back and the wait for the next probe doubles (at most 4x). Runs R, T and U left two
+policy goes back and the wait for the next probe doubles (at most 4x). A rate comes with its
+standard error, from the spread of its steps taken in consecutive pairs (the loop runs a step
+ahead, so a fast step and a slow one alternate): over 6 steps it is ~10% on the gauntlet, as
+large as the gaps between its layouts (run Z's probe of two replicas and two trainer ranks
+at step 367 lost by 0.618 against 0.634, where those ran 0.76-0.80 at the same bucket over
+100 steps and more in runs X and Y). So a trial whose rates are within `trial_sigmas` standard errors
+of the old plan's runs on, to 3 x `probe_steps` measured steps, before the faster stays; and a
+plan measured faster is switched back to only by more than that noise. Runs R, T and U left two
 replicas and two trainer ranks for three and one on prices at steps 12-30, and held them until a
 probe 50-200 steps later measured them 15-35% slower. Where the contexts move to another bucket
 before the trial is measured at either, it goes back without a verdict.
@@ -29,6 +36,7 @@ Not here: which plan is best (`policy.SearchPolicy`: search, buckets, forced cha
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -55,19 +63,20 @@ def split_of(plan: Plan) -> tuple[int, ...]:
 @dataclass(frozen=True, slots=True)
 class _End:
     """A plan's rate end to end over its last measured steps (`Switching._window`): roofline
-    seconds per second where the loop gives each step's context, else tokens/s."""
+    seconds per second where the loop gives each step's context, else tokens/s; `se`: its
+    standard error (`_rate`)."""
 
     rate: float
     plan: Plan
+    se: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
 class _Probe:
-    """A plan on trial against the one it replaced (`back`), whose rate at `bucket`, where
-    the trial began, was `before`."""
+    """A plan on trial against the one it replaced (`before.plan`), whose rate at `bucket`,
+    where the trial began, was `before`."""
 
-    back: Plan
-    before: float
+    before: _End
     bucket: int
 
 
@@ -99,9 +108,9 @@ class Switching:
                                                     batch_tokens=context)
         self.roofline = context > 0
         self.loop[:] = [*self.loop[-63:], (tokens, seconds, bucket)]
-        rate = self._recent(bucket)
-        if plan is not None and rate is not None:
-            self.ends[(shape(plan), bucket)] = _End(rate, plan)
+        got = self._rate(bucket)
+        if plan is not None and got is not None:
+            self.ends[(shape(plan), bucket)] = _End(got[0], plan, got[1])
 
     def forced(self) -> None:
         """A change the plan needs (it no longer fits, or the slots changed): a trial ends
@@ -121,15 +130,17 @@ class Switching:
         if self.probe is not None:
             return self._trial_step(step, cur, bucket, slots)
         mine = self._end(cur, bucket)
-        others = [(e.rate, e.plan) for (sh, b), e in self.ends.items()
-                  if b == bucket and sh != shape(cur)]
+        others = [e for (sh, b), e in self.ends.items() if b == bucket and sh != shape(cur)]
         if mine is not None and others and step - self.last_switch >= c.cooldown_steps:
-            rate, best = max(others, key=lambda x: x[0])
-            back = p.reevaluate(best, bucket, slots)
-            if rate >= mine * (1 + c.switch_gain) and back is not None:
-                return back, True, (f"measured {rate / mine - 1:+.0%} faster end to end at "
-                                    f"context {bucket} ({self._show(rate)} against "
-                                    f"{self._show(mine)}): {p.summary(back)}")
+            best = max(others, key=lambda e: e.rate)
+            back = p.reevaluate(best.plan, bucket, slots)
+            noise = self._noise(best.se, self.ends[(shape(cur), bucket)].se)
+            if best.rate >= mine * (1 + c.switch_gain) and best.rate - mine > noise \
+                    and back is not None:
+                return back, True, (f"measured {best.rate / mine - 1:+.0%} faster end to end at "
+                                    f"context {bucket} ({self._show(best.rate)} against "
+                                    f"{self._show(mine)}, noise {self._show(noise)}): "
+                                    f"{p.summary(back)}")
         plan, changed, reason = self._priced(step, cand, cur, bucket, queues, mine)
         if changed or self.better_streak:  # a switch, or one on its way
             return plan, changed, reason
@@ -188,7 +199,7 @@ class Switching:
         self.better_streak += 1
         if self.better_streak >= c.patience and step - self.last_switch >= c.cooldown_steps:
             if mine is not None:  # measured end to end: the new plan is on trial
-                self.probe = _Probe(back=cur, before=mine, bucket=bucket)
+                self.probe = self._trial_of(cur, mine, bucket)
             return cand, True, (f"{gain:+.0%} faster (tokens/s) at context {bucket}"
                                 f"{', on trial' if mine is not None else ''}: "
                                 f"{p.summary(cand)}")
@@ -200,24 +211,33 @@ class Switching:
                     slots: Mapping[str, float]) -> Choice:
         """A plan on trial (a probe, or a switch on prices): held until it has `probe_steps`
         measured steps at a bucket where the plan it replaced has a rate too (where the trial
-        began, else the current bucket), then kept if at least as fast there, else left. After
-        3 x `probe_steps` measured steps with neither, it goes back without a verdict."""
+        began, else the current bucket), and its rate there differs from that plan's by more
+        than the noise (`trial_sigmas`) or it has 3 x `probe_steps` steps there; then kept if at
+        least as fast, else left. After 3 x `probe_steps` measured steps without a rate to
+        compare, it goes back without a verdict."""
         p, c, probe = self.policy, self.policy.config, self.probe
         assert probe is not None
-        rate, at = self._recent(probe.bucket), probe.bucket
-        before: float | None = probe.before
-        if rate is None and bucket != probe.bucket:
-            rate, before, at = self._recent(bucket), self._end(probe.back, bucket), bucket
-        back = p.reevaluate(probe.back, bucket, slots)
-        if rate is None or before is None:
+        got, at = self._rate(probe.bucket), probe.bucket
+        old: _End | None = probe.before
+        if got is None and bucket != probe.bucket:
+            got, old, at = (self._rate(bucket), self.ends.get((shape(probe.before.plan), bucket)),
+                            bucket)
+        back = p.reevaluate(probe.before.plan, bucket, slots)
+        if got is None or old is None:
             if len(self.loop) < 3 * c.probe_steps or back is None:
                 why = (f"{self._measured(at)}/{c.probe_steps} step(s) measured at context {at}"
-                       if rate is None else f"the plan it replaced has no rate at context {at}")
+                       if got is None else f"the plan it replaced has no rate at context {at}")
                 return cur, False, f"on trial: {why} ({len(self.loop)}/{3 * c.probe_steps})"
             self.probe = None
             return back, True, (f"trial without a verdict: the contexts moved from "
                                 f"{probe.bucket} to {bucket} before it was measured; back to "
                                 f"{p.summary(back)}")
+        (rate, se), before = got, old.rate
+        noise, n = self._noise(se, old.se), self._measured(at)
+        if abs(rate - before) < noise and n < 3 * c.probe_steps and back is not None:
+            return cur, False, (f"on trial: {self._show(rate)} end to end against "
+                                f"{self._show(before)} at context {at}, within the noise "
+                                f"({self._show(noise)}; {n}/{3 * c.probe_steps})")
         self.probe, self.last_probe = None, step
         if rate >= before or back is None:
             self.probe_wait = 1
@@ -243,10 +263,20 @@ class Switching:
         self.last_probe = step  # priced once per interval, tried or not
         if alt is None or p.score(alt, queues) < (1 - c.probe_margin) * p.score(cur, queues):
             return None
-        self.probe = _Probe(back=cur, before=mine, bucket=bucket)
+        self.probe = self._trial_of(cur, mine, bucket)
         gain = p.score(alt, queues) / max(p.score(cur, queues), 1e-9) - 1
         return alt, True, (f"probe for {c.probe_steps} steps (priced {gain:+.0%}; the current "
                            f"plan {self._show(mine)} end to end): {p.summary(alt)}")
+
+    def _trial_of(self, cur: Plan, mine: float, bucket: int) -> _Probe:
+        """A trial against `cur`, whose rate at `bucket` is `mine`."""
+        end = self.ends.get((shape(cur), bucket))
+        return _Probe(_End(mine, cur, end.se if end else 0.0), bucket)
+
+    def _noise(self, se: float, other_se: float) -> float:
+        """How far apart two rates must be to tell them apart: `trial_sigmas` standard errors
+        of their difference."""
+        return self.policy.config.trial_sigmas * math.hypot(se, other_se)
 
     def _window(self, bucket: int | None = None) -> list[tuple[float, float, int]] | None:
         """The steps since the last switch a rate is taken over: the last 3 x `probe_steps`
@@ -261,10 +291,21 @@ class Switching:
         """Measured steps at `bucket` since the last switch."""
         return sum(x[2] == bucket for x in self.loop)
 
-    def _recent(self, bucket: int) -> float | None:
-        """The rate at `bucket` over `_window` (None: too few steps there)."""
+    def _rate(self, bucket: int) -> tuple[float, float] | None:
+        """The rate at `bucket` over `_window` (tokens over seconds) and its standard error,
+        from the spread of its steps in consecutive pairs (0 with fewer than two pairs); None:
+        too few steps there."""
         w = self._window(bucket)
-        return sum(x[0] for x in w) / sum(x[1] for x in w) if w else None
+        if not w:
+            return None
+        rate = sum(x[0] for x in w) / sum(x[1] for x in w)
+        pairs = [(a[0] + b[0], a[1] + b[1]) for a, b in zip(w[-2::-2], w[::-2], strict=False)]
+        m = len(pairs)
+        if m < 2:
+            return rate, 0.0
+        mean_s = sum(s for _, s in pairs) / m
+        spread = sum((t - rate * s) ** 2 for t, s in pairs) / (m * (m - 1))
+        return rate, math.sqrt(spread) / mean_s
 
     def _step_seconds(self) -> float | None:
         """The loop's seconds per step over `_window`, whatever the bucket (None: too few)."""

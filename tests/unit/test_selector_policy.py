@@ -473,6 +473,69 @@ def test_a_plan_priced_faster_but_measured_slower_end_to_end_is_left_and_not_tak
                f"ran {1000 / slower:,.0f} tok/s" in d.reason for d in kept)
 
 
+@pytest.mark.parametrize(("faster", "verdict", "at"), [
+    (2.0, "trial kept", 8), (1.05, "trial kept", 12), (0.95, "trial lost", 12)])
+def test_a_trial_within_the_noise_runs_on_and_one_beyond_it_is_decided_at_once(
+        faster: float, verdict: str, at: int) -> None:
+    """A rate over a few steps is noisy (over 6 steps ~10% on the gauntlet, as large as the
+    gaps between its layouts): a trial whose rate is within `trial_sigmas` standard errors of
+    the old plan's (from their steps' spread, in consecutive pairs) runs on to 3 x
+    `probe_steps` measured steps before the faster stays; one clearly faster or slower is
+    decided at `probe_steps`."""
+    measured = _Steps(1e6, switch_s=1.0)
+    policy = _switching(measured, probe_steps=2)
+    stats, pool = ContextTracker().observe([1024, 800]), slots(4)
+    noisy = [1.0, 1.0, 1.3, 1.3, 0.7, 0.7]  # 1,000 tok/s; in pairs 2.0, 2.6 and 1.4 s
+
+    def step(n: int, seconds: float) -> Decision:
+        policy.observe_step(tokens=1000.0, seconds=seconds)
+        return policy.decide(step=n, when="prep", contexts=stats, slots=pool)
+
+    first = policy.decide(step=0, when="prep", contexts=stats, slots=pool)
+    assert not any(step(n, s).changed for n, s in enumerate(noisy[:-1], 1))
+    measured.slow = ("train", first.plan.actor("trainer").parallel)  # priced slow from now
+    assert step(6, noisy[-1]).changed  # on prices, on trial
+    (old,) = [e for e in policy.switching.ends.values()]
+    # pairs off 1,000 tok/s by 0, -600 and +600 tokens over 2.0 s on average
+    assert old.rate == pytest.approx(1000) and old.se == pytest.approx((2 * 600**2 / 6) ** 0.5 / 2)
+    decisions = {n: step(n, noisy[(n - 7) % 6] / faster) for n in range(7, 13)}
+    end = next(n for n, d in decisions.items() if not d.reason.startswith("on trial"))
+    assert end == at and decisions[at].reason.startswith(verdict), decisions[at].reason
+    assert decisions[at].changed is (verdict == "trial lost")
+    if at > 8:
+        assert "within the noise (346 tok/s; 2/6)" in decisions[8].reason
+
+
+@pytest.mark.parametrize("noisy", [True, False])
+def test_a_plan_measured_faster_is_switched_back_to_only_beyond_the_noise(noisy: bool) -> None:
+    """A plan measured `switch_gain` faster end to end at the bucket is switched back to only
+    if the two rates also differ by more than `trial_sigmas` standard errors (run Z went back
+    to three replicas on "+12%" at step 67, from rates over 6 and 18 steps)."""
+    measured = _Steps(1e6, switch_s=1.0)
+    policy = _switching(measured, probe_steps=2)
+    stats, pool = ContextTracker().observe([1024, 800]), slots(4)
+    first_steps = [1.0, 1.0, 1.3, 1.3, 0.7, 0.7] if noisy else [1.0] * 6  # 1,000 tok/s
+
+    def step(n: int, seconds: float) -> Decision:
+        policy.observe_step(tokens=1000.0, seconds=seconds)
+        return policy.decide(step=n, when="prep", contexts=stats, slots=pool)
+
+    first = policy.decide(step=0, when="prep", contexts=stats, slots=pool)
+    for n, s in enumerate(first_steps[:-1], 1):
+        step(n, s)
+    measured.slow = ("train", first.plan.actor("trainer").parallel)
+    assert step(6, first_steps[-1]).changed  # on prices, on trial
+    step(7, 0.5)
+    assert step(8, 0.5).reason.startswith("trial kept")  # 2,000 tok/s
+    later = [step(n, 1 / 0.85) for n in range(9, 15)]  # then 850 tok/s: the first 18% faster
+    back = [d for d in later if d.changed]
+    if noisy:  # +-17% (in pairs): 150 tok/s apart is within 2 standard errors
+        assert not back
+    else:
+        assert len(back) == 1 and back[0].reason.startswith("measured +18% faster")
+        assert _shape(back[0]) == _shape(first)
+
+
 def test_a_trial_is_judged_at_one_bucket_or_goes_back_without_a_verdict() -> None:
     """A step's end-to-end efficiency rises with its context (~20% a half-octave on the
     gauntlet), so a plan's rate is taken at one bucket, and a trial is compared with the plan
