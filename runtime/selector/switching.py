@@ -22,9 +22,9 @@ is at least as fast end to end as the plan it replaced at the same bucket; if it
 policy goes back and the wait for the next probe doubles (at most 4x). A rate comes with its
 standard error, from the spread of its steps taken in consecutive pairs (the loop runs a step
 ahead, so a fast step and a slow one alternate): over 6 steps it is ~10% on the gauntlet, as
-large as the gaps between its layouts (run Z's probe of two replicas and two trainer ranks
-at step 367 lost by 0.618 against 0.634, where those ran 0.76-0.80 at the same bucket over
-100 steps and more in runs X and Y). So a trial whose rates are within `trial_sigmas` standard errors
+large as the gaps between its layouts (run Z left two replicas and two trainer ranks for
+three and one at step 67, "measured +12% faster", 0.557 over 6 steps against 0.496 over 18,
+and held them for 434 of its 500 steps). So a trial whose rates are within `trial_sigmas` standard errors
 of the old plan's runs on, to 3 x `probe_steps` measured steps, before the faster stays; and a
 plan measured faster is switched back to only by more than that noise. Runs R, T and U left two
 replicas and two trainer ranks for three and one on prices at steps 12-30, and held them until a
