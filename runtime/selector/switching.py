@@ -199,7 +199,7 @@ class Switching:
         self.better_streak += 1
         if self.better_streak >= c.patience and step - self.last_switch >= c.cooldown_steps:
             if mine is not None:  # measured end to end: the new plan is on trial
-                self.probe = self._trial_of(cur, mine, bucket)
+                self.probe = self._trial_of(cur, bucket)
             return cand, True, (f"{gain:+.0%} faster (tokens/s) at context {bucket}"
                                 f"{', on trial' if mine is not None else ''}: "
                                 f"{p.summary(cand)}")
@@ -263,15 +263,15 @@ class Switching:
         self.last_probe = step  # priced once per interval, tried or not
         if alt is None or p.score(alt, queues) < (1 - c.probe_margin) * p.score(cur, queues):
             return None
-        self.probe = self._trial_of(cur, mine, bucket)
+        self.probe = self._trial_of(cur, bucket)
         gain = p.score(alt, queues) / max(p.score(cur, queues), 1e-9) - 1
         return alt, True, (f"probe for {c.probe_steps} steps (priced {gain:+.0%}; the current "
                            f"plan {self._show(mine)} end to end): {p.summary(alt)}")
 
-    def _trial_of(self, cur: Plan, mine: float, bucket: int) -> _Probe:
-        """A trial against `cur`, whose rate at `bucket` is `mine`."""
-        end = self.ends.get((shape(cur), bucket))
-        return _Probe(_End(mine, cur, end.se if end else 0.0), bucket)
+    def _trial_of(self, cur: Plan, bucket: int) -> _Probe:
+        """A trial against `cur`, measured at `bucket`."""
+        end = self.ends[(shape(cur), bucket)]
+        return _Probe(_End(end.rate, cur, end.se), bucket)
 
     def _noise(self, se: float, other_se: float) -> float:
         """How far apart two rates must be to tell them apart: `trial_sigmas` standard errors
