@@ -24,9 +24,9 @@ standard error, from the spread of its steps taken in consecutive pairs (the loo
 ahead, so a fast step and a slow one alternate): over 6 steps it is ~10% on the gauntlet, as
 large as the gaps between its layouts (run Z left two replicas and two trainer ranks for
 three and one at step 67, "measured +12% faster", 0.557 over 6 steps against 0.496 over 18,
-and held them for 434 of its 500 steps). So a trial whose rates are within `trial_sigmas` standard errors
-of the old plan's runs on, to 3 x `probe_steps` measured steps, before the faster stays; and a
-plan measured faster is switched back to only by more than that noise. Runs R, T and U left two
+and held them for 434 of its 500 steps). So a trial whose rates are within `trial_sigmas`
+standard errors of the old plan's runs on, to 3 x `probe_steps` measured steps, before the
+faster stays; and a plan measured faster is switched back to only by more than that noise. Runs R, T and U left two
 replicas and two trainer ranks for three and one on prices at steps 12-30, and held them until a
 probe 50-200 steps later measured them 15-35% slower. Where the contexts move to another bucket
 before the trial is measured at either, it goes back without a verdict.
@@ -129,17 +129,18 @@ class Switching:
         p, c = self.policy, self.policy.config
         if self.probe is not None:
             return self._trial_step(step, cur, bucket, slots)
-        mine = self._end(cur, bucket)
+        own = self.ends.get((shape(cur), bucket))
+        mine = own.rate if own is not None else None
         others = [e for (sh, b), e in self.ends.items() if b == bucket and sh != shape(cur)]
-        if mine is not None and others and step - self.last_switch >= c.cooldown_steps:
+        if own is not None and others and step - self.last_switch >= c.cooldown_steps:
             best = max(others, key=lambda e: e.rate)
             back = p.reevaluate(best.plan, bucket, slots)
-            noise = self._noise(best.se, self.ends[(shape(cur), bucket)].se)
-            if best.rate >= mine * (1 + c.switch_gain) and best.rate - mine > noise \
+            noise = self._noise(best.se, own.se)
+            if best.rate >= own.rate * (1 + c.switch_gain) and best.rate - own.rate > noise \
                     and back is not None:
-                return back, True, (f"measured {best.rate / mine - 1:+.0%} faster end to end at "
-                                    f"context {bucket} ({self._show(best.rate)} against "
-                                    f"{self._show(mine)}, noise {self._show(noise)}): "
+                return back, True, (f"measured {best.rate / own.rate - 1:+.0%} faster end to end "
+                                    f"at context {bucket} ({self._show(best.rate)} against "
+                                    f"{self._show(own.rate)}, noise {self._show(noise)}): "
                                     f"{p.summary(back)}")
         plan, changed, reason = self._priced(step, cand, cur, bucket, queues, mine)
         if changed or self.better_streak:  # a switch, or one on its way
