@@ -102,27 +102,45 @@ def _p95(xs: list[int]) -> float:
 def _trajectories(out: str, window: int, played: dict[int, int]) -> dict[str, float]:
     """Per batch, its trajectories' token counts: p95 over the first and the last tenth of the
     batches, and the share cut by the window it was played with (`played`: batch -> window,
-    from the selector's rollout decisions; else `window`), within a turn of it."""
+    from the selector's rollout decisions; else `window`), within a turn of it: all of them
+    (`cut_rate`) and those cut by a window shorter than the model's positions
+    (`cut_rate_below_model`; a cut at the model's own positions no layout or window avoids)."""
     from pathlib import Path
 
+    from earl.recipes.gauntlet import MAX_MODEL_LEN
     from earl.stages.batch_types import batch_of
 
     path = Path(out) / "trajectories.jsonl"
     per: dict[int, list[int]] = {}
-    cut = total = 0
+    cut = below = total = 0
     for line in path.read_text().splitlines() if path.is_file() else []:
         t = json.loads(line)
         b, n = batch_of(str(t["sample_id"])), len(t["token_ids"])
         per.setdefault(b, []).append(n)
         total += 1
-        cut += bool(t["truncated"]) and n >= played.get(b, window) - 32
+        w = played.get(b, window)
+        was_cut = bool(t["truncated"]) and n >= w - 32
+        cut += was_cut
+        below += was_cut and w < MAX_MODEL_LEN
     batches = sorted(per)
     tenth = max(1, len(batches) // 10)
     first = _p95([n for b in batches[:tenth] for n in per[b]])
     last = _p95([n for b in batches[-tenth:] for n in per[b]])
     return {"p95_first_tenth": first, "p95_last_tenth": last,
             "context_growth": round(last / first, 2) if first else 0.0,
-            "cut_rate": round(cut / max(total, 1), 4)}
+            "cut_rate": round(cut / max(total, 1), 4),
+            "cut_rate_below_model": round(below / max(total, 1), 4)}
+
+
+def cut_below_model(run: dict[str, object], top: int) -> float:
+    """The share of `run`'s trajectories cut by a window shorter than the model's positions
+    `top`. A run saved before that was counted has only `cut_rate`: its cuts are all at `top`
+    when every window it played was `top` (its `layouts`, else its `window`), else all count."""
+    if "cut_rate_below_model" in run or not run["cut_rate"]:
+        return float(str(run.get("cut_rate_below_model", 0.0)))
+    layouts = [str(x) for x in run.get("layouts", []) or []]  # type: ignore[attr-defined]
+    windows = {int(x.rsplit("-w", 1)[1]) for x in layouts} or {int(str(run["window"]))}
+    return 0.0 if min(windows) >= top else float(str(run["cut_rate"]))
 
 
 def code_key(leave_out: tuple[str, ...] = ()) -> str | None:

@@ -2,6 +2,7 @@
 
     python bench/selector.py --json [--quick] [--save]   # the static sweep vs the selector
     python bench/selector.py --profile [--json]         # profiler: predicted vs measured memory
+    python bench/selector.py --from RESULT.json --json  # a saved invocation, summarized again
 
 Every run trains the `gauntlet` recipe (Tic-Tac-Toe games in one context until the first loss:
 a better policy survives more games, so its contexts grow) with the general loop (`earl train`,
@@ -24,17 +25,21 @@ OOM killer enforces it) and a CPU share each, at two device sizes taken from the
 * `truncate` (one of the sweep): the window fixed at `--window` from the start, two replicas and
   two trainer ranks: the baseline of the learning comparison (it cuts the long gauntlets).
 
-Throughput is trained tokens per second of loop time (reconfigurations included). Prints one JSON
-object: `static_runs`, `best_static_hindsight` (the fastest static run that neither OOMed nor
-cut), `step0_pick` (the fastest static run over its first tenth of steps: what a user would pick),
-`throughput_ratio_vs_best_static`, `throughput_ratio_vs_step0_pick`,
+Throughput is trained tokens per second of loop time (reconfigurations included). A context cut
+at the model's own positions (`MAX_MODEL_LEN`: no layout or window holds more) counts against no
+run; one cut by a shorter window does. Prints one JSON object: `static_runs`,
+`best_static_hindsight` (the fastest static run that neither OOMed nor cut below the model's
+positions), `step0_pick` (the fastest static run over its first tenth of steps: what a user
+would pick), `throughput_ratio_vs_best_static`, `throughput_ratio_vs_step0_pick`,
 `best_static_same_devices` and its ratio (the fastest clean static run on the selector's
 devices), the same on the same work (`matched_*`: each static run's seconds for the selector
 run's tokens at its own measured rate per context bucket, over the selector's seconds;
-`matched_seconds`), `context_growth` (the
-selector run's p95 trajectory tokens over its last tenth of steps / first tenth),
+`matched_seconds`), `context_growth` (the selector run's p95 trajectory tokens over its last
+tenth of steps / first tenth),
 `reconfigurations`, `trainer_layout_changes`, `rollout_layout_changes`, `device_moves`,
-`reconfig_seconds_median`, `samples_lost`, `oom_selector`, `final_eval` (selector and truncate,
+`reconfig_seconds_median`, `samples_lost`, `oom_selector` (the selector run killed by the OOM
+killer in a device), `selector_outcome`, `selector_cut_rate` (all its cuts) and
+`selector_cut_rate_below_model` (those by a window it chose), `final_eval` (selector and truncate,
 `--eval` gauntlets each), `goals`. `--quick` gives the same keys on a shorter run.
 
 With `--out DIR` an invocation can be resumed: each finished run is kept in DIR with the code
@@ -62,6 +67,7 @@ from _selector_runs import (
     SELECTOR_ONLY,
     Config,
     code_key,
+    cut_below_model,
     device_sizes,
     matched_seconds,
     run_earl,
@@ -167,19 +173,37 @@ def compare(*, quick: bool, root: str, window: int, device_mib: int = 0, steps: 
                                          60.0 * (20 + steps / 4), sizes[cfg.devices])
         if again:
             resumed.append(cfg.name)
-    sel, trunc = runs[sel_cfg.name], runs[trunc_cfg.name]
     static_runs = {k: v for k, v in runs.items() if k != sel_cfg.name}
+    return {
+        **summarize(static_runs, runs[sel_cfg.name], trunc_cfg.name),
+        "device_mib": {str(k): v for k, v in sizes.items()}, "cores": cores, "steps": steps,
+        "window": window, "kv_cache_gb": kv_gb, "eval_games": eval_games, "quick": quick,
+        "wall_s": round(time.perf_counter() - t0, 1), "load_avg_1m": os.getloadavg()[0],
+        "resumed_runs": resumed,
+    }
+
+
+def summarize(static_runs: dict[str, dict[str, object]], sel: dict[str, object],
+              truncate: str) -> dict[str, object]:
+    """The comparison of the selector run `sel` with the static runs (`truncate`: the
+    truncating baseline's name) and its goals: a pure function of the runs' records, so a
+    saved invocation can be summarized again (`--from`)."""
+    from earl.recipes.gauntlet import MAX_MODEL_LEN
+
+    trunc = static_runs[truncate]
+    # clean: finished, no context cut by a window shorter than the model's positions (a cut at
+    # the model's own positions, which no layout or window avoids, counts for no run)
     clean = {k: v for k, v in static_runs.items()
-             if v["outcome"] == "finished" and not v["cut_rate"]}
+             if v["outcome"] == "finished" and not cut_below_model(v, MAX_MODEL_LEN)}
     best = max(clean, key=lambda k: float(str(clean[k]["tokens_per_s"])), default="")
     # the same hardware as the selector's: its device count and size (the other size is a
     # machine cut into fewer, larger devices, each with more CPU)
-    same = max((k for k in clean if clean[k]["devices"] == sel_cfg.devices),
+    same = max((k for k in clean if clean[k]["devices"] == sel["devices"]),
                key=lambda k: float(str(clean[k]["tokens_per_s"])), default="")
     pick = max(static_runs, key=lambda k: float(str(static_runs[k]["tokens_per_s_first_tenth"])))
 
     def ratio(other: str) -> float | None:
-        base = float(str(runs[other]["tokens_per_s"])) if other else 0.0
+        base = float(str(static_runs[other]["tokens_per_s"])) if other else 0.0
         return round(float(str(sel["tokens_per_s"])) / base, 3) if base else None
 
     work = sel["by_context"]  # type: ignore[assignment]
@@ -189,7 +213,7 @@ def compare(*, quick: bool, root: str, window: int, device_mib: int = 0, steps: 
         run["matched_coverage"] = round(cover, 3)
     timed = {k: v for k, v in clean.items() if v["matched_seconds"] is not None}
     best_matched = min(timed, key=lambda k: float(str(timed[k]["matched_seconds"])), default="")
-    same_matched = min((k for k in timed if timed[k]["devices"] == sel_cfg.devices),
+    same_matched = min((k for k in timed if timed[k]["devices"] == sel["devices"]),
                        key=lambda k: float(str(timed[k]["matched_seconds"])), default="")
 
     def matched(other: str) -> float | None:
@@ -197,7 +221,8 @@ def compare(*, quick: bool, root: str, window: int, device_mib: int = 0, steps: 
         return round(float(str(secs)) / float(str(sel["loop_s"])), 3) \
             if secs is not None and sel["loop_s"] else None
 
-    oom_selector = sel["outcome"] != "finished" or float(str(sel["cut_rate"])) > 0
+    oom_selector = sel["outcome"] == "oom"
+    sel_cut = cut_below_model(sel, MAX_MODEL_LEN)
     reconf = [float(x) for x in sel["reconfig_seconds"]]  # type: ignore[attr-defined]
     res: dict[str, object] = {
         "static_runs": static_runs, "selector_run": sel,
@@ -219,15 +244,13 @@ def compare(*, quick: bool, root: str, window: int, device_mib: int = 0, steps: 
         "device_moves": sel["device_moves"],
         "reconfig_seconds_median": round(statistics.median(reconf), 2) if reconf else None,
         "samples_lost": sel["samples_lost"], "oom_selector": oom_selector,
+        "selector_outcome": sel["outcome"], "selector_cut_rate": sel["cut_rate"],
+        "selector_cut_rate_below_model": sel_cut,
         "final_eval": {"selector": sel["final_eval"], "truncate": trunc["final_eval"]},
-        "truncate": trunc_cfg.name,
+        "truncate": truncate,
         "learning": {k: {"reward_first_tenth": r["reward_first_tenth"],
                          "reward_last_tenth": r["reward_last_tenth"], "cut_rate": r["cut_rate"]}
                      for k, r in (("selector", sel), ("truncate", trunc))},
-        "device_mib": {str(k): v for k, v in sizes.items()}, "cores": cores, "steps": steps,
-        "window": window, "kv_cache_gb": kv_gb, "eval_games": eval_games, "quick": quick,
-        "wall_s": round(time.perf_counter() - t0, 1), "load_avg_1m": os.getloadavg()[0],
-        "resumed_runs": resumed,
     }
     r_best, r_pick = res["throughput_ratio_vs_best_static"], res["throughput_ratio_vs_step0_pick"]
     res["goals"] = {
@@ -243,6 +266,8 @@ def compare(*, quick: bool, root: str, window: int, device_mib: int = 0, steps: 
         "device_moves>=1": int(str(sel["device_moves"])) >= 1,
         "reconfig_seconds_median<=3": bool(reconf) and statistics.median(reconf) <= 3,
         "samples_lost==0": sel["samples_lost"] == 0, "oom_selector==false": not oom_selector,
+        "selector_outcome==finished": sel["outcome"] == "finished",
+        "selector_cut_rate_below_model==0": sel_cut == 0,
     }
     return res
 
@@ -265,9 +290,20 @@ def main(argv: list[str] | None = None) -> int:
                     "run (the selector and the truncating baseline always run)")
     ap.add_argument("--kv-gb", type=float, default=0.14, help="KV-cache budget per replica")
     ap.add_argument("--out", default="", help="run folders (default: a temporary folder)")
+    ap.add_argument("--from", dest="saved", default="",
+                    help="a saved result (bench/results/selector-DATE.json): summarize its "
+                         "runs again with this checkout's definitions; runs nothing")
     _results.add_flag(ap)
     args = ap.parse_args(argv)
     begun = _results.start()
+    if args.saved:
+        with open(args.saved) as f:
+            saved = json.load(f)
+        old = saved.get("result", saved)
+        res = {**old, **summarize(old["static_runs"], old["selector_run"], old["truncate"]),
+               "summarized_from": args.saved}
+        print(json.dumps(res) if args.json else json.dumps(res, indent=1))
+        return 0
     if not args.profile:
         import tempfile
 

@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 import _results
-from _selector_runs import rate_at
+from _selector_runs import cut_below_model, rate_at
 
 Runs = dict[str, dict[str, object]]
 Work = dict[str, list[float]]  # bucket -> [tokens, seconds]
@@ -54,9 +54,11 @@ def bound(work: Work, runs: Runs) -> tuple[dict[str, float], float, dict[int, st
 
 
 def clean(runs: Runs) -> Runs:
-    """The static runs that finished without cutting a context."""
-    return {k: v for k, v in runs.items()
-            if v["outcome"] == "finished" and not v["cut_rate"] and v.get("by_context")}
+    """The static runs that finished without cutting a context below the model's positions."""
+    from earl.recipes.gauntlet import MAX_MODEL_LEN
+
+    return {k: v for k, v in runs.items() if v["outcome"] == "finished"
+            and not cut_below_model(v, MAX_MODEL_LEN) and v.get("by_context")}
 
 
 def one_sweep(result: dict[str, object]) -> dict[str, object]:

@@ -1,7 +1,7 @@
 """`bench/selector.py` (slow tier), cut to three short runs on the gauntlet: one static
 configuration, the truncating baseline and the selector. Its JSON keys and invariants: each
 static run finishes its step budget or is OOM-killed in its device (never counted so for a
-cut); the best static run in hindsight neither OOMs nor cuts; the ratios are the selector's
+cut); the best static run in hindsight neither OOMs nor cuts below the model's positions; the ratios are the selector's
 trained tokens/s over theirs; the selector finishes, loses no sample, and its counters and
 reconfiguration times come from its own rows."""
 
@@ -44,7 +44,8 @@ def test_bench_selector_short(tmp_path: Path) -> None:
                 "matched_ratio_vs_step0_pick",
                 "context_growth", "reconfigurations", "trainer_layout_changes",
                 "rollout_layout_changes", "device_moves", "reconfig_seconds_median",
-                "samples_lost", "oom_selector", "final_eval", "goals"):
+                "samples_lost", "oom_selector", "selector_outcome", "selector_cut_rate",
+                "selector_cut_rate_below_model", "final_eval", "goals"):
         assert key in res
     statics = res["static_runs"]
     assert set(statics) == {STATIC, res["truncate"]}
@@ -54,14 +55,18 @@ def test_bench_selector_short(tmp_path: Path) -> None:
         assert (run["oom_step"] is None) is (run["outcome"] == "finished")
     best = res["best_static_hindsight"]
     if best:
-        assert statics[best]["outcome"] == "finished" and statics[best]["cut_rate"] == 0
+        # cut at most at the model's positions (4,096: this static run's window), never below
+        assert statics[best]["outcome"] == "finished"
+        assert statics[best]["cut_rate_below_model"] == 0
         ratio = res["selector_run"]["tokens_per_s"] / statics[best]["tokens_per_s"]
         assert res["throughput_ratio_vs_best_static"] == pytest.approx(ratio, abs=1e-3)
     same = res["best_static_same_devices"]  # the static run here has 2 devices, the selector 4
     assert same == "" or statics[same]["devices"] == res["selector_run"]["devices"]
     sel = res["selector_run"]
     assert sel["outcome"] == "finished" and sel["steps"] == 4
-    assert res["samples_lost"] == 0 and res["oom_selector"] is (sel["cut_rate"] > 0)
+    assert res["samples_lost"] == 0 and res["oom_selector"] is False
+    # its window is pre-sized at the model's positions: any cut is there, none below
+    assert res["selector_cut_rate_below_model"] == 0 <= res["selector_cut_rate"]
     assert len(sel["reconfig_seconds"]) <= res["reconfigurations"]  # one per timed change
     assert set(res["final_eval"]) == {"selector", "truncate"}
     assert res["final_eval"]["selector"]["episodes"] == 4
