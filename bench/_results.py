@@ -69,6 +69,7 @@ def facts(begun: Start, argv: list[str]) -> dict[str, Any]:
         "cores": os.cpu_count(),
         "cores_usable": len(os.sched_getaffinity(0)),
         "cpu_model": _cpu_model(),
+        "cpu_id": _cpu_id(),
         "mem_total_mib": _meminfo("MemTotal"),
         "mem_available_mib_before": begun.mem_available_mib,
         "loadavg_before": [round(x, 2) for x in begun.loadavg],
@@ -135,6 +136,20 @@ def _cpu_model() -> str | None:
     except OSError:
         pass
     return platform.processor() or None
+
+
+def _cpu_id() -> str | None:
+    """Family, model and stepping (a model name such as "AMD EPYC" names no generation)."""
+    want = ("cpu family", "model", "stepping")
+    found: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            k, _, v = line.partition(":")
+            if k.strip() in want and k.strip() not in found:
+                found[k.strip()] = v.strip()
+    except OSError:
+        return None
+    return "/".join(found.get(k, "?") for k in want) if found else None
 
 
 def _version(dists: tuple[str, ...]) -> str | None:

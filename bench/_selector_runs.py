@@ -171,12 +171,55 @@ def sha256_16(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()[:16]
 
 
+# a saved run is read back only on a machine this close to the one it ran on (`machine_speed`)
+SPEED_TOLERANCE = 0.10
+
+
+def machine_speed(trials: int = 7) -> dict[str, float]:
+    """This machine's speed at the runs' two kinds of work, on all its cores, best of `trials`:
+    float32 matmul GFLOP/s (training, prefill) and GB/s copied through memory (a decode step
+    reads the weights and the KV cache). Seconds; a baseline read back from another machine
+    is compared with it."""
+    import time
+
+    import torch
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    n = 768
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    src = torch.ones(64 << 20)  # 256 MiB: far past the caches
+    dst = torch.empty_like(src)
+
+    def best(work: object, reps: int) -> float:
+        fastest = float("inf")
+        for _ in range(trials):
+            t = time.perf_counter()
+            for _ in range(reps):
+                work()  # type: ignore[operator]
+            fastest = min(fastest, (time.perf_counter() - t) / reps)
+        return fastest
+
+    mm = best(lambda: torch.mm(a, b), 20)
+    copy = best(lambda: dst.copy_(src), 3)
+    return {"matmul_gflops": round(2 * n**3 / mm / 1e9, 1),
+            "copy_gbps": round(2 * src.numel() * 4 / copy / 1e9, 2)}
+
+
+def speed_differs(now: dict[str, float], then: object) -> str:
+    """Why a run measured on a machine of speed `then` is not this one's (`now`), or ''."""
+    if not isinstance(then, dict):
+        return ""  # saved before runs recorded it: unchecked
+    far = [f"{k} {then[k]} then, {v} now" for k, v in now.items()
+           if k in then and abs(v / float(then[k]) - 1) > SPEED_TOLERANCE]
+    return "; ".join(far)
+
+
 def run_or_read_back(cfg: Config, args: list[str], root: str, code: str | None, timeout: float,
-             device_mib: int) -> tuple[dict[str, object], bool]:
+             device_mib: int, speed: dict[str, float]) -> tuple[dict[str, object], bool]:
     """The run of `cfg` with `args`: read back from `root` when an earlier invocation with the
     same `--out` finished it with the same `code` (`code_key()`/ the warm start's weights hash;
-    None: the tree differs from its commit, nothing is read back) and arguments, else run now
-    and saved there."""
+    None: the tree differs from its commit, nothing is read back) and arguments on a machine
+    of this one's `speed` (within `SPEED_TOLERANCE`), else run now and saved there."""
     import datetime
 
     saved = f"{root}/{cfg.name.replace('/', '_')}.result.json"
@@ -184,12 +227,16 @@ def run_or_read_back(cfg: Config, args: list[str], root: str, code: str | None, 
     if code and os.path.isfile(saved):
         with open(saved) as f:
             done = json.load(f)
-        if done.get("key") == key:
+        why = speed_differs(speed, done["run"].get("machine_speed"))
+        if done.get("key") == key and not why:
             return done["run"], True
+        if done.get("key") == key:
+            print(f"{cfg.name}: run again, another machine ran it ({why})", file=sys.stderr)
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     load = os.getloadavg()[0]
     run = {**one(cfg, args, root, timeout), "device_mib": device_mib, "started": started,
-           "load_avg_1m_before": load, "commit": _results.git_state()["commit"]}
+           "load_avg_1m_before": load, "commit": _results.git_state()["commit"],
+           "machine_speed": speed}
     with open(saved, "w") as f:
         json.dump({"key": key, "run": run}, f)
     return run, False

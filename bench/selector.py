@@ -3,6 +3,7 @@
     python bench/selector.py --json [--quick] [--save]   # the static sweep vs the selector
     python bench/selector.py --profile [--json]         # profiler: predicted vs measured memory
     python bench/selector.py --from RESULT.json --json  # a saved invocation, summarized again
+    python bench/selector.py --runs OUT/A.result.json ... --json  # saved runs, one summary
 
 Every run trains the `gauntlet` recipe (Tic-Tac-Toe games in one context until the first loss:
 a better policy survives more games, so its contexts grow) with the general loop (`earl train`,
@@ -47,7 +48,10 @@ it ran (`code`: the git blobs of the packages, the bench and pyproject.toml, fro
 a static run's leaves out `SELECTOR_ONLY`, the modules only the selector runs),
 the warm start's weights (their SHA-256) and the arguments, and a later invocation with the same
 DIR, code, weights and arguments reads it back instead of running it again (`resumed_runs`; each
-run records its commit, when it started and the load average then). The warm start and the
+run records its commit, when it started, the load average then and `machine_speed`: matmul
+GFLOP/s and copy GB/s). A run measured on a machine more than `SPEED_TOLERANCE` (10%) faster or
+slower than this one is run again: a baseline is timed on the selector's machine (one of these
+2-core machines ran the same static run 1.35x slower than another). The warm start and the
 device sizes (`machine.json`) are reused the same way. A commit that changes only results or
 docs keeps the code, so a sweep longer than a session goes on where it stopped:
 `bench/results/selector_runs/` keeps what the README's figures came from (its .gitignore keeps
@@ -69,6 +73,7 @@ from _selector_runs import (
     code_key,
     cut_below_model,
     device_sizes,
+    machine_speed,
     matched_seconds,
     run_earl,
     run_or_read_back,
@@ -160,6 +165,7 @@ def compare(*, quick: bool, root: str, window: int, device_mib: int = 0, steps: 
     weights = sha256_16(f"{prep}/weights_start/model.safetensors")
     runs: dict[str, dict[str, object]] = {}
     code, static_code = code_key(), code_key(SELECTOR_ONLY)
+    speed = machine_speed()
     resumed = []
     # the selector and the baseline first: an invocation cut short (and resumed) has them
     for cfg in [sel_cfg, trunc_cfg, *(c for c in statics if c != trunc_cfg)]:
@@ -170,7 +176,7 @@ def compare(*, quick: bool, root: str, window: int, device_mib: int = 0, steps: 
                 f"--eval_games={eval_games if full_eval else 8}"]
         key = code if cfg.selector else static_code
         runs[cfg.name], again = run_or_read_back(cfg, args, root, key and f"{key}/{weights}",
-                                         60.0 * (20 + steps / 4), sizes[cfg.devices])
+                                         60.0 * (20 + steps / 4), sizes[cfg.devices], speed)
         if again:
             resumed.append(cfg.name)
     static_runs = {k: v for k, v in runs.items() if k != sel_cfg.name}
@@ -179,7 +185,8 @@ def compare(*, quick: bool, root: str, window: int, device_mib: int = 0, steps: 
         "device_mib": {str(k): v for k, v in sizes.items()}, "cores": cores, "steps": steps,
         "window": window, "kv_cache_gb": kv_gb, "eval_games": eval_games, "quick": quick,
         "wall_s": round(time.perf_counter() - t0, 1), "load_avg_1m": os.getloadavg()[0],
-        "resumed_runs": resumed,
+        "resumed_runs": resumed, "machine_speed": speed,
+        "resumed_speed_unchecked": [k for k in resumed if "machine_speed" not in runs[k]],
     }
 
 
@@ -190,7 +197,7 @@ def summarize(static_runs: dict[str, dict[str, object]], sel: dict[str, object],
     saved invocation can be summarized again (`--from`)."""
     from earl.recipes.gauntlet import MAX_MODEL_LEN
 
-    trunc = static_runs[truncate]
+    trunc = static_runs.get(truncate)  # absent from a --runs set without it
     # clean: finished, no context cut by a window shorter than the model's positions (a cut at
     # the model's own positions, which no layout or window avoids, counts for no run)
     clean = {k: v for k, v in static_runs.items()
@@ -246,11 +253,12 @@ def summarize(static_runs: dict[str, dict[str, object]], sel: dict[str, object],
         "samples_lost": sel["samples_lost"], "oom_selector": oom_selector,
         "selector_outcome": sel["outcome"], "selector_cut_rate": sel["cut_rate"],
         "selector_cut_rate_below_model": sel_cut,
-        "final_eval": {"selector": sel["final_eval"], "truncate": trunc["final_eval"]},
-        "truncate": truncate,
+        "final_eval": {"selector": sel["final_eval"],
+                       "truncate": trunc["final_eval"] if trunc else None},
+        "truncate": truncate if trunc else "",
         "learning": {k: {"reward_first_tenth": r["reward_first_tenth"],
                          "reward_last_tenth": r["reward_last_tenth"], "cut_rate": r["cut_rate"]}
-                     for k, r in (("selector", sel), ("truncate", trunc))},
+                     for k, r in (("selector", sel), ("truncate", trunc)) if r},
     }
     r_best, r_pick = res["throughput_ratio_vs_best_static"], res["throughput_ratio_vs_step0_pick"]
     res["goals"] = {
@@ -270,6 +278,28 @@ def summarize(static_runs: dict[str, dict[str, object]], sel: dict[str, object],
         "selector_cut_rate_below_model==0": sel_cut == 0,
     }
     return res
+
+
+def summarize_records(paths: list[str], window: int) -> dict[str, object]:
+    """`--runs`: one selector run and static runs from their saved records, summarized."""
+    from earl.recipes.gauntlet import MAX_MODEL_LEN
+
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            rec = json.load(f)
+        runs.append(rec.get("run", rec))
+    sels = [r for r in runs if str(r["config"]).startswith("selector/")]
+    if len(sels) != 1:
+        raise SystemExit(f"selector --runs: needs one selector run record, got {len(sels)}")
+    statics = {str(r["config"]): r for r in runs if r is not sels[0]}
+    _, _, trunc_cfg = sweep(len(os.sched_getaffinity(0)), window, MAX_MODEL_LEN)
+    first = min(runs, key=lambda r: str(r.get("started", "")))
+    return {**summarize(statics, sels[0], trunc_cfg.name),
+            "steps": sels[0]["steps"], "cores": len(os.sched_getaffinity(0)),
+            "window": window, "quick": False, "summarized_from": paths,
+            "runs_started": {str(r["config"]): r.get("started") for r in runs},
+            "first_started": first.get("started")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,9 +323,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--from", dest="saved", default="",
                     help="a saved result (bench/results/selector-DATE.json): summarize its "
                          "runs again with this checkout's definitions; runs nothing")
+    ap.add_argument("--runs", nargs="*", default=None, metavar="RECORD",
+                    help="saved run records (OUT/NAME.result.json): one selector run and the "
+                         "static runs to compare it with (say, re-run on the selector's "
+                         "machine), summarized as one invocation; runs nothing")
     _results.add_flag(ap)
     args = ap.parse_args(argv)
     begun = _results.start()
+    if args.runs:
+        res = summarize_records(args.runs, args.window)
+        print(json.dumps(res) if args.json else json.dumps(res, indent=1))
+        if args.save:
+            _results.save("selector", res, quick=False, begun=begun)
+        return 0
     if args.saved:
         with open(args.saved) as f:
             saved = json.load(f)

@@ -112,9 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     for path in files:
         rec = json.loads(path.read_text())
         res = rec.get("result", rec)
-        if res.get("quick") or not clean(res.get("static_runs", {})) or \
+        if res.get("quick") or res.get("summarized_from") or \
+                not clean(res.get("static_runs", {})) or \
                 not res.get("selector_run", {}).get("by_context"):
-            continue  # a --quick run, or one saved before runs kept rates per context
+            continue  # a --quick run, a --runs summary (part of a sweep), or one saved
+            # before runs kept rates per context
         commit = str(rec.get("facts", {}).get("git", {}).get("commit", ""))[:7]
         statics = sorted({str(r.get("commit", ""))[:7] for r in res["static_runs"].values()})
         sweeps[path.name] = {"commit": commit, "static_commits": statics, **one_sweep(res)}

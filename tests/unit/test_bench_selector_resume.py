@@ -1,6 +1,6 @@
 """`bench/selector.py --out DIR` resumes (bench/_selector_runs.py): a run finished with the
-same code (and warm start) and the same arguments is read back; other code, other arguments or
-a modified tree run it again."""
+same code (and warm start) and the same arguments on a machine as fast is read back; other code,
+other arguments, a modified tree or another machine's speed run it again."""
 
 from __future__ import annotations
 
@@ -24,16 +24,27 @@ def test_a_finished_run_is_read_back_only_with_the_same_code_and_args(
     monkeypatch.setattr(runs, "one", one)
     cfg = runs.Config(2, 1, 1, 1, 1024, 8192)
     args = ["--steps=400", "--placement.slot_memory_mib=100"]
-    first, again = runs.run_or_read_back(cfg, args, str(tmp_path), "abc", 60.0, 100)
+    speed = {"matmul_gflops": 100.0, "copy_gbps": 10.0}
+    first, again = runs.run_or_read_back(cfg, args, str(tmp_path), "abc", 60.0, 100, speed)
     assert not again and first["tokens_per_s"] == 1.0 and "started" in first
-    back, again = runs.run_or_read_back(cfg, args, str(tmp_path), "abc", 60.0, 100)
+    assert first["machine_speed"] == speed
+    near = {"matmul_gflops": 95.0, "copy_gbps": 10.5}  # within SPEED_TOLERANCE: the noise
+    back, again = runs.run_or_read_back(cfg, args, str(tmp_path), "abc", 60.0, 100, near)
     assert again and back == first and len(ran) == 1
     for code, other in (("def", args), ("abc", [*args, "--seed=1"]), (None, args)):
-        _, again = runs.run_or_read_back(cfg, other, str(tmp_path), code, 60.0, 100)
+        _, again = runs.run_or_read_back(cfg, other, str(tmp_path), code, 60.0, 100, speed)
         assert not again
     assert len(ran) == 4
+    # a slower machine (memory 30% slower) runs it again, and its run is read back after
+    runs.run_or_read_back(cfg, args, str(tmp_path), "abc", 60.0, 100, speed)
+    slower = {"matmul_gflops": 100.0, "copy_gbps": 7.0}
+    _, again = runs.run_or_read_back(cfg, args, str(tmp_path), "abc", 60.0, 100, slower)
+    assert not again and len(ran) == 6
+    _, again = runs.run_or_read_back(cfg, args, str(tmp_path), "abc", 60.0, 100, slower)
+    assert again and len(ran) == 6
     saved = json.loads((tmp_path / "static_d2_r1-t1_w1024_mb8k.result.json").read_text())
-    assert saved["key"] == {"code": None, "args": args}
+    assert saved["key"] == {"code": "abc", "args": args}
+    assert saved["run"]["machine_speed"] == slower
 
 
 def test_the_code_key_ignores_commits_that_change_only_results_or_docs(
@@ -94,3 +105,15 @@ def test_the_same_work_is_timed_at_each_runs_own_rate_per_context() -> None:
     secs, cover = runs.matched_seconds(run, work)
     assert secs == pytest.approx(1.0 + 1.0 + 2.0) and cover == pytest.approx(300 / 700)
     assert runs.matched_seconds({**run, "outcome": "oom"}, work) == (None, 0.0)
+
+
+def test_a_run_saved_without_a_machine_speed_is_read_back_unchecked() -> None:
+    now = {"matmul_gflops": 100.0, "copy_gbps": 10.0}
+    assert runs.speed_differs(now, None) == ""
+    assert runs.speed_differs(now, {"matmul_gflops": 80.0, "copy_gbps": 10.0}).startswith(
+        "matmul_gflops 80.0 then")
+
+
+def test_the_machine_speed_probe_measures_both_kinds_of_work() -> None:
+    speed = runs.machine_speed(trials=1)
+    assert set(speed) == {"matmul_gflops", "copy_gbps"} and all(v > 0 for v in speed.values())

@@ -4,6 +4,9 @@ the OOM killer's verdict, never a cut."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from bench_scripts import load
 
 selector = load("selector")
@@ -14,7 +17,7 @@ def _run(devices: int, tokens_per_s: float, *, window: int = 4096, cut: float = 
     run: dict[str, object] = {
         "devices": devices, "outcome": outcome, "window": window, "cut_rate": cut,
         "tokens_per_s": tokens_per_s, "tokens_per_s_first_tenth": tokens_per_s,
-        "loop_s": 10.0, "by_context": {"1024": [10.0 * tokens_per_s, 10.0]},
+        "loop_s": 10.0, "steps": 500, "by_context": {"1024": [10.0 * tokens_per_s, 10.0]},
         "final_eval": {}, "reward_first_tenth": 0.0, "reward_last_tenth": 1.0,
         "context_growth": 4.5, "reconfigurations": 2, "trainer_layout_changes": 1,
         "rollout_layout_changes": 1, "device_moves": 1, "reconfig_seconds": [1.0, 2.0],
@@ -50,3 +53,23 @@ def test_a_cut_by_the_selectors_window_and_an_oom_each_fail_their_goal() -> None
     oom = selector.summarize(_statics(), _run(4, 1500.0, outcome="oom"), "truncate")
     assert oom["oom_selector"] is True and not oom["goals"]["oom_selector==false"]
     assert not oom["goals"]["selector_outcome==finished"]
+
+
+def test_saved_run_records_are_summarized_as_one_invocation(tmp_path: Path) -> None:
+    """`--runs`: a selector run against static runs re-run elsewhere (its own machine)."""
+    paths = []
+    for name, run in {"selector/d4/r1-t1/w4096/mb64k": _run(4, 1500.0),
+                      "static/d4/r2-t2/w4096/mb64k": _run(4, 2000.0),
+                      "static/d2/r1-t1/w1024/mb64k": _run(2, 3000.0, window=1024, cut=0.1)
+                      }.items():
+        path = tmp_path / f"{name.replace('/', '_')}.result.json"
+        path.write_text(json.dumps({"key": {}, "run": {**run, "config": name}}))
+        paths.append(str(path))
+    res = selector.summarize_records(paths, 1024)
+    assert set(res["static_runs"]) == {"static/d4/r2-t2/w4096/mb64k",
+                                       "static/d2/r1-t1/w1024/mb64k"}
+    assert res["best_static_hindsight"] == res["best_static_same_devices"] \
+        == "static/d4/r2-t2/w4096/mb64k"
+    assert res["step0_pick"] == "static/d2/r1-t1/w1024/mb64k"
+    assert res["throughput_ratio_vs_best_static"] == 0.75 and res["truncate"] == ""
+    assert res["final_eval"]["truncate"] is None and res["summarized_from"] == paths
