@@ -178,8 +178,8 @@ SPEED_TOLERANCE = 0.10
 def machine_speed(trials: int = 7) -> dict[str, float]:
     """This machine's speed at the runs' two kinds of work, on all its cores, best of `trials`:
     float32 matmul GFLOP/s (training, prefill) and GB/s copied through memory (a decode step
-    reads the weights and the KV cache). Seconds; a baseline read back from another machine
-    is compared with it."""
+    reads the weights and the KV cache). It takes a few seconds; a baseline saved on another
+    machine is compared with it."""
     import time
 
     import torch

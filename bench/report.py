@@ -25,6 +25,16 @@ START, END = "<!-- bench-table -->", "<!-- /bench-table -->"
 Result = dict[str, Any]
 
 
+def _command(command: str) -> str:
+    """The command, its `--runs` records (full paths in the result) counted, not listed."""
+    head, runs, tail = command.partition(" --runs ")
+    if not runs:
+        return command
+    words = tail.split(" ")
+    n = next((i for i, w in enumerate(words) if w.startswith("-")), len(words))
+    return " ".join([head, f"--runs <{n} run records>", *words[n:]])
+
+
 def latest(folder: Path = RESULTS) -> dict[str, tuple[Path, Result]]:
     """The newest saved record (by its start time) of each benchmark name in `folder`."""
     out: dict[str, tuple[Path, Result]] = {}
@@ -225,7 +235,8 @@ def _selector(r: Result) -> str:
             f"{x(r['matched_ratio_vs_best_static'])} the best static run, "
             f"{x(r['matched_ratio_vs_step0_pick'])} the step-0 pick"
             if "matched_ratio_vs_best_static" in r else "") + " "
-         f"({len(r['static_runs'])} static runs); context growth "
+         f"({len(r['static_runs'])} static runs"
+         f"{', re-run on its machine' if r.get('summarized_from') else ''}); context growth "
          f"{r['context_growth']:.2f}x; {_n(r['reconfigurations'], 'reconfiguration')} (median "
          f"{r['reconfig_seconds_median'] or 0:.1f} s), "
          f"{_n(r['trainer_layout_changes'], 'trainer layout change')}, "
@@ -334,7 +345,7 @@ def table(records: dict[str, tuple[Path, Result]]) -> str:
             continue
         path, rec = records[name]
         rel = path.relative_to(REPO) if path.is_relative_to(REPO) else path
-        lines.append(f"| {what} | {figure(rec['result'])} | `{rec['facts']['command']}` | "
+        lines.append(f"| {what} | {figure(rec['result'])} | `{_command(rec['facts']['command'])}` | "
                      f"[{path.name}]({rel}) |")
     return "\n".join(lines)
 

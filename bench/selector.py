@@ -51,7 +51,7 @@ DIR, code, weights and arguments reads it back instead of running it again (`res
 run records its commit, when it started, the load average then and `machine_speed`: matmul
 GFLOP/s and copy GB/s). A run measured on a machine more than `SPEED_TOLERANCE` (10%) faster or
 slower than this one is run again: a baseline is timed on the selector's machine (one of these
-2-core machines ran the same static run 1.35x slower than another). The warm start and the
+2-core machines ran the same static run at 1.3-1.7x the time of another). The warm start and the
 device sizes (`machine.json`) are reused the same way. A commit that changes only results or
 docs keeps the code, so a sweep longer than a session goes on where it stopped:
 `bench/results/selector_runs/` keeps what the README's figures came from (its .gitignore keeps
@@ -294,12 +294,10 @@ def summarize_records(paths: list[str], window: int) -> dict[str, object]:
         raise SystemExit(f"selector --runs: needs one selector run record, got {len(sels)}")
     statics = {str(r["config"]): r for r in runs if r is not sels[0]}
     _, _, trunc_cfg = sweep(len(os.sched_getaffinity(0)), window, MAX_MODEL_LEN)
-    first = min(runs, key=lambda r: str(r.get("started", "")))
     return {**summarize(statics, sels[0], trunc_cfg.name),
             "steps": sels[0]["steps"], "cores": len(os.sched_getaffinity(0)),
             "window": window, "quick": False, "summarized_from": paths,
-            "runs_started": {str(r["config"]): r.get("started") for r in runs},
-            "first_started": first.get("started")}
+            "runs_started": {str(r["config"]): r.get("started") for r in runs}}
 
 
 def main(argv: list[str] | None = None) -> int:

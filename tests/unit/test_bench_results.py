@@ -121,3 +121,9 @@ def test_readme_table_is_the_latest_saved_results() -> None:
     text = README.read_text()
     assert report.replace_table(text, report.table(report.latest())) == text, \
         "run `python bench/report.py --write README.md`"
+
+
+def test_a_runs_command_counts_its_records_in_the_table() -> None:
+    cmd = "earl bench selector --runs a/x.result.json a/y.result.json --json"
+    assert report._command(cmd) == "earl bench selector --runs <2 run records> --json"
+    assert report._command("earl bench selector --json") == "earl bench selector --json"
