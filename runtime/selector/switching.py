@@ -26,9 +26,9 @@ large as the gaps between its layouts (run Z left two replicas and two trainer r
 three and one at step 67, "measured +12% faster", 0.557 over 6 steps against 0.496 over 18,
 and held them for 434 of its 500 steps). So a trial whose rates are within `trial_sigmas`
 standard errors of the old plan's runs on, to 3 x `probe_steps` measured steps, before the
-faster stays; and a plan measured faster is switched back to only by more than that noise. Runs R, T and U left two
-replicas and two trainer ranks for three and one on prices at steps 12-30, and held them until a
-probe 50-200 steps later measured them 15-35% slower. Where the contexts move to another bucket
+faster stays; and a plan measured faster is switched back to only by more than that noise.
+Runs R, T and U left two replicas and two trainer ranks for three and one on prices at steps
+12-30, and held them until a probe 50-200 steps later measured them 15-35% slower. Where the contexts move to another bucket
 before the trial is measured at either, it goes back without a verdict.
 
 Not here: which plan is best (`policy.SearchPolicy`: search, buckets, forced changes).
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from earl.runtime.selector.cost import Parallel
@@ -271,8 +271,7 @@ class Switching:
 
     def _trial_of(self, cur: Plan, bucket: int) -> _Probe:
         """A trial against `cur`, measured at `bucket`."""
-        end = self.ends[(shape(cur), bucket)]
-        return _Probe(_End(end.rate, cur, end.se), bucket)
+        return _Probe(replace(self.ends[(shape(cur), bucket)], plan=cur), bucket)
 
     def _noise(self, se: float, other_se: float) -> float:
         """How far apart two rates must be to tell them apart: `trial_sigmas` standard errors
