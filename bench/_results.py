@@ -61,6 +61,7 @@ def facts(begun: Start, argv: list[str]) -> dict[str, Any]:
         argv: the script's `sys.argv` (its path first); `--save` is left out of the command.
     """
     args = [a for a in argv[1:] if a != "--save"]
+    cpu = _cpuinfo()
     return {
         "date": begun.when.date().isoformat(),
         "started": begun.when.isoformat(timespec="seconds"),
@@ -68,8 +69,8 @@ def facts(begun: Start, argv: list[str]) -> dict[str, Any]:
         "command": shlex.join(["earl", "bench", Path(argv[0]).stem, *args]),
         "cores": os.cpu_count(),
         "cores_usable": len(os.sched_getaffinity(0)),
-        "cpu_model": _cpu_model(),
-        "cpu_id": _cpu_id(),
+        "cpu_model": _cpu_model(cpu),
+        "cpu_id": _cpu_id(cpu),
         "mem_total_mib": _meminfo("MemTotal"),
         "mem_available_mib_before": begun.mem_available_mib,
         "loadavg_before": [round(x, 2) for x in begun.loadavg],
@@ -128,28 +129,26 @@ def _meminfo(key: str) -> int | None:
     return None
 
 
-def _cpu_model() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
-
-
-def _cpu_id() -> str | None:
-    """Family, model and stepping (a model name such as "AMD EPYC" names no generation)."""
-    want = ("cpu family", "model", "stepping")
-    found: dict[str, str] = {}
+def _cpuinfo() -> dict[str, str]:
+    """/proc/cpuinfo's fields of its first processor."""
+    out: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             k, _, v = line.partition(":")
-            if k.strip() in want and k.strip() not in found:
-                found[k.strip()] = v.strip()
+            out.setdefault(k.strip(), v.strip())
     except OSError:
-        return None
-    return "/".join(found.get(k, "?") for k in want) if found else None
+        pass
+    return out
+
+
+def _cpu_model(info: dict[str, str]) -> str | None:
+    return info.get("model name") or platform.processor() or None
+
+
+def _cpu_id(info: dict[str, str]) -> str | None:
+    """Family, model and stepping (a model name such as "AMD EPYC" names no generation)."""
+    want = ("cpu family", "model", "stepping")
+    return "/".join(info.get(k, "?") for k in want) if any(k in info for k in want) else None
 
 
 def _version(dists: tuple[str, ...]) -> str | None:

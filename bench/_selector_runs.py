@@ -175,34 +175,14 @@ def sha256_16(path: str) -> str:
 SPEED_TOLERANCE = 0.10
 
 
-def machine_speed(trials: int = 7) -> dict[str, float]:
-    """This machine's speed at the runs' two kinds of work, on all its cores, best of `trials`:
-    float32 matmul GFLOP/s (training, prefill) and GB/s copied through memory (a decode step
-    reads the weights and the KV cache). It takes a few seconds; a baseline saved on another
-    machine is compared with it."""
-    import time
+def machine_speed(trials: int = 30) -> dict[str, float]:
+    """This machine's speed at the runs' two kinds of work (`_machine`: fp32 matmul GFLOP/s,
+    memcpy GB/s of 256 MiB), fastest of `trials` matmuls and of up to 7 copies (within ~2%
+    from probe to probe here): a run saved on another machine is compared with it."""
+    from _machine import matmul_gflops, memcpy_gbps
 
-    import torch
-
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
-    n = 768
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    src = torch.ones(64 << 20)  # 256 MiB: far past the caches
-    dst = torch.empty_like(src)
-
-    def best(work: object, reps: int) -> float:
-        fastest = float("inf")
-        for _ in range(trials):
-            t = time.perf_counter()
-            for _ in range(reps):
-                work()  # type: ignore[operator]
-            fastest = min(fastest, (time.perf_counter() - t) / reps)
-        return fastest
-
-    mm = best(lambda: torch.mm(a, b), 20)
-    copy = best(lambda: dst.copy_(src), 3)
-    return {"matmul_gflops": round(2 * n**3 / mm / 1e9, 1),
-            "copy_gbps": round(2 * src.numel() * 4 / copy / 1e9, 2)}
+    return {"matmul_gflops": round(matmul_gflops(reps=trials), 1),
+            "copy_gbps": round(memcpy_gbps(256 << 20, min(trials, 7)), 2)}
 
 
 def speed_differs(now: dict[str, float], then: object) -> str:
@@ -227,10 +207,10 @@ def run_or_read_back(cfg: Config, args: list[str], root: str, code: str | None, 
     if code and os.path.isfile(saved):
         with open(saved) as f:
             done = json.load(f)
-        why = speed_differs(speed, done["run"].get("machine_speed"))
-        if done.get("key") == key and not why:
-            return done["run"], True
         if done.get("key") == key:
+            why = speed_differs(speed, done["run"].get("machine_speed"))
+            if not why:
+                return done["run"], True
             print(f"{cfg.name}: run again, another machine ran it ({why})", file=sys.stderr)
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     load = os.getloadavg()[0]

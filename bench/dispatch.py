@@ -52,21 +52,11 @@ import time
 import _results
 import numpy as np
 from _dispatch_layout import CTX, checksum, layout_bench
+from _machine import memcpy_gbps
 
 from earl.runtime.transport import available, connect, get_transport, pack_arrays
 
 MiB = 1 << 20
-
-
-def memcpy_gbps(nbytes: int, reps: int) -> float:
-    src = np.ones(nbytes, np.uint8)
-    dst = np.ones(nbytes, np.uint8)
-    times = []
-    for _ in range(reps + 1):
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - t)
-    return nbytes / min(times[1:]) / 1e9
 
 
 # -- point-to-point transports ------------------------------------------------------------------

@@ -30,21 +30,9 @@ import time
 from collections.abc import Callable
 
 import _results
+from _machine import matmul_gflops
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def _peak_gflops(n: int = 1024, reps: int = 10) -> float:
-    import torch
-
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - t)
-    return 2 * n**3 / min(times) / 1e9
 
 
 def _bench_model(hidden: int, layers: int, rounds: int, seed: int, samples: int
@@ -105,7 +93,7 @@ def _bench_model(hidden: int, layers: int, rounds: int, seed: int, samples: int
     peaks: list[float] = []
     cases = {"varlen": packed("varlen"), "mask": packed("mask"), "padded": padded,
              "per_sample": per_sample, "train_step": train_step,
-             "peak": lambda: peaks.append(_peak_gflops(reps=3))}
+             "peak": lambda: peaks.append(matmul_gflops(reps=3))}
     times: dict[str, list[float]] = {k: [] for k in cases}
     for fn in cases.values():
         fn()  # warm-up
