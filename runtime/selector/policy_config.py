@@ -82,8 +82,9 @@ class PolicyConfig:
             only once it has that rate.
         trial_sigmas: a trial (a probe's, or a switch's on prices) is decided once its rate
             end to end and the old plan's differ by this many standard errors (from their
-            steps' spread), or after 3 x `probe_steps` measured steps, when the faster stays;
-            a plan measured faster is switched back to only by this much too. Over 6 steps a
+            steps' spread), or after 3 x `probe_steps` measured steps, when it stays only if
+            faster by this much (a tie goes back to the old plan); a plan measured faster is
+            switched back to only by this much too. Over 6 steps a
             gauntlet rate's standard error is ~10% (runs W-Y), the size of the gaps between
             its layouts at a bucket. 0: the rates alone decide, at `probe_steps`.
         probe_margin: a plan priced this much below the current one is not probed. Wide: the

@@ -25,8 +25,11 @@ ahead, so a fast step and a slow one alternate): over 6 steps it is ~10% on the 
 large as the gaps between its layouts (run Z left two replicas and two trainer ranks for
 three and one at step 67, "measured +12% faster", 0.557 over 6 steps against 0.496 over 18,
 and held them for 434 of its 500 steps). So a trial whose rates are within `trial_sigmas`
-standard errors of the old plan's runs on, to 3 x `probe_steps` measured steps, before the
-faster stays; and a plan measured faster is switched back to only by more than that noise.
+standard errors of the old plan's runs on, to 3 x `probe_steps` measured steps; then it stays
+only if it is faster beyond the noise, else the old plan wins the tie (run Z4 kept three
+replicas and one trainer rank on a tie at step 168, 0.456 against 0.445 of the roofline over
+18 steps, and held them for 194 steps, train-bound at 4,096 tokens); and a plan measured
+faster is switched back to only by more than that noise.
 Runs R, T and U left two replicas and two trainer ranks for three and one on prices at steps
 12-30, and held them until a probe 50-200 steps later measured them 15-35% slower. Where the contexts move to another bucket
 before the trial is measured at either, it goes back without a verdict.
@@ -213,8 +216,8 @@ class Switching:
         """A plan on trial (a probe, or a switch on prices): held until it has `probe_steps`
         measured steps at a bucket where the plan it replaced has a rate too (where the trial
         began, else the current bucket), and its rate there differs from that plan's by more
-        than the noise (`trial_sigmas`) or it has 3 x `probe_steps` steps there; then kept if at
-        least as fast, else left. After 3 x `probe_steps` measured steps without a rate to
+        than the noise (`trial_sigmas`) or it has 3 x `probe_steps` steps there; then kept only
+        if faster beyond the noise (the plan it replaced wins a tie), else left. After 3 x `probe_steps` measured steps without a rate to
         compare, it goes back without a verdict."""
         p, c, probe = self.policy, self.policy.config, self.probe
         assert probe is not None
@@ -240,14 +243,18 @@ class Switching:
                                 f"{self._show(before)} at context {at}, within the noise "
                                 f"({self._show(noise)}; {n}/{3 * c.probe_steps})")
         self.probe, self.last_probe = None, step
-        if rate >= before or back is None:
+        tied = abs(rate - before) < noise
+        if (rate >= before and not tied) or back is None:
             self.probe_wait = 1
             return cur, False, (f"trial kept: {self._show(rate)} end to end against "
                                 f"{self._show(before)} before, at context {at}")
         self.probe_wait = min(4, 2 * self.probe_wait)
-        return back, True, (f"trial lost: {self._show(rate)} end to end against "
-                            f"{self._show(before)} before, at context {at}; back to "
-                            f"{p.summary(back)}")
+        verdict = (f"trial tied: {self._show(rate)} end to end against {self._show(before)} "
+                   f"before, at context {at}, within the noise ({self._show(noise)}) after "
+                   f"{n} steps" if tied else
+                   f"trial lost: {self._show(rate)} end to end against {self._show(before)} "
+                   f"before, at context {at}")
+        return back, True, f"{verdict}; back to {p.summary(back)}"
 
     def _start_probe(self, step: int, cur: Plan, bucket: int, slots: Mapping[str, float],
                      queues: Mapping[str, int] | None, mine: float | None) -> Choice | None:
