@@ -217,8 +217,9 @@ class Switching:
         measured steps at a bucket where the plan it replaced has a rate too (where the trial
         began, else the current bucket), and its rate there differs from that plan's by more
         than the noise (`trial_sigmas`) or it has 3 x `probe_steps` steps there; then kept only
-        if faster beyond the noise (the plan it replaced wins a tie), else left. After 3 x `probe_steps` measured steps without a rate to
-        compare, it goes back without a verdict."""
+        if faster beyond the noise (the plan it replaced wins a tie), else left. After 3 x
+        `probe_steps` measured steps without a rate to compare, it goes back without a
+        verdict."""
         p, c, probe = self.policy, self.policy.config, self.probe
         assert probe is not None
         got, at = self._rate(probe.bucket), probe.bucket
@@ -238,22 +239,20 @@ class Switching:
                                 f"{p.summary(back)}")
         (rate, se), before = got, old.rate
         noise, n = self._noise(se, old.se), self._measured(at)
-        if abs(rate - before) < noise and n < 3 * c.probe_steps and back is not None:
+        tied = abs(rate - before) < noise
+        if tied and n < 3 * c.probe_steps and back is not None:
             return cur, False, (f"on trial: {self._show(rate)} end to end against "
                                 f"{self._show(before)} at context {at}, within the noise "
                                 f"({self._show(noise)}; {n}/{3 * c.probe_steps})")
         self.probe, self.last_probe = None, step
-        tied = abs(rate - before) < noise
+        rates = (f"{self._show(rate)} end to end against {self._show(before)} before, at "
+                 f"context {at}")
         if (rate >= before and not tied) or back is None:
             self.probe_wait = 1
-            return cur, False, (f"trial kept: {self._show(rate)} end to end against "
-                                f"{self._show(before)} before, at context {at}")
+            return cur, False, f"trial kept: {rates}"
         self.probe_wait = min(4, 2 * self.probe_wait)
-        verdict = (f"trial tied: {self._show(rate)} end to end against {self._show(before)} "
-                   f"before, at context {at}, within the noise ({self._show(noise)}) after "
-                   f"{n} steps" if tied else
-                   f"trial lost: {self._show(rate)} end to end against {self._show(before)} "
-                   f"before, at context {at}")
+        verdict = (f"trial tied: {rates}, within the noise ({self._show(noise)}) after {n} steps"
+                   if tied else f"trial lost: {rates}")
         return back, True, f"{verdict}; back to {p.summary(back)}"
 
     def _start_probe(self, step: int, cur: Plan, bucket: int, slots: Mapping[str, float],
