@@ -1,6 +1,8 @@
-"""The profiler against a real forward/backward of a tiny Qwen2 (in-process, CPU)."""
+"""The profiler against a real forward/backward of a tiny Qwen2 (CPU)."""
 
 from __future__ import annotations
+
+import multiprocessing as mp
 
 import pytest
 import torch
@@ -10,8 +12,7 @@ from earl.runtime.selector.policy import PolicyConfig, SearchPolicy
 from earl.runtime.selector.profile import Profiler
 
 
-@pytest.fixture(scope="module")
-def tiny() -> tuple[torch.nn.Module, ModelShape]:
+def _tiny() -> tuple[torch.nn.Module, ModelShape]:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -25,15 +26,18 @@ def tiny() -> tuple[torch.nn.Module, ModelShape]:
     return model, shape
 
 
-def test_cost_model_predicts_measured_training_memory(tiny: tuple[torch.nn.Module,
-                                                                  ModelShape]) -> None:
-    model, shape = tiny
-    threads = torch.get_num_threads()
+def _check_in_this_process() -> None:
     torch.set_num_threads(1)
-    try:
-        _check(model, shape)
-    finally:
-        torch.set_num_threads(threads)
+    _check(*_tiny())
+
+
+def test_cost_model_predicts_measured_training_memory() -> None:
+    """Measured in a fresh process, as an actor measures: the resident set is process-wide,
+    and a long test session is not quiet (CI stop 45: an in-process vLLM engine from an earlier
+    test had replaced `torch.set_num_threads` with a no-op, and the 512-token point measured
+    74.9 MiB against 44 MiB alone)."""
+    with mp.get_context("spawn").Pool(1) as pool:
+        pool.apply(_check_in_this_process)
 
 
 def _check(model: torch.nn.Module, shape: ModelShape) -> None:
@@ -50,10 +54,8 @@ def _check(model: torch.nn.Module, shape: ModelShape) -> None:
     lines: list[str] = []
     prof = Profiler(cost, (512, 1024), repeats=1, log=lines.append)
     points = [prof.profile("train", Parallel(), b, train_step) for b in (512, 1024)]
-    for p in points:  # predicted within 30% of what the OS saw, or within the allocator's
-        # slack (a small point, 48 MiB predicted, once measured 69 MiB in a long test session)
-        assert abs(p.predicted_bytes - p.measured_bytes) < max(0.3 * p.measured_bytes,
-                                                               24 * 2**20), p.line()
+    for p in points:  # predicted within 30% of what the OS saw
+        assert abs(p.predicted_bytes - p.measured_bytes) < 0.3 * p.measured_bytes, p.line()
         assert p.tokens_per_s > 0
     assert points[1].measured_bytes > 2 * points[0].measured_bytes  # quadratic attention seen
     assert len(lines) == 2 and "predicted" in lines[0] and "measured" in lines[0]
