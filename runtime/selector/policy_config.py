@@ -85,7 +85,8 @@ class PolicyConfig:
             steps' spread), or after 3 x `probe_steps` measured steps, when it stays only if
             faster by this much (a tie goes back to the old plan); a plan measured faster is
             switched back to only by this much too. Over 6 steps a gauntlet rate's standard
-            error is ~10% (runs W-Y), the size of the gaps between its layouts at a bucket. 0: the rates alone decide, at `probe_steps`.
+            error is ~10% (runs W-Y), the size of the gaps between its layouts at a bucket.
+            0: the rates alone decide, at `probe_steps`.
         probe_margin: a plan priced this much below the current one is not probed. Wide: the
             prices are what a probe checks, and on the gauntlet they put two replicas and a DP
             2 trainer below 0.7x three replicas and one rank for 250 steps (run K, 46d5192, at

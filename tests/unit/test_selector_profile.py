@@ -12,9 +12,11 @@ from earl.runtime.selector.policy import PolicyConfig, SearchPolicy
 from earl.runtime.selector.profile import Profiler
 
 
-def _tiny() -> tuple[torch.nn.Module, ModelShape]:
+def _check() -> None:
+    """Build a tiny fp32 Qwen2 and check the profiler's points against the cost model."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     cfg = Qwen2Config(hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
                       num_key_value_heads=2, intermediate_size=384, vocab_size=320,
@@ -23,24 +25,6 @@ def _tiny() -> tuple[torch.nn.Module, ModelShape]:
     model = Qwen2ForCausalLM(cfg).float().train()
     shape = ModelShape(hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384, vocab=320,
                        params=sum(p.numel() for p in model.parameters()))
-    return model, shape
-
-
-def _check_in_this_process() -> None:
-    torch.set_num_threads(1)
-    _check(*_tiny())
-
-
-def test_cost_model_predicts_measured_training_memory() -> None:
-    """Measured in a fresh process, as an actor measures: the resident set is process-wide,
-    and a long test session is not quiet (CI stop 45: an in-process vLLM engine from an earlier
-    test had replaced `torch.set_num_threads` with a no-op, and the 512-token point measured
-    74.9 MiB against 44 MiB alone)."""
-    with mp.get_context("spawn").Pool(1) as pool:
-        pool.apply(_check_in_this_process)
-
-
-def _check(model: torch.nn.Module, shape: ModelShape) -> None:
 
     def train_step(context: int, seqs: int) -> int:
         ids = torch.randint(0, 320, (seqs, context))
@@ -66,6 +50,15 @@ def _check(model: torch.nn.Module, shape: ModelShape) -> None:
     plan = policy.evaluate("t", Parallel(), ("s0",), 1024, 8 * 2**30)
     assert plan is not None and plan.tokens_per_s == points[1].tokens_per_s
     assert prof.table.memory_scale("train") >= 1.0
+
+
+def test_cost_model_predicts_measured_training_memory() -> None:
+    """Measured in a fresh process, as an actor measures: the resident set is process-wide,
+    and a long test session is not quiet (CI stop 45: an in-process vLLM engine from an earlier
+    test had replaced `torch.set_num_threads` with a no-op, and the 512-token point measured
+    74.9 MiB against 44 MiB alone)."""
+    with mp.get_context("spawn").Pool(1) as pool:
+        pool.apply(_check)
 
 
 def test_the_run_profile_calibrates_the_roofline_and_scales_memory() -> None:
