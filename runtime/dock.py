@@ -43,6 +43,7 @@ from earl.runtime.dock_index import (
     SampleInfo,
     WouldBlock,
     index_rank_of,
+    merge_leases,
 )
 from earl.runtime.dock_take import index_errors, take_merged
 from earl.runtime.dock_warehouse import Warehouse, WarehouseStatistics
@@ -159,13 +160,15 @@ class IndexActor(Actor):
     @endpoint
     async def take(self, stage: str, columns: list[str], n: int, whole_groups: bool = True,
                    min_version: int | None = None, wait: bool = True,
-                   timeout_s: float | None = None, at_least: int | None = None) -> Lease:
+                   timeout_s: float | None = None, at_least: int | None = None,
+                   group_ids: list[str] | None = None) -> Lease:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         async with self.changed:
             while True:
                 try:
                     return self.ix.take(stage, columns, n, whole_groups=whole_groups,
-                                        min_version=min_version, at_least=at_least)
+                                        min_version=min_version, at_least=at_least,
+                                        group_ids=group_ids)
                 except WouldBlock:
                     if not wait:
                         raise
@@ -358,19 +361,20 @@ class Dock:
 
     async def take(self, stage: str, columns: Sequence[str], n: int, *, whole_groups: bool = True,
                    min_version: int | None = None, timeout_s: float | None = None,
-                   at_least: int | None = None) -> Lease:
+                   at_least: int | None = None, group_ids: Sequence[str] | None = None
+                   ) -> Lease:
         """Lease `n` samples with `columns` ready that `stage` has not consumed (awaits); with
-        `at_least`, whatever is ready from `at_least` up to `n`.
+        `at_least`, whatever is ready from `at_least` up to `n`; with `group_ids`, only from
+        those groups.
 
         With a sharded index each shard holds the groups its ids map to, so a step's samples
         are spread over the shards: the lease is merged from what each has ready (whole groups
         from each), tried in turn without waiting, then waited on in short slices; the parts
         taken are held meanwhile and given back if the take fails or times out.
         """
-        if len(self.index) == 1:
-            return await index_errors(self.index.take.call_one(
-                stage, list(columns), n, whole_groups, min_version, True, timeout_s,
-                at_least=at_least))
+        if len(self.index) == 1 or group_ids is not None:
+            return await self._take_named(stage, columns, n, whole_groups, min_version,
+                                          timeout_s, at_least, group_ids)
         parts: list[Lease] = []
         try:
             return await take_merged(self.index, next(self._rr), parts, stage, list(columns),
@@ -381,6 +385,30 @@ class Dock:
                 with contextlib.suppress(Exception):
                     await self.release(part)
             raise
+
+    async def _take_named(self, stage: str, columns: Sequence[str], n: int,
+                          whole_groups: bool, min_version: int | None, timeout_s: float | None,
+                          at_least: int | None, group_ids: Sequence[str] | None) -> Lease:
+        """`take` from one index rank, or of named groups from the ranks that own them."""
+        if group_ids is None:
+            return await index_errors(self.index.take.call_one(
+                stage, list(columns), n, whole_groups, min_version, True, timeout_s,
+                at_least=at_least))
+        owners: dict[int, list[str]] = {}
+        for gid in group_ids:
+            owners.setdefault(index_rank_of(gid, len(self.index)), []).append(gid)
+        parts: list[Lease] = []
+        try:
+            for rank, gids in owners.items():
+                parts.append(await index_errors(self.index[rank].take.call_one(
+                    stage, list(columns), n, whole_groups, min_version, True, timeout_s,
+                    at_least=at_least, group_ids=gids)))
+        except BaseException:
+            for part in parts:
+                with contextlib.suppress(Exception):
+                    await self.release(part)
+            raise
+        return merge_leases(parts)
 
     def receiver(self, peer_host: str | None = None) -> Receiver:
         """Where a producer on `peer_host` (a `host_id()`; None: this host) sends to us."""
@@ -450,6 +478,11 @@ class Dock:
         """Mark the lease consumed; raises LeaseError if it expired or was already acked."""
         for index_rank, lease_id in lease.issuers():
             await index_errors(self.index[index_rank].ack.call_one(lease_id))
+
+    async def drop(self, lease: Lease, reason: str) -> None:
+        """Consume `lease`'s samples without using them (`reason` is for a caller's records:
+        a sample over the staleness bound); the index evicts them as it does on `ack`."""
+        await self.ack(lease)
 
     async def release(self, lease: Lease) -> None:
         for index_rank, lease_id in lease.issuers():

@@ -235,13 +235,16 @@ class DockIndex:
         whole_groups: bool = True,
         min_version: int | None = None,
         at_least: int | None = None,
+        group_ids: Sequence[str] | None = None,
     ) -> Lease:
         """Lease `n` samples that have `columns` ready and `stage` has not consumed.
 
         With `whole_groups`, only complete groups are handed out, oldest first, and `n` must be
         reachable exactly by whole groups. With `at_least`, any count from `at_least` up to
-        `n` is leased (what is ready now: a stage that consumes continuously). Raises
-        WouldBlock when not enough are ready yet.
+        `n` is leased (what is ready now: a stage that consumes continuously). With
+        `group_ids`, exactly those groups, whole, are leased and `n` is not read (a consumer
+        that chose its groups: a partial-rollout step trains the groups that finished first).
+        Raises WouldBlock when not enough are ready yet.
         """
         if stage not in self.stages:
             raise ValueError(f"unknown stage {stage!r}; the dock's stages are {list(self.stages)}")
@@ -263,11 +266,14 @@ class DockIndex:
         sizes = {self._samples[ids[0]].info.group_size for ids in self._groups.values()}
         if at_least is not None and not 1 <= at_least <= n:
             raise ValueError(f"at_least={at_least} must be in [1, n={n}]")
-        if whole_groups and at_least is None and len(sizes) == 1 and n % (g := sizes.pop()):
+        if group_ids is None and whole_groups and at_least is None and len(sizes) == 1 \
+                and n % (g := sizes.pop()):
             raise ValueError(f"n={n} is not a multiple of the group size {g}; ask for whole "
                              "groups or pass whole_groups=False")
         chosen: list[_Entry] = []
-        if whole_groups:
+        if group_ids is not None:
+            chosen = self._named_groups(group_ids, ready)
+        elif whole_groups:
             groups = []
             for ids in self._groups.values():
                 es = [self._samples[i] for i in ids]
@@ -279,7 +285,7 @@ class DockIndex:
         else:
             chosen = sorted((e for e in self._samples.values() if ready(e)), key=lambda e: e.seq)
             chosen = chosen[:n]
-        if len(chosen) < (n if at_least is None else at_least):
+        if group_ids is None and len(chosen) < (n if at_least is None else at_least):
             raise WouldBlock(f"{len(chosen)} of {n} samples ready for stage {stage!r}")
         lease = Lease(
             lease_id=next(self._lease_ids),
@@ -301,6 +307,18 @@ class DockIndex:
             e.leased[stage] = lease.lease_id
         self._leases[lease.lease_id] = (lease, self._clock() + self.lease_timeout_s)
         return lease
+
+    def _named_groups(self, group_ids: Sequence[str], ready: Callable[[_Entry], bool]
+                      ) -> list[_Entry]:
+        """Every sample of the groups `group_ids`, each group complete and ready; else
+        WouldBlock."""
+        chosen: list[_Entry] = []
+        for gid in group_ids:
+            es = [self._samples[i] for i in self._groups.get(gid, [])]
+            if not es or len(es) < es[0].info.group_size or not all(ready(e) for e in es):
+                raise WouldBlock(f"group {gid!r} is not complete and ready")
+            chosen += sorted(es, key=lambda e: e.seq)
+        return chosen
 
     def ack(self, lease_id: int) -> AckResult:
         """Mark a lease's samples consumed by its stage; evict those every stage consumed."""

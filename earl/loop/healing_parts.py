@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from earl.loop.healing import Healer, died_actor
 from earl.runtime import ActorGroup
 from earl.runtime.dock import Dock
+from earl.runtime.dock_index import LostSample
 from earl.runtime.errors import ActorDied, ActorError
 from earl.stages.batch_types import BatchResult, GroupTask, sample_id
 
@@ -52,6 +54,11 @@ class LedgerDock(Dock):
     async def ack(self, lease: Lease) -> None:
         await super().ack(lease)
         self.healer.ledger.add_trained(lease.samples)
+
+    async def drop(self, lease: Lease, reason: str) -> None:
+        await super().ack(lease)
+        self.healer.ledger.add_dropped(
+            [LostSample(loc.sample_id, loc.group_id, ()) for loc in lease.samples], reason)
 
 
 class HealingProduction:
@@ -92,17 +99,44 @@ class HealingProduction:
                 await self.healer.wait_rebuilt(self.rt, "producer", r)
                 tag = f"x{next(self._tags)}"
                 continue
-            self._record(batch, [g for g in share if g.group_id not in res.cut], res, tag, r)
+            self._record(batch, res, tag, r)
             return res
 
-    def _record(self, batch: int, share: list[GroupTask], res: BatchResult, tag: str,
-                rank: int) -> None:
-        # rows follow the group order (one per trajectory; self-imitation rows are extra)
-        gids = [g.group_id for g in share for _ in g.samples]
-        gids += [gids[-1]] * max(res.samples - len(gids), 0)
+    async def play_groups(self, batch: int, done: Callable[[BatchResult], None]
+                          ) -> BatchResult:
+        """`ActorProduction.play_groups`, each group played again (tagged) when its producer
+        died while playing it."""
+        n = len(self.inner.producers)
+
+        async def one(g: int, task: GroupTask) -> BatchResult:
+            r, tag = g % n, ""
+            while True:
+                try:
+                    res = await self.inner.producers[r].play_group.call_one(batch, task, g, tag)
+                except Exception as exc:
+                    if died_actor(exc) != ("producer", r) or self.healer.stopping:
+                        raise
+                    self.healer.note("replay_group", "producer", rank=r, step=batch + 1)
+                    await self.healer.wait_rebuilt(self.rt, "producer", r)
+                    tag = f"x{next(self._tags)}"
+                    continue
+                self._record(batch, res, f"{tag}-g{g}" if tag else f"g{g}", r)
+                done(res)
+                return res
+
+        self.playing.add(batch)
+        try:
+            with self.inner.tracer.span("play", actor="producer", step=batch + 1):
+                results = await asyncio.gather(*(one(g, t) for g, t in
+                                                 enumerate(self.inner.groups(batch))))
+        finally:
+            self.playing.discard(batch)
+        return self.inner.merge(batch, results)
+
+    def _record(self, batch: int, res: BatchResult, tag: str, rank: int) -> None:
+        """The rows `res` put, in the ledger (their ids as the producer made them)."""
         self.healer.ledger.add_produced([sample_id(batch, j, tag, rank)
-                                         for j in range(res.samples)],
-                                        gids[:res.samples])
+                                         for j in range(res.samples)], res.row_groups)
 
     async def states(self, batch: int | None) -> list[dict[str, object]]:
         """Each producer's critic after `batch`; a restarted producer (which lost that
@@ -168,7 +202,7 @@ class HealingProduction:
                 except (ActorDied, ActorError) as exc:  # played at the next rebuild
                     self.healer.log(f"healing: re-playing group {gid} failed ({exc}); later")
                     continue
-                self._record(batch, [task], res, tag, r)
+                self._record(batch, res, tag, r)
                 del self._pending[gid]
                 done += 1
             if done:
@@ -193,10 +227,11 @@ class HealingTraining:
     def flows(self) -> dict[str, float]:
         return self.inner.flows
 
-    async def train(self, batch: int, samples: int, lr_scale: float) -> dict[str, float]:
+    async def train(self, batch: int, samples: int, lr_scale: float,
+                    groups: Sequence[str] | None = None) -> dict[str, float]:
         while True:
             try:
-                return await self.inner.train(batch, samples, lr_scale)
+                return await self.inner.train(batch, samples, lr_scale, groups)
             except Exception as exc:
                 who = died_actor(exc)
                 if who is None or who[0] not in ("producer", "reference") \
@@ -205,6 +240,9 @@ class HealingTraining:
                 self.healer.note("retry_step", who[0], rank=who[1], step=batch + 1)
                 await self.healer.wait_rebuilt(self.rt, *who)
                 await self.production.reproduce_lost(f"shard {who[0]}:{who[1]} died in a fetch")
+
+    async def discard(self, groups: Sequence[str], reason: str) -> int:
+        return await self.inner.discard(groups, reason)
 
     async def publish(self, version: int) -> None:
         while True:

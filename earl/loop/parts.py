@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from earl.loop.actors import Actors
 from earl.observe import Tracer
@@ -74,13 +74,31 @@ class ActorProduction:
         return BatchResult(batch=batch, episodes=[e for r in results for e in r.episodes],
                            samples=sum(r.samples for r in results),
                            seconds=max(r.seconds for r in results),
-                           cut=[g for r in results for g in r.cut])
+                           cut=[g for r in results for g in r.cut],
+                           row_groups=[g for r in results for g in r.row_groups])
 
     async def play(self, batch: int, snapshot: bool) -> BatchResult:
         with self.tracer.span("play", actor="producer", step=batch + 1):
             results = await asyncio.gather(*(
                 self.producers[r].play.call_one(batch, share, snapshot, need)
                 for r, share, need in self.deal(batch)))
+        return self.merge(batch, results)
+
+    async def play_groups(self, batch: int, done: Callable[[BatchResult], None]
+                          ) -> BatchResult:
+        """Partial rollouts: play batch `batch`'s groups, each on its own (group g on producer
+        g mod n), each in the dock as soon as it is done; `done` gets each group's result as it
+        comes. Returns them all merged."""
+        n = len(self.producers)
+
+        async def one(g: int, task: GroupTask) -> BatchResult:
+            res = await self.producers[g % n].play_group.call_one(batch, task, g)
+            done(res)
+            return res
+
+        with self.tracer.span("play", actor="producer", step=batch + 1):
+            results = await asyncio.gather(*(one(g, t) for g, t in
+                                             enumerate(self.groups(batch))))
         return self.merge(batch, results)
 
     async def note_version(self, version: int) -> None:
@@ -116,7 +134,8 @@ class ActorTraining:
         self.seconds = {"train_s": 0.0, "sync_s": 0.0}  # of the last step, for the metrics
         self.flows: dict[str, float] = {}
 
-    async def train(self, batch: int, samples: int, lr_scale: float) -> dict[str, float]:
+    async def train(self, batch: int, samples: int, lr_scale: float,
+                    groups: Sequence[str] | None = None) -> dict[str, float]:
         from earl.stages.trainer_feed import train_from_dock
 
         t0 = time.perf_counter()
@@ -124,10 +143,17 @@ class ActorTraining:
         with self.tracer.span("train_step", actor="trainer", step=batch + 1):
             metrics = await train_from_dock(a.trainer, a.dock, samples, self.columns,
                                             lr_scale=lr_scale,
-                                            micro_batch_tokens=a.micro_batch_tokens)
+                                            micro_batch_tokens=a.micro_batch_tokens,
+                                            group_ids=groups)
         self.seconds["train_s"] = time.perf_counter() - t0
         self.flows = {k: v for k, v in metrics.items() if k.startswith("transport/")}
         return {k: v for k, v in metrics.items() if not k.startswith("transport/")}
+
+    async def discard(self, groups: Sequence[str], reason: str) -> int:
+        """Drop `groups` from the dock untrained, for `reason`; returns the rows dropped."""
+        from earl.stages.trainer_feed import discard_from_dock
+
+        return await discard_from_dock(self.actors.dock, groups, reason)
 
     async def publish(self, version: int) -> None:
         t0 = time.perf_counter()

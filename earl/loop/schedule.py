@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from earl.config import RunConfig
-from earl.loop.gate import StalenessGate
+from earl.loop.gate import GroupGate, StalenessGate
+from earl.loop.pool import DoneGroup, GroupPool, straggler_wait
 from earl.stages.batch_types import BatchResult
 
 __all__ = ["Checkpoints", "Evaluation", "LoopState", "NothingToTrain", "Production", "Schedule",
@@ -30,11 +32,21 @@ __all__ = ["Checkpoints", "Evaluation", "LoopState", "NothingToTrain", "Producti
 class Production(Protocol):
     async def play(self, batch: int, snapshot: bool) -> BatchResult: ...
 
+    async def play_groups(self, batch: int, done: Callable[[BatchResult], None]
+                          ) -> BatchResult:
+        """Partial rollouts: each group on its own, `done` called as each finishes."""
+        ...
+
     async def note_version(self, version: int) -> None: ...
 
 
 class Training(Protocol):
-    async def train(self, batch: int, samples: int, lr_scale: float) -> dict[str, float]: ...
+    async def train(self, batch: int, samples: int, lr_scale: float,
+                    groups: Sequence[str] | None = None) -> dict[str, float]: ...
+
+    async def discard(self, groups: Sequence[str], reason: str) -> int:
+        """Drop `groups` from the dock untrained, for `reason`; returns the rows dropped."""
+        ...
 
     async def publish(self, version: int) -> None: ...
 
@@ -61,6 +73,9 @@ class Selection(Protocol):
         ...
 
     def using(self) -> contextlib.AbstractAsyncContextManager[None]: ...
+
+
+STALE = "stale: its oldest token was over max_policy_lag versions behind its step"
 
 
 class NothingToTrain(ValueError):
@@ -105,6 +120,9 @@ class StepRecord:
     train: dict[str, float]
     step_s: float
     lr_scale: float
+    straggler_wait_s: float = 0.0  # the trainer's wait from its first done group to its last
+    stale_groups: int = 0  # groups dropped over the staleness bound before this step
+    slots: int = 0  # episodes the staleness gate lets run at once
 
 
 class Schedule:
@@ -133,6 +151,11 @@ class Schedule:
         self.gate = StalenessGate(config.max_policy_lag, state.step)
         self.stopped = ""
         self.selection = selection  # None: the layout stays as spawned
+        self.partial = config.partial_rollouts != "off"
+        self.pool = GroupPool()  # partial rollouts: groups done, not yet trained
+        self.groups_out = GroupGate(config.max_concurrent_groups
+                                    or (config.max_policy_lag + 1) * self.groups_per_step)
+        self._began: dict[int, float] = {}  # batch -> when its play began
 
     def elapsed(self) -> float:
         """Wall seconds of the run, earlier (resumed-from) segments included."""
@@ -152,9 +175,13 @@ class Schedule:
 
         async def produce_one(b: int) -> None:
             try:
-                async with (self.selection.rollout(b) if self.selection is not None
-                            else contextlib.nullcontext()):
-                    res = await self.production.play(b, self._snapshot(b))
+                if self.partial:
+                    res = await self.production.play_groups(b, self.pool.add)
+                else:
+                    self._began[b] = time.perf_counter()
+                    async with (self.selection.rollout(b) if self.selection is not None
+                                else contextlib.nullcontext()):
+                        res = await self.production.play(b, self._snapshot(b))
                 future(b).set_result(res)
             except BaseException as exc:
                 if not future(b).done():
@@ -162,18 +189,30 @@ class Schedule:
                 raise
 
         async def producer(tg: asyncio.TaskGroup) -> None:
-            for b in range(self.state.step, c.steps):
-                if not await self.gate.wait_may_start(b):
+            # partial rollouts: a dropped group leaves a step short, so batches go on until the
+            # run stops (the gate bounds them)
+            for b in itertools.count(self.state.step) if self.partial else \
+                    range(self.state.step, c.steps):
+                if not await (self.groups_out.wait_may_start(self.groups_per_step)
+                              if self.partial else self.gate.wait_may_start(b)):
                     return
                 future(b)  # registered before the task runs: `b in played` == started
                 tg.create_task(produce_one(b), name=f"play-{b}")
+
+        async def next_batch(b: int) -> tuple[BatchResult, float, int]:
+            """Step b's batch, the trainer's straggler wait and the groups dropped stale."""
+            if self.partial:
+                return await self._take_groups(b)
+            t0 = time.perf_counter()
+            res = await future(b)
+            return res, straggler_wait(res, self._began.pop(b, t0), t0), 0
 
         last = self.clock()
         async with asyncio.TaskGroup() as tg:
             tg.create_task(producer(tg), name="producer")
             b = self.state.step
             while b < c.steps:
-                last = await self._learn(b, await future(b), last)
+                last = await self._learn(b, *await next_batch(b), last)
                 b += 1
                 if stop := await self._after_step():
                     self.stopped = stop
@@ -181,15 +220,60 @@ class Schedule:
             else:
                 self.stopped = "steps"
             await self.gate.close()
+            await self.groups_out.close()
             # Batches already started are finished and trained: their experience is in the
             # dock and the critic has seen them, so the final checkpoint stays consistent.
-            while b in played:
-                last = await self._learn(b, await future(b), last)
-                b += 1
+            if self.partial:  # every group started is trained in whole steps or dropped
+                await asyncio.gather(*played.values())
+                while self.pool.size(fresh_from=b - c.max_policy_lag) >= self.groups_per_step:
+                    last = await self._learn(b, *await self._take_groups(b), last)
+                    b += 1
+                if rest := [g.group_id for g in self.pool.take_all() if g.rows]:
+                    await self.training.discard(rest, "the run ended before a whole step of "
+                                                "groups was done")
+            else:
+                while b in played:
+                    last = await self._learn(b, *await next_batch(b), last)
+                    b += 1
         await self.checkpoints.save(self.state, None)
         return self.stopped
 
-    async def _learn(self, b: int, res: BatchResult, last: float) -> float:
+    @property
+    def slots(self) -> int:
+        """Episodes the gate lets run at once."""
+        groups = self.groups_out.limit if self.partial else \
+            (self.config.max_policy_lag + 1) * self.groups_per_step
+        return groups * self.config.group_size
+
+    @property
+    def groups_per_step(self) -> int:
+        return self.config.batch_size // self.config.group_size
+
+    async def _take_groups(self, b: int) -> tuple[BatchResult, float, int]:
+        """Partial rollouts: the first groups done, whatever batch started them; a group whose
+        oldest token is over `max_policy_lag` versions older than step `b` is dropped whole."""
+        t0 = time.perf_counter()
+        chosen: list[DoneGroup] = []
+        stale: list[DoneGroup] = []
+        while len(chosen) < self.groups_per_step:
+            g = await self.pool.wait_take()
+            if 0 <= g.first_version < b - self.config.max_policy_lag:
+                stale.append(g)
+            else:
+                chosen.append(g)
+        if stale:
+            await self.training.discard([g.group_id for g in stale if g.rows], STALE)
+        await self.groups_out.done(len(chosen) + len(stale))
+        first = max(min(g.done_at for g in chosen), t0)
+        wait = max(max(g.done_at for g in chosen) - first, 0.0)
+        res = BatchResult(batch=b, episodes=[e for g in chosen for e in g.episodes],
+                          samples=sum(g.rows for g in chosen),
+                          seconds=max(g.seconds for g in chosen),
+                          row_groups=[g.group_id for g in chosen if g.rows])
+        return res, wait, len(stale)
+
+    async def _learn(self, b: int, res: BatchResult, wait_s: float, stale: int,
+                     last: float) -> float:
         """Train on batch `b`, publish the weights as version b + 1, record the step."""
         s = self.state
         progress = max(self.elapsed() / self.time_limit_s, (b + 1) / self.config.steps)
@@ -198,7 +282,8 @@ class Schedule:
             raise NothingToTrain(b, res)
         async with (self.selection.train(b, res) if self.selection is not None
                     else contextlib.nullcontext()):
-            metrics = await self.training.train(b, res.samples, scale)
+            metrics = await self.training.train(
+                b, res.samples, scale, res.row_groups if self.partial else None)
             await self.training.publish(b + 1)
         if self.selection is not None:
             self.selection.trained(b, metrics)
@@ -211,10 +296,13 @@ class Schedule:
                 s.failures[e.error] = s.failures.get(e.error, 0) + 1
         now = self.clock()
         if self.observe is not None:
-            await self.observe(StepRecord(version=s.step, result=res, train=metrics,
-                                          step_s=now - last, lr_scale=scale))
+            await self.observe(StepRecord(
+                version=s.step, result=res, train=metrics, step_s=now - last, lr_scale=scale,
+                straggler_wait_s=wait_s, stale_groups=stale,
+                slots=self.slots))
         if s.step % self.config.checkpoint_every == 0 and s.step < self.config.steps:
-            await self.checkpoints.save(s, b)
+            # partial rollouts: the critic has seen groups in the order they finished
+            await self.checkpoints.save(s, None if self.partial else b)
         return now
 
     async def _after_step(self) -> str:

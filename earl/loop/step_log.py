@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from earl.loop.schedule import StepRecord
     from earl.stages.batch_types import Episode
 
-__all__ = ["StepLog", "info_rates"]
+__all__ = ["StepLog", "info_rates", "slot_idle_share"]
 
 
 class StepLog:
@@ -87,7 +87,21 @@ def step_row(r: StepRecord, *, steps: int) -> dict[str, Any]:
         "ctx_mean": tokens / n, "ctx_max": max((e.tokens for e in eps), default=0),
         "turns_mean": sum(e.turns for e in eps) / n, "groups_cut": len(r.result.cut),
         "step_s": r.step_s, "rollout_s": r.result.seconds, "lr_scale": r.lr_scale,
+        "straggler_wait_s": r.straggler_wait_s, "stale_groups": r.stale_groups,
+        "staleness_max": max((r.version - 1 - e.first_version for e in eps
+                              if e.first_version >= 0), default=0),
+        "slot_idle_share": slot_idle_share(eps, r.slots, r.step_s),
         **info_rates(eps)}
+
+
+def slot_idle_share(eps: list[Episode], slots: int, seconds: float) -> float:
+    """The share of the `slots` rollout slots (episodes the staleness gate lets run at once)
+    that stood idle over `seconds`, estimated from the episodes one step trains: in steady
+    state a step's episodes are the ones the slots finished in its time."""
+    if slots <= 0 or seconds <= 0:
+        return 0.0
+    busy = sum(float(e.info.get("episode_s", 0.0)) for e in eps)
+    return min(max(1.0 - busy / (slots * seconds), 0.0), 1.0)
 
 
 def info_rates(eps: list[Episode]) -> dict[str, float]:

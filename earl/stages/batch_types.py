@@ -28,6 +28,8 @@ class Episode:
         turns: assistant turns.
         version_sum: sum of the policy versions that sampled the generated tokens (the driver
             derives the mean staleness from it without seeing tokens).
+        first_version: the version of its oldest generated token (-1: none generated), what
+            `max_policy_lag` bounds.
     """
 
     sample_id: str
@@ -41,6 +43,7 @@ class Episode:
     generated: int = 0
     turns: int = 0
     version_sum: int = 0
+    first_version: int = -1
     gen_time_s: float = 0.0
     tool_time_s: float = 0.0
     info: dict[str, float | int | str] = field(default_factory=dict)
@@ -53,6 +56,7 @@ def episode_of(t: Trajectory) -> Episode:
                    turn_rewards=list(t.turn_rewards), failed=t.failed, error=t.error,
                    truncated=t.truncated, tokens=len(t.token_ids), generated=len(gen_versions),
                    turns=len(t.turn_spans), version_sum=sum(gen_versions),
+                   first_version=min(gen_versions, default=-1),
                    gen_time_s=t.gen_time_s, tool_time_s=t.tool_time_s, info=dict(t.info))
 
 
@@ -87,6 +91,7 @@ class BatchResult:
         samples: rows put in the dock (trajectories plus self-imitation samples).
         seconds: wall time of the batch's play.
         cut: ids of the over-sampled groups cut unfinished (nothing of them was kept).
+        row_groups: the group of each row put, in the order of the rows' sample ids.
     """
 
     batch: int
@@ -94,3 +99,4 @@ class BatchResult:
     samples: int
     seconds: float
     cut: list[str] = field(default_factory=list)
+    row_groups: list[str] = field(default_factory=list)

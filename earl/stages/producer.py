@@ -158,6 +158,7 @@ class ProducerActor(WarehouseHost, Actor):
 
         async def one(sample: object, sid: str, gid: str) -> list[Trajectory]:
             earlier: list[Trajectory] = []  # segments of an OpenAI client that rewrote history
+            t0 = time.perf_counter()
             try:
                 t = await run_agent(self.agent, sample, engine=self.engine, codec=self.codec,
                                     config=cfg, sample_id=sid, group_id=gid,
@@ -168,6 +169,7 @@ class ProducerActor(WarehouseHost, Actor):
                 self._apply_reward(t, sample)
                 for seg in earlier:
                     seg.reward, seg.failed, seg.error = t.reward, t.failed, t.error
+            t.info["episode_s"] = round(time.perf_counter() - t0, 4)  # the session's wall time
             return [*earlier, t]
 
         played = await asyncio.gather(*(one(s, sid, gid)
@@ -194,13 +196,27 @@ class ProducerActor(WarehouseHost, Actor):
         async with self._order:
             await self._order.wait_for(lambda: self._next_put == batch)
         try:
-            n = await self._put(batch, trajs, "", snapshot)
+            n, rows = await self._put(batch, trajs, "", snapshot)
         finally:
             async with self._order:
                 self._next_put = batch + 1
                 self._order.notify_all()
         return BatchResult(batch=batch, episodes=[episode_of(t) for t in trajs], samples=n,
-                           seconds=seconds, cut=cut)
+                           seconds=seconds, cut=cut, row_groups=rows)
+
+    @endpoint
+    async def play_group(self, batch: int, group: GroupTask, index: int, tag: str = ""
+                         ) -> BatchResult:
+        """Partial rollouts (`RunConfig.partial_rollouts`): play one group of batch `batch`
+        (its `index`-th) and put it in this shard as soon as it is done, whatever the rest of
+        its batch does; `tag` marks a re-play after a fault. Groups are prepared in the order
+        they finish (a critic learns from each in that order)."""
+        t0 = time.perf_counter()
+        trajs, _ = await self._play_groups(batch, [group], tag, None)
+        prefix = f"{tag}-g{index}" if tag else f"g{index}"
+        n, rows = await self._put(batch, trajs, prefix, False)
+        return BatchResult(batch=batch, episodes=[episode_of(t) for t in trajs], samples=n,
+                           seconds=time.perf_counter() - t0, row_groups=rows)
 
     @endpoint
     async def replay(self, batch: int, groups: list[GroupTask], tag: str,
@@ -209,9 +225,9 @@ class ProducerActor(WarehouseHost, Actor):
         like `play`, outside the batch order, with sample ids tagged `tag`."""
         t0 = time.perf_counter()
         trajs, cut = await self._play_groups(batch, groups, tag, need)
-        n = await self._put(batch, trajs, tag, snapshot)
+        n, rows = await self._put(batch, trajs, tag, snapshot)
         return BatchResult(batch=batch, episodes=[episode_of(t) for t in trajs], samples=n,
-                           seconds=time.perf_counter() - t0, cut=cut)
+                           seconds=time.perf_counter() - t0, cut=cut, row_groups=rows)
 
     async def _play_groups(self, batch: int, groups: list[GroupTask], tag: str,
                            need: int | None) -> tuple[list[Trajectory], list[str]]:
@@ -225,8 +241,10 @@ class ProducerActor(WarehouseHost, Actor):
         return ([t for i in sorted(kept) for t in kept[i]],
                 [g.group_id for i, g in enumerate(groups) if i not in kept])
 
-    async def _put(self, batch: int, trajs: list[Trajectory], tag: str, snapshot: bool) -> int:
-        """Columns of `trajs` into this shard (whole groups); returns the rows put."""
+    async def _put(self, batch: int, trajs: list[Trajectory], tag: str, snapshot: bool
+                   ) -> tuple[int, list[str]]:
+        """Columns of `trajs` into this shard (whole groups); returns the rows put and the
+        group of each."""
         rows, sources = self.estimator.columns(trajs)
         if snapshot:
             self._snapshots[batch] = self.estimator.state_dict()
@@ -239,7 +257,7 @@ class ProducerActor(WarehouseHost, Actor):
             for j, i in enumerate(sources)))
         if self._dump is not None:
             self._write_dump(batch + 1, trajs, rows["advantages"])
-        return len(sources)
+        return len(sources), [trajs[i].group_id for i in sources]
 
     @endpoint
     async def evaluate(self, samples: list[object], prefix: str) -> list[Episode]:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from earl.runtime.dock import Dock
     from earl.stages.trainer import TrainerActor
 
-__all__ = ["plan_for", "train_from_dock"]
+__all__ = ["discard_from_dock", "plan_for", "train_from_dock"]
 
 
 def plan_for(lease: Lease, layout: Layout, micro_batch_tokens: int, *,
@@ -51,7 +51,8 @@ async def train_from_dock(trainer: ActorGroup[TrainerActor], dock: Dock, n: int,
                           lr_scale: float = 1.0, index: str = "dock",
                           timeout_s: float | None = 600.0, fetch_timeout_s: float = 120.0,
                           layout: Layout | None = None,
-                          micro_batch_tokens: int | None = None) -> dict[str, float]:
+                          micro_batch_tokens: int | None = None,
+                          group_ids: Sequence[str] | None = None) -> dict[str, float]:
     """One optimizer step of the whole trainer group on `n` samples from the dock.
 
     Args:
@@ -63,6 +64,7 @@ async def train_from_dock(trainer: ActorGroup[TrainerActor], dock: Dock, n: int,
         lr_scale: multiplies this step's learning rate.
         timeout_s: how long to wait for `n` samples to be ready.
         layout, micro_batch_tokens: the trainer's, asked from rank 0 when not given.
+        group_ids: train exactly these groups (`n` is then their rows): a partial-rollout step.
 
     Returns:
         Rank 0's step metrics (global over the replicas), plus ``dispatch_replicas`` and the
@@ -83,7 +85,7 @@ async def train_from_dock(trainer: ActorGroup[TrainerActor], dock: Dock, n: int,
         raise ValueError(f"train_from_dock: n={n} samples cannot feed {layout.dp} data-parallel "
                          "replicas; take at least one sample per replica")
     lease = await dock.take(stage, list(columns), n, whole_groups=whole_groups,
-                            min_version=min_version, timeout_s=timeout_s)
+                            min_version=min_version, timeout_s=timeout_s, group_ids=group_ids)
     try:
         plan = plan_for(lease, layout, micro_batch_tokens)
         results = await trainer.train_planned.call(plan, index, lr_scale, fetch_timeout_s)
@@ -98,3 +100,13 @@ async def train_from_dock(trainer: ActorGroup[TrainerActor], dock: Dock, n: int,
                 metrics[k] = metrics.get(k, 0.0) + v
     metrics["dispatch_replicas"] = float(layout.dp)
     return metrics
+
+
+async def discard_from_dock(dock: Dock, group_ids: Sequence[str], reason: str, *,
+                            stage: str = "train", timeout_s: float | None = 600.0) -> int:
+    """Consume the groups `group_ids` for `stage` without training them, for `reason` (a
+    sample over the staleness bound); returns the rows dropped. Their columns are never
+    fetched."""
+    lease = await dock.take(stage, ["versions"], 1, group_ids=group_ids, timeout_s=timeout_s)
+    await dock.drop(lease, reason)
+    return len(lease.samples)

@@ -184,7 +184,8 @@ class _Ep:
         need = args[3] if self.name == "play" else (args[4] if len(args) > 4 else None)
         kept = groups if need is None else groups[:need]
         return BatchResult(batch=args[0], episodes=[], samples=sum(len(g.samples) for g in kept),
-                           seconds=0, cut=[g.group_id for g in groups[len(kept):]])
+                           seconds=0, cut=[g.group_id for g in groups[len(kept):]],
+                           row_groups=[g.group_id for g in kept for _ in g.samples])
 
 
 class _Producers:

@@ -26,10 +26,11 @@ GROUPS, G = 2, 4
 CODEC = ChatCodec(build_tokenizer())
 
 def schedule_config(*, time_limit_s: float = float("inf"), eval_every: int = 0,
-                    **kw: object) -> RunConfig:
-    """The run settings the schedule reads (no evals, no time limit unless given)."""
+                    partial_rollouts: str = "off", **kw: object) -> RunConfig:
+    """The run settings the schedule reads (no evals, no time limit unless given; whole
+    batches unless `partial_rollouts` says otherwise: `test_partial_rollouts.py`)."""
     return RunConfig(time_limit_minutes=time_limit_s / 60, eval_every=eval_every,
-                     **kw)  # type: ignore[arg-type]
+                     partial_rollouts=partial_rollouts, **kw)  # type: ignore[arg-type]
 
 
 
@@ -90,7 +91,9 @@ class FakeTraining:
         self.published: list[int] = []
         self.max_lag = 0
 
-    async def train(self, batch: int, samples: int, lr_scale: float) -> dict[str, float]:
+    async def train(self, batch: int, samples: int, lr_scale: float,
+                    groups: object = None) -> dict[str, float]:
+        assert groups is None  # whole batches
         mine = [sid for sid, b in self.prod.dock.items() if b == batch]
         assert len(mine) == samples
         while not all(s in self.prod.scored for s in mine):  # the dock's lease waits

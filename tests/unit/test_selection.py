@@ -47,9 +47,10 @@ PLANNED_KV = 32256  # the KV budget the policy gives a rollout slot of SLOTS (a 
 
 def schedule_config(*, time_limit_s: float = float("inf"), eval_every: int = 0,
                     **kw: object) -> RunConfig:
-    """The run settings the schedule reads (no evals, no time limit unless given)."""
+    """The run settings the schedule reads (no evals, no time limit unless given; whole
+    batches, as the selector plans them)."""
     return RunConfig(time_limit_minutes=time_limit_s / 60, eval_every=eval_every,
-                     **kw)  # type: ignore[arg-type]
+                     partial_rollouts="off", **kw)  # type: ignore[arg-type]
 
 
 
@@ -241,7 +242,8 @@ class _Train:
     def __init__(self, log: list[str]) -> None:
         self.log = log
 
-    async def train(self, batch: int, samples: int, lr_scale: float) -> dict[str, float]:
+    async def train(self, batch: int, samples: int, lr_scale: float,
+                    groups: object = None) -> dict[str, float]:
         self.log.append(f"train{batch}")
         return {}
 

@@ -1,0 +1,95 @@
+"""Partial rollouts' pool: the groups that finished playing and wait for a training step.
+
+With `RunConfig.partial_rollouts`, each group of a batch reports on its own as it finishes
+(`Production.play_groups`); the schedule takes the first ones done for the next step, whatever
+batch started them, so no step waits for one slow group. The pool keeps them in the order they
+finished, with what the schedule needs to choose and to drop: the oldest token's version (the
+staleness bound) and the row count (what the trainer leases). It knows no actors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from dataclasses import dataclass
+
+from earl.stages.batch_types import BatchResult, Episode
+
+__all__ = ["DoneGroup", "GroupPool", "straggler_wait"]
+
+
+@dataclass(frozen=True, slots=True)
+class DoneGroup:
+    """One finished group: its episodes' metadata, its rows in the dock, when it finished."""
+
+    result: BatchResult
+    done_at: float  # perf_counter seconds
+
+    @property
+    def group_id(self) -> str:
+        return self.result.episodes[0].group_id
+
+    @property
+    def episodes(self) -> list[Episode]:
+        return self.result.episodes
+
+    @property
+    def rows(self) -> int:
+        return self.result.samples
+
+    @property
+    def seconds(self) -> float:
+        return self.result.seconds
+
+    @property
+    def first_version(self) -> int:
+        """The version of the group's oldest generated token (-1: it generated none)."""
+        return min((e.first_version for e in self.result.episodes if e.first_version >= 0),
+                   default=-1)
+
+
+class GroupPool:
+    """Finished groups not yet trained, first done first out."""
+
+    def __init__(self) -> None:
+        self._done: collections.deque[DoneGroup] = collections.deque()
+        self._changed = asyncio.Event()
+
+    def add(self, result: BatchResult) -> None:
+        """A group finished (its rows are in the dock); `result` holds that group alone."""
+        if result.episodes:
+            self._done.append(DoneGroup(result, time.perf_counter()))
+            self._changed.set()
+
+    def size(self, fresh_from: int | None = None) -> int:
+        """Groups waiting; with `fresh_from`, only those whose oldest token is of that version
+        or newer."""
+        if fresh_from is None:
+            return len(self._done)
+        return sum(1 for g in self._done if g.first_version < 0 or g.first_version >= fresh_from)
+
+    async def wait_take(self) -> DoneGroup:
+        """The group that finished first, once there is one."""
+        while not self._done:
+            self._changed.clear()
+            await self._changed.wait()
+        return self._done.popleft()
+
+    def take_all(self) -> list[DoneGroup]:
+        out, self._done = list(self._done), collections.deque()
+        return out
+
+
+def straggler_wait(res: BatchResult, began: float, waited_from: float) -> float:
+    """A whole batch's step (`partial_rollouts` off): how long the trainer, waiting since
+    `waited_from`, waited after the first of the batch's groups was done (each group's end
+    estimated as the batch's start `began` plus its longest episode)."""
+    now = time.perf_counter()
+    ends: dict[str, float] = {}
+    for e in res.episodes:
+        end = began + float(e.info.get("episode_s", 0.0))
+        ends[e.group_id] = max(ends.get(e.group_id, end), end)
+    if not ends:
+        return 0.0
+    return max(now - max(min(ends.values()), waited_from), 0.0)

@@ -1,0 +1,156 @@
+"""Partial rollouts in `earl.loop.schedule`, with fakes and no processes: a step trains the
+groups done first whatever batch started them, a slow group is carried into a later step (not
+cut, not waited on), a group over the staleness bound is dropped whole and counted, and every
+group started is trained once or dropped with a reason."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from earl.config import RunConfig
+from earl.loop.pool import GroupPool
+from earl.loop.schedule import STALE, LoopState, Schedule, StepRecord
+from earl.stages.batch_types import BatchResult, Episode, GroupTask
+
+pytestmark = pytest.mark.timeout(60)
+
+G = 4  # episodes per group; 2 groups per step
+
+
+def config(**kw: object) -> RunConfig:
+    return RunConfig(time_limit_minutes=1e9, eval_every=0, batch_size=2 * G, group_size=G,
+                     checkpoint_every=1000, partial_rollouts="continue",
+                     **kw)  # type: ignore[arg-type]
+
+
+class GroupProduction:
+    """Each group sleeps for its planned seconds (a tool that waits), its tokens sampled at the
+    version current when it started."""
+
+    def __init__(self, seconds: Callable[[int, int], float]) -> None:
+        self.seconds, self.version = seconds, 0
+        self.started: dict[str, int] = {}  # group id -> version at its start
+        self.dock: dict[str, int] = {}     # group id -> rows
+
+    async def play(self, batch: int, snapshot: bool) -> BatchResult:
+        raise AssertionError("partial rollouts play group by group")
+
+    async def play_groups(self, batch: int, done: Callable[[BatchResult], None]
+                          ) -> BatchResult:
+        async def one(g: int) -> BatchResult:
+            gid, v = f"g{batch * 2 + g}", self.version
+            self.started[gid] = v
+            await asyncio.sleep(self.seconds(batch, g))
+            eps = [Episode(sample_id=f"{gid}-{i}", group_id=gid, reward=1.0, generated=3,
+                           version_sum=3 * v, first_version=v, info={"episode_s": 0.01})
+                   for i in range(G)]
+            res = BatchResult(batch=batch, episodes=eps, samples=G, seconds=0.01,
+                              row_groups=[gid] * G)
+            self.dock[gid] = G
+            done(res)
+            return res
+
+        parts = await asyncio.gather(one(0), one(1))
+        return BatchResult(batch=batch, episodes=[e for p in parts for e in p.episodes],
+                           samples=2 * G, seconds=0.0)
+
+    async def note_version(self, version: int) -> None:
+        self.version = version
+
+
+class GroupTraining:
+    def __init__(self, prod: GroupProduction) -> None:
+        self.prod = prod
+        self.steps: list[list[str]] = []
+        self.dropped: list[str] = []  # stale
+        self.left: list[str] = []  # not a whole step's worth when the run ended
+
+    async def train(self, batch: int, samples: int, lr_scale: float,
+                    groups: Sequence[str] | None = None) -> dict[str, float]:
+        assert groups is not None and samples == sum(self.prod.dock[g] for g in groups)
+        for g in groups:
+            del self.prod.dock[g]  # a group trained twice would fail here
+        self.steps.append(list(groups))
+        return {}
+
+    async def discard(self, groups: Sequence[str], reason: str) -> int:
+        for g in groups:
+            del self.prod.dock[g]
+        if reason == STALE:
+            self.dropped += groups
+        else:
+            assert "run ended" in reason
+            self.left += groups
+        return len(groups) * G
+
+    async def publish(self, version: int) -> None:
+        pass
+
+
+class NoCheckpoints:
+    async def save(self, state: LoopState, critic_batch: int | None) -> None:
+        assert critic_batch is None  # the critic saw groups as they finished: its live state
+
+
+async def run(cfg: RunConfig, seconds: Callable[[int, int], float]
+              ) -> tuple[GroupProduction, GroupTraining, list[StepRecord]]:
+    prod = GroupProduction(seconds)
+    train, records = GroupTraining(prod), []
+
+    async def observe(r: StepRecord) -> None:
+        records.append(r)
+
+    sched = Schedule(cfg, production=prod, training=train, evaluation=None,
+                     checkpoints=NoCheckpoints(), state=LoopState(), observe=observe)
+    assert await sched.run() == "steps"
+    return prod, train, records
+
+
+async def test_a_slow_group_is_carried_over_not_waited_on() -> None:
+    # group 0 of batch 0 takes 0.4 s, every other group 0.01 s
+    prod, train, records = await run(config(steps=6, max_policy_lag=8),
+                                     lambda b, g: 0.4 if (b, g) == (0, 0) else 0.01)
+    assert train.steps[0] != ["g0", "g1"]  # step 0 did not wait for batch 0's slow group
+    assert "g0" in train.steps[-1] or any("g0" in s for s in train.steps[1:])
+    trained = [g for s in train.steps for g in s]
+    assert len(trained) == len(set(trained)) and not train.dropped
+    # nothing lost, none twice: every started group trained or left over at the end
+    assert set(trained) | set(train.left) == set(prod.started) and not prod.dock
+    assert all(r.straggler_wait_s < 0.3 for r in records)
+
+
+async def test_a_group_over_the_staleness_bound_is_dropped_whole_and_counted() -> None:
+    prod, train, records = await run(config(steps=60, max_policy_lag=1),
+                                     lambda b, g: 0.2 if (b, g) == (0, 0) else 0.01)
+    assert train.dropped == ["g0"]  # started at version 0, done after step 1
+    assert sum(r.stale_groups for r in records) == 1
+    for step, groups in enumerate(train.steps):  # every trained group within the bound
+        assert all(step - prod.started[g] <= 1 for g in groups)
+    trained = [g for s in train.steps for g in s]
+    assert set(trained) | set(train.dropped) | set(train.left) == set(prod.started)
+
+
+async def test_pool_is_first_done_first_out() -> None:
+    pool = GroupPool()
+    waiter = asyncio.ensure_future(pool.wait_take())
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    for gid in ("g5", "g2"):
+        pool.add(BatchResult(batch=0, samples=1, seconds=0.0, episodes=[
+            Episode(sample_id=f"{gid}-0", group_id=gid, reward=0.0, first_version=3)]))
+    assert (await waiter).group_id == "g5" and (await pool.wait_take()).group_id == "g2"
+
+
+def test_partial_rollouts_default_and_conflicts() -> None:
+    assert RunConfig().partial_rollouts == "continue"
+    assert RunConfig(over_sample_groups=2).partial_rollouts == "off"
+    with pytest.raises(ValueError, match="partial_rollouts"):
+        RunConfig(partial_rollouts="interrupt")
+    with pytest.raises(ValueError, match="over_sample_groups"):
+        RunConfig(partial_rollouts="continue", over_sample_groups=2)
+
+
+_ = GroupTask  # the type the producer gets per group (see ActorProduction.play_groups)
