@@ -74,7 +74,10 @@ def run_once(lag: int, threads: int, rounds: int, overrides: list[str], out: str
 
     base = load_config(None, overrides)
     steps = max(3, -(-base.steps // rounds)) if base.steps < 100000 else base.steps
-    cfg = load_config(None, [*overrides, f"--max_policy_lag={lag}", f"--output_dir={out}",
+    # sync: whole batches (its stages take turns); async: `earl train`'s default, partial
+    # rollouts
+    mode = ["--partial_rollouts=off"] if lag == 0 else []
+    cfg = load_config(None, [*overrides, *mode, f"--max_policy_lag={lag}", f"--output_dir={out}",
                              f"--placement.threads_per_actor={threads}",
                              f"--batch_size={base.batch_size * rounds}", f"--steps={steps}"])
     marks: list[tuple[float, float]] = []  # (wall, CPU of the whole process tree) per step
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="threads per actor tried for the sync baseline (the best one is used)")
     p.add_argument("--sync-rounds", default="",
                    help="batches per sync step tried (default: 1 and lag+1, the async run's "
-                        "batches in flight)")
+                        "batches in flight; agentic also 5, 10, 20)")
     _results.add_flag(p)
     a = p.parse_args(argv)
     begun = _results.start()
@@ -175,8 +178,11 @@ def main(argv: list[str] | None = None) -> int:
                   "--steps=10" if a.quick else "--steps=100000",
                   "--time_limit_minutes=30" if a.quick else f"--time_limit_minutes={a.minutes}"]
         quality_key = "reward"
+    # agentic: sync gets 32, 160, 320 and 640 episodes in flight (waiting-bound: concurrency
+    # can decide it) besides the async run's own
+    default_rounds = {1, 5, 10, 20} if a.workload == "agentic" else {1}
     rounds = [int(x) for x in a.sync_rounds.split(",")] if a.sync_rounds else \
-        sorted({1, a.lag + 1})
+        sorted(default_rounds | {a.lag + 1})
     Config = tuple[int, int, int]  # (lag, threads, batches per step)
     sync_configs: list[Config] = [(0, t, m) for t in sync_threads for m in rounds]
     async_config: Config = (a.lag, 1, 1)

@@ -27,7 +27,13 @@ Tasks (`--task`):
   eval = greedy answers to its 40 eval prompts.
 
 EARL runs through its public CLI (`earl train --agent [--reward]`, its default placement: vLLM
-rollout, producer and trainer actors) with `max_policy_lag` `--earl-lag` (4 agentic, 1 echo).
+rollout, producer and trainer actors) with `max_policy_lag` `--earl-lag` (16 agentic, 1 echo)
+and partial rollouts (`--earl-groups` groups out at once, 20 agentic): a step trains the first
+groups done and a group still running is carried over, so a 12-turn episode spans up to ~15
+steps of 0.3 s; the bound of 16 keeps it (and TRL gets the same bound, `steps_per_generation`
+17). Its figures add ``straggler_wait_share`` (the trainer's wait from a step's first done
+group to its last, over the steps' time), ``slot_idle_share``, ``stale_groups`` (dropped over
+the bound), ``trained_turns_mean`` and every episode's duration (``episode_s``).
 TRL gets its best configuration, chosen in the same invocation: round 0 runs every TRL
 configuration and the fastest (``trajectories_per_s``) goes on as ``trl_best``. The
 configurations (each one's ``config``: ``trainer``, ``pace``, ``threads``,
@@ -220,8 +226,11 @@ def _runs_of_ones(mask: list[int]) -> int:
 
 
 def run_earl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: float,
-             threshold: float, lag: int, over_sample: int = 0) -> dict[str, Any]:
-    """One `earl train --agent ... [--reward ...]` run in its own process tree."""
+             threshold: float, lag: int, over_sample: int = 0, groups: int = 0
+             ) -> dict[str, Any]:
+    """One `earl train --agent ... [--reward ...]` run in its own process tree: partial
+    rollouts with at most `groups` groups out at once (0: `earl train`'s own), or whole batches
+    with `over_sample` groups cut per batch."""
     r = RECIPE
     if task == "agentic":  # the agent returns its own reward; contexts grow over 12 turns
         n_eval = EVAL_TASKS
@@ -242,7 +251,9 @@ def run_earl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: 
            f"--algorithm.temperature={r['temperature']}", f"--algorithm.clip_low={r['clip']}",
            f"--algorithm.clip_high={r['clip']}",
            "--algorithm.kl_coef=0.0", "--algorithm.name=grpo", f"--max_policy_lag={lag}",
-           f"--over_sample_groups={over_sample}"]
+           f"--over_sample_groups={over_sample}",
+           f"--partial_rollouts={'off' if over_sample else 'continue'}",
+           *([f"--max_concurrent_groups={groups}"] if groups and not over_sample else [])]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     stdout, _, peak, cpu = run_tree(cmd, env, timeout=seconds + 600)
     res = json.loads(stdout.strip().splitlines()[-1])
@@ -254,8 +265,25 @@ def run_earl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: 
     turns = statistics.fmean(_runs_of_ones(d["loss_mask"]) for d in dump) if dump else 0.0
     s = summarize(steps, RECIPE["batch_size"], gen_len, res["wall_minutes"] * 60, cpu, threshold)
     ev_ = res["eval"]
+    trained = [m for m in rows if "reward" in m and "step" in m]
+    step_s = sum(float(m["step_s"]) for m in trained[1:])
+    durations = sorted(float(d["info"].get("episode_s", 0.0)) for d in dump)
     return {**s, "peak_rss_mb": round(peak), "stopped": res.get("stopped"),
             "turns_mean": round(turns, 2),
+            # the trainer's wait for a step's last group after its first was done, over the
+            # steps' time (the first step's warm-up not counted)
+            "straggler_wait_share": round(sum(float(m.get("straggler_wait_s", 0.0))
+                                              for m in trained[1:]) / max(step_s, 1e-9), 3),
+            "slot_idle_share": round(statistics.fmean(float(m.get("slot_idle_share", 0.0))
+                                                      for m in trained[1:]), 3),
+            "stale_groups": sum(int(m.get("stale_groups", 0)) for m in trained),
+            "trained_turns_mean": round(statistics.fmean(float(m["turns_mean"])
+                                                         for m in trained), 2),
+            "episode_s": {"p50": round(durations[len(durations) // 2], 3),
+                          "p95": round(durations[int(len(durations) * 0.95)], 3),
+                          "max": round(durations[-1], 3), "n": len(durations)}
+            if durations else None,
+            "episode_s_all": [round(x, 3) for x in durations],
             "final_eval": {"reward": round(ev_["reward"], 3),
                            "accuracy": round(ev_.get("accuracy", 0.0), 3)}}
 
@@ -308,7 +336,11 @@ def _mean(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "final_eval": {k: round(statistics.fmean(r["final_eval"][k] for r in runs), 3)
                            for k in ("reward", "accuracy")},
             "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
-            "spread": round((max(tps) - min(tps)) / statistics.fmean(tps), 3), "runs": runs}
+            "spread": round((max(tps) - min(tps)) / statistics.fmean(tps), 3),
+            **{k: round(statistics.fmean(r[k] for r in runs), 3)  # EARL's own
+               for k in ("straggler_wait_share", "slot_idle_share", "trained_turns_mean")
+               if k in runs[0]},
+            "runs": runs}
 
 
 def _versus(side: dict[str, Any], trl: dict[str, Any]) -> dict[str, float]:
@@ -332,7 +364,11 @@ def main() -> None:
     ap.add_argument("--threshold", type=float, default=None,
                     help="training reward to reach (default 0.1 agentic, 0.3 echo)")
     ap.add_argument("--earl-lag", type=int, default=None,
-                    help="EARL's max_policy_lag (default 4 agentic, 1 echo: `earl train`'s own)")
+                    help="EARL's max_policy_lag, the staleness bound of both sides (default 16 "
+                         "agentic: heavy-tailed episodes span many 0.3 s steps; 1 echo)")
+    ap.add_argument("--earl-groups", type=int, default=None,
+                    help="EARL's max_concurrent_groups with partial rollouts (default 20 "
+                         "agentic: 160 episodes, what lag 4 allowed; 0 = earl train's own)")
     ap.add_argument("--earl-over-sample", type=int, default=None,
                     help="also run EARL with this many over-sampled groups per batch "
                          "(`over_sample_groups`; default 2 agentic, 0 = skip; echo: 0)")
@@ -353,7 +389,9 @@ def main() -> None:
     a = ap.parse_args()
     begun = _results.start()
     if a.earl_lag is None:
-        a.earl_lag = 4 if a.task == "agentic" else 1
+        a.earl_lag = 16 if a.task == "agentic" else 1
+    if a.earl_groups is None:
+        a.earl_groups = 20 if a.task == "agentic" else 0
     if a.earl_over_sample is None:
         a.earl_over_sample = 2 if a.task == "agentic" else 0
     if a.threshold is None:
@@ -392,7 +430,8 @@ def main() -> None:
             for side in order:
                 if side == "earl":
                     earl_runs.append(run_earl(a.task, model, train, ev, root / f"earl{i}",
-                                              seconds, a.threshold, a.earl_lag))
+                                              seconds, a.threshold, a.earl_lag,
+                                              groups=a.earl_groups))
                     if a.earl_over_sample:
                         over_runs.append(run_earl(a.task, model, train, ev,
                                                   root / f"earl{i}_over", seconds, a.threshold,

@@ -211,6 +211,10 @@ def _peers(r: Result) -> str:
         s += (f" (TRL {c.get('trainer', 'GRPOTrainer')}, {c['pace']} pace, {c['threads']} "
               f"thread(s), {knob}, best of {len(r['trl_runs'])})")
     s += (f"; eval reward {e['final_eval']['reward']:.2f} vs {t['final_eval']['reward']:.2f}")
+    if "straggler_wait_share" in e:  # partial rollouts
+        s += (f"; EARL with partial rollouts (lag {r['earl_max_policy_lag']}): straggler wait "
+              f"{e['straggler_wait_share']:.2f} of step time, turns per trained trajectory "
+              f"{e['trained_turns_mean']:.2f} vs TRL's {t['turns_mean']:.2f}")
     if r.get("earl_over_sampled"):
         s += f"; over-sampled EARL {r['earl_over_sampled']['ratio_turns_per_s']:.2f}x turns/s"
     return s

@@ -36,6 +36,9 @@ def _fields(cls: type) -> dict[str, typing.Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+ON_OFF = ("selector.mode", "partial_rollouts")  # string fields whose values include "off"
+
+
 def _coerce(value: object, tp: object, where: str) -> object:
     """Checks (and for CLI strings, parses) `value` against the annotated type `tp`."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -89,7 +92,7 @@ def _coerce(value: object, tp: object, where: str) -> object:
             return float(value)
         raise TypeError(f"config field {where!r} must be a number, got {value!r}")
     if tp is str:
-        if where == "selector.mode" and isinstance(value, bool):  # YAML 1.1 reads on/off
+        if where in ON_OFF and isinstance(value, bool):  # YAML 1.1 reads on/off
             return "on" if value else "off"
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)

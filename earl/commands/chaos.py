@@ -11,6 +11,9 @@ run's invariants (`--json`: as one JSON line).
 
 Faults (each at a random point of a step, one at a time):
   kill:<group>   SIGKILL of rank 0 of rollout | producer | reference | dock | trainer
+  kill:rollout_span  SIGKILL of rollout rank 0 right after a weight push, while groups
+                 carried over by partial rollouts are mid-episode (their sessions span the
+                 update and the death; `groups_running` says how many)
   drop:<group>   the driver's connection to rank 0 of producer | reference cut while
                  calls are in flight: their messages are lost, so the runtime treats the live
                  process as dead (killed, restarted, its state rebuilt)
@@ -62,7 +65,7 @@ from earl.commands.chaos_faults import (
 __all__ = ["main"]
 
 QUICK = ["kill:producer", "corrupt_frame", "kill:rollout", "delay", "disk_full",
-         "kill:reference"]
+         "kill:reference", "kill:rollout_span"]
 # stall:tool last: it waits for sessions to call the tool, and the gate of the fault after it
 # would hold the schedule (and with it new sessions) until it settles
 FULL = QUICK + ["kill:dock", "kill:trainer", "drop:producer", "drop:reference", "squat:shm",
@@ -93,7 +96,7 @@ def main(argv: list[str]) -> int:
         if f not in ("corrupt_frame", "delay", "disk_full", "stall:tool", "squat:shm",
                      "slowloris", "kill:resave") and not (
                 f.startswith("kill:") and f[5:] in ("rollout", "producer", "reference", "dock",
-                                                    "trainer")) and not (
+                                                    "trainer", "rollout_span")) and not (
                 f.startswith("drop:") and f[5:] in ("producer", "reference")):
             print(f"earl chaos: unknown fault {f!r} (see --help)", file=sys.stderr)
             return 2
@@ -232,6 +235,7 @@ class Injector:
         self.settled = [asyncio.Event() for _ in faults]  # one fault at a time
         self.tasks: list[asyncio.Task[None]] = []
         self._last, self._dt, self._next = 0.0, 0.2, 0
+        self._running = 0  # groups still playing at the last step's end (partial rollouts)
         self._disk_full_armed = False  # the next trainer save fails as a full disk would
 
     async def before_checkpoint(self, folder: str) -> None:
@@ -244,6 +248,7 @@ class Injector:
     async def after_step(self, record: Any) -> None:
         """After each trained step is logged: fire what is due, hold the run until it is."""
         step = int(record.version)
+        self._running = int(getattr(record, "groups_running", 0))
         now = time.perf_counter()
         if self._last:
             self._dt = 0.5 * self._dt + 0.5 * (now - self._last)
@@ -251,7 +256,8 @@ class Injector:
         await self._collect_pids()
         while self._next < len(self.faults) and self.plan[self._next] <= step:
             i, self._next = self._next, self._next + 1
-            delay = self.rng.uniform(0.0, max(self._dt, 0.05))
+            delay = 0.0 if self.faults[i] == "kill:rollout_span" else \
+                self.rng.uniform(0.0, max(self._dt, 0.05))
             self.tasks.append(asyncio.ensure_future(self._fire(i, step, delay)))
         for i in range(self._next):
             if not self.faults[i].startswith("drop:"):
@@ -295,6 +301,7 @@ class Injector:
     async def _inject(self, fault: str, fired: asyncio.Event) -> dict[str, Any]:
         healer = self.job.healer
         target = fault.split(":", 1)[1] if fault.startswith(("kill:", "drop:")) else "producer"
+        target = "rollout" if target == "rollout_span" else target
         if target != "resave" and not await self._wait_live(target, 300.0):
             return {"recovered": False, "note": f"{target} not up within 300 s"}
         if fault == "kill:resave":
@@ -304,7 +311,8 @@ class Injector:
         if fault == "slowloris":
             return await self._slowloris(fired)
         if fault.startswith("kill:"):
-            name = fault[5:]
+            name = "rollout" if fault == "kill:rollout_span" else fault[5:]
+            running = self._running
             rec = await self.rt.dir_call("lookup", name)
             pid = rec.pids[0]
             before = (healer.restarts.get(name, 0), healer.rewinds)
@@ -315,6 +323,8 @@ class Injector:
                                   e["event"] == "restart" and e["actor"] == name
                                   and e.get("restarts", 0) > before[0]
                                   for e in healer.events)), 300)
+            if fault == "kill:rollout_span":  # it must have hit episodes spanning the push
+                return {"pid": pid, "groups_running": running, "recovered": ok and running > 0}
             return {"pid": pid, "recovered": ok}
         if fault.startswith("drop:"):
             return await self._drop(fault[5:], fired)

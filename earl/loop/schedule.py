@@ -123,6 +123,7 @@ class StepRecord:
     straggler_wait_s: float = 0.0  # the trainer's wait from its first done group to its last
     stale_groups: int = 0  # groups dropped over the staleness bound before this step
     slots: int = 0  # episodes the staleness gate lets run at once
+    groups_running: int = 0  # partial rollouts: groups still playing as the step ends
 
 
 class Schedule:
@@ -298,8 +299,8 @@ class Schedule:
         if self.observe is not None:
             await self.observe(StepRecord(
                 version=s.step, result=res, train=metrics, step_s=now - last, lr_scale=scale,
-                straggler_wait_s=wait_s, stale_groups=stale,
-                slots=self.slots))
+                straggler_wait_s=wait_s, stale_groups=stale, slots=self.slots,
+                groups_running=self.groups_out.out - self.pool.size() if self.partial else 0))
         if s.step % self.config.checkpoint_every == 0 and s.step < self.config.steps:
             # partial rollouts: the critic has seen groups in the order they finished
             await self.checkpoints.save(s, None if self.partial else b)

@@ -88,6 +88,7 @@ def step_row(r: StepRecord, *, steps: int) -> dict[str, Any]:
         "turns_mean": sum(e.turns for e in eps) / n, "groups_cut": len(r.result.cut),
         "step_s": r.step_s, "rollout_s": r.result.seconds, "lr_scale": r.lr_scale,
         "straggler_wait_s": r.straggler_wait_s, "stale_groups": r.stale_groups,
+        "groups_running": r.groups_running,
         "staleness_max": max((r.version - 1 - e.first_version for e in eps
                               if e.first_version >= 0), default=0),
         "slot_idle_share": slot_idle_share(eps, r.slots, r.step_s),

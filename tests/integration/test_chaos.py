@@ -47,11 +47,14 @@ def test_unknown_fault_is_refused() -> None:
 def test_quick_faults_heal_in_place(tmp_path: Path) -> None:
     code, rep, err = _chaos("--quick", "--output-dir", str(tmp_path / "run"))
     assert code == 0, (rep, err)
-    _assert_invariants(rep, 6)
+    _assert_invariants(rep, 7)
     restarts = rep["restarts"]
     assert isinstance(restarts, dict)
     for actor in ("producer", "rollout", "reference"):
         assert restarts.get(actor, 0) >= 1, restarts
+    assert restarts["rollout"] >= 2  # kill:rollout and kill:rollout_span
+    span = next(f for f in rep["faults"] if f["fault"] == "kill:rollout_span")  # type: ignore[attr-defined]
+    assert span["groups_running"] > 0  # sessions spanned the push and the death
     assert rep["rewinds"] == 0
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["restarts/producer"] >= 1  # restarts are in the metrics

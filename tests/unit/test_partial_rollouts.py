@@ -145,7 +145,10 @@ async def test_pool_is_first_done_first_out() -> None:
 
 
 def test_partial_rollouts_default_and_conflicts() -> None:
+    from earl.config import load_config
+
     assert RunConfig().partial_rollouts == "continue"
+    assert load_config(None, ["--partial_rollouts=off"]).partial_rollouts == "off"
     assert RunConfig(over_sample_groups=2).partial_rollouts == "off"
     with pytest.raises(ValueError, match="partial_rollouts"):
         RunConfig(partial_rollouts="interrupt")
