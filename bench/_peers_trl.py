@@ -112,7 +112,7 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
                 control.should_training_stop = True
 
     args = GRPOConfig(
-        output_dir=cfg["out"], use_cpu=True, use_vllm=False, seed=int(cfg["seed"]),
+        output_dir=cfg["out"], use_cpu=True, seed=int(cfg["seed"]),
         per_device_train_batch_size=int(cfg["batch_size"]), num_generations=int(cfg["group_size"]),
         steps_per_generation=int(cfg.get("steps_per_generation", 1)), num_iterations=1,
         max_completion_length=int(cfg["max_tokens"]),
@@ -120,7 +120,14 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         loss_type="dapo", scale_rewards="none", learning_rate=float(cfg["lr"]),
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         optim="adamw_torch", max_steps=100_000, logging_steps=1, save_strategy="no",
-        report_to="none", bf16=False, disable_dropout=True, dataloader_num_workers=0)
+        report_to="none", bf16=False, disable_dropout=True, dataloader_num_workers=0,
+        adam_beta1=0.9, adam_beta2=0.99,  # EARL's AdamW betas (OptimConfig.betas)
+        # TRL's default is on; its help puts the cost at ~20% of speed: both are tried
+        gradient_checkpointing=bool(cfg.get("gradient_checkpointing", False)),
+        # TRL's own generation options, tried by bench/peers.py
+        use_transformers_continuous_batching=cfg.get("generation") == "continuous_batching",
+        **({"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3}
+           if cfg.get("generation") == "vllm_colocate" else {}))
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=data,
                           processing_class=tok, callbacks=[Clock()], **extra)
     trainer.train()

@@ -86,6 +86,10 @@ Prints one JSON object: ``earl`` and ``trl_best`` (means over rounds, plus per-r
 - ``turns_per_s``: model turns per second (trajectories/s x turns per trajectory): the
   measure of work that stays comparable when one side trains on shorter episodes.
 
+``earl_whole_batches`` (agentic task): EARL again with `partial_rollouts=off` at lag 4, what
+this bench ran before partial rollouts: each step waits for its batch's slowest group; its
+``straggler_wait_share`` beside the headline's shows what carrying groups over removed.
+
 ``earl_over_sampled`` (agentic task; null with `--earl-over-sample 0`): EARL again, in the same
 rounds, with `over_sample_groups` (default 2): each batch plays 2 more groups than it trains and
 keeps the first to finish, so stragglers no longer hold a batch, at the price of training on
@@ -105,6 +109,7 @@ steady-state rates, but its eval and time to threshold had more time than EARL's
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -129,6 +134,7 @@ RECIPE: dict[str, Any] = {"batch_size": 32, "group_size": 8, "max_tokens": 8,
 MAX_MODEL_LEN = 1024  # positions: 12 turns of prompt, answer and observation fit
 EVAL_TASKS = 200  # held-out agentic tasks (seed 2), played greedily by both sides
 WINDOW = 5  # steps in the moving mean of the training reward for the threshold
+WHOLE_LAG = 4  # EARL with whole batches: the agentic bench's lag before partial rollouts
 ASYNC_MIN_S = 240.0  # AsyncGRPOTrainer's budget floor: its vLLM server takes ~1 min to start
 ASYNC_KEYS = ("dropped_stale", "staleness_mean", "server_ready_s", "weight_sync_s_mean",
               "vllm_threads")  # an AsyncGRPOTrainer run's own figures
@@ -144,10 +150,12 @@ class TrlConfig:
     steps_per_generation: int | None  # GRPOTrainer's; None for AsyncGRPOTrainer
     max_staleness: int  # policy versions a trained sample may lag: spg - 1, or AsyncGRPO's bound
     queue_maxsize: int | None = None  # AsyncGRPOTrainer's sample buffer (None: TRL's, 1024)
+    gradient_checkpointing: bool = False  # GRPOTrainer's (TRL's default: on)
+    generation: str = "transformers"  # GRPOTrainer's: continuous_batching, vllm_colocate
 
     def name(self) -> str:
         return (f"{self.trainer}_{self.pace}_{self.threads}_{self.steps_per_generation}"
-                f"_{self.queue_maxsize}")
+                f"_{self.queue_maxsize}_{int(self.gradient_checkpointing)}_{self.generation}")
 
 
 def tree_rss_mb(pid: int) -> float:
@@ -226,8 +234,8 @@ def _runs_of_ones(mask: list[int]) -> int:
 
 
 def run_earl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: float,
-             threshold: float, lag: int, over_sample: int = 0, groups: int = 0
-             ) -> dict[str, Any]:
+             threshold: float, lag: int, over_sample: int = 0, groups: int = 0,
+             whole: bool = False) -> dict[str, Any]:
     """One `earl train --agent ... [--reward ...]` run in its own process tree: partial
     rollouts with at most `groups` groups out at once (0: `earl train`'s own), or whole batches
     with `over_sample` groups cut per batch."""
@@ -252,8 +260,9 @@ def run_earl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: 
            f"--algorithm.clip_high={r['clip']}",
            "--algorithm.kl_coef=0.0", "--algorithm.name=grpo", f"--max_policy_lag={lag}",
            f"--over_sample_groups={over_sample}",
-           f"--partial_rollouts={'off' if over_sample else 'continue'}",
-           *([f"--max_concurrent_groups={groups}"] if groups and not over_sample else [])]
+           f"--partial_rollouts={'off' if over_sample or whole else 'continue'}",
+           *([f"--max_concurrent_groups={groups}"] if groups and not (over_sample or whole)
+             else [])]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     stdout, _, peak, cpu = run_tree(cmd, env, timeout=seconds + 600)
     res = json.loads(stdout.strip().splitlines()[-1])
@@ -300,6 +309,7 @@ def run_trl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: f
            "out": str(out), "seconds": seconds, "threads": c.threads,
            "steps_per_generation": c.steps_per_generation, "pace": c.pace,
            "max_staleness": c.max_staleness, "max_model_len": MAX_MODEL_LEN,
+           "gradient_checkpointing": c.gradient_checkpointing, "generation": c.generation,
            **({"queue_maxsize": c.queue_maxsize} if c.queue_maxsize is not None else {})}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "OMP_NUM_THREADS": str(c.threads)}
@@ -372,11 +382,17 @@ def main() -> None:
     ap.add_argument("--earl-over-sample", type=int, default=None,
                     help="also run EARL with this many over-sampled groups per batch "
                          "(`over_sample_groups`; default 2 agentic, 0 = skip; echo: 0)")
+    ap.add_argument("--earl-whole-batches", action=argparse.BooleanOptionalAction,
+                    default=None, help="also run EARL with whole batches (partial_rollouts=off, "
+                    f"lag {4}: its default before partial rollouts; default: on, agentic)")
     ap.add_argument("--trl-steps-per-generation", default=None,
                     help="TRL configurations tried in round 0, the fastest goes on (default "
                          "'1,LAG+1': on-policy, and EARL's staleness bound)")
     ap.add_argument("--trl-threads", default=None,
                     help="torch threads tried for TRL in round 0 (default 1,2; 1 with --quick)")
+    ap.add_argument("--trl-generation", default="continuous_batching,vllm_colocate",
+                    help="TRL generation options tried besides transformers' generate, each "
+                         "once (a configuration that fails is listed with its error)")
     ap.add_argument("--trl-pace", default="episode,turn",
                     help="TRL multi-turn loops tried in round 0 (agentic task): episode, turn")
     ap.add_argument("--trl-async", action=argparse.BooleanOptionalAction, default=None,
@@ -392,6 +408,8 @@ def main() -> None:
         a.earl_lag = 16 if a.task == "agentic" else 1
     if a.earl_groups is None:
         a.earl_groups = 20 if a.task == "agentic" else 0
+    if a.earl_whole_batches is None:
+        a.earl_whole_batches = a.task == "agentic"
     if a.earl_over_sample is None:
         a.earl_over_sample = 2 if a.task == "agentic" else 0
     if a.threshold is None:
@@ -403,6 +421,12 @@ def main() -> None:
     paces = a.trl_pace.split(",") if a.task == "agentic" else ["turn"]
     configs = [TrlConfig("GRPOTrainer", p, t, g, g - 1)
                for p in paces for t in threads for g in spgs]
+    # TRL's own options, each on its episode-paced configuration at EARL's bound: its
+    # default gradient checkpointing, its transformers continuous batching, vLLM colocated
+    base = TrlConfig("GRPOTrainer", paces[0], threads[-1], spgs[-1], spgs[-1] - 1)
+    configs += [dataclasses.replace(base, gradient_checkpointing=True),
+                *(dataclasses.replace(base, generation=g)
+                  for g in ("continuous_batching", "vllm_colocate") if g in a.trl_generation)]
     if a.trl_async:  # each episode at its own pace (echo: single-turn)
         queues = [None if q == "default" else int(q) for q in a.trl_async_queue.split(",")]
         configs += [TrlConfig("AsyncGRPOTrainer", "episode" if a.task == "agentic" else "turn",
@@ -424,7 +448,9 @@ def main() -> None:
             train, ev = _peers_task.write_data(root / "data", 4000, RECIPE["seed"])
         earl_runs: list[dict[str, Any]] = []
         over_runs: list[dict[str, Any]] = []  # EARL with over-sampled groups
+        whole_runs: list[dict[str, Any]] = []  # EARL with whole batches
         trl_runs: dict[TrlConfig, list[dict[str, Any]]] = {c: [] for c in configs}
+        failed: dict[TrlConfig, str] = {}  # configurations that did not run: the error
         for i in range(rounds):  # alternate sides, and which goes first, across rounds
             order = ("earl", "trl") if i % 2 == 0 else ("trl", "earl")
             for side in order:
@@ -432,17 +458,25 @@ def main() -> None:
                     earl_runs.append(run_earl(a.task, model, train, ev, root / f"earl{i}",
                                               seconds, a.threshold, a.earl_lag,
                                               groups=a.earl_groups))
+                    if a.earl_whole_batches:
+                        whole_runs.append(run_earl(a.task, model, train, ev,
+                                                   root / f"earl{i}_whole", seconds,
+                                                   a.threshold, WHOLE_LAG, whole=True))
                     if a.earl_over_sample:
                         over_runs.append(run_earl(a.task, model, train, ev,
                                                   root / f"earl{i}_over", seconds, a.threshold,
                                                   a.earl_lag, a.earl_over_sample))
                 for c in configs if side == "trl" else ():
-                    trl_runs[c].append(run_trl(a.task, model, train, ev,
-                                               root / f"trl{i}_{c.name()}", seconds,
-                                               a.threshold, c))
+                    try:
+                        trl_runs[c].append(run_trl(a.task, model, train, ev,
+                                                   root / f"trl{i}_{c.name()}", seconds,
+                                                   a.threshold, c))
+                    except RuntimeError as exc:  # listed with its error, not a rate
+                        failed[c] = str(exc)[-1500:]
                 print(f"[peers] round {i} {side} done", file=sys.stderr, flush=True)
             if i == 0:  # TRL's fastest configuration of round 0 goes on alone
-                configs = [max(configs, key=lambda c: trl_runs[c][0]["trajectories_per_s"])]
+                configs = [max((c for c in configs if trl_runs[c]),
+                               key=lambda c: trl_runs[c][0]["trajectories_per_s"])]
     best = configs[0]
 
     def entry(runs: list[dict[str, Any]]) -> dict[str, Any]:  # budget and trainer's own figures
@@ -454,9 +488,12 @@ def main() -> None:
     out = {
         "earl": e, "trl_best": t,
         "earl_over_sampled": over and {**over, **_versus(over, t)},
+        "earl_whole_batches": whole_runs and {**_mean(whole_runs), "max_policy_lag": WHOLE_LAG,
+                                              **_versus(_mean(whole_runs), t)},
         "trl_runs": [{"config": asdict(c), **entry(r),
                       **{k: v for k, v in _mean(r).items() if k != "runs"}}
-                     for c, r in trl_runs.items()],
+                     for c, r in trl_runs.items() if r]
+        + [{"config": asdict(c), "error": err} for c, err in failed.items()],
         **_versus(e, t), "eval": {"earl": e["final_eval"], "trl_best": t["final_eval"]},
         "task": a.task, "threshold": a.threshold, "rounds": rounds, "budget_s": seconds,
         "recipe": RECIPE, "earl_max_policy_lag": a.earl_lag, "model": model.name,

@@ -161,14 +161,14 @@ class IndexActor(Actor):
     async def take(self, stage: str, columns: list[str], n: int, whole_groups: bool = True,
                    min_version: int | None = None, wait: bool = True,
                    timeout_s: float | None = None, at_least: int | None = None,
-                   group_ids: list[str] | None = None) -> Lease:
+                   group_ids: list[str] | None = None, holder: str = "") -> Lease:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         async with self.changed:
             while True:
                 try:
                     return self.ix.take(stage, columns, n, whole_groups=whole_groups,
                                         min_version=min_version, at_least=at_least,
-                                        group_ids=group_ids)
+                                        group_ids=group_ids, holder=holder)
                 except WouldBlock:
                     if not wait:
                         raise
@@ -356,6 +356,11 @@ class Dock:
         assert isinstance(sizes, dict)
         await self._owner(group_id).add_columns.call_one(sample_id, self.warehouse.name, sizes)
 
+    @property
+    def _holder(self) -> str:
+        """This process' shard, named on its leases: its death releases them."""
+        return self.warehouse.name if self.warehouse is not None else ""
+
     def _owner(self, group_id: str) -> ActorGroup:  # type: ignore[type-arg]
         return self.index[index_rank_of(group_id, len(self.index))]
 
@@ -379,7 +384,8 @@ class Dock:
         try:
             return await take_merged(self.index, next(self._rr), parts, stage, list(columns),
                                      n, whole_groups=whole_groups, min_version=min_version,
-                                     timeout_s=timeout_s, at_least=at_least)
+                                     timeout_s=timeout_s, at_least=at_least,
+                                     holder=self._holder)
         except BaseException:
             for part in parts:
                 with contextlib.suppress(Exception):
@@ -393,7 +399,7 @@ class Dock:
         if group_ids is None:
             return await index_errors(self.index.take.call_one(
                 stage, list(columns), n, whole_groups, min_version, True, timeout_s,
-                at_least=at_least))
+                at_least=at_least, holder=self._holder))
         owners: dict[int, list[str]] = {}
         for gid in group_ids:
             owners.setdefault(index_rank_of(gid, len(self.index)), []).append(gid)
@@ -402,7 +408,7 @@ class Dock:
             for rank, gids in owners.items():
                 parts.append(await index_errors(self.index[rank].take.call_one(
                     stage, list(columns), n, whole_groups, min_version, True, timeout_s,
-                    at_least=at_least, group_ids=gids)))
+                    at_least=at_least, group_ids=gids, holder=self._holder)))
         except BaseException:
             for part in parts:
                 with contextlib.suppress(Exception):

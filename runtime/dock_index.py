@@ -174,6 +174,7 @@ class DockIndex:
         self._samples: dict[str, _Entry] = {}
         self._groups: dict[str, list[str]] = {}
         self._leases: dict[int, tuple[Lease, float]] = {}
+        self._holders: dict[int, str] = {}  # lease id -> the shard of the process holding it
         self._lost: list[LostSample] = []
         self._seq = itertools.count()
         self._lease_ids = itertools.count(1)
@@ -236,6 +237,7 @@ class DockIndex:
         min_version: int | None = None,
         at_least: int | None = None,
         group_ids: Sequence[str] | None = None,
+        holder: str = "",
     ) -> Lease:
         """Lease `n` samples that have `columns` ready and `stage` has not consumed.
 
@@ -244,7 +246,8 @@ class DockIndex:
         `n` is leased (what is ready now: a stage that consumes continuously). With
         `group_ids`, exactly those groups, whole, are leased and `n` is not read (a consumer
         that chose its groups: a partial-rollout step trains the groups that finished first).
-        Raises WouldBlock when not enough are ready yet.
+        `holder`: the shard of the process taking it (a reference's), whose death releases
+        the lease (`drop_shard`). Raises WouldBlock when not enough are ready yet.
         """
         if stage not in self.stages:
             raise ValueError(f"unknown stage {stage!r}; the dock's stages are {list(self.stages)}")
@@ -306,6 +309,8 @@ class DockIndex:
         for e in chosen:
             e.leased[stage] = lease.lease_id
         self._leases[lease.lease_id] = (lease, self._clock() + self.lease_timeout_s)
+        if holder:
+            self._holders[lease.lease_id] = holder
         return lease
 
     def _named_groups(self, group_ids: Sequence[str], ready: Callable[[_Entry], bool]
@@ -340,6 +345,7 @@ class DockIndex:
 
     def _pop_lease(self, lease_id: int) -> Lease:
         item = self._leases.pop(lease_id, None)
+        self._holders.pop(lease_id, None)
         if item is None:
             raise LeaseError(f"lease {lease_id} is not active (acked, released or expired)")
         lease = item[0]
@@ -360,7 +366,10 @@ class DockIndex:
     # -- faults and eviction ----------------------------------------------------------------
 
     def drop_shard(self, shard: str) -> dict[str, list[str]]:
-        """A shard died: its samples' groups go to `take_lost`; returns evictions elsewhere."""
+        """A shard died: the leases its process held go back to the pool, its samples' groups
+        go to `take_lost`; returns evictions elsewhere."""
+        for lid in [lid for lid, h in self._holders.items() if h == shard]:
+            self._pop_lease(lid)
         hit_groups = {
             e.info.group_id
             for e in self._samples.values()

@@ -36,7 +36,7 @@ async def index_errors(call: Awaitable[T]) -> T:
 async def take_merged(index: Any, start: int, parts: list[Lease], stage: str,
                       columns: list[str], n: int, *, whole_groups: bool,
                       min_version: int | None, timeout_s: float | None,
-                      at_least: int | None) -> Lease:
+                      at_least: int | None, holder: str = "") -> Lease:
     """`n` samples (or from `at_least`) leased from the ranks of `index`, starting at rank
     `start`; each part taken is appended to `parts` (the caller releases them if this raises).
 
@@ -50,7 +50,8 @@ async def take_merged(index: Any, start: int, parts: list[Lease], stage: str,
         """Take what `rank` has ready, up to what is missing; True once the parts suffice."""
         need = n - sum(len(x.samples) for x in parts)
         parts.append(await index_errors(index[rank % len(index)].take.call_one(
-            stage, columns, need, whole_groups, min_version, wait, slice_s, at_least=1)))
+            stage, columns, need, whole_groups, min_version, wait, slice_s, at_least=1,
+            holder=holder)))
         return n - need + len(parts[-1].samples) >= done
 
     while True:

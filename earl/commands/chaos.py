@@ -11,9 +11,9 @@ run's invariants (`--json`: as one JSON line).
 
 Faults (each at a random point of a step, one at a time):
   kill:<group>   SIGKILL of rank 0 of rollout | producer | reference | dock | trainer
-  kill:rollout_span  SIGKILL of rollout rank 0 right after a weight push, while groups
-                 carried over by partial rollouts are mid-episode (their sessions span the
-                 update and the death; `groups_running` says how many)
+  kill:rollout_span  SIGKILL of rollout rank 0 right after a weight push, once it has
+                 generations in flight: sessions of groups carried over by partial rollouts
+                 span the update and the death (`requests_in_flight`, `groups_running`)
   drop:<group>   the driver's connection to rank 0 of producer | reference cut while
                  calls are in flight: their messages are lost, so the runtime treats the live
                  process as dead (killed, restarted, its state rebuilt)
@@ -192,7 +192,7 @@ async def run_chaos(cfg: Any, faults: list[str], *, seed: int = 0, log: Any = pr
             umount(out / "checkpoint")
     ledger = job.healer.ledger.summary(left_in_dock=left)
     left_behind = orphans(pids | {os.getpid()})
-    monotone = versions_monotone(out, cfg.max_policy_lag)
+    monotone = versions_monotone(out, cfg.max_policy_lag, cfg.partial_rollouts != "off")
     recovered = (not error and steps == cfg.steps and len(inj.done) == len(faults)
                  and all(f["recovered"] for f in inj.done))
     report: dict[str, Any] = {
@@ -266,6 +266,16 @@ class Injector:
             elif self.plan[i] + 1 < step:  # a drop needs calls in flight: one more step runs,
                 await self.settled[i].wait()  # then the run waits until the actor is back
 
+    async def _requests_in_flight(self, timeout: float = 10.0) -> int:
+        """Wait (up to `timeout` s) until the rollout has generations in flight, right after a
+        weight push; returns how many it had."""
+        group = await self.rt.lookup("rollout")
+        deadline = time.monotonic() + timeout
+        while (n := (await group[0].statistics.call_one()).in_flight) == 0 \
+                and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        return n
+
     async def _collect_pids(self) -> None:
         for name in ("rollout", "producer", "reference", "dock", "trainer"):
             rec = await self.rt.dir_call("lookup", name)
@@ -313,6 +323,7 @@ class Injector:
         if fault.startswith("kill:"):
             name = "rollout" if fault == "kill:rollout_span" else fault[5:]
             running = self._running
+            in_flight = await self._requests_in_flight() if fault == "kill:rollout_span" else 0
             rec = await self.rt.dir_call("lookup", name)
             pid = rec.pids[0]
             before = (healer.restarts.get(name, 0), healer.rewinds)
@@ -323,8 +334,9 @@ class Injector:
                                   e["event"] == "restart" and e["actor"] == name
                                   and e.get("restarts", 0) > before[0]
                                   for e in healer.events)), 300)
-            if fault == "kill:rollout_span":  # it must have hit episodes spanning the push
-                return {"pid": pid, "groups_running": running, "recovered": ok and running > 0}
+            if fault == "kill:rollout_span":  # it must have hit sessions spanning the push
+                return {"pid": pid, "groups_running": running, "requests_in_flight": in_flight,
+                        "recovered": ok and in_flight > 0}
             return {"pid": pid, "recovered": ok}
         if fault.startswith("drop:"):
             return await self._drop(fault[5:], fired)

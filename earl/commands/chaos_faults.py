@@ -136,13 +136,17 @@ def orphans(pids: set[int]) -> dict[str, list[str]]:
     return {"processes": procs, "shm_segments": shm, "folders": dirs}
 
 
-def versions_monotone(out: Path, lag: int) -> bool:
+def versions_monotone(out: Path, lag: int, partial: bool = False) -> bool:
     """Steps logged 1, 2, ... once each; within each dumped trajectory the policy versions of
-    its tokens never go down, and none is older than its batch allows (`max_policy_lag`)."""
+    its tokens never go down, and none is older than its batch allows (`max_policy_lag`). With
+    partial rollouts a step trains groups of any batch: no trained token is more than
+    `max_policy_lag` versions older than its step (`staleness_max` of each step)."""
     metrics = out / "metrics.jsonl"
-    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines() if x.strip()] \
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] \
         if metrics.is_file() else []
-    if steps != list(range(1, len(steps) + 1)):
+    if [r["step"] for r in rows] != list(range(1, len(rows) + 1)):
+        return False
+    if partial and any(r.get("staleness_max", 0) > lag for r in rows):
         return False
     for path in out.glob("trajectories*.jsonl"):
         for line in path.read_text().splitlines():
@@ -150,7 +154,7 @@ def versions_monotone(out: Path, lag: int) -> bool:
             v = [x for x in t.get("versions", []) if x >= 0]
             if any(b < a for a, b in itertools.pairwise(v)):
                 return False
-            if v and v[0] < t["step"] - 1 - lag:
+            if v and v[0] < t["step"] - 1 - lag and not partial:
                 return False
     return True
 

@@ -124,13 +124,11 @@ class HealingProduction:
                 done(res)
                 return res
 
-        self.playing.add(batch)
-        try:
-            with self.inner.tracer.span("play", actor="producer", step=batch + 1):
-                results = await asyncio.gather(*(one(g, t) for g, t in
-                                                 enumerate(self.inner.groups(batch))))
-        finally:
-            self.playing.discard(batch)
+        # not in `playing`: a group is in the dock as soon as it is done, so one lost with a
+        # shard is re-played by `reproduce_lost` while the rest of its batch plays on
+        with self.inner.tracer.span("play", actor="producer", step=batch + 1):
+            results = await asyncio.gather(*(one(g, t) for g, t in
+                                             enumerate(self.inner.groups(batch))))
         return self.inner.merge(batch, results)
 
     def _record(self, batch: int, res: BatchResult, tag: str, rank: int) -> None:

@@ -62,12 +62,8 @@ class GroupPool:
             self._done.append(DoneGroup(result, time.perf_counter()))
             self._changed.set()
 
-    def size(self, fresh_from: int | None = None) -> int:
-        """Groups waiting; with `fresh_from`, only those whose oldest token is of that version
-        or newer."""
-        if fresh_from is None:
-            return len(self._done)
-        return sum(1 for g in self._done if g.first_version < 0 or g.first_version >= fresh_from)
+    def size(self) -> int:
+        return len(self._done)
 
     async def wait_take(self) -> DoneGroup:
         """The group that finished first, once there is one."""

@@ -76,6 +76,7 @@ class Selection(Protocol):
 
 
 STALE = "stale: its oldest token was over max_policy_lag versions behind its step"
+RUN_ENDED = "the run ended before a step took it"
 
 
 class NothingToTrain(ValueError):
@@ -222,17 +223,14 @@ class Schedule:
                 self.stopped = "steps"
             await self.gate.close()
             await self.groups_out.close()
-            # Batches already started are finished and trained: their experience is in the
-            # dock and the critic has seen them, so the final checkpoint stays consistent.
-            if self.partial:  # every group started is trained in whole steps or dropped
+            if self.partial:  # the groups still out finish and are dropped, with the reason
                 await asyncio.gather(*played.values())
-                while self.pool.size(fresh_from=b - c.max_policy_lag) >= self.groups_per_step:
-                    last = await self._learn(b, *await self._take_groups(b), last)
-                    b += 1
                 if rest := [g.group_id for g in self.pool.take_all() if g.rows]:
-                    await self.training.discard(rest, "the run ended before a whole step of "
-                                                "groups was done")
+                    await self.training.discard(rest, RUN_ENDED)
             else:
+                # Batches already started are finished and trained: their experience is in
+                # the dock and the critic has seen them, so the final checkpoint stays
+                # consistent.
                 while b in played:
                     last = await self._learn(b, *await next_batch(b), last)
                     b += 1

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from earl.runtime.errors import ActorDied
+
 if TYPE_CHECKING:
     from earl.loop.job import Job
     from earl.loop.schedule import StepRecord
@@ -50,7 +52,11 @@ class StepLog:
         reference = self.job.attempt.actors.reference
         if reference is None:
             return 0.0
-        total = sum(await reference.busy_seconds.call())
+        try:
+            total = sum(await reference.busy_seconds.call())
+        except ActorDied:  # restarting: its counters start again from 0 (the healer's job)
+            self._reference_total = 0.0
+            return 0.0
         last, self._reference_total = self._reference_total, total
         return total - last
 
@@ -60,7 +66,12 @@ class StepLog:
         if reference is None:
             return {}
         total: dict[str, int] = {}
-        for part in await reference.fetched_bytes.call():
+        try:
+            parts = await reference.fetched_bytes.call()
+        except ActorDied:  # restarting: the next step counts from its new process
+            self._reference_bytes = {}
+            return {}
+        for part in parts:
             for kind, n in part.items():
                 total[kind] = total.get(kind, 0) + n
         last, self._reference_bytes = self._reference_bytes, total

@@ -94,7 +94,9 @@ class TrainBatch:
         for name, dtype in _DTYPES.items():
             have = [name in s for s in samples]
             if name not in _OPTIONAL and not all(have):
-                raise ValueError(f"every sample needs the column {name!r}")
+                bad = next(s for s in samples if name not in s)
+                raise ValueError(f"every sample needs the column {name!r}; {have.count(False)} "
+                                 f"of {len(samples)} have only {sorted(bad)}")
             if any(have) and not all(have):
                 raise ValueError(f"column {name!r} is in some samples but not all")
             cols[name] = (

@@ -54,7 +54,7 @@ def test_quick_faults_heal_in_place(tmp_path: Path) -> None:
         assert restarts.get(actor, 0) >= 1, restarts
     assert restarts["rollout"] >= 2  # kill:rollout and kill:rollout_span
     span = next(f for f in rep["faults"] if f["fault"] == "kill:rollout_span")  # type: ignore[attr-defined]
-    assert span["groups_running"] > 0  # sessions spanned the push and the death
+    assert span["requests_in_flight"] > 0  # sessions spanned the push and the death
     assert rep["rewinds"] == 0
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["restarts/producer"] >= 1  # restarts are in the metrics

@@ -12,7 +12,7 @@ import pytest
 
 from earl.config import RunConfig
 from earl.loop.pool import GroupPool
-from earl.loop.schedule import STALE, LoopState, Schedule, StepRecord
+from earl.loop.schedule import RUN_ENDED, STALE, LoopState, Schedule, StepRecord
 from earl.stages.batch_types import BatchResult, Episode, GroupTask
 
 pytestmark = pytest.mark.timeout(60)
@@ -82,7 +82,7 @@ class GroupTraining:
         if reason == STALE:
             self.dropped += groups
         else:
-            assert "run ended" in reason
+            assert reason == RUN_ENDED
             self.left += groups
         return len(groups) * G
 
@@ -110,11 +110,11 @@ async def run(cfg: RunConfig, seconds: Callable[[int, int], float]
 
 
 async def test_a_slow_group_is_carried_over_not_waited_on() -> None:
-    # group 0 of batch 0 takes 0.4 s, every other group 0.01 s
-    prod, train, records = await run(config(steps=6, max_policy_lag=8),
-                                     lambda b, g: 0.4 if (b, g) == (0, 0) else 0.01)
+    # group 0 of batch 0 takes 0.2 s, every other group 0.01 s
+    prod, train, records = await run(config(steps=60, max_policy_lag=100),
+                                     lambda b, g: 0.2 if (b, g) == (0, 0) else 0.01)
     assert train.steps[0] != ["g0", "g1"]  # step 0 did not wait for batch 0's slow group
-    assert "g0" in train.steps[-1] or any("g0" in s for s in train.steps[1:])
+    assert any("g0" in s for s in train.steps[1:])  # carried into a later step
     trained = [g for s in train.steps for g in s]
     assert len(trained) == len(set(trained)) and not train.dropped
     # nothing lost, none twice: every started group trained or left over at the end
@@ -157,3 +157,21 @@ def test_partial_rollouts_default_and_conflicts() -> None:
 
 
 _ = GroupTask  # the type the producer gets per group (see ActorProduction.play_groups)
+
+
+def test_a_dead_holders_lease_goes_back_and_named_groups_are_taken_whole() -> None:
+    from earl.runtime.dock_index import DockIndex, SampleInfo, WouldBlock
+
+    ix = DockIndex(stages=["reference", "train"], capacity=16)
+    for gid in ("g1", "g2"):
+        for i in range(2):
+            ix.register(SampleInfo(sample_id=f"{gid}-{i}", group_id=gid, group_size=2, length=4,
+                                   version=0, shard="producer:0",
+                                   columns={"input_ids": 16, "versions": 16}))
+    held = ix.take("reference", ["input_ids"], 4, whole_groups=False, holder="reference:0")
+    with pytest.raises(WouldBlock):  # g2 is leased by the reference
+        ix.take("reference", ["input_ids"], 2, group_ids=["g2"])
+    ix.drop_shard("reference:0")  # the reference died holding the lease: it goes back
+    again = ix.take("reference", ["input_ids"], 1, group_ids=["g2"])
+    assert sorted(loc.sample_id for loc in again.samples) == ["g2-0", "g2-1"]
+    assert held.lease_id != again.lease_id
