@@ -65,11 +65,11 @@ from earl.commands.chaos_faults import (
 __all__ = ["main"]
 
 QUICK = ["kill:producer", "corrupt_frame", "kill:rollout", "delay", "disk_full",
-         "kill:reference", "kill:rollout_span"]
+         "kill:reference"]
 # stall:tool last: it waits for sessions to call the tool, and the gate of the fault after it
 # would hold the schedule (and with it new sessions) until it settles
-FULL = QUICK + ["kill:dock", "kill:trainer", "drop:producer", "drop:reference", "squat:shm",
-                "slowloris", "kill:resave", "stall:tool"]
+FULL = QUICK + ["kill:rollout_span", "kill:dock", "kill:trainer", "drop:producer",
+                "drop:reference", "squat:shm", "slowloris", "kill:resave", "stall:tool"]
 SMALL = ["--warm_start.steps=0", "--batch_size=8", "--group_size=4", "--eval_games=4",
          "--eval_every=0", "--checkpoint_every=2", "--time_limit_minutes=30"]
 
@@ -266,7 +266,7 @@ class Injector:
             elif self.plan[i] + 1 < step:  # a drop needs calls in flight: one more step runs,
                 await self.settled[i].wait()  # then the run waits until the actor is back
 
-    async def _requests_in_flight(self, timeout: float = 10.0) -> int:
+    async def _requests_in_flight(self, timeout: float = 60.0) -> int:
         """Wait (up to `timeout` s) until the rollout has generations in flight, right after a
         weight push; returns how many it had."""
         group = await self.rt.lookup("rollout")

@@ -47,17 +47,27 @@ def test_unknown_fault_is_refused() -> None:
 def test_quick_faults_heal_in_place(tmp_path: Path) -> None:
     code, rep, err = _chaos("--quick", "--output-dir", str(tmp_path / "run"))
     assert code == 0, (rep, err)
-    _assert_invariants(rep, 7)
+    _assert_invariants(rep, 6)
     restarts = rep["restarts"]
     assert isinstance(restarts, dict)
     for actor in ("producer", "rollout", "reference"):
         assert restarts.get(actor, 0) >= 1, restarts
-    assert restarts["rollout"] >= 2  # kill:rollout and kill:rollout_span
-    span = next(f for f in rep["faults"] if f["fault"] == "kill:rollout_span")  # type: ignore[attr-defined]
-    assert span["requests_in_flight"] > 0  # sessions spanned the push and the death
     assert rep["rewinds"] == 0
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["restarts/producer"] >= 1  # restarts are in the metrics
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_rollout_death_while_sessions_span_a_push(tmp_path: Path) -> None:
+    """Partial rollouts carry groups over: the rollout dies right after a weight push while
+    their sessions have generations in flight; nothing is lost or trained twice."""
+    code, rep, err = _chaos("--faults", "kill:rollout_span", "--steps", "5",
+                            "--output-dir", str(tmp_path / "run"))
+    assert code == 0, (rep, err)
+    _assert_invariants(rep, 1)
+    (span,) = rep["faults"]  # type: ignore[misc]
+    assert span["requests_in_flight"] > 0  # sessions spanned the push and the death
 
 
 @pytest.mark.slow
