@@ -262,7 +262,7 @@ class Schedule:
                 chosen.append(g)
         if stale:
             await self.training.discard([g.group_id for g in stale if g.rows], STALE)
-        await self.groups_out.done(len(chosen) + len(stale))
+        await self.groups_out.done(len(stale))  # the trained ones once their step is out
         first = max(min(g.done_at for g in chosen), t0)
         wait = max(max(g.done_at for g in chosen) - first, 0.0)
         res = BatchResult(batch=b, episodes=[e for g in chosen for e in g.episodes],
@@ -284,6 +284,8 @@ class Schedule:
             metrics = await self.training.train(
                 b, res.samples, scale, res.row_groups if self.partial else None)
             await self.training.publish(b + 1)
+        if self.partial:  # new groups start under the weights this step made
+            await self.groups_out.done(self.groups_per_step)
         if self.selection is not None:
             self.selection.trained(b, metrics)
         await self.production.note_version(b + 1)
