@@ -72,6 +72,12 @@ class GroupPool:
             await self._changed.wait()
         return self._done.popleft()
 
+    async def wait_added(self) -> None:
+        """Until a group is waiting."""
+        while not self._done:
+            self._changed.clear()
+            await self._changed.wait()
+
     def take_all(self) -> list[DoneGroup]:
         out, self._done = list(self._done), collections.deque()
         return out

@@ -224,9 +224,7 @@ class Schedule:
             await self.gate.close()
             await self.groups_out.close()
             if self.partial:  # the groups still out finish and are dropped, with the reason
-                await asyncio.gather(*played.values())
-                if rest := [g.group_id for g in self.pool.take_all() if g.rows]:
-                    await self.training.discard(rest, RUN_ENDED)
+                await self._drain(list(played.values()))
             else:
                 # Batches already started are finished and trained: their experience is in
                 # the dock and the critic has seen them, so the final checkpoint stays
@@ -236,6 +234,22 @@ class Schedule:
                     b += 1
         await self.checkpoints.save(self.state, None)
         return self.stopped
+
+    async def _drain(self, plays: list[asyncio.Future[BatchResult]]) -> None:
+        """Drop every group still out as it finishes, until every play is done (dropping
+        makes room in the dock for the puts of the plays still running)."""
+        while True:
+            if rest := [g.group_id for g in self.pool.take_all() if g.rows]:
+                await self.training.discard(rest, RUN_ENDED)
+            if all(p.done() for p in plays) and not self.pool.size():
+                return
+            added: asyncio.Future[object] = asyncio.ensure_future(self.pool.wait_added())
+            waits: list[asyncio.Future[object]] = [added]
+            waits += [p for p in plays if not p.done()]  # type: ignore[misc]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                added.cancel()
 
     @property
     def slots(self) -> int:

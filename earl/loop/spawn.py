@@ -63,11 +63,15 @@ async def spawn_attempt(job: Job, version: int) -> Attempt:
         trainer = await spawn_trainer(job)
         stages = ["reference", "train"] if job.n_reference > 0 else ["train"]
         per_batch = cfg.batch_size + cfg.algorithm.self_imitation
+        capacity = (cfg.max_policy_lag + 2) * per_batch
+        if cfg.partial_rollouts != "off":  # the groups out, one step's more, each with its
+            per_step = cfg.batch_size // cfg.group_size  # own self-imitation rows
+            out = cfg.max_concurrent_groups or (cfg.max_policy_lag + 1) * per_step
+            capacity = (out + per_step) * (cfg.group_size + cfg.algorithm.self_imitation)
         # one index rank per producer: each owns the groups whose ids hash to it, so
         # registrations spread; a step's lease is merged from them (`Dock.take`). The
         # staleness gate bounds what is in flight, so each rank may hold all of it.
-        await job.rt.spawn("dock", IndexActor, stages=stages,
-                           capacity=(cfg.max_policy_lag + 2) * per_batch, env=job.env,
+        await job.rt.spawn("dock", IndexActor, stages=stages, capacity=capacity, env=job.env,
                            n=pl.producers)
         if pl.producers > 1:
             job.log(f"dock: index sharded over {pl.producers} ranks (one per producer)")
