@@ -213,8 +213,8 @@ class RunConfig:
     them; a group still running is carried into a later step (never cut, never waited on) and
     goes on sampling under the newest weights, each token keeping the version that sampled it
     (the loss corrects per token). "off": step b trains exactly batch b's groups, waiting for
-    its slowest (needed by `over_sample_groups` and the selector: with `--selector on` the
-    default is "off"). `max_policy_lag` bounds the oldest token of a trained sample: a
+    its slowest (needed by `over_sample_groups`, the selector and `placement.colocate`: with
+    any of them the default is "off"). `max_policy_lag` bounds the oldest token of a trained sample: a
     group whose oldest token is more than `max_policy_lag` versions older than the step that
     would train it is dropped whole, with the reason counted (`stale_groups` in the metrics).
     `max_concurrent_groups`: with partial rollouts, the groups that may be out at once
@@ -276,7 +276,7 @@ class RunConfig:
         need(self.over_sample_groups >= 0, "over_sample_groups", "must be >= 0 (0 = off)")
         if not self.partial_rollouts:  # the default: partial unless a feature needs batches
             self.partial_rollouts = "off" if self.selector.on or self.over_sample_groups \
-                else "continue"
+                or self.placement.colocate else "continue"
         need(self.partial_rollouts in PARTIAL, "partial_rollouts",
              f"must be one of {', '.join(PARTIAL)}, got {self.partial_rollouts!r}")
         need(self.max_concurrent_groups >= 0, "max_concurrent_groups",
@@ -294,6 +294,9 @@ class RunConfig:
         need(self.partial_rollouts == "off" or not self.selector.on, "partial_rollouts",
              "the selector re-plans between whole batches: use --partial_rollouts=off with "
              "--selector on")
+        need(self.partial_rollouts == "off" or not self.placement.colocate, "partial_rollouts",
+             "colocated stages take the devices in turn, a whole batch's rollout then its step: "
+             "use --partial_rollouts=off with placement.colocate")
         need(self.max_tokens >= 0, "max_tokens", "must be >= 0 (0 = the recipe's per-turn cap)")
         need(self.eval_games >= 0, "eval_games", "must be >= 0 (0 = the default: "
              f"{self.DEFAULT_EVAL_GAMES} generated tasks, or every line of --eval-tasks)")
