@@ -72,7 +72,9 @@ def test_train_json_files_inspect_and_resume(tmp_path: Path) -> None:
     q = _earl("inspect", str(out), "--json")
     assert q.returncode == 0, q.stderr[-2000:]
     summary = json.loads(q.stdout)
-    assert summary["trajectories"] == 3 * 16
+    # partial rollouts: the dump holds every trajectory put, the groups still out when the
+    # run ended (dropped with the reason) included
+    assert summary["trajectories"] >= 3 * 16
     sid = json.loads(Path(res["trajectories"]).read_text().splitlines()[-1])["sample_id"]
     r = _earl("inspect", str(out), "--replay", sid, "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["match"], r.stdout + r.stderr[-2000:]
@@ -109,7 +111,7 @@ def test_two_producers_shard_the_dock_index_and_every_step_trains_its_batch(
     assert all(r["train/samples"] >= 16 for r in rows), rows
     dumped = [json.loads(x) for f in out.glob("trajectories*.jsonl")
               for x in f.read_text().splitlines()]
-    assert len(dumped) == 3 * 16 and all("earlier" not in d["sample_id"] for d in dumped)
+    assert len(dumped) >= 3 * 16 and all("earlier" not in d["sample_id"] for d in dumped)
 
 
 @pytest.mark.slow

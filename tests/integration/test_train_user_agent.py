@@ -84,7 +84,8 @@ def test_train_a_users_agent_from_the_cli(user_dir: Path, tmp_path: Path) -> Non
         assert res[key]["reward"] == pytest.approx(0.25 * 3 / 4)  # the rule scored the rest
     assert any("the environment crashed on boom" in k for k in res["failed_episodes"])
     dump = [json.loads(x) for x in Path(res["trajectories"]).read_text().splitlines()]
-    assert len(dump) == 16 and all(len(d["loss_mask"]) == len(d["token_ids"]) for d in dump)
+    # every trajectory put, the groups still out at the end included (partial rollouts)
+    assert len(dump) >= 16 and all(len(d["loss_mask"]) == len(d["token_ids"]) for d in dump)
     assert "episodes failed" in p.stderr
 
 
