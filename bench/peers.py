@@ -384,15 +384,18 @@ def main() -> None:
                          "(`over_sample_groups`; default 2 agentic, 0 = skip; echo: 0)")
     ap.add_argument("--earl-whole-batches", action=argparse.BooleanOptionalAction,
                     default=None, help="also run EARL with whole batches (partial_rollouts=off, "
-                    f"lag {4}: its default before partial rollouts; default: on, agentic)")
+                    f"lag {WHOLE_LAG}: this bench before partial rollouts; default: on, agentic, "
+                    "not --quick)")
     ap.add_argument("--trl-steps-per-generation", default=None,
                     help="TRL configurations tried in round 0, the fastest goes on (default "
                          "'1,LAG+1': on-policy, and EARL's staleness bound)")
     ap.add_argument("--trl-threads", default=None,
                     help="torch threads tried for TRL in round 0 (default 1,2; 1 with --quick)")
-    ap.add_argument("--trl-generation", default="continuous_batching,vllm_colocate",
-                    help="TRL generation options tried besides transformers' generate, each "
-                         "once (a configuration that fails is listed with its error)")
+    ap.add_argument("--trl-generation", default=None,
+                    help="TRL options tried once each on its episode-paced configuration at "
+                         "EARL's bound: gradient_checkpointing (TRL's default, on), "
+                         "continuous_batching, vllm_colocate; a configuration that fails is "
+                         "listed with its error (default: all three; none with --quick)")
     ap.add_argument("--trl-pace", default="episode,turn",
                     help="TRL multi-turn loops tried in round 0 (agentic task): episode, turn")
     ap.add_argument("--trl-async", action=argparse.BooleanOptionalAction, default=None,
@@ -409,7 +412,7 @@ def main() -> None:
     if a.earl_groups is None:
         a.earl_groups = 20 if a.task == "agentic" else 0
     if a.earl_whole_batches is None:
-        a.earl_whole_batches = a.task == "agentic"
+        a.earl_whole_batches = a.task == "agentic" and not a.quick
     if a.earl_over_sample is None:
         a.earl_over_sample = 2 if a.task == "agentic" else 0
     if a.threshold is None:
@@ -424,9 +427,14 @@ def main() -> None:
     # TRL's own options, each on its episode-paced configuration at EARL's bound: its
     # default gradient checkpointing, its transformers continuous batching, vLLM colocated
     base = TrlConfig("GRPOTrainer", paces[0], threads[-1], spgs[-1], spgs[-1] - 1)
-    configs += [dataclasses.replace(base, gradient_checkpointing=True),
+    if a.trl_generation is None:  # the full run tries them; --quick only when asked
+        a.trl_generation = "" if a.quick else "gradient_checkpointing,continuous_batching," \
+            "vllm_colocate"
+    wanted = a.trl_generation.split(",")
+    configs += [*([dataclasses.replace(base, gradient_checkpointing=True)]
+                  if "gradient_checkpointing" in wanted else []),
                 *(dataclasses.replace(base, generation=g)
-                  for g in ("continuous_batching", "vllm_colocate") if g in a.trl_generation)]
+                  for g in ("continuous_batching", "vllm_colocate") if g in wanted)]
     if a.trl_async:  # each episode at its own pace (echo: single-turn)
         queues = [None if q == "default" else int(q) for q in a.trl_async_queue.split(",")]
         configs += [TrlConfig("AsyncGRPOTrainer", "episode" if a.task == "agentic" else "turn",
