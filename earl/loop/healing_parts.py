@@ -105,31 +105,25 @@ class HealingProduction:
     async def play_groups(self, batch: int, done: Callable[[BatchResult], None]
                           ) -> BatchResult:
         """`ActorProduction.play_groups`, each group played again (tagged) when its producer
-        died while playing it."""
-        n = len(self.inner.producers)
+        died while playing it. Its batch is not in `playing`: a group is in the dock as soon
+        as it is done, so one lost with a shard is re-played by `reproduce_lost` while the
+        rest of its batch plays on."""
+        return await self.inner.play_groups(batch, done, play=self._play_group)
 
-        async def one(g: int, task: GroupTask) -> BatchResult:
-            r, tag = g % n, ""
-            while True:
-                try:
-                    res = await self.inner.producers[r].play_group.call_one(batch, task, g, tag)
-                except Exception as exc:
-                    if died_actor(exc) != ("producer", r) or self.healer.stopping:
-                        raise
-                    self.healer.note("replay_group", "producer", rank=r, step=batch + 1)
-                    await self.healer.wait_rebuilt(self.rt, "producer", r)
-                    tag = f"x{next(self._tags)}"
-                    continue
-                self._record(batch, res, f"{tag}-g{g}" if tag else f"g{g}", r)
-                done(res)
-                return res
-
-        # not in `playing`: a group is in the dock as soon as it is done, so one lost with a
-        # shard is re-played by `reproduce_lost` while the rest of its batch plays on
-        with self.inner.tracer.span("play", actor="producer", step=batch + 1):
-            results = await asyncio.gather(*(one(g, t) for g, t in
-                                             enumerate(self.inner.groups(batch))))
-        return self.inner.merge(batch, results)
+    async def _play_group(self, batch: int, g: int, task: GroupTask) -> BatchResult:
+        r, tag = g % len(self.inner.producers), ""
+        while True:
+            try:
+                res = await self.inner.play_group(batch, g, task, tag)
+            except Exception as exc:
+                if died_actor(exc) != ("producer", r) or self.healer.stopping:
+                    raise
+                self.healer.note("replay_group", "producer", rank=r, step=batch + 1)
+                await self.healer.wait_rebuilt(self.rt, "producer", r)
+                tag = f"x{next(self._tags)}"
+                continue
+            self._record(batch, res, f"{tag}-g{g}" if tag else f"g{g}", r)
+            return res
 
     def _record(self, batch: int, res: BatchResult, tag: str, rank: int) -> None:
         """The rows `res` put, in the ledger (their ids as the producer made them)."""

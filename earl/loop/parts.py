@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from earl.loop.actors import Actors
 from earl.observe import Tracer
@@ -84,15 +84,17 @@ class ActorProduction:
                 for r, share, need in self.deal(batch)))
         return self.merge(batch, results)
 
-    async def play_groups(self, batch: int, done: Callable[[BatchResult], None]
-                          ) -> BatchResult:
+    async def play_groups(self, batch: int, done: Callable[[BatchResult], None], *,
+                          play: Callable[[int, int, GroupTask], Awaitable[BatchResult]]
+                          | None = None) -> BatchResult:
         """Partial rollouts: play batch `batch`'s groups, each on its own (group g on producer
         g mod n), each in the dock as soon as it is done; `done` gets each group's result as it
-        comes. Returns them all merged."""
-        n = len(self.producers)
+        comes. `play(batch, g, task)` plays one group (default: one call to its producer).
+        Returns them all merged."""
+        play = play or self.play_group
 
         async def one(g: int, task: GroupTask) -> BatchResult:
-            res = await self.producers[g % n].play_group.call_one(batch, task, g)
+            res = await play(batch, g, task)
             done(res)
             return res
 
@@ -100,6 +102,12 @@ class ActorProduction:
             results = await asyncio.gather(*(one(g, t) for g, t in
                                              enumerate(self.groups(batch))))
         return self.merge(batch, results)
+
+    async def play_group(self, batch: int, g: int, task: GroupTask, tag: str = ""
+                         ) -> BatchResult:
+        """Group `g` of batch `batch` on its producer (`tag`: a re-play after a fault)."""
+        return await self.producers[g % len(self.producers)].play_group.call_one(
+            batch, task, g, tag)
 
     async def note_version(self, version: int) -> None:
         await self.producers.note_version.call(version)

@@ -18,7 +18,7 @@ import itertools
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from earl.config import RunConfig
 from earl.loop.gate import GroupGate, StalenessGate
@@ -241,14 +241,12 @@ class Schedule:
         while True:
             if rest := [g.group_id for g in self.pool.take_all() if g.rows]:
                 await self.training.discard(rest, RUN_ENDED)
-            if all(p.done() for p in plays) and not self.pool.size():
+            pending: set[asyncio.Future[Any]] = {p for p in plays if not p.done()}
+            if not pending and not self.pool.size():
                 return
-            added: asyncio.Future[object] = asyncio.ensure_future(self.pool.wait_added())
-            waits: list[asyncio.Future[object]] = [added]
-            waits += [p for p in plays if not p.done()]  # type: ignore[misc]
-            try:
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            finally:
+            async with asyncio.TaskGroup() as tg:  # owns the waiter: a group added, or a play
+                added = tg.create_task(self.pool.wait_added())  # done, whichever comes first
+                await asyncio.wait({added, *pending}, return_when=asyncio.FIRST_COMPLETED)
                 added.cancel()
 
     @property
