@@ -325,6 +325,7 @@ def run_trl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: f
             "trainer": c.trainer, "steps_per_generation": c.steps_per_generation,
             "threads": c.threads, "pace": c.pace, "seconds": seconds,
             "queue_maxsize": c.queue_maxsize,
+            "gradient_checkpointing": c.gradient_checkpointing, "generation": c.generation,
             **{k: res[k] for k in ASYNC_KEYS if k in res},
             "final_eval": {"reward": round(fe["reward"], 3), "accuracy": round(fe["accuracy"], 3)}}
 

@@ -73,7 +73,7 @@ def test_bench_peers_quick() -> None:
     assert trl["trajectories_per_s"] == max(r["trajectories_per_s"] for r in res["trl_runs"])
     run = trl["runs"][0]
     assert {k: run[k] for k in ("trainer", "pace", "threads", "steps_per_generation",
-                                "queue_maxsize")} == \
+                                "queue_maxsize", "gradient_checkpointing", "generation")} == \
         {k: v for k, v in trl["config"].items() if k != "max_staleness"}
     assert res["ratio_trajectories_per_s"] == pytest.approx(
         earl["trajectories_per_s"] / trl["trajectories_per_s"], rel=0.02)

@@ -34,7 +34,10 @@ def test_train_gauntlet_a_few_steps(tmp_path: Path) -> None:
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "reward" in r] == [1, 2, 3]
     trajs = [json.loads(x) for x in Path(res["trajectories"]).read_text().splitlines()]
-    assert len(trajs) == 3 * 16
+    # the dump holds every finished group, trained or still waiting when the run ended
+    # (partial rollouts play ahead): 3 steps' worth at least, each sample once
+    assert len(trajs) >= 3 * 16
+    assert len({t["sample_id"] for t in trajs}) == len(trajs)
     for t in trajs:
         info = t["info"]
         assert t["failed"] or len(t["turn_rewards"]) == len(t["turn_spans"]) == info["moves"]
