@@ -22,10 +22,12 @@ interface returns whole generations, so streaming changes the framing, not the l
 (`<tool_call>` and, for a name, `{"name": ..., "arguments": `) at the start of the reply as
 context tokens (loss mask 0); this assumes the Hermes/Qwen tool-call format of EARL's template.
 
-Nothing a client asks for is silently changed. A `max_tokens` (or `max_completion_tokens`) over
-the run's per-turn cap, or past what is left of the session's `max_total_tokens`, gets a 400
-naming the field, the value and the limit; a client that leaves it out gets the cap, or what is
-left. `parallel_tool_calls: false` gets at most one call. A reply cut at the cap (`finish_reason`
+A client's `max_tokens` (or `max_completion_tokens`) is honoured: the run's per-turn
+`max_tokens` is the default for a request that leaves it out, not a ceiling (agent frameworks set
+their own, often 96-4096). A request is served up to what is left of the session's
+`max_total_tokens` and of the model's context window, and its reply then ends with
+`finish_reason` "length"; a prompt that leaves no room gets a 400 naming the limit.
+`parallel_tool_calls: false` gets at most one call. A reply cut at the cap (`finish_reason`
 "length") is all content, never a tool call; a malformed call comes back as OpenAI reports one
 (`earl.agents.openai_reply`). The tool results a client sends back for the calls the endpoint
 returned are the episode's `info.tool_calls` and `info.tool_errors`.
@@ -346,12 +348,6 @@ class ServedSession:
         r.tool_calls += ran
         r.tool_errors += failed
         sampling = r.config.sampling
-        if req.max_tokens is not None and req.max_tokens > sampling.max_tokens:
-            raise APIError(400, f"{req.max_tokens_field}={req.max_tokens} is over this run's "
-                           f"per-turn cap of {sampling.max_tokens} tokens (the rollout's "
-                           f"SamplingParams.max_tokens, `earl train --max_tokens`); send "
-                           f"{req.max_tokens_field} <= {sampling.max_tokens} or leave it out",
-                           param=req.max_tokens_field)
         record = self.record
         if offload:
             prompt = await self._render_in_worker(req)
@@ -363,16 +359,21 @@ class ServedSession:
         forced = self._forced(req)
         ids = prompt.token_ids + forced
         cap = req.max_tokens or sampling.max_tokens
-        budget = r.config.max_total_tokens
-        room = cap if budget is None else budget - len(ids) - 1
-        if room < 1 or (req.max_tokens is not None and cap > room):
+        budget, window = r.config.max_total_tokens, r.config.context_window
+        limits: dict[str, int] = {}  # what is left under each limit the run knows, named for the error
+        if budget is not None:
+            limits[f"this session's budget (RolloutConfig.max_total_tokens={budget})"] = \
+                budget - len(ids) - 1
+        if window is not None:
+            limits[f"the model's context window ({window} tokens, --model.max_model_len)"] = \
+                window - len(ids)
+        room = min([cap, *limits.values()])
+        if room < 1:
             record.release(prompt)
-            asked = "" if req.max_tokens is None or room < 1 else \
-                f" + {req.max_tokens_field} ({req.max_tokens}; send at most {room})"
-            raise APIError(400, f"the prompt ({len(ids)} tokens){asked} leaves no room in this "
-                           f"session's budget (RolloutConfig.max_total_tokens={budget})",
+            binding = min(limits, key=limits.__getitem__)
+            raise APIError(400, f"the prompt ({len(ids)} tokens) leaves no room in {binding}",
                            param="messages", code="context_length_exceeded")
-        cap = min(cap, room)  # a client that left max_tokens out gets what is left
+        cap = room  # served up to the budget or the window; the reply then ends "length"
         temperature = sampling.temperature if req.temperature is None else req.temperature
         params = [SamplingParams(max_tokens=cap, temperature=temperature,
                                  top_p=sampling.top_p if req.top_p is None else req.top_p,

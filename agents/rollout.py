@@ -59,6 +59,8 @@ class RolloutConfig:
         sampling: sampling params; `max_tokens` is the per-turn token cap.
         max_total_tokens: per-trajectory cap (prompt included); None = no cap (the default:
             long trajectories are reported, not cut).
+        context_window: the engine's context length (None: unknown), what the OpenAI endpoint
+            serves a client's `max_tokens` up to.
         tool_timeout_s: per tool call.
         max_tool_output_chars: longer tool outputs are cut and marked.
         agent_timeout_s: the whole agent coroutine; None = no limit.
@@ -66,6 +68,7 @@ class RolloutConfig:
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_total_tokens: int | None = None
+    context_window: int | None = None
     tool_timeout_s: float = 30.0
     max_tool_output_chars: int = 4096
     agent_timeout_s: float | None = None

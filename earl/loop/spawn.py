@@ -199,6 +199,7 @@ async def spawn_producers(job: Job, version: int) -> Any:
     pcfg = ProducerConfig(agent=job.agent, critic=critic_ref(critic) if critic else "",
                           model=str(job.start), rollout="rollout",
                           max_tokens=recipe.max_tokens, max_total_tokens=recipe.max_total_tokens,
+                          context_window=cfg.placement.context_window or job.max_model_len,
                           reward=absolute_ref(cfg.reward) if cfg.reward else "",
                           tool_timeout_s=cfg.tool_timeout_s,
                           dump=str(job.out / "trajectories.jsonl")

@@ -76,6 +76,8 @@ class ProducerConfig:
         index: name of the dock's index actor.
         max_tokens: per-turn generation cap.
         max_total_tokens: per-trajectory cap (None: the engine's context length).
+        context_window: the rollout's context length at spawn (0: unknown), what the OpenAI
+            endpoint serves a client's `max_tokens` up to.
         reward: a reward rule's reference ("" = the agent's own reward): `reward(sample,
             response)` scores the final assistant text and replaces the agent's return.
         dump: file rank 0 appends trajectories to ("" = none), for `earl inspect`; rank r
@@ -94,6 +96,7 @@ class ProducerConfig:
     index: str = "dock"
     max_tokens: int = 64
     max_total_tokens: int | None = None
+    context_window: int = 0
     dump: str = ""
     reward: str = ""
     tool_timeout_s: float = 30.0
@@ -148,6 +151,7 @@ class ProducerActor(WarehouseHost, Actor):
                                                      temperature=temperature,
                                                      stop_token_ids=list(self.codec.stop_ids)),
                              max_total_tokens=c.max_total_tokens,
+                             context_window=c.context_window or None,
                              tool_timeout_s=c.tool_timeout_s)
 
     async def _play(self, samples: list[object], ids: list[tuple[str, str]],

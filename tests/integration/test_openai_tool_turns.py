@@ -1,6 +1,6 @@
 """Nothing a client asks for is silently changed, over real loopback sockets with the `openai`
-client and a scripted engine: `parallel_tool_calls: false` gets one call, a `max_tokens` the run
-cannot honour is a 400 naming it, a turn cut at the cap is text, a malformed call comes back as
+client and a scripted engine: `parallel_tool_calls: false` gets one call, a client's `max_tokens`
+is served up to the session's budget and the context window, a turn cut at the cap is text, a malformed call comes back as
 OpenAI reports one and the session goes on token-exactly, and the tool calls an agent runs
 itself are the episode's `info.tool_calls` / `info.tool_errors`.
 """
@@ -84,35 +84,55 @@ async def test_parallel_tool_calls_false_returns_one_call(codec, endpoint) -> No
     assert_token_exact(t, rec)
 
 
-async def test_a_max_tokens_over_the_runs_cap_is_refused_naming_it(codec, endpoint) -> None:
-    rec = scripted(codec, *["ok"] * 4)
+async def test_a_clients_max_tokens_is_served_up_to_the_budget(codec, endpoint) -> None:
+    """The run's per-turn max_tokens is a default, not a ceiling: a client's larger max_tokens
+    is served (an agent framework's max_tokens=96 under a run's 64), cut only where the
+    session's budget ends ("length"); a prompt with no room left is a 400 naming the budget."""
+    long = "x " * 200  # longer than any cap here: the reply is cut where the cap ends
+    rec = scripted(codec, *[long] * 4, end=False)
+    got: list[tuple[int, str]] = []
     errors: list[openai.BadRequestError] = []
+    prompt = len(codec.encode_prompt([{"role": "user", "content": "hi"}]))
 
     async def agent(rollout, sample) -> float:
         client = rollout.openai_client()
         msgs = [{"role": "user", "content": "hi"}]
-        for kw in ({"max_tokens": 96}, {"max_completion_tokens": 65}, {"max_tokens": 61}):
-            try:
-                await client.chat.completions.create(model=MODEL, messages=msgs, **kw)
-            except openai.BadRequestError as exc:
-                errors.append(exc)
-        r = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=60)
-        r = await client.chat.completions.create(model=MODEL, messages=msgs)  # left out: fine
-        return float(r.choices[0].message.content == "ok")
+        for kw in ({"max_tokens": 96}, {"max_completion_tokens": 80}, {}, {"max_tokens": 500}):
+            r = await client.chat.completions.create(model=MODEL, messages=msgs, **kw)
+            got.append((r.usage.completion_tokens, r.choices[0].finish_reason))
+        try:  # a prompt that fills the budget: nothing can be served
+            await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi " * 200}])
+        except openai.BadRequestError as exc:
+            errors.append(exc)
+        return 1.0
 
-    # a budget with room for 60 more tokens after this prompt and its end token
-    prompt = len(codec.encode_prompt([{"role": "user", "content": "hi"}]))
     t = await run_agent(agent, None, engine=rec, codec=codec, endpoint=endpoint,
-                        config=config(max_total_tokens=prompt + 61))
-    assert not t.failed and t.reward == 1.0, t.error
-    cap, completion, budget = errors
-    assert cap.body["param"] == "max_tokens"  # type: ignore[index]
-    assert "max_tokens=96 is over this run's per-turn cap of 64 tokens" in cap.message
-    assert completion.body["param"] == "max_completion_tokens"  # type: ignore[index]
-    assert "max_completion_tokens=65 is over" in completion.message
-    assert budget.code == "context_length_exceeded"
-    assert f"the prompt ({prompt} tokens) + max_tokens (61; send at most 60)" in budget.message
-    assert "max_total_tokens" in budget.message
+                        config=config(max_total_tokens=prompt + 121))
+    assert not t.failed, t.error
+    # over the run's 64: served; left out: the run's 64; 500: what the budget leaves (120)
+    assert got == [(96, "length"), (80, "length"), (64, "length"), (120, "length")]
+    (budget,) = errors
+    assert budget.code == "context_length_exceeded" and "max_total_tokens" in budget.message
+    assert "leaves no room in this session's budget" in budget.message
+
+
+async def test_a_clients_max_tokens_is_served_up_to_the_context_window(codec,
+                                                                       endpoint) -> None:
+    rec = scripted(codec, *["x " * 200] * 2, end=False)
+    got: list[int] = []
+    prompt = len(codec.encode_prompt([{"role": "user", "content": "hi"}]))
+
+    async def agent(rollout, sample) -> float:
+        r = await rollout.openai_client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4096)
+        got.append(r.usage.completion_tokens)
+        return 1.0
+
+    t = await run_agent(agent, None, engine=rec, codec=codec, endpoint=endpoint,
+                        config=config(context_window=prompt + 100))
+    assert not t.failed, t.error
+    assert got == [100]  # up to the window, not the client's 4096 (no 400)
 
 
 async def test_a_turn_cut_at_the_cap_is_text_never_a_tool_call(codec, endpoint) -> None:
