@@ -6,7 +6,9 @@ tail) and failures, and reports throughput, action completion time (ACT), engine
 context growth per turn, peak RSS and the runtime's own CPU cost per turn. `--compare` runs the
 same workload on the elastic action-level executor and on the static per-session baseline.
 Every session ends completed or failed (an agent error or timeout); the exit status is 1 when
-any session failed.
+any session failed. `--agent` sessions are also served at the OpenAI endpoint `earl train` gives
+them (`earl.agents.openai_server`, HTTP on 127.0.0.1 with its key), so an agent written against
+the `openai` client runs unchanged.
 
 Example:
     earl stress --sessions 10000 --env tictactoe --engine sim --json
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import math
@@ -26,7 +29,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from earl.agents.chat import ChatCodec
 from earl.agents.rollout import Agent, RolloutConfig, run_agent
@@ -39,6 +42,9 @@ from earl.engine import (
     SimEngine,
     SimStatistics,
 )
+
+if TYPE_CHECKING:
+    from earl.agents.openai_server import OpenAIEndpoint
 
 ENVS = ("tictactoe", "connect4", "calc", "python")
 
@@ -268,6 +274,7 @@ async def run_stress(args: argparse.Namespace, executor_kind: str, codec: ChatCo
     acts: list[float] = []
     tot = _Totals()
     done = asyncio.Event()
+    endpoint: OpenAIEndpoint | None = None  # --agent: started with the executor below
     arrivals, prev = [], 0.0
     for i in range(args.sessions):
         prev = _arrival(args, i, rng, prev)
@@ -282,7 +289,7 @@ async def run_stress(args: argparse.Namespace, executor_kind: str, codec: ChatCo
                            random.Random(args.seed * 7919 + i), acts) if uses_tools else None
         try:
             traj = await run_agent(agent, sample(i), engine=gen_engine, codec=codec, config=rcfg,
-                                   executor=runner, sample_id=sid)
+                                   executor=runner, sample_id=sid, endpoint=endpoint)
         finally:
             await executor.release_session(sid)
         if use_sim:
@@ -311,7 +318,14 @@ async def run_stress(args: argparse.Namespace, executor_kind: str, codec: ChatCo
             except TimeoutError:
                 pass
 
-    async with executor:
+    async with contextlib.AsyncExitStack() as stack:
+        await stack.enter_async_context(executor)
+        if args.agent:  # served as `earl train`'s producers serve them (aiohttp only for --agent)
+            from earl.agents.openai_server import OpenAIEndpoint
+
+            endpoint = await stack.enter_async_context(OpenAIEndpoint())
+            with contextlib.suppress(ImportError):  # not in the timed run (~0.25 s)
+                import openai  # noqa: F401
         sim0 = engine.statistics().compute_s if use_sim else 0.0  # type: ignore[attr-defined]
         cpu0, t0 = time.process_time(), time.perf_counter()
         if meter is not None:
