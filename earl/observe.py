@@ -95,11 +95,13 @@ class Tracer:
 
 def progress_line(r: dict[str, float | int | str]) -> str:
     """`step 12/200 | reward +0.41 | win 0.62 draw 0.08 | 3.1k tok/s | staleness 0.9 | 41 s`
-    (the outcome rates only where the episodes report an outcome; failures, over-sampled
-    groups cut and groups dropped as stale only where there are some)."""
+    (the outcome rates only where the episodes report an outcome; failures with the step's most
+    frequent error, over-sampled groups cut and groups dropped as stale only where there are
+    some)."""
     rates = "".join(f"{name} {float(r[f'info/outcome={name}']):.2f} "
                     for name in ("win", "draw") if f"info/outcome={name}" in r)
-    failed = f"failed {float(r['failed_rate']):.2f} | " if float(r.get("failed_rate", 0)) else ""
+    failed = f"failed {float(r['failed_rate']):.2f} ({r.get('failed_error', '')}) | " \
+        if float(r.get("failed_rate", 0)) else ""
     cut = f"{int(r['groups_cut'])} groups cut | " if int(r.get("groups_cut", 0)) else ""
     stale = f"{int(r['stale_groups'])} stale groups dropped | " \
         if int(r.get("stale_groups", 0)) else ""

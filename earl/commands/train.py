@@ -21,9 +21,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
+from pathlib import Path
+
+from earl.loop.failures import describe, failures_json
 
 
 def main(argv: list[str]) -> int:
@@ -84,9 +88,9 @@ def main(argv: list[str]) -> int:
     summary = (f"eval: {shown}{start}; {result.steps} steps in {result.wall_minutes:.1f} min; "
                f"plot {result.files['plot']}")
     if result.failures:
-        top = max(result.failures, key=result.failures.__getitem__)
-        summary += (f"; {sum(result.failures.values())} episodes failed (most often: "
-                    f"{top})")
+        summary += (f"; {sum(result.failures.values())} episodes failed: "
+                    f"{describe(result.failures)} (each text: `failures` in "
+                    f"{Path(result.files['config']).with_name('result.json')})")
     if args.json:
         print(summary, file=sys.stderr)
         print(json.dumps(result.to_json()), flush=True)
@@ -112,16 +116,22 @@ def _stopped(as_json: bool, exc: BaseException, output_dir: str) -> int:
     """Report why the run stopped. A bad setting or input (ValueError, TypeError raised in
     this process) is not healed by a resume, so none is suggested for it."""
     inner, resume = _innermost(exc), f"`earl train --output-dir {output_dir} --resume`"
+    with contextlib.suppress(OSError), (Path(output_dir) / "run.log").open("a") as f:
+        f.write(f"earl train: the run stopped: {_cause(exc)}\n")
     if isinstance(inner, KeyboardInterrupt):
         return _fail(as_json, f"earl train: interrupted; continue with {resume}", code=130)
     if isinstance(inner, (ValueError, TypeError)):
-        return _fail(as_json, f"earl train: {inner}", code=2)
+        failures = getattr(inner, "failures", None)  # NothingToTrain: the agents' errors
+        return _fail(as_json, f"earl train: {inner}", code=2,
+                     failures=failures_json(failures) if failures else None)
     return _fail(as_json, f"earl train: the run stopped: {_cause(exc)}; continue with "
                  f"{resume}", code=1)
 
 
-def _fail(as_json: bool, line: str, *, code: int) -> int:
+def _fail(as_json: bool, line: str, *, code: int,
+          failures: list[dict[str, object]] | None = None) -> int:
     print(line, file=sys.stderr, flush=True)
     if as_json:
-        print(json.dumps({"error": line, "exit_code": code}), flush=True)
+        print(json.dumps({"error": line, "exit_code": code,
+                          **({"failures": failures} if failures else {})}), flush=True)
     return code

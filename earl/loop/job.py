@@ -12,15 +12,16 @@ Not here: the loop (`earl.loop.main`), what is spawned (`earl.loop.spawn`), rewi
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from earl.config import RunConfig
 from earl.loop.devices import device_roles, run_slots
 from earl.loop.healing import Healer
 from earl.loop.hooks import RunHooks
-from earl.observe import Metrics, Tracer
+from earl.observe import Metrics, Tracer, progress_line
 from earl.recipe import Recipe
 
 if TYPE_CHECKING:
@@ -64,19 +65,26 @@ class Job:
         recipe: what to train (`earl.resolve.resolve_recipe`).
         agent: the agent's import reference ("module:name" or "path.py:name").
         rt: the runtime the actors run in.
-        log: one line per event (progress, evals, healing).
+        log: one line per event (evals, healing, new failures) for the person running it;
+            every event and step line also goes to `<output_dir>/run.log`.
+        progress: each step's metrics row, for a progress display (None: its progress line
+            to `log`).
         trace: record a Perfetto trace (`trace.json`).
         hooks: callbacks for fault injection and observers (`RunHooks`).
+        start: the HF folder of the starting policy (default: `<output_dir>/weights_start`,
+            where the warm start writes it; `earl eval`: the saved policy it evaluates).
     """
 
     def __init__(self, cfg: RunConfig, recipe: Recipe, agent: str, rt: Runtime, *,
                  log: Callable[[str], None] = print, trace: bool = False,
-                 hooks: RunHooks | None = None) -> None:
-        self.cfg, self.recipe, self.agent, self.rt, self.log = cfg, recipe, agent, rt, log
+                 hooks: RunHooks | None = None, start: Path | None = None,
+                 progress: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.cfg, self.recipe, self.agent, self.rt = cfg, recipe, agent, rt
+        self._log, self._progress = log, progress
         self.hooks = hooks or RunHooks()
         self.out = Path(cfg.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.start = self.out / "weights_start"   # the warm-started policy: KL anchor
+        self.start = start or self.out / "weights_start"  # the warm start: KL anchor
         self.weights = self.out / "weights"       # the trained policy, written at the end
         self.best_dir = self.out / "weights_best"
         self.env = {"OMP_NUM_THREADS": str(cfg.placement.threads_per_actor),
@@ -89,7 +97,7 @@ class Job:
             self.env[ENV_PREFER] = prefer
         self.trace = trace
         self.tracer = Tracer(trace)
-        self.healer = Healer(max_restarts=cfg.max_restarts, log=log, tracer=self.tracer)
+        self.healer = Healer(max_restarts=cfg.max_restarts, log=self.log, tracer=self.tracer)
         self.slots: SlotPool | None = None
         # each stage's device slots at the start (and with placement.devices the free ones)
         self.roles = device_roles(cfg.placement, reference=self.n_reference)
@@ -109,6 +117,24 @@ class Job:
         self.metrics: Metrics | None = None
         self._attempt: Attempt | None = None
         self._state: LoopState | None = None
+
+    def log(self, line: str) -> None:
+        """An event (an eval, a healing, a new failure): to run.log and to the person."""
+        self._append(line)
+        self._log(line)
+
+    def step(self, row: dict[str, Any]) -> None:
+        """A trained step's metrics row: its progress line to run.log, the row to `progress`."""
+        line = progress_line(row)
+        self._append(line)
+        if self._progress is not None:
+            self._progress(row)
+        else:
+            self._log(line)
+
+    def _append(self, line: str) -> None:
+        with (self.out / "run.log").open("a") as f:  # beside the actors' lines (O_APPEND)
+            f.write(f"{time.strftime('%H:%M:%S')} earl: {line}\n")
 
     @property
     def attempt(self) -> Attempt:

@@ -57,7 +57,7 @@ async def train_attempt(job: Job, resume: bool) -> RunResult:
             cfg, production=parts.production, training=parts.training,
             evaluation=parts.evaluation, checkpoints=store, state=state,
             target_key=recipe.target_key,
-            lr_scale=lambda p: lr_scale(cfg.optim, p), observe=StepLog(job, job.log),
+            lr_scale=lambda p: lr_scale(cfg.optim, p), observe=StepLog(job),
             on_eval=lambda ev: keep_best(job, ev), clock=job.elapsed,
             selection=parts.selection)
         stopped = await schedule.run()

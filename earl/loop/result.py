@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from earl.loop.failures import failures_json
+
 if TYPE_CHECKING:
     from earl.loop.job import Job
     from earl.loop.schedule import LoopState
@@ -26,7 +28,7 @@ class RunResult:
     recipe: str = ""
     target_key: str = "reward"
     evals: list[dict[str, float]] = field(default_factory=list)
-    failures: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)  # error text -> failed episodes
     files: dict[str, str] = field(default_factory=dict)
     stopped: str = ""
     selected_step: int = -1
@@ -36,7 +38,9 @@ class RunResult:
                 "target_key": self.target_key, "wall_minutes": round(self.wall_minutes, 3),
                 "steps": self.steps, "policy_version": self.policy_version,
                 "episodes": self.episodes, "games": self.episodes, "stopped": self.stopped,
-                "selected_step": self.selected_step, "failed_episodes": self.failures,
+                "selected_step": self.selected_step,
+                "failed_episodes": sum(self.failures.values()),
+                "failures": failures_json(self.failures),
                 "evals": self.evals, **self.files}
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from earl.config import RunConfig
+from earl.loop.failures import add_failures, describe
 from earl.loop.gate import GroupGate, StalenessGate
 from earl.loop.pool import DoneGroup, GroupPool, straggler_wait
 from earl.stages.batch_types import BatchResult
@@ -80,23 +81,44 @@ RUN_ENDED = "the run ended before a step took it"
 
 
 class NothingToTrain(ValueError):
-    """A batch without one generated token: its first prompts do not fit the context (a
-    setting to change, not a fault a resume would heal)."""
+    """A batch without one generated token to train on: its episodes failed (the agents'
+    errors), were cut before the model generated (the context), or generated nothing. A
+    setting or an agent to fix, not a fault a resume would heal.
+
+    Attributes:
+        batch: the batch.
+        failures: the failed episodes' error texts -> episodes.
+        need_tokens: the longest first prompt plus max_tokens of the cut episodes (0: none).
+        limits: what cut them ("context_window", "max_total_tokens").
+    """
 
     def __init__(self, batch: int, result: BatchResult) -> None:
         eps = result.episodes
-        cut = [e for e in eps if e.truncated and e.generated == 0]
-        need = max((int(e.info.get("cut_need_tokens", 0)) for e in cut), default=0)
-        limits = sorted({str(e.info.get("cut", "context_window")) for e in cut})
-        fix = ("raise --model.max_model_len (and placement.context_window if set) to at least "
-               f"{need}" if "context_window" in limits else
-               f"raise the recipe's max_total_tokens to at least {need}")
-        super().__init__(
-            f"batch {batch}: no episode has a token to train on: {len(cut)} of {len(eps)} were "
-            f"cut before the model generated one; the longest first prompt plus the turn's "
-            f"max_tokens needs {need} tokens, over the {' and '.join(limits)}; {fix}, lower "
-            "--max_tokens, or shorten the prompt (tool schemas count)")
-        self.batch, self.need_tokens, self.limits = batch, need, limits
+        self.failures: dict[str, int] = {}
+        add_failures(self.failures, eps)
+        failed = sum(self.failures.values())
+        cut = [e for e in eps if not e.failed and e.truncated and e.generated == 0]
+        empty = sum(not e.failed and not e.truncated and e.generated == 0 for e in eps)
+        self.batch, self.limits = batch, sorted({str(e.info.get("cut", "context_window"))
+                                                 for e in cut})
+        self.need_tokens = max((int(e.info.get("cut_need_tokens", 0)) for e in cut), default=0)
+        why = []
+        if failed:
+            why.append(f"{failed} failed ({describe(self.failures, chars=400)}): fix the "
+                       "agent's error (every text and count: the run's JSON `failures`)")
+        if cut:
+            fix = ("raise --model.max_model_len (and placement.context_window if set) to at "
+                   f"least {self.need_tokens}" if "context_window" in self.limits else
+                   f"raise the recipe's max_total_tokens to at least {self.need_tokens}")
+            why.append(f"{len(cut)} were cut before the model generated a token (the longest "
+                       f"first prompt plus the turn's max_tokens needs {self.need_tokens} "
+                       f"tokens, over the {' and '.join(self.limits)}): {fix}, lower "
+                       "--max_tokens, or shorten the prompt (tool schemas count)")
+        if empty:
+            why.append(f"{empty} ended without asking the model for a turn: the agent must "
+                       "call rollout.generate or its OpenAI client before it returns")
+        super().__init__(f"batch {batch}: no episode has a token to train on; of its "
+                         f"{len(eps)} episodes " + "; ".join(why or ["none was played"]))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -125,6 +147,7 @@ class StepRecord:
     stale_groups: int = 0  # groups dropped over the staleness bound before this step
     slots: int = 0  # episodes the staleness gate lets run at once
     groups_running: int = 0  # partial rollouts: groups still playing as the step ends
+    new_errors: list[str] = field(default_factory=list)  # failed episodes' texts first seen
 
 
 class Schedule:
@@ -186,8 +209,14 @@ class Schedule:
                         res = await self.production.play(b, self._snapshot(b))
                 future(b).set_result(res)
             except BaseException as exc:
-                if not future(b).done():
-                    future(b).set_exception(exc)
+                # The task group raises `exc` itself; the future only wakes a step waiting
+                # for this batch, and may have none: mark it retrieved (no stray traceback).
+                if not (f := future(b)).done():
+                    if isinstance(exc, asyncio.CancelledError):
+                        f.cancel()
+                    else:
+                        f.set_exception(exc)
+                        f.exception()
                 raise
 
         async def producer(tg: asyncio.TaskGroup) -> None:
@@ -289,6 +318,7 @@ class Schedule:
         s = self.state
         progress = max(self.elapsed() / self.time_limit_s, (b + 1) / self.config.steps)
         scale = self.lr_scale(progress)
+        new_errors = add_failures(s.failures, res.episodes)
         if res.samples == 0:
             raise NothingToTrain(b, res)
         async with (self.selection.train(b, res) if self.selection is not None
@@ -304,14 +334,12 @@ class Schedule:
         await self.gate.advance(b + 1)
         s.step = b + 1
         s.episodes += len(res.episodes)
-        for e in res.episodes:
-            if e.failed and e.error:
-                s.failures[e.error] = s.failures.get(e.error, 0) + 1
         now = self.clock()
         if self.observe is not None:
             await self.observe(StepRecord(
                 version=s.step, result=res, train=metrics, step_s=now - last, lr_scale=scale,
                 straggler_wait_s=wait_s, stale_groups=stale, slots=self.slots,
+                new_errors=new_errors,
                 groups_running=self.groups_out.out - self.pool.size() if self.partial else 0))
         if s.step % self.config.checkpoint_every == 0 and s.step < self.config.steps:
             # partial rollouts: the critic has seen groups in the order they finished

@@ -2,17 +2,18 @@
 
 `StepLog` is the schedule's `observe` callback: from a `StepRecord` (the batch's episodes, the
 trainer's metrics, the step's seconds) it writes a row to `metrics.jsonl` (reward, failure
-and truncation rates, context lengths, staleness, seconds per phase, restarts, bytes per
-transport of each flow) and prints the progress line.
+and truncation rates and the step's most frequent error, context lengths, staleness, seconds per
+phase, restarts, bytes per transport of each flow), hands it to `Job.step` (run.log, the
+progress display) and logs each error text the run has not seen before as an event.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from earl.loop.failures import add_failures, describe
 from earl.runtime.errors import ActorDied
 
 if TYPE_CHECKING:
@@ -26,14 +27,12 @@ __all__ = ["StepLog", "info_rates", "slot_idle_share"]
 class StepLog:
     """Logs each step of `job`'s attempt in force."""
 
-    def __init__(self, job: Job, log: Callable[[str], None]) -> None:
-        self.job, self.log = job, log
+    def __init__(self, job: Job) -> None:
+        self.job = job
         self._reference_total = 0.0
         self._reference_bytes: dict[str, int] = {}
 
     async def __call__(self, r: StepRecord) -> None:
-        from earl.observe import progress_line
-
         job = self.job
         assert job.metrics is not None
         rec = step_row(r, steps=job.cfg.steps)
@@ -43,7 +42,9 @@ class StepLog:
         rec.update(await self._reference_flows())
         rec.update(job.healer.metrics())  # restarts/<actor>, rewinds
         job.metrics.log(rec)
-        self.log(progress_line(rec))
+        for text in r.new_errors:
+            job.log(f"episodes failing (first at step {r.version}): {text}")
+        job.step(rec)
         if job.hooks.after_step is not None:
             await job.hooks.after_step(r)
 
@@ -87,12 +88,15 @@ def step_row(r: StepRecord, *, steps: int) -> dict[str, Any]:
     generated = sum(e.generated for e in eps)
     stale = (sum((r.version - 1) * e.generated - e.version_sum for e in eps) / generated
              if generated else 0.0)
+    errors: dict[str, int] = {}
+    add_failures(errors, eps)
     return {
         **{f"train/{k}": v for k, v in r.train.items()}, "step": r.version, "steps": steps,
         "episodes": len(eps),
         "reward": float(np.mean([0.0 if e.reward is None else e.reward for e in eps]))
         if eps else 0.0,
         "failed_rate": sum(e.failed for e in eps) / n,
+        **({"failed_error": describe(errors, top=1, chars=120)} if errors else {}),
         "truncated_rate": sum(e.truncated for e in eps) / n,
         "tokens_per_s": tokens / max(r.step_s, 1e-6), "staleness": stale,
         "ctx_mean": tokens / n, "ctx_max": max((e.tokens for e in eps), default=0),

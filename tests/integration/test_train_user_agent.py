@@ -82,11 +82,59 @@ def test_train_a_users_agent_from_the_cli(user_dir: Path, tmp_path: Path) -> Non
         assert res[key]["episodes"] == 4.0
         assert res[key]["failed_rate"] == pytest.approx(0.25)  # "boom" raises: failed, counted
         assert res[key]["reward"] == pytest.approx(0.25 * 3 / 4)  # the rule scored the rest
-    assert any("the environment crashed on boom" in k for k in res["failed_episodes"])
+    assert res["failed_episodes"] == sum(f["episodes"] for f in res["failures"]) > 0
+    assert [f["error"] for f in res["failures"]] == \
+        ["RuntimeError: the environment crashed on boom"]
     dump = [json.loads(x) for x in Path(res["trajectories"]).read_text().splitlines()]
     # every trajectory put, the groups still out at the end included (partial rollouts)
     assert len(dump) >= 16 and all(len(d["loss_mask"]) == len(d["token_ids"]) for d in dump)
     assert "episodes failed" in p.stderr
+
+
+OPENAI_96 = textwrap.dedent('''
+    """An OpenAI-client agent that sets its own max_tokens, as agent frameworks do."""
+
+    async def agent(rollout, sample) -> float:
+        r = await rollout.openai_client().chat.completions.create(
+            model="earl-policy", max_tokens=96,
+            messages=[{"role": "user", "content": sample["question"]}])
+        return float(str(sample["answer"]) in (r.choices[0].message.content or ""))
+''')
+
+
+def test_an_openai_client_agents_own_max_tokens_is_served(tmp_path: Path) -> None:
+    """max_tokens=96 over the run's per-turn default (64) at the defaults: it trains."""
+    (tmp_path / "agent96.py").write_text(OPENAI_96)
+    root = Path(__file__).resolve().parents[2]
+    p = _earl("train", "--agent", f"{tmp_path / 'agent96.py'}:agent",
+              "--tasks", str(root / "envs" / "data" / "calc_train.jsonl"),
+              "--output-dir", str(tmp_path / "run"), "--json", "--steps=2", "--batch_size=8",
+              "--group_size=4", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["steps"] == 2 and res["failed_episodes"] == 0 and res["failures"] == []
+    dump = [json.loads(x) for x in Path(res["trajectories"]).read_text().splitlines()]
+    assert max(sum(d["loss_mask"]) for d in dump) > 64  # served past the run's default
+
+
+def test_an_agent_that_always_raises_stops_with_its_error(tmp_path: Path) -> None:
+    """Every episode raises: the run stops at its first batch with the agent's exception text
+    and count, in the error line, the JSON and run.log, and nothing after it (no traceback)."""
+    (tmp_path / "crash.py").write_text(
+        "async def agent(rollout, sample):\n    raise KeyError('no tool named calc')\n")
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "run"
+    p = _earl("train", "--agent", f"{tmp_path / 'crash.py'}:agent",
+              "--tasks", str(root / "envs" / "data" / "calc_train.jsonl"),
+              "--output-dir", str(out), "--json", "--steps=2", "--batch_size=8",
+              "--group_size=4", cwd=tmp_path)
+    assert p.returncode == 2
+    err = json.loads(p.stdout.strip().splitlines()[-1])
+    assert err["failures"] == [{"error": "KeyError: 'no tool named calc'", "episodes": 8}]
+    assert "8 failed (8x KeyError: 'no tool named calc')" in err["error"]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last == err["error"] and "Traceback" not in p.stderr
+    assert "8x KeyError: 'no tool named calc'" in (out / "run.log").read_text()
 
 
 SLOW_AGENT = textwrap.dedent('''
