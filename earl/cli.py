@@ -11,6 +11,7 @@ import sys
 
 COMMANDS = {
     "train": "Train a policy (default: tiny model on Tic-Tac-Toe, CPU).",
+    "eval": "Evaluate a saved policy (a run folder or an HF folder) greedily (--json).",
     "stress": "Stress-test multi-turn tool use with N concurrent agent sessions.",
     "bench": "Run a benchmark from bench/ and print its JSON.",
     "inspect": "Inspect or replay trajectories dumped by a run.",

@@ -8,19 +8,25 @@ One sample's path: agent coroutine (producer actor) -> the producer's dock shard
 reference adds "ref_logprobs" on its shard -> the trainer ranks fetch straight from both ->
 weights back to the vLLM rollout actors. The driver carries metadata only.
 
+`runtime` is the actors' runtime of a run, shared with `earl eval` (`earl.evaluate`).
+
 Not here: the loop (`earl.loop`), the actors (`earl.stages`), the CLI (`earl.commands.train`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from earl.config import RunConfig, to_dict
 from earl.loop.result import RunResult
 from earl.resolve import resolve_recipe
+
+if TYPE_CHECKING:
+    from earl.runtime import Runtime
 
 __all__ = ["RunResult", "run", "train"]
 
@@ -67,13 +73,28 @@ def train(config: RunConfig | str | dict[str, object] | None = None, *,
 async def run(cfg: RunConfig, *, agent: Callable[..., Any] | None = None,
               tasks: Iterable[object] | None = None, resume: bool = False,
               trace: bool = False, verbose: bool = False,
-              log: Callable[[str], None] = print) -> RunResult:
+              log: Callable[[str], None] = print,
+              progress: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
     """Run the whole job; returns the evaluations and the paths of every output file.
     Unless `verbose`, the actors' output and this process' warnings go to
+    `<output_dir>/run.log` (`quiet_logs`). `log` gets each event line, `progress` each
+    step's metrics row (None: its progress line to `log`); run.log gets both."""
+    recipe, ref = resolve_recipe(cfg, agent=agent, tasks=tasks)
+    async with runtime(cfg, verbose=verbose) as rt:
+        from earl.loop.healing import run_job
+        from earl.loop.job import Job
+
+        return await run_job(Job(cfg, recipe, ref, rt, log=log, progress=progress,
+                                 trace=trace), resume)
+
+
+@contextlib.asynccontextmanager
+async def runtime(cfg: RunConfig, *, verbose: bool = False) -> AsyncIterator[Runtime]:
+    """The runtime `cfg`'s actors run in, as its placement says (local or Ray launcher).
+    Actors may write only under the output folder; unless `verbose`, their output goes to
     `<output_dir>/run.log` (`quiet_logs`)."""
     from earl.runtime import Runtime, RuntimeConfig, registry
 
-    recipe, ref = resolve_recipe(cfg, agent=agent, tasks=tasks)
     # Actors write checkpoints and weights only under roots the run allows: its output folder.
     registry.allow_root(Path(cfg.output_dir).resolve())
     actor_log = None if verbose else quiet_logs(Path(cfg.output_dir))
@@ -81,10 +102,7 @@ async def run(cfg: RunConfig, *, agent: Callable[..., Any] | None = None,
     async with Runtime(RuntimeConfig(launcher=cfg.placement.launcher, actor_log=actor_log,
                                      ray_resources=cfg.placement.host_resources() if ray else {},
                                      ray_gpus=cfg.placement.ray_gpus() if ray else {})) as rt:
-        from earl.loop.healing import run_job
-        from earl.loop.job import Job
-
-        return await run_job(Job(cfg, recipe, ref, rt, log=log, trace=trace), resume)
+        yield rt
 
 
 def quiet_logs(out: Path) -> str:

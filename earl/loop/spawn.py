@@ -4,6 +4,7 @@ Order: the trainer ranks, the dock's index, the reference; then (with `--selecto
 selector's first plan, which decides the rollout's window, layout and slots; the rollout
 replicas; the producers (agent coroutines and the dock's warehouse shards). The parts
 (`earl.loop.parts`) are wrapped by healing (`earl.loop.healing_parts.heal`) as they are built.
+`evaluating` spawns only what a greedy evaluation of a saved policy needs (`earl eval`).
 Stage configs are built from the run's config sections here and nowhere else.
 
 Not here: the loop that drives the parts (`earl.loop.main`), the actors themselves
@@ -12,6 +13,8 @@ Not here: the loop that drives the parts (`earl.loop.main`), the actors themselv
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -30,8 +33,12 @@ if TYPE_CHECKING:
     from earl.loop.schedule import Selection
     from earl.loop.selection import Setting
     from earl.loop.selection_actors import ActorReconfigurer
+    from earl.runtime import ActorGroup
+    from earl.stages.producer import ProducerActor
+    from earl.stages.rollout import RolloutActor
+    from earl.stages.vllm_engine import EngineConfig
 
-__all__ = ["Attempt", "spawn_attempt"]
+__all__ = ["Attempt", "evaluating", "spawn_attempt"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -100,9 +107,7 @@ async def spawn_attempt(job: Job, version: int) -> Attempt:
                                  groups_per_batch=cfg.batch_size // cfg.group_size,
                                  group_size=cfg.group_size, shared=job.recipe.shared_group_task,
                                  over_sample=cfg.over_sample_groups, tracer=job.tracer)
-    evaluation = ActorEvaluation(actors.producers, job.recipe,
-                                 size=cfg.eval_games or cfg.DEFAULT_EVAL_GAMES) \
-        if job.recipe.eval else None
+    evaluation = _evaluation(job, actors.producers)
     training = ActorTraining(actors, columns, job.tracer,
                              weights_transport=pl.weights_transport or "auto",  # type: ignore[arg-type]
                              )
@@ -110,6 +115,39 @@ async def spawn_attempt(job: Job, version: int) -> Attempt:
                  healer=job.healer, rt=job.rt, out=job.out)
     return Attempt(actors=actors, production=parts.production, training=parts.training,
                    evaluation=parts.evaluation, selection=selection, reconfigurer=reconfigurer)
+
+
+@contextlib.asynccontextmanager
+async def evaluating(job: Job) -> AsyncIterator[ActorEvaluation]:
+    """While the body runs, the recipe's greedy evaluation of the policy `job.start` (`earl
+    eval`): the rollout replicas serve it as the placement says, the producers play the eval,
+    and a dock index stands by (producers register their shards with it; nothing is put).
+    No trainer or reference is spawned.
+
+    Raises:
+        ValueError: the recipe has nothing to evaluate on (no eval tasks).
+    """
+    from earl.runtime.dock import IndexActor
+
+    if not job.recipe.eval:
+        raise ValueError(f"recipe {job.recipe.name!r} has no eval tasks to evaluate on; pass "
+                         "--eval-tasks FILE.jsonl")
+    await job.rt.spawn("dock", IndexActor, stages=["train"], capacity=1, env=job.env)
+    rollout = await spawn_replicas(job, 0)
+    evaluation = _evaluation(job, await spawn_producers(job, 0))
+    assert evaluation is not None  # the recipe has an eval
+    try:
+        yield evaluation
+    finally:
+        await rollout.close.call()
+
+
+def _evaluation(job: Job, producers: ActorGroup[ProducerActor]) -> ActorEvaluation | None:
+    """The recipe's greedy evaluation on `producers` (None: the recipe has no eval)."""
+    cfg = job.cfg
+    if not job.recipe.eval:
+        return None
+    return ActorEvaluation(producers, job.recipe, size=cfg.eval_games or cfg.DEFAULT_EVAL_GAMES)
 
 
 def _slots(job: Job, actor: str, n: int, per_rank: int = 1) -> Any:
@@ -163,30 +201,46 @@ async def spawn_rollout(job: Job, actors: Actors, version: int, setting: Setting
                         reconfigurer: ActorReconfigurer | None) -> None:
     """The vLLM replicas, as configured or with the selector's `setting`; they serve the
     trained weights on a resumed run, the warm-started ones otherwise."""
+    if setting is None or reconfigurer is None:
+        await actors.use_rollout(await spawn_replicas(job, version))
+        return
     from earl.stages.rollout import RolloutActor
+
+    changes, n, slot = reconfigurer.rollout_spawn(setting)
+    ecfg = replace(_engine_config(job, version), **changes)
+    await actors.use_rollout(await job.rt.spawn("rollout", RolloutActor, ecfg, version, n=n,
+                                                env=job.env, slot=slot,
+                                                restart=job.healer.policy("rollout")))
+    reconfigurer.measure_rollout(setting, n, ecfg.kv_cache_gb)
+
+
+async def spawn_replicas(job: Job, version: int) -> ActorGroup[RolloutActor]:
+    """The vLLM replicas as the placement says (no selector), serving policy `version`."""
+    from earl.stages.rollout import RolloutActor
+
+    pl = job.cfg.placement
+    ecfg = _engine_config(job, version)
+    per = pl.devices_per_replica() if pl.device == "cpu" else 1  # GPU slots: their GPUs
+    n, slot = pl.rollout, _slots(job, "rollout", pl.rollout, per)
+    if pl.device == "cuda" and slot:  # vLLM's share of each GPU: the slot's budget
+        ecfg = replace(ecfg, gpu_memory_mib=slot[0].memory_mib or 0)
+    return await job.rt.spawn("rollout", RolloutActor, ecfg, version, n=n, env=job.env,
+                              slot=slot, restart=job.healer.policy("rollout"))
+
+
+def _engine_config(job: Job, version: int) -> EngineConfig:
+    """A replica's config: it serves the trained weights on a resumed run (`version` > 0),
+    the starting policy (`job.start`) otherwise."""
     from earl.stages.vllm_engine import EngineConfig
 
     cfg, pl = job.cfg, job.cfg.placement
     serve = job.weights if (job.weights / "config.json").is_file() and version else job.start
-    ecfg = EngineConfig(model=str(serve),
+    return EngineConfig(model=str(serve),
                         max_model_len=pl.context_window or job.max_model_len,
                         threads=pl.threads_per_actor, seed=cfg.seed,
                         kv_cache_gb=pl.kv_cache_gb, dtype=pl.dtype, device=pl.device,
                         tensor_parallel_size=pl.rollout_tp,
                         sleep_mode=pl.colocate and pl.device == "cuda")
-    if setting is not None and reconfigurer is not None:
-        changes, n, slot = reconfigurer.rollout_spawn(setting)
-        ecfg = replace(ecfg, **changes)
-    else:
-        per = pl.devices_per_replica() if pl.device == "cpu" else 1  # GPU slots: their GPUs
-        n, slot = pl.rollout, _slots(job, "rollout", pl.rollout, per)
-        if pl.device == "cuda" and slot:  # vLLM's share of each GPU: the slot's budget
-            ecfg = replace(ecfg, gpu_memory_mib=slot[0].memory_mib or 0)
-    group = await job.rt.spawn("rollout", RolloutActor, ecfg, version, n=n, env=job.env,
-                               slot=slot, restart=job.healer.policy("rollout"))
-    await actors.use_rollout(group)
-    if setting is not None and reconfigurer is not None:
-        reconfigurer.measure_rollout(setting, n, ecfg.kv_cache_gb)
 
 
 async def spawn_producers(job: Job, version: int) -> Any:
@@ -203,7 +257,9 @@ async def spawn_producers(job: Job, version: int) -> Any:
                           reward=absolute_ref(cfg.reward) if cfg.reward else "",
                           tool_timeout_s=cfg.tool_timeout_s,
                           dump=str(job.out / "trajectories.jsonl")
-                          if cfg.dump_trajectories else "", algorithm=cfg.algorithm,
+                          if cfg.dump_trajectories else "", dump_share=cfg.dump_share,
+                          dump_max_bytes=int(cfg.dump_max_mb * 2**20 / cfg.placement.producers),
+                          algorithm=cfg.algorithm,
                           failed_reward=recipe.failed_reward)
     return await job.rt.spawn("producer", ProducerActor, pcfg, version,
                               n=cfg.placement.producers, env=job.env,
