@@ -221,6 +221,10 @@ class RunConfig:
     (started, not yet trained or dropped; 0 = `(max_policy_lag + 1) * batch_size /
     group_size`, what whole batches allow). It sets the rollout's concurrency apart from the
     staleness bound: a long bound for heavy-tailed episodes need not flood the engine.
+    `dump_trajectories`: write trajectories for `earl inspect` (`trajectories*.jsonl` in the
+    run folder), bounded by default: `dump_share` of the groups (whole groups; failed episodes
+    always), rotated into gzip segments and capped at `dump_max_mb` over all producers (oldest
+    segments deleted). A full dump: `--dump_share=1 --dump_max_mb=0`.
     `lora`: low-rank adapters (`earl.stages.lora.LoraConfig`; rank 0 = full fine-tuning) for
     the warm start and the trainer; the rollout serves the merged weights, and a KL term reads
     the trainer's own base model (adapter off) instead of reference actors.
@@ -250,6 +254,8 @@ class RunConfig:
     max_restarts: int = 3
     tool_timeout_s: float = 30.0
     dump_trajectories: bool = True
+    dump_share: float = 0.1
+    dump_max_mb: float = 16.0
     output_dir: str = "runs/latest"
     model: ModelConfig = field(default_factory=ModelConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
@@ -305,6 +311,10 @@ class RunConfig:
              "second move)")
         need(self.eval_every >= 0, "eval_every", "must be >= 0 (0 = no validation evals)")
         need(self.time_limit_minutes > 0, "time_limit_minutes", "must be > 0")
+        need(0 < self.dump_share <= 1, "dump_share",
+             "must be in (0, 1] (the share of groups dumped; 1 = all)")
+        need(self.dump_max_mb == 0 or self.dump_max_mb >= 1, "dump_max_mb",
+             "must be 0 (no cap) or >= 1 (MB over all the run's dump files)")
         need(self.target >= 0, "target", "must be >= 0 (0 = off)")
         need(self.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
         need(self.max_restarts >= 0, "max_restarts",

@@ -10,19 +10,22 @@ episodes, mean reward, the share with reward >= 1, failed and truncated shares, 
 generated tokens, and the mean of every numeric `info` key (plus outcome rates for games).
 `--show` prints each trajectory with the tokens the policy generated (loss mask 1, what the
 trainer learns from) between `⟦` and `⟧`; prompts, tool results and observations are plain.
-Reads `trajectories.jsonl` (and the per-rank `trajectories.N.jsonl`) and the run's tokenizer
-only; starts no actors.
+Reads `trajectories.jsonl` (and the per-rank `trajectories.N.jsonl`, and the gzip segments a
+bounded dump rotated out, `earl.stages.dump`) and the run's tokenizer only; starts no actors.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import itertools
 import json
 import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+from earl.stages.dump import dump_files
 
 Record = dict[str, Any]  # one line of trajectories.jsonl, as JSON gives it
 OPEN, CLOSE = "⟦", "⟧"   # around generated (loss-mask) tokens in --show
@@ -34,10 +37,12 @@ def _load(run: Path) -> list[Record]:
     if not path.is_file():
         raise ValueError(f"{str(path)!r} not found: pass a run directory written by `earl train` "
                          "(with dump_trajectories=true) or a trajectories.jsonl file")
-    files = [path, *sorted(path.parent.glob(f"{path.stem}.*.jsonl"))]  # other producer ranks
+    lives = [path, *sorted(path.parent.glob(f"{path.stem}.*.jsonl"))]  # other producer ranks
+    files = [f for live in lives for f in dump_files(live)]  # gzip segments, oldest first
     out: list[Record] = []
     for f in files:
-        lines = f.read_text().splitlines()
+        lines = (gzip.decompress(f.read_bytes()) if f.suffix == ".gz"
+                 else f.read_bytes()).decode().splitlines()
         for lineno, line in enumerate(lines, 1):
             if not line.strip():
                 continue

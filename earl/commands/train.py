@@ -48,7 +48,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="end with one JSON line of results")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     p.add_argument("--trace", action="store_true", help="write trace.json (Chrome/Perfetto)")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--quiet", action="store_true", help="nothing on the terminal but the "
+                   "result (every step's line is in <output_dir>/run.log either way)")
     p.add_argument("--verbose", action="store_true", help="the actors' library warnings and "
                    "progress bars (vLLM, transformers) on the terminal instead of "
                    "<output_dir>/run.log")
@@ -70,17 +71,18 @@ def main(argv: list[str]) -> int:
         cfg = load_config(args.config, overrides)
     except (ValueError, TypeError) as exc:
         return _fail(args.json, f"earl train: {exc}", code=2)
+    from earl.commands.terminal import Terminal
     from earl.run import run
 
-    def log(line: str) -> None:
-        if not args.quiet:
-            print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
-
+    term = Terminal(sys.stderr if args.json else sys.stdout, quiet=args.quiet,
+                    time_limit_s=cfg.time_limit_minutes * 60)
     try:
         result = asyncio.run(run(cfg, resume=args.resume, trace=args.trace,
-                                 verbose=args.verbose, log=log))
+                                 verbose=args.verbose, log=term.event, progress=term.step))
     except BaseException as exc:  # noqa: BLE001 - one clear line instead of a traceback
+        term.close()
         return _stopped(args.json, exc, cfg.output_dir)
+    term.close()
     key = result.target_key
     ev, ev0 = result.eval, result.eval_start
     shown = f"{key} {ev[key]:.3f}" if key in ev else "no eval tasks"

@@ -13,6 +13,7 @@ in async callables that save and load the trainer.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import shutil
@@ -133,12 +134,17 @@ class CheckpointStore:
 def trim_logs(out: Path, step: int) -> None:
     """Drop records of steps after `step` from the run's JSONL logs: those a resume replays,
     and an earlier run's in the same folder when a run starts fresh (`step` 0; the producers
-    append to the trajectory dumps)."""
-    for path in [out / "metrics.jsonl", *out.glob("trajectories*.jsonl")]:
+    append to the trajectory dumps, and their gzip segments, `earl.stages.dump`)."""
+    for path in [out / "metrics.jsonl", *out.glob("trajectories*.jsonl"),
+                 *out.glob("trajectories*.jsonl.*.gz")]:
         if not path.is_file():
             continue
+        gz = path.suffix == ".gz"
+        if gz and step == 0:
+            path.unlink()
+            continue
         kept = []
-        with open(path) as f:
+        with gzip.open(path, "rt") if gz else open(path) as f:
             for line in f:
                 try:
                     rec = json.loads(line)
@@ -147,5 +153,9 @@ def trim_logs(out: Path, step: int) -> None:
                 if int(rec.get("step", 0)) <= step:
                     kept.append(line if line.endswith("\n") else line + "\n")
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(kept))
+        if gz:
+            with gzip.open(tmp, "wt", compresslevel=3) as f:
+                f.write("".join(kept))
+        else:
+            tmp.write_text("".join(kept))
         tmp.replace(path)

@@ -15,7 +15,6 @@ the loop that drives it.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -31,6 +30,7 @@ from earl.runtime.types import Trajectory
 from earl.runtime.wire import message
 from earl.stages.advantages import Estimator
 from earl.stages.batch_types import BatchResult, Episode, GroupTask, episode_of, sample_id
+from earl.stages.dump import TrajectoryDump
 from earl.stages.healing_engine import HealingEngine
 
 T = TypeVar("T")
@@ -80,6 +80,9 @@ class ProducerConfig:
             endpoint serves a client's `max_tokens` up to.
         reward: a reward rule's reference ("" = the agent's own reward): `reward(sample,
             response)` scores the final assistant text and replaces the agent's return.
+        dump_share: the share of groups dumped (1.0: all; failed episodes always are).
+        dump_max_bytes: the most a rank's dump files take, rotated segments included (0: no
+            cap; `earl.stages.dump`).
         dump: file rank 0 appends trajectories to ("" = none), for `earl inspect`; rank r
             writes "<stem>.r.jsonl" beside it.
         tool_timeout_s: per tool call; a call that takes longer comes back to the agent as
@@ -98,6 +101,8 @@ class ProducerConfig:
     max_total_tokens: int | None = None
     context_window: int = 0
     dump: str = ""
+    dump_share: float = 1.0
+    dump_max_bytes: int = 0
     reward: str = ""
     tool_timeout_s: float = 30.0
     critic: str = ""
@@ -117,7 +122,8 @@ class ProducerActor(WarehouseHost, Actor):
         # Rank 0 appends to `dump`, rank r to "<stem>.r.jsonl" (one writer per file).
         dump = config.dump if self.rank == 0 or not config.dump else \
             str(Path(config.dump).with_suffix(f".{self.rank}.jsonl"))
-        self._dump = open(dump, "a") if dump else None  # noqa: SIM115
+        self._dump = TrajectoryDump(dump, share=config.dump_share,
+                                    max_bytes=config.dump_max_bytes) if dump else None
 
     async def setup(self) -> None:
         from transformers import AutoTokenizer
@@ -324,12 +330,15 @@ class ProducerActor(WarehouseHost, Actor):
 
     def _write_dump(self, step: int, trajs: list[Trajectory], advs: Sequence[np.ndarray]) -> None:
         assert self._dump is not None
+        records = []
         for t, adv in zip(trajs, advs, strict=False):
+            if not self._dump.wants(step, t.group_id, failed=t.failed):
+                continue
             d = asdict(t)
             d["step"] = step
             mask = t.loss_mask
             first = next((i for i, m in enumerate(mask) if m), None)
             d["advantage"] = float(adv[first]) if first is not None else 0.0
-            self._dump.write(json.dumps(d) + "\n")
-        self._dump.flush()
+            records.append(d)
+        self._dump.write(records)
 

@@ -21,7 +21,8 @@ def test_train_gauntlet_a_few_steps(tmp_path: Path) -> None:
     p = subprocess.run(
         [sys.executable, "-m", "earl.cli", "train", "--recipe", "gauntlet", "--output-dir",
          str(out), "--json", "--steps=3", "--warm_start.steps=5", "--warm_start.batch_size=4",
-         "--batch_size=16", "--group_size=4", "--eval_games=4", "--checkpoint_every=100"],
+         "--batch_size=16", "--group_size=4", "--eval_games=4", "--checkpoint_every=100",
+         "--dump_share=1"],
         capture_output=True, text=True, timeout=560, env=env, check=False)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])

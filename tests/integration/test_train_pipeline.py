@@ -20,7 +20,7 @@ import pytest
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
 
 SMALL = ["--warm_start.steps=5", "--batch_size=16", "--group_size=4", "--eval_games=20",
-         "--checkpoint_every=2", "--optim.lr=1e-3"]
+         "--checkpoint_every=2", "--optim.lr=1e-3", "--dump_share=1"]  # every group dumped
 
 
 def _earl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

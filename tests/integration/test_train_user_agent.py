@@ -74,7 +74,7 @@ def test_train_a_users_agent_from_the_cli(user_dir: Path, tmp_path: Path) -> Non
               "--eval-tasks", str(user_dir / "eval.jsonl"), "--output-dir", str(out),
               "--json", "--steps=2", "--batch_size=8", "--group_size=4", "--max_tokens=12",
               "--placement.reference=0", "--model.max_model_len=1024",
-              "--reward", f"{user_dir / 'rules.py'}:quarter", cwd=tmp_path)
+              "--reward", f"{user_dir / 'rules.py'}:quarter", "--dump_share=1", cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert res["steps"] == 2 and res["policy_version"] == 2 and res["recipe"] == "agent"
@@ -109,7 +109,7 @@ def test_an_openai_client_agents_own_max_tokens_is_served(tmp_path: Path) -> Non
     p = _earl("train", "--agent", f"{tmp_path / 'agent96.py'}:agent",
               "--tasks", str(root / "envs" / "data" / "calc_train.jsonl"),
               "--output-dir", str(tmp_path / "run"), "--json", "--steps=2", "--batch_size=8",
-              "--group_size=4", cwd=tmp_path)
+              "--group_size=4", "--dump_share=1", cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert res["steps"] == 2 and res["failed_episodes"] == 0 and res["failures"] == []
@@ -165,7 +165,7 @@ def test_over_sampled_groups_cut_the_stragglers(tmp_path: Path) -> None:
               "--tasks", str(tmp_path / "tasks.jsonl"), "--output-dir", str(out), "--json",
               "--steps=2", "--batch_size=8", "--group_size=4", "--max_tokens=4",
               "--over_sample_groups=1", "--eval_every=0", "--placement.reference=0",
-              "--model.max_model_len=512", cwd=tmp_path)
+              "--model.max_model_len=512", "--dump_share=1", cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert res["steps"] == 2 and res["episodes"] == 16
@@ -210,7 +210,7 @@ def test_earl_train_from_python(user_dir: Path, tmp_path: Path) -> None:
         res = earl.train(agent=agent, tasks=words, steps=1, batch_size=8, group_size=4,
                          max_tokens=8, model={{"max_model_len": 1024}},
                          output_dir={str(tmp_path / 'py')!r},
-                         placement={{"reference": 0}}, log=lambda s: None)
+                         placement={{"reference": 0}}, dump_share=1.0, log=lambda s: None)
         print(json.dumps(res.to_json()))
     ''')
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -229,7 +229,7 @@ def test_train_an_openai_client_agent(tmp_path: Path) -> None:
               "--tasks", str(root / "envs" / "data" / "calc_train.jsonl"),
               "--output-dir", str(tmp_path / "run"), "--json", "--steps=2", "--batch_size=8",
               "--group_size=4", "--max_tokens=24", "--placement.reference=0",
-              "--model.max_model_len=1024", cwd=tmp_path)
+              "--model.max_model_len=1024", "--dump_share=1", cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert res["steps"] == 2 and res["episodes"] >= 16 and not res["failed_episodes"]
@@ -253,7 +253,7 @@ def test_train_a_langgraph_agent(tmp_path: Path) -> None:
         res = earl.train(agent=agent, tasks=tasks, steps=2, batch_size=8, group_size=4,
                          max_tokens=24, model={{"max_model_len": 1024}},
                          output_dir={str(tmp_path / 'run')!r},
-                         placement={{"reference": 0}}, log=lambda s: None)
+                         placement={{"reference": 0}}, dump_share=1.0, log=lambda s: None)
         print(json.dumps(res.to_json()))
     ''')
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
