@@ -224,7 +224,9 @@ class RunConfig:
     `dump_trajectories`: write trajectories for `earl inspect` (`trajectories*.jsonl` in the
     run folder), bounded by default: `dump_share` of the groups (whole groups; failed episodes
     always), rotated into gzip segments and capped at `dump_max_mb` over all producers (oldest
-    segments deleted). A full dump: `--dump_share=1 --dump_max_mb=0`.
+    segments deleted). A full dump: `--dump_share=1 --dump_max_mb=0`. `record_trained`: each
+    trainer replica writes the sample ids every step trained to `trained/trained.<rank>.jsonl`
+    before the step is acked (what `earl chaos` checks for lost and duplicated samples).
     `lora`: low-rank adapters (`earl.stages.lora.LoraConfig`; rank 0 = full fine-tuning) for
     the warm start and the trainer; the rollout serves the merged weights, and a KL term reads
     the trainer's own base model (adapter off) instead of reference actors.
@@ -256,6 +258,7 @@ class RunConfig:
     dump_trajectories: bool = True
     dump_share: float = 0.1
     dump_max_mb: float = 16.0
+    record_trained: bool = False
     output_dir: str = "runs/latest"
     model: ModelConfig = field(default_factory=ModelConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)

@@ -218,6 +218,10 @@ class IndexActor(Actor):
         return self.ix.statistics()
 
     @endpoint
+    async def resident(self, stage: str) -> list[str]:
+        return self.ix.resident(stage)
+
+    @endpoint
     async def restore(self, shards: list[str]) -> int:
         """Rebuild after a restart from the live shards' reports; returns samples restored."""
         for shard in shards:
@@ -501,6 +505,10 @@ class Dock:
         """Every index rank forgets the columns `stage` added on `shard`, and `stage` may take
         those samples again (`DockIndex.retract_shard`); returns the samples retracted."""
         return sum(await self.index.retract_shard.call(shard, stage))
+
+    async def resident(self, stage: str) -> list[str]:
+        """Ids of the samples in the dock that `stage` has not acked, over the index shards."""
+        return [sid for part in await self.index.resident.call(stage) for sid in part]
 
     async def statistics(self) -> DockStatistics:
         """Totals over the index shards."""

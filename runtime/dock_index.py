@@ -445,6 +445,10 @@ class DockIndex:
     def location(self, sample_id: str) -> dict[str, str]:
         return {c: s for c, (s, _) in self._samples[sample_id].columns.items()}
 
+    def resident(self, stage: str) -> list[str]:
+        """Ids of the samples held here that `stage` has not acked (ready or leased)."""
+        return [sid for sid, e in self._samples.items() if stage not in e.acked]
+
     def statistics(self) -> DockStatistics:
         ready: dict[str, int] = {}
         per_shard: dict[str, int] = {}

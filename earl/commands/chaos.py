@@ -31,11 +31,15 @@ Faults (each at a random point of a step, one at a time):
                  answer a new request and close every one of them, and no actor may fail
   kill:resave    SIGKILL of the trainer while the checkpoint in force is saved again (as a
                  resumed run re-saves its step): the rewind must find that checkpoint whole
+  lose:sample    a test of the judge, not of healing: one sample is left out of a step's
+                 plan and acked anyway (a dispatcher bug); the run must report it lost and fail
 
 The JSON line: `faults_injected`, `recovered`, `samples_lost`, `samples_duplicated` (every
 sample produced is trained exactly once or accounted for as dropped with its reason, in
-`samples_dropped`), `policy_versions_monotone`, `steps_reached`, `orphans` (processes, shm
-segments, folders left), and the restarts per actor. Exit status 0 when every invariant held.
+`samples_dropped`, or still in the dock), `policy_versions_monotone`, `steps_reached`, `orphans`
+(processes, shm segments, folders left), and the restarts per actor. "Trained" is what the
+trainer ranks recorded before each ack (`earl.commands.chaos_oracle`), not the driver's acks
+(`samples_acked`, `samples_acked_untrained`). Exit status 0 when every invariant held.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ from earl.commands.chaos_faults import (
     until,
     versions_monotone,
 )
+from earl.commands.chaos_oracle import lose_a_sample, read_trained
 
 __all__ = ["main"]
 
@@ -71,7 +76,8 @@ QUICK = ["kill:producer", "corrupt_frame", "kill:rollout", "delay", "disk_full",
 FULL = QUICK + ["kill:rollout_span", "kill:dock", "kill:trainer", "drop:producer",
                 "drop:reference", "squat:shm", "slowloris", "kill:resave", "stall:tool"]
 SMALL = ["--warm_start.steps=0", "--batch_size=8", "--group_size=4", "--eval_games=4",
-         "--eval_every=0", "--checkpoint_every=2", "--time_limit_minutes=30"]
+         "--eval_every=0", "--checkpoint_every=2", "--time_limit_minutes=30",
+         "--record_trained=true"]  # the trainers' records: what the oracle reads
 
 
 def main(argv: list[str]) -> int:
@@ -94,7 +100,7 @@ def main(argv: list[str]) -> int:
     faults = args.faults.split(",") if args.faults else (QUICK if args.quick else FULL)
     for f in faults:
         if f not in ("corrupt_frame", "delay", "disk_full", "stall:tool", "squat:shm",
-                     "slowloris", "kill:resave") and not (
+                     "slowloris", "kill:resave", "lose:sample") and not (
                 f.startswith("kill:") and f[5:] in ("rollout", "producer", "reference", "dock",
                                                     "trainer", "rollout_span")) and not (
                 f.startswith("drop:") and f[5:] in ("producer", "reference")):
@@ -165,7 +171,7 @@ async def run_chaos(cfg: Any, faults: list[str], *, seed: int = 0, log: Any = pr
         ref = "earl.commands.chaos_probe:probed_tictactoe"
         env[STALL_ENV] = str(stall)
     t0 = time.perf_counter()
-    error, steps, left = "", 0, 0
+    error, steps, resident = "", 0, []
     try:
         actor_log = None if verbose else quiet_logs(out)
         async with Runtime(RuntimeConfig(actor_log=actor_log)) as rt:
@@ -179,8 +185,7 @@ async def run_chaos(cfg: Any, faults: list[str], *, seed: int = 0, log: Any = pr
             try:
                 result = await run
                 steps = result.steps
-                stats = await Dock(await rt.lookup("dock")).statistics()
-                left = stats.ready.get("train", 0)
+                resident = await Dock(await rt.lookup("dock")).resident("train")
             except Exception as exc:  # noqa: BLE001 - reported in the JSON line
                 from earl.commands.train import _cause
 
@@ -195,7 +200,7 @@ async def run_chaos(cfg: Any, faults: list[str], *, seed: int = 0, log: Any = pr
         stall.unlink(missing_ok=True)
         if disk:
             umount(out / "checkpoint")
-    ledger = job.healer.ledger.summary(left_in_dock=left)
+    ledger = job.healer.ledger.summary(read_trained(out / "trained"), resident)
     left_behind = orphans(pids | {os.getpid()})
     monotone = versions_monotone(out, cfg.max_policy_lag, cfg.partial_rollouts != "off")
     recovered = (not error and steps == cfg.steps and len(inj.done) == len(faults)
@@ -363,6 +368,13 @@ class Injector:
             return {"delayed": n, "recovered": True}
         if fault == "disk_full":
             return await self._disk_full(fired)
+        if fault == "lose:sample":
+            lost: list[str] = []
+            undo = lose_a_sample(lost)
+            fired.set()
+            ok = await until(lambda: bool(lost), 120)
+            undo()
+            return {"lost_on_purpose": lost, "recovered": ok}
         if fault == "stall:tool":
             return await self._stall_tool(fired)
         raise ValueError(fault)

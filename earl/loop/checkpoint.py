@@ -134,9 +134,10 @@ class CheckpointStore:
 def trim_logs(out: Path, step: int) -> None:
     """Drop records of steps after `step` from the run's JSONL logs: those a resume replays,
     and an earlier run's in the same folder when a run starts fresh (`step` 0; the producers
-    append to the trajectory dumps, and their gzip segments, `earl.stages.dump`)."""
+    append to the trajectory dumps, and their gzip segments, `earl.stages.dump`; the trainer
+    to its records of what each step trained)."""
     for path in [out / "metrics.jsonl", *out.glob("trajectories*.jsonl"),
-                 *out.glob("trajectories*.jsonl.*.gz")]:
+                 *out.glob("trajectories*.jsonl.*.gz"), *out.glob("trained/trained.*.jsonl")]:
         if not path.is_file():
             continue
         gz = path.suffix == ".gz"

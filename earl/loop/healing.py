@@ -34,7 +34,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -87,21 +87,22 @@ def died_actor(exc: BaseException) -> tuple[str, int] | None:
 
 @dataclass(kw_only=True, slots=True)
 class Ledger:
-    """Every sample produced, trained (acked), or dropped with its reason; for the invariants.
-
-    `trained` is a multiset (a list): a sample trained twice shows up as a duplicate.
+    """The driver's record of every sample produced, acked by a training step, or dropped with
+    its reason. What was lost or trained twice is judged against the trainers' own records
+    (`summary`), not against the acks: an ack says a step was asked to train a sample, not
+    that the sample entered its gradient.
     """
 
     produced: dict[str, str] = field(default_factory=dict)   # sample id -> group id
-    trained: list[tuple[str, str]] = field(default_factory=list)
+    acked: list[str] = field(default_factory=list)
     dropped: dict[str, str] = field(default_factory=dict)    # sample id -> reason
     rewound: int = 0                                         # discarded by rewinds
 
     def add_produced(self, ids: list[str], group_ids: list[str]) -> None:
         self.produced.update(zip(ids, group_ids, strict=True))
 
-    def add_trained(self, locations: tuple[Location, ...]) -> None:
-        self.trained += [(loc.sample_id, loc.group_id) for loc in locations]
+    def add_acked(self, locations: tuple[Location, ...]) -> None:
+        self.acked += [loc.sample_id for loc in locations]
 
     def add_dropped(self, lost: list[LostSample], reason: str) -> None:
         for x in lost:
@@ -113,27 +114,35 @@ class Ledger:
         keep = {s for s in self.produced if batch_of(s) < step}
         self.rewound += len(self.produced) - len(keep)
         self.produced = {s: g for s, g in self.produced.items() if s in keep}
-        self.trained = [t for t in self.trained if batch_of(t[0]) < step]
+        self.acked = [s for s in self.acked if batch_of(s) < step]
         self.dropped = {s: r for s, r in self.dropped.items() if batch_of(s) < step}
 
-    def summary(self, left_in_dock: int = 0) -> dict[str, object]:
-        """`samples_lost`: produced, not trained, not dropped with a reason (nor still in the
-        dock); `samples_duplicated`: extra trainings of a sample, or of a group (a group
-        re-played after it was trained)."""
-        trained_ids = [s for s, _ in self.trained]
-        dup_samples = len(trained_ids) - len(set(trained_ids))
-        # a group trained from two different plays (ids of two attempts) is a duplicate
-        attempts: dict[str, set[str]] = {}
-        for s, g in self.trained:
-            attempts.setdefault(g, set()).add(s.rsplit("-", 1)[0])
-        dup_groups = sum(len(a) - 1 for a in attempts.values())
-        missing = set(self.produced) - set(trained_ids) - set(self.dropped)
+    def summary(self, trained: Sequence[str], resident: Iterable[str] = ()) -> dict[str, object]:
+        """The invariants, against `trained` (every sample id the trainer ranks recorded as
+        trained, a multiset: `earl.stages.trainer.TrainerActor`) and `resident` (ids still in
+        the dock, not yet trained).
+
+        `samples_lost`: produced, and neither trained, nor dropped with a reason, nor still in
+        the dock. `samples_duplicated`: extra trainings of a sample, or of a group (a group
+        re-played after it was trained: two plays' ids of one group).
+        `samples_acked_untrained`: acked by a step that never trained them (a subset of lost).
+        """
+        done = set(trained)
+        dup_samples = len(trained) - len(done)
+        plays: dict[str, set[str]] = {}
+        for s in done:
+            if (g := self.produced.get(s)) is not None:
+                plays.setdefault(g, set()).add(s.rsplit("-", 1)[0])
+        dup_groups = sum(len(p) - 1 for p in plays.values())
+        missing = set(self.produced) - done - set(self.dropped) - set(resident)
         reasons: dict[str, int] = {}
         for r in self.dropped.values():
             reasons[r] = reasons.get(r, 0) + 1
-        return {"samples_produced": len(self.produced), "samples_trained": len(trained_ids),
+        return {"samples_produced": len(self.produced), "samples_trained": len(trained),
+                "samples_acked": len(self.acked),
+                "samples_acked_untrained": len(set(self.acked) - done),
                 "samples_dropped": reasons, "samples_rewound": self.rewound,
-                "samples_lost": max(len(missing) - left_in_dock, 0),
+                "samples_lost": len(missing), "lost_ids": sorted(missing)[:20],
                 "samples_duplicated": dup_samples + dup_groups}
 
 

@@ -53,7 +53,7 @@ class LedgerDock(Dock):
 
     async def ack(self, lease: Lease) -> None:
         await super().ack(lease)
-        self.healer.ledger.add_trained(lease.samples)
+        self.healer.ledger.add_acked(lease.samples)
 
     async def drop(self, lease: Lease, reason: str) -> None:
         await super().ack(lease)

@@ -173,6 +173,7 @@ async def spawn_trainer(job: Job) -> Any:
                          temperature=cfg.algorithm.temperature,
                          micro_batch_tokens=pl.micro_batch_tokens, dist_url=dist_url,
                          lora=cfg.lora, shared_prefix=pl.shared_prefix,
+                         record_dir=str(job.out / "trained") if cfg.record_trained else "",
                          dtype=pl.dtype, tp=pl.trainer_tp, pp=pl.trainer_pp,  # type: ignore[arg-type]
                          # DDP does not compose with DTensor tensor parallel; FSDP2 does
                          # (megatron's tensor parallel composes with DDP)

@@ -23,7 +23,9 @@ It does not build batches or decide when to sync: the run loop does.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
@@ -124,6 +126,8 @@ class TrainerActor(Actor):
         pos = {sid: i for i, sid in enumerate(replica.sample_ids)}
         micro = [[pos[sid] for sid in mb] for mb in replica.micro_batches]
         metrics = await self._run(lambda t: t.train_step(batch, lr_scale, micro))
+        if self.config.record_dir and plan.is_leader(self.rank):
+            self._record(replica.sample_ids)
         assert self._dock is not None
         for kind, n in self._dock.fetched_bytes().items():  # what carried this step's data
             if n > before.get(kind, 0):
@@ -133,6 +137,16 @@ class TrainerActor(Actor):
             if wait is not None:
                 await asyncio.to_thread(wait, timeout_s)
         return metrics
+
+    def _record(self, sample_ids: Sequence[str]) -> None:
+        """The samples this replica's step just trained, on disk before the caller acks."""
+        assert self.trainer is not None
+        path = Path(self.config.record_dir) / f"trained.{self.rank}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        line = json.dumps({"step": self.trainer.step, "rank": self.rank,
+                           "sample_ids": list(sample_ids)})
+        with path.open("a") as f:
+            f.write(line + "\n")
 
     async def _fetch_planned(self, plan: DispatchPlan, index: str,
                              timeout_s: float) -> TrainBatch:

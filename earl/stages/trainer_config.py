@@ -46,6 +46,10 @@ class TrainerConfig:
         recompute: recompute activations in the backward (HF gradient checkpointing,
             non-reentrant): less memory per token for ~1/3 more compute; `set_recompute`
             switches it between steps.
+        record_dir: a folder where each replica leader appends, before the step is acked,
+            the sample ids its step trained (`trained.<rank>.jsonl`: one line per step,
+            `{"step", "rank", "sample_ids"}`), for an oracle of what entered a gradient
+            (`earl chaos`); "" = none.
     """
 
     model: str
@@ -66,6 +70,7 @@ class TrainerConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     shared_prefix: bool = False
     recompute: bool = False
+    record_dir: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.loss, dict):

@@ -106,7 +106,9 @@ def test_a_stalled_tool_times_out_and_the_run_goes_on(tmp_path: Path) -> None:
     _assert_invariants(rep, 1)
     (f,) = rep["faults"]  # type: ignore[misc]
     assert f["stalled_calls"] >= 1 and f["tool_timeout_s"] == 1.5
-    assert 1.5 <= f["longest_wait_s"] <= 3.0, f
+    # each stalled call waited out its timeout, and came back as a timeout while the tool still
+    # hung (the injector lifts the stall only after it saw them; `recovered` checks "timeout")
+    assert f["longest_wait_s"] >= f["tool_timeout_s"], f
     assert rep["restarts"] == {} and rep["rewinds"] == 0
 
 
@@ -127,3 +129,22 @@ def test_another_users_attacks_and_a_kill_while_resaving(tmp_path: Path) -> None
     assert all(status == 401 for status in loris["answered"])
     assert resave["rewound_to"] == resave["step_in_force"]
     assert rep["restarts"] == {"trainer": 1} and rep["rewinds"] == 1
+
+
+@pytest.mark.vllm
+def test_the_oracle_reports_a_sample_lost_on_purpose(tmp_path: Path) -> None:
+    """lose:sample leaves one sample out of a step's plan and acks the lease whole: the
+    trainers' records lack it, so the run reports it lost and fails, though every step was
+    acked (the old oracle, which read acks, called this run clean)."""
+    code, rep, err = _chaos("--faults", "lose:sample", "--steps", "4",
+                            "--output-dir", str(tmp_path / "run"))
+    assert code == 1, (rep, err)
+    (fault,) = rep["faults"]  # type: ignore[misc]
+    lost = fault["lost_on_purpose"]
+    assert rep["samples_lost"] == 1 and rep["lost_ids"] == lost, rep
+    assert rep["samples_acked_untrained"] == 1 and rep["samples_duplicated"] == 0
+    assert rep["steps_reached"] == 4 and rep["ok"] is False
+    records = [json.loads(x) for f in (tmp_path / "run" / "trained").glob("trained.*.jsonl")
+               for x in f.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert not any(lost[0] in r["sample_ids"] for r in records)

@@ -69,25 +69,54 @@ def _loc(sid: str, gid: str) -> Location:
     return Location(sample_id=sid, group_id=gid, length=4, version=0, columns={})
 
 
-def test_ledger_counts_lost_duplicated_dropped_and_rewinds() -> None:
+def test_ledger_judges_by_the_trainers_records_not_the_acks() -> None:
     led = Ledger()
     led.add_produced(["b000000-0000", "b000000-0001", "b000001-0000"], ["g0", "g0", "g1"])
-    led.add_trained((_loc("b000000-0000", "g0"), _loc("b000000-0001", "g0")))
-    s = led.summary()
-    assert s["samples_lost"] == 1 and s["samples_duplicated"] == 0
-    assert led.summary(left_in_dock=1)["samples_lost"] == 0
+    led.add_acked((_loc("b000000-0000", "g0"), _loc("b000000-0001", "g0")))
+    # acked both, the trainer recorded one: the other is lost, whatever the ack said
+    s = led.summary(["b000000-0000"], resident=["b000001-0000"])
+    assert s["samples_lost"] == 1 and s["lost_ids"] == ["b000000-0001"]
+    assert s["samples_acked"] == 2 and s["samples_acked_untrained"] == 1
+    trained = ["b000000-0000", "b000000-0001"]
+    assert led.summary(trained)["samples_lost"] == 1  # b000001-0000: not in the dock now
+    assert led.summary(trained, resident=["b000001-0000"])["samples_lost"] == 0
     led.add_dropped([LostSample("b000001-0000", "g1", ("input_ids",))], "shard died")
-    assert led.summary()["samples_lost"] == 0
-    assert led.summary()["samples_dropped"] == {"shard died": 1}
+    assert led.summary(trained)["samples_lost"] == 0
+    assert led.summary(trained)["samples_dropped"] == {"shard died": 1}
     # the same group trained from a second play is a duplicate, as is a sample trained twice
     led.add_produced(["b000001-x1-0000"], ["g1"])
-    led.add_trained((_loc("b000001-x1-0000", "g1"), _loc("b000000-0000", "g0")))
-    assert led.summary()["samples_duplicated"] == 1
-    led.add_trained((_loc("b000001-0000", "g1"),))
-    assert led.summary()["samples_duplicated"] == 2
+    trained += ["b000001-x1-0000", "b000000-0000"]
+    assert led.summary(trained)["samples_duplicated"] == 1
+    trained += ["b000001-0000"]
+    assert led.summary(trained)["samples_duplicated"] == 2
     led.rewind(1)  # the trainer went back to step 1: batch 1 is played and trained again
-    assert led.summary()["samples_rewound"] == 2
-    assert {s for s, _ in led.trained} == {"b000000-0000", "b000000-0001"}
+    assert led.summary([])["samples_rewound"] == 2
+    assert set(led.acked) == {"b000000-0000", "b000000-0001"}
+
+
+def test_the_oracle_reads_what_the_trainers_recorded(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from earl.commands.chaos_oracle import read_trained
+
+    (tmp_path / "trained.0.jsonl").write_text(
+        '{"step": 1, "rank": 0, "sample_ids": ["a", "b"]}\n{"step": 2, "ra')  # cut mid-write
+    (tmp_path / "trained.2.jsonl").write_text('{"step": 1, "rank": 2, "sample_ids": ["c"]}\n')
+    assert sorted(read_trained(tmp_path)) == ["a", "b", "c"]
+
+
+def test_a_lost_sample_leaves_the_plan_and_only_once() -> None:
+    from earl.commands.chaos_oracle import drop_one
+    from earl.runtime.dispatch import DispatchPlan, ReplicaPlan
+    from earl.runtime.layout import Layout
+
+    r = ReplicaPlan(dp=0, leader=0, ranks=(0,), sample_ids=("a", "b", "c"),
+                    micro_batches=(("a",), ("b", "c")), fetches=(), tokens=12)
+    plan = DispatchPlan(step=1, issuers=(), layout=Layout(dp=1), columns=(), replicas=(r,))
+    cut = drop_one(plan)
+    assert cut is not None
+    new, gone = cut
+    assert gone == "c" and new.replicas[0].sample_ids == ("a", "b")
+    assert new.replicas[0].micro_batches == (("a",), ("b",))
+    assert drop_one(new) is None  # no micro-batch of two left
 
 
 @dataclass
