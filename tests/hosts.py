@@ -7,8 +7,11 @@ mount namespace with a private tmpfs on `/dev/shm` and on `/tmp`. A holder proce
 (`unshare --mount --propagation private` ... `sleep infinity`) keeps that mount namespace alive,
 so every process started on the host (`Host.popen`, `Host.run`: `nsenter --target HOLDER
 --mount --net`) sees the same `/dev/shm` and `/tmp`, and no other host's. Paths outside `/tmp`
-(the repository, the venv) are the machine's own and shared by all hosts; paths under `/tmp`
-named in `share` are bind-mounted into every host at the same path (e.g. pytest's `tmp_path`).
+are the machine's own and shared by all hosts; paths under `/tmp` named in `share` are
+bind-mounted into every host at the same path (e.g. pytest's `tmp_path`), and so are those a
+process on a host needs to run this Python and import this checkout (`own_paths()`: the
+checkout, the virtual environment, the interpreter, the working directory and `sys.path`), so a
+checkout and its venv may live under `/tmp` too.
 
     with hosts(2) as (a, b):
         b.run(["python", "-c", "..."], env=...)   # runs in host b's namespaces
@@ -44,7 +47,7 @@ from typing import Any
 
 from earl.runtime.cleanup import pid_alive
 
-__all__ = ["Host", "RayCluster", "hosts", "ray_cluster", "sweep", "unavailable"]
+__all__ = ["Host", "RayCluster", "hosts", "own_paths", "ray_cluster", "sweep", "unavailable"]
 
 SUBNET = "10.213.0"  # host i (from 0) gets SUBNET.{i+1}/24
 RAY_PORT = 6379  # the head's GCS port, in the head host's own network namespace
@@ -133,6 +136,18 @@ class Host:
         """
         return subprocess.run(self.argv(argv, cwd), env=dict(env or os.environ),
                               capture_output=True, text=True, timeout=timeout, check=check)
+
+
+def own_paths() -> list[str]:
+    """The directories under /tmp that a process on a host needs to run this interpreter and
+    import this checkout: the checkout (this file's repository), the virtual environment and the
+    interpreter it was made from, the working directory and the folders on `sys.path`; each
+    resolved, without one that another contains. Usually empty (nothing of it under /tmp)."""
+    wanted = [Path(__file__).resolve().parents[1], Path(sys.prefix), Path(sys.base_prefix),
+              Path(sys.executable).resolve().parent, Path.cwd(), *map(Path, sys.path)]
+    under = sorted({str(p.resolve()) for p in wanted
+                    if str(p.resolve()).startswith("/tmp/") and p.is_dir()})
+    return [p for p in under if not any(p.startswith(q + "/") for q in under)]
 
 
 def _names(prefix: str) -> str:
@@ -250,7 +265,8 @@ def hosts(n: int = 2, prefix: str = "eh", *, share: Sequence[str | Path] = ()) -
         prefix: 1-4 lowercase letters starting every namespace and interface name; stale ones
             of the same prefix (their creating process is gone) are removed first.
         share: directories under /tmp to bind into every host at the same path (the rest of
-            each host's /tmp is its own). Paths outside /tmp are shared anyway.
+            each host's /tmp is its own). Paths outside /tmp are shared anyway, and so are
+            `own_paths()` (the checkout, its venv, the working directory).
 
     Raises:
         RuntimeError: hosts cannot be made here (`unavailable()` says why) or a step failed.
@@ -265,6 +281,9 @@ def hosts(n: int = 2, prefix: str = "eh", *, share: Sequence[str | Path] = ()) -
         if not p.startswith("/tmp/") or not os.path.isdir(p):
             raise ValueError(f"hosts(share=...): {p!r} is not a directory under /tmp; paths "
                              "outside /tmp are shared by all hosts already")
+    # a folder inside another is bound with it (binding it again would mkdir in the real one)
+    shared = sorted(set(shared) | set(own_paths()))
+    shared = [p for p in shared if not any(p.startswith(q + "/") for q in shared)]
     base = _names(prefix)
     sweep(prefix)
     bridge = f"{base}b"

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
 
 async def test_vllm_sleeps_wakes_and_loads_weights_while_asleep() -> None:
-    pytest.importorskip("vllm")
+    pytest.importorskip("vllm", reason="needs vLLM's CUDA build (.ci/install --cuda)")
     from safetensors.torch import load_file
 
     from earl.engine import SamplingParams
@@ -45,8 +45,7 @@ async def test_vllm_sleeps_wakes_and_loads_weights_while_asleep() -> None:
 
 
 def test_colocated_earl_train_on_one_gpu(tmp_path: Path) -> None:
-    pytest.importorskip("vllm")
-    pytest.importorskip("zmq")
+    pytest.importorskip("vllm", reason="needs vLLM's CUDA build (.ci/install --cuda)")
     out = tmp_path / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     p = subprocess.run(

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from process_groups import tear_down
 
 from earl.stages.trainer_batch import TrainBatch
 from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
@@ -37,8 +39,18 @@ def test_torch_trainer_cuda_matches_cpu(model_dir: Path, dtype: str) -> None:
     assert m["grad_norm"] > 0 and m["step"] == 1
 
 
-def test_megatron_trainer_cuda_matches_torch(model_dir: Path) -> None:
-    pytest.importorskip("megatron.core")
+@pytest.fixture
+def megatron_process_group() -> Iterator[None]:
+    """A MegatronTrainer joins a process group even on one rank (megatron needs one) and sets
+    up megatron's parallel state; both are torn down after the test."""
+    try:
+        yield
+    finally:
+        tear_down()
+
+
+def test_megatron_trainer_cuda_matches_torch(model_dir: Path, megatron_process_group: None
+                                             ) -> None:
     from earl.stages.trainer_megatron import MegatronTrainer
 
     batch = make_batch()

@@ -120,8 +120,7 @@ def test_round_trip_is_bit_identical_and_keeps_the_same_objects(model_dir: Path)
 def one_rank_nccl() -> Iterator[None]:
     if not dist.is_nccl_available():
         pytest.skip("needs NCCL")
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
+    assert not dist.is_initialized(), "a process group leaked from an earlier test"
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -57,7 +57,6 @@ def test_dispatch_bench_quick() -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 def test_dispatch_bench_cross_host() -> None:
-    pytest.importorskip("ray")
     out = subprocess.run(
         [sys.executable, str(BENCH), "--json", "--quick", "--cross-host-only",
          "--cross-host-mib", "8"],

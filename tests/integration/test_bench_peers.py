@@ -17,14 +17,15 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1900)]
+# soak: ~11.5 min (six 100 s runs plus start-ups), a third of the slow tier: not in CI
+# (docs/testing.md); run it with `pytest -m soak` when bench/peers.py or its workload changes
+pytestmark = [pytest.mark.slow, pytest.mark.soak, pytest.mark.vllm, pytest.mark.timeout(1900)]
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"trajectories_per_s", "tokens_per_s", "seconds_to_threshold", "final_eval",
         "peak_rss_mb"}
 
 
 def test_bench_peers_quick() -> None:
-    pytest.importorskip("trl", reason="TRL is the peer: pip install 'earl[peers]' (trl==1.16.0)")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "peers.py"), "--json", "--quick"],
                        capture_output=True, text=True, timeout=1800, env=env, check=False,

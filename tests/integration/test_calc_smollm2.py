@@ -27,7 +27,6 @@ ROOT = Path(__file__).resolve().parents[2]
                                   ["--config", "agents/openai_calc_smollm2.yaml"]],
                          ids=["recipe", "openai_client_agent"])
 def test_calc_smollm2_trains_two_steps_with_lora(tmp_path: Path, what: list[str]) -> None:
-    pytest.importorskip("peft")
     from safetensors import safe_open
 
     out = tmp_path / "run"

@@ -10,12 +10,12 @@ import tempfile
 import psutil
 import pytest
 import pytest_asyncio
+import ray
 from test_actor import Counter
 
 from earl.runtime import ActorDied, RestartPolicy, Runtime, RuntimeConfig
 from earl.runtime.conn import connect
 
-ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.ray, pytest.mark.asyncio(loop_scope="module")]
 
 

@@ -13,13 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_megatron_tp import OPTIM, _batch, _config, one_rank_beside
 
 from earl.models.tiny import build_tiny_model
 from earl.stages.trainer_dist import free_dist_url
-
-pytest.importorskip("megatron.core")
-
-from test_megatron_tp import OPTIM, _batch, _config, one_rank_beside
 
 
 def _worker(rank: int, world: int, tp: int, model: str, url: str, out: str) -> None:

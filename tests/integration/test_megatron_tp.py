@@ -20,8 +20,6 @@ from earl.stages.optim import OptimConfig
 from earl.stages.trainer_dist import free_dist_url
 from earl.stages.trainer_torch import TrainerConfig
 
-pytest.importorskip("megatron.core")
-
 LOSS = {"agg": "seq-mean-token-mean", "kl_coef": 0.05, "entropy_coef": 0.01, "off_policy": "tis"}
 OPTIM = {"lr": 1e-3, "grad_clip": 0.05}  # small: the clipping path runs
 

@@ -14,7 +14,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hosts import hosts, ray_cluster, unavailable
 
-pytest.importorskip("ray")
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300),
               pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))]
 

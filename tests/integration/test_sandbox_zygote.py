@@ -10,7 +10,9 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 
@@ -30,14 +32,31 @@ def _zygote(isolated: bool) -> sandbox._Zygote:
 
 @pytest.mark.parametrize("isolated", MODES)
 def test_runs_from_many_threads_overlap_and_keep_their_own_output(isolated: bool) -> None:
-    code = "import time\nt = time.time()\ntime.sleep(1.0)\nprint({i}, t, time.time())"
+    """Four runs from four threads each wait for a SIGUSR1, which is sent only once all four
+    are seen waiting at the same time (so they run in parallel); then each prints its number."""
+    z = _zygote(isolated)
+    # blocked, the signal stays pending (and the mask shows in /proc) until the run sees it
+    code = ("import signal, time\nsignal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])\n"
+            "while signal.SIGUSR1 not in signal.sigpending():\n    time.sleep(0.01)\n"
+            "print(%d)")
+    waiting: list[int] = []
+
+    def all_four_wait() -> bool:
+        waiting[:] = [pid for pid in _children(z.proc.pid) if _blocks_usr1(pid)]
+        return len(waiting) == 4
+
+    long_wall = replace(LIMITS, wall_s=90.0)  # the runs wait for the signal, not the clock
     with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda i: run_python(code.format(i=i), LIMITS,
-                                                     full_isolation=isolated), range(4)))
+        pending = [pool.submit(run_python, code % i, long_wall, full_isolation=isolated)
+                   for i in range(4)]
+        try:
+            _wait_until(all_four_wait, "four runs waiting at once", limit_s=45)
+        finally:  # released either way, so a failure does not wait out their wall time
+            for pid in waiting:
+                os.kill(pid, signal.SIGUSR1)
+        results = [f.result(timeout=60) for f in pending]
     assert all(r.ok for r in results), [r.text() for r in results]
-    spans = [tuple(map(float, r.output.split())) for r in results]
-    assert [int(s[0]) for s in spans] == [0, 1, 2, 3]
-    assert max(s[1] for s in spans) < min(s[2] for s in spans)  # all four ran at once
+    assert [r.output for r in results] == ["0\n", "1\n", "2\n", "3\n"]
 
 
 @pytest.mark.parametrize("isolated", MODES)
@@ -87,7 +106,9 @@ def test_a_dead_zygote_fails_its_runs_cleanly_and_is_replaced(isolated: bool) ->
             "print('started', flush=True)\ntime.sleep(60)")
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(run_python, code, LIMITS, full_isolation=isolated)
-        time.sleep(0.5)
+        # the run is running: its program forked the child it leaves behind
+        _wait_until(lambda: any(_children(run) for run in _children(z.proc.pid)),
+                    "the run and its child")
         z.proc.kill()
         r = pending.result(timeout=30)
     assert not r.ok and r.error is not None, r  # reported, not raised
@@ -103,7 +124,6 @@ def test_the_zygote_and_its_runs_die_with_the_caller() -> None:
         run_python("pass")
         threading.Thread(target=run_python, daemon=True,
                          args=("import os, time\\nos.fork()\\ntime.sleep(60)",)).start()
-        time.sleep(0.5)
         print(sandbox._zygotes[sandbox.isolation_available()].proc.pid, flush=True)
         time.sleep(60)
     """)
@@ -111,16 +131,20 @@ def test_the_zygote_and_its_runs_die_with_the_caller() -> None:
     try:
         assert caller.stdout is not None
         zygote = int(caller.stdout.readline())
-        runs = _children(zygote)
-        runs += [p for run in runs for p in _children(run)]
-        assert len(runs) == 2, "the run and its child should be alive under the zygote"
+        runs: list[int] = []
+
+        def run_and_child() -> bool:  # the run, and the child its program forked
+            runs[:] = _children(zygote)
+            runs.extend(p for run in list(runs) for p in _children(run))
+            return len(runs) == 2
+
+        _wait_until(run_and_child, "the run and its child alive under the zygote")
     finally:
         caller.send_signal(signal.SIGKILL)
         caller.wait()
-    deadline = time.monotonic() + 10  # the zygote notices within its 1 s poll
-    while (pid_alive(zygote) or any(map(pid_alive, runs))) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not pid_alive(zygote) and not any(map(pid_alive, runs))
+    # the zygote notices the caller's death (it polls every second) and kills its runs
+    _wait_until(lambda: not pid_alive(zygote) and not any(map(pid_alive, runs)),
+                "the zygote and its runs gone")
 
 
 def test_a_forked_caller_gets_its_own_zygote() -> None:
@@ -140,6 +164,26 @@ def test_a_forked_caller_gets_its_own_zygote() -> None:
     os.waitpid(pid, 0)
     assert got == "9 True"
     assert parent.usable() and run_python("print(1)", LIMITS).output == "1\n"
+
+
+def _wait_until(done: Callable[[], bool], what: str, limit_s: float = 60.0) -> None:
+    """Poll `done` until it holds; fail naming `what` after `limit_s` (a bound on a hang on a
+    loaded machine, not a timing the test asserts)."""
+    deadline = time.monotonic() + limit_s
+    while not done():
+        if time.monotonic() > deadline:
+            pytest.fail(f"gave up after {limit_s:g} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def _blocks_usr1(pid: int) -> bool:
+    """Whether process `pid`'s main thread blocks SIGUSR1 (a run waiting for one)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigBlk:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(mask & (1 << (signal.SIGUSR1 - 1)))
 
 
 def _children(pid: int) -> list[int]:

@@ -20,7 +20,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hosts import Host, hosts, ray_cluster, unavailable
 
-pytest.importorskip("ray")
 pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))]
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 ARGS = ["--warm_start.steps=5", "--batch_size=16", "--group_size=4", "--eval_games=20",

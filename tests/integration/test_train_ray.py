@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 PORT = 6391

@@ -316,20 +316,24 @@ def test_sim_engine_batch_width_queues_calls() -> None:
     assert peak == 2 and engine.statistics().calls == 12
 
 
-def _smollm2_tokenizer_dir():
-    from earl.models.tiny import cache_root
-
-    found = sorted((cache_root() / "models").glob("smollm2-*/tokenizer.json"))
-    return found[-1].parent if found else None
-
-
-@pytest.mark.skipif(_smollm2_tokenizer_dir() is None,
-                    reason="SmolLM2 not converted yet (earl.models.smollm2.smollm2_dir())")
-def test_codec_is_exact_with_a_byte_level_bpe_tokenizer() -> None:
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    """SmolLM2's byte-level BPE tokenizer with EARL's ChatML template: what
+    `earl.models.smollm2.smollm2_dir()` saves, read straight from the GGUF that `.ci/install`
+    installs (~6 s; the whole model's conversion, ~20-80 s, is not needed for its tokenizer)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(_smollm2_tokenizer_dir())
-    codec = ChatCodec(tok)
+    from earl.models.smollm2 import gguf_path
+    from earl.models.tiny import CHAT_TEMPLATE
+
+    gguf = gguf_path()
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def test_codec_is_exact_with_a_byte_level_bpe_tokenizer(smollm2_tokenizer) -> None:
+    codec = ChatCodec(smollm2_tokenizer)
     schema = [Tool.from_function(calculator).schema]
     texts = ["What's 2+2?", "Board:\n123\n456", "  spaced ", "héllo 世界", "<tool_call>x"]
     for _ in range(3):

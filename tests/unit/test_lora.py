@@ -16,8 +16,6 @@ from earl.stages.optim import OptimConfig
 from earl.stages.trainer_batch import TrainBatch
 from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
 
-pytest.importorskip("peft")
-
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,25 +18,38 @@ from peers_fakes import Tok
 
 
 @pytest.mark.parametrize("paced", [True, False])
+@pytest.mark.timeout(60)
 def test_episodes_play_every_turn_and_mask_only_model_tokens(paced: bool,
                                                              monkeypatch: Any) -> None:
-    slow = {0}
+    """Episode 0's first tool call is slow. Paced, it returns only once the three fast
+    episodes have observed all 4 of their turns: they never waited for it (a player that made
+    them wait would hang here until the test's timeout). In lockstep every turn waits for it,
+    so only the first batch was generated when it returned."""
+    batches: list[int] = []
+    fast_observed = 0
+    fast_done = asyncio.Event()
+    generated_when_slow_returned: list[int] = []
 
     async def observe(sample: dict[str, int], turn: int) -> str:
-        await asyncio.sleep(0.2 if sample["id"] in slow else 0.0)
+        nonlocal fast_observed
+        if sample["id"] != 0:
+            fast_observed += 1
+            if fast_observed == 3 * 4:
+                fast_done.set()
+        elif turn == 0:
+            if paced:
+                await fast_done.wait()
+            else:
+                await asyncio.sleep(0.05)  # any wait: lockstep cannot generate meanwhile
+            generated_when_slow_returned.append(sum(batches))
         return "obs"
 
     monkeypatch.setattr(work, "observe", observe)
     samples = [{"id": 0, "turns": 2, "seed": 0, "key": 7}] + [
         {"id": i, "turns": 4, "seed": i, "key": 7} for i in range(1, 4)]
-    batches: list[int] = []
-    when: list[float] = []
-    t0 = time.perf_counter()
 
     def generate(prompts: list[list[int]]) -> list[list[int]]:
         batches.append(len(prompts))
-        when.append(time.perf_counter() - t0)
-        time.sleep(0.01)
         return [[50, 51] for _ in prompts]
 
     player = ag.PacedEpisodes(Tok()) if paced else ag.Episodes(Tok())
@@ -47,8 +59,7 @@ def test_episodes_play_every_turn_and_mask_only_model_tokens(paced: bool,
         assert mask[:2] == [1, 1] and 0 in mask  # observations follow the turns, masked
     assert out["episode_reward"] == [1.0] * 4  # every reply ("7") says the key
     assert sum(batches) == sum(s["turns"] for s in samples)
-    early = sum(n for n, t in zip(batches, when, strict=True) if t < 0.15)
     if paced:  # the fast episodes ran their 4 turns while the slow one waited on its tool
-        assert early == 1 + 3 * 4
+        assert generated_when_slow_returned == [1 + 3 * 4]
     else:  # lockstep: one batch per turn, each turn waits for the slow tool
-        assert len(batches) == 4 and early == 4
+        assert len(batches) == 4 and generated_when_slow_returned == [4]

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("trl", reason="TRL is the peer: pip install 'earl[peers]' (trl==1.16.0)")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import _agentic_workload as work

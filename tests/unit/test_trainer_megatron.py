@@ -21,8 +21,6 @@ from earl.stages.trainer_megatron_convert import (
 )
 from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
 
-pytest.importorskip("megatron.core")
-
 
 def _batch():
     from test_trainer import make_batch

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import msgpack
 import pytest
 import torch
 
@@ -138,7 +139,6 @@ def test_opener_validates_before_touching_cuda():
 
 
 def test_message_survives_msgpack():
-    msgpack = pytest.importorskip("msgpack")
     wire = msgpack.unpackb(msgpack.packb(_message()))
     assert wire == _message()
     assert ipc.check_message(wire).tensors[1].dtype == torch.bfloat16
