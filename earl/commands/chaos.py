@@ -381,8 +381,9 @@ class Injector:
 
     async def _stall_tool(self, fired: asyncio.Event) -> dict[str, Any]:
         """Hang the probe tool until sessions came back with errors (at most 120 s), then
-        lift the stall. Recovered: the stalled calls were timeouts, each returned within the
-        tool timeout (plus 1.5 s of scheduling), and the run went on (checked by the caller)."""
+        lift the stall. Recovered: the stalled calls came back while the stall was still on
+        (by event order: not released by the lift), all of them as timeouts, and the run went
+        on (checked by the caller). `longest_wait_s` reports how long they waited."""
         assert self.stall is not None
         timeout = float(self.job.cfg.tool_timeout_s)
         errors = Path(f"{self.stall}.errors")
@@ -399,8 +400,7 @@ class Injector:
         longest = max((w for w, _ in stalled), default=0.0)
         return {"stalled_calls": len(stalled), "longest_wait_s": round(longest, 2),
                 "tool_timeout_s": timeout,
-                "recovered": ok and longest <= timeout + 1.5
-                and all(e == "timeout" for _, e in stalled)}
+                "recovered": ok and all(e == "timeout" for _, e in stalled)}
 
     async def _drop(self, name: str, fired: asyncio.Event) -> dict[str, Any]:
         """Cut the driver's connection to `name[0]` once calls to it are in flight (waits up

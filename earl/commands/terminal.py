@@ -3,7 +3,7 @@
 On a terminal, a rich progress bar stands at the bottom (steps, the run's share done, its last
 reward and throughput) and each event (an eval, a healing, a new failure, a warning) is printed
 above it as one line. Piped into a file or CI log, where a live bar cannot redraw, a progress
-line is printed each time the run gets `EVERY` further along (by steps or by its time limit,
+line is printed each time the run gets a further `1 / LINES` along (by steps or by its time limit,
 whichever is nearer), besides the event lines. Every step's line is in `<output_dir>/run.log`
 and `metrics.jsonl` either way (`earl.loop.job.Job.step`); `--quiet` shows nothing here.
 
@@ -20,9 +20,9 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 
 from earl.observe import progress_line
 
-__all__ = ["EVERY", "Terminal"]
+__all__ = ["LINES", "Terminal"]
 
-EVERY = 0.05  # piped output: a progress line per 5% of the run (at most ~20 lines)
+LINES = 10  # piped output: a progress line per tenth of the run
 
 
 class Terminal:
@@ -43,7 +43,7 @@ class Terminal:
         self._live = self._console.is_terminal if live is None else live
         self._bar: Progress | None = None
         self._task: TaskID | None = None
-        self._next = EVERY  # piped: the share done at which the next line is printed
+        self._next = 1  # piped: the tenth of the run at which the next line is printed
         self._last: dict[str, Any] | None = None  # the newest step not yet printed (piped)
 
     def event(self, line: str) -> None:
@@ -62,9 +62,9 @@ class Terminal:
         done = self.share(row)
         if self._live:
             self._draw(row, done)
-        elif done >= self._next or done >= 1.0:
+        elif (k := int(done * LINES + 1e-9)) >= self._next:
             print(progress_line(row), file=self._stream, flush=True)
-            self._next = (int(done / EVERY) + 1) * EVERY
+            self._next = k + 1
             self._last = None
         else:
             self._last = row

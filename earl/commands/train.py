@@ -15,6 +15,11 @@ Resume restores the trainer (model, optimizer, schedule, RNG), the recipe's crit
 version and the data cursor (the next batch's game seeds), so a resumed run continues the same
 metrics trajectory. It is not bit-identical: vLLM's sampling stream restarts with the engine and,
 with max_policy_lag > 0, which policy version sampled which token depends on timing.
+
+The run folder stays bounded: `checkpoint/` keeps only the checkpoint in force (a new one every
+`--checkpoint_every` steps replaces it once whole); the trajectory dump keeps `--dump_share`
+(0.1) of the groups in gzip-rotated files capped at `--dump_max_mb` (16; 0 = no cap). The
+terminal shows a progress bar and a line per event; each step's line is in <output_dir>/run.log.
 """
 
 from __future__ import annotations

@@ -146,5 +146,9 @@ async def select_final(job: Job) -> int:
 def fmt(ev: dict[str, float], key: str) -> str:
     shown = {k: v for k, v in ev.items() if k not in ("step", "minutes", "seconds")}
     head = f"{key} {ev.get(key, float('nan')):.3f}"
-    rest = ", ".join(f"{k} {v:.3f}" for k, v in shown.items() if k != key)
+    rest = ", ".join(f"{k} {_value(k, v)}" for k, v in shown.items() if k != key)
     return f"{head} ({rest})" if rest else head
+
+
+def _value(key: str, v: float) -> str:
+    return str(int(v)) if key in ("games", "episodes") and float(v).is_integer() else f"{v:.3f}"

@@ -1,4 +1,4 @@
-"""What `earl train` shows a person: piped, a line per 5% of the run plus every event;
+"""What `earl train` shows a person: piped, a line per tenth of the run plus every event;
 `--quiet`, nothing; on a terminal, a live bar with the events above it."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ def row(step: int, steps: int, wall_s: float) -> dict[str, object]:
             "staleness": 0.0, "wall_s": wall_s}
 
 
-def test_piped_output_is_a_line_per_twentieth_of_the_run_and_each_event() -> None:
+def test_piped_output_is_a_line_per_tenth_of_the_run_and_each_event() -> None:
     out = io.StringIO()
     t = Terminal(out, time_limit_s=0, live=False)
     for s in range(1, 1001):
@@ -23,7 +23,7 @@ def test_piped_output_is_a_line_per_twentieth_of_the_run_and_each_event() -> Non
     t.close()
     lines = out.getvalue().splitlines()
     progress = [x for x in lines if x.startswith("step ")]
-    assert len(progress) == 20 and progress[-1].startswith("step 1000/1000")
+    assert len(progress) == 10 and progress[-1].startswith("step 1000/1000")
     assert sum(x.startswith("eval @") for x in lines) == 10
 
 
@@ -33,7 +33,7 @@ def test_a_time_limit_paces_the_lines_when_it_comes_first() -> None:
     for s in range(1, 401):  # 400 of 2000 steps in the 100 s limit
         t.step(row(s, 2000, s * 0.25))
     t.close()
-    assert len(out.getvalue().splitlines()) == 20  # by time, not by the 20% of steps done
+    assert len(out.getvalue().splitlines()) == 10  # by time, not by the 20% of steps done
 
 
 def test_quiet_shows_nothing() -> None:

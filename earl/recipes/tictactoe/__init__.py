@@ -97,7 +97,7 @@ recipe = Recipe(
     critic=critic,
     config={
         "steps": 2000, "batch_size": 64, "group_size": 8, "max_policy_lag": 1,
-        "time_limit_minutes": 9.0, "target": 0.97, "eval_games": 200, "eval_every": 20,
+        "time_limit_minutes": 9.0, "target": 0.97, "eval_games": 200, "eval_every": 40,
         "select_best": True, "checkpoint_every": 25,
         "warm_start": {"steps": 120, "batch_size": 32, "lr": 3e-3},
         "algorithm": {"name": "ppo", "clip_low": 0.2, "clip_high": 0.2, "kl_coef": 0.15,
