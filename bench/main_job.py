@@ -5,7 +5,8 @@ Tic-Tac-Toe the 9-minute training budget) and prints one JSON object: the held-o
 the warm start (`eval_start`, the same policy before RL: what RL is compared with) and at the
 end, the validation curve (step, minutes, metric), the training reward per tenth of the steps,
 where the time went (rollout and train seconds per step, train and rollout tokens/s), steps and
-wall minutes. `--config FILE.yaml` runs a run file instead (e.g. a user's agent). `--save` keeps
+wall minutes, and what the run left and showed: the run folder's size (checkpoints, metrics, the
+bounded trajectory dump) and the lines it printed on the terminal. `--config FILE.yaml` runs a run file instead (e.g. a user's agent). `--save` keeps
 it in bench/results/ (`main_job` for Tic-Tac-Toe, `main_job_<recipe or run file's name>`
 otherwise).
 
@@ -56,6 +57,10 @@ def run(recipe: str, extra: list[str], config: str | None = None) -> dict[str, o
             raise SystemExit(f"main_job: earl train failed ({p.returncode}): {p.stderr[-2000:]}")
         res = json.loads(p.stdout.strip().splitlines()[-1])
         steps = _steps(Path(tmp) / "run" / "metrics.jsonl")
+        out = Path(tmp) / "run"
+        sizes = {"run_folder_mb": _mb(out.rglob("*")),
+                 "trajectory_dump_mb": _mb(out.glob("trajectories*")),
+                 "terminal_lines": len(p.stderr.splitlines())}  # what a person sees (--json)
     key = res["target_key"]
     return {"recipe": res["recipe"], "config": config, "metric": key, **steps, "eval": res["eval"].get(key),
             "eval_start": res["eval_start"].get(key), "steps": res["steps"],
@@ -63,7 +68,11 @@ def run(recipe: str, extra: list[str], config: str | None = None) -> dict[str, o
             "selected_step": res["selected_step"], "episodes": res["episodes"],
             "curve": [{"step": int(e["step"]), "minutes": round(e["minutes"], 2),
                        key: e.get(key)} for e in res["evals"]],
-            "extra_args": extra}
+            **sizes, "extra_args": extra}
+
+
+def _mb(paths: object) -> float:
+    return round(sum(f.stat().st_size for f in paths if f.is_file()) / 2**20, 2)  # type: ignore[attr-defined]
 
 
 def main() -> None:

@@ -55,8 +55,11 @@ def _x(a: float, b: float) -> str:
 
 
 def _main_job(r: Result) -> str:
+    left = (f"; run folder {r['run_folder_mb']:.0f} MB (trajectory dump "
+            f"{r['trajectory_dump_mb']:.1f} MB), {r['terminal_lines']} terminal lines"
+            if "run_folder_mb" in r else "")
     return (f"{r['metric']} **{r['eval']:.3f}** after {r['steps']} steps in "
-            f"{r['wall_minutes']:.1f} min (warm start alone {r['eval_start']:.3f})")
+            f"{r['wall_minutes']:.1f} min (warm start alone {r['eval_start']:.3f}){left}")
 
 
 def _main_job_llm(r: Result) -> str:
