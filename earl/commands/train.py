@@ -8,6 +8,8 @@
     earl train --output-dir runs/a --resume     # continue after a crash / SIGKILL
     earl train --trace                          # also write a Chrome/Perfetto trace
     earl train --recipe connect4 --selector on  # re-plan layouts as contexts grow
+    earl train --placement.device=cuda --dry-run --gpus 8 --gpu-memory-gib 80 --json
+                                                # the plan for an 8-GPU node; starts nothing
 
 Any `--key.sub=value` not listed below overrides a field of `earl.config.RunConfig`.
 
@@ -60,6 +62,14 @@ def main(argv: list[str]) -> int:
                    "<output_dir>/run.log")
     p.add_argument("--selector", help="on: the parallelism selector re-plans layouts and "
                    "budgets before each rollout and training step (default: off)")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved config and "
+                   "the device plan (each stage's devices, layout and dtype, vLLM's engine "
+                   "arguments, the trainer's parallelism); start nothing")
+    p.add_argument("--gpus", type=int, help="with --dry-run and placement.device=cuda: the "
+                   "GPUs of the machine to plan for (default: this machine's)")
+    p.add_argument("--gpu-memory-gib", type=float, help="with --dry-run and "
+                   "placement.device=cuda: each GPU's memory in GiB, e.g. 80 "
+                   "(default: this machine's)")
     args, rest = p.parse_known_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -72,6 +82,14 @@ def main(argv: list[str]) -> int:
             overrides.append(f"--{name}={getattr(args, name)}")
     if args.selector:  # beside --selector.<knob>=... overrides
         overrides.append(f"--selector.mode={args.selector}")
+    if args.dry_run:
+        from earl.commands.dry_run import dry_run
+
+        return dry_run(args.config, overrides, as_json=args.json, gpus=args.gpus,
+                       gpu_memory_gib=args.gpu_memory_gib)
+    if args.gpus is not None or args.gpu_memory_gib is not None:
+        return _fail(args.json, "earl train: --gpus and --gpu-memory-gib describe the machine "
+                     "a --dry-run plans for; add --dry-run (a run uses the GPUs it sees)", code=2)
     try:
         cfg = load_config(args.config, overrides)
     except (ValueError, TypeError) as exc:

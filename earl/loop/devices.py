@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from earl.runtime.slots import SlotPool
 
 __all__ = ["COLOCATED_SHARE", "STAGES", "GpuPlan", "device_roles", "gpu_memory_mib", "gpu_slots",
-           "plan_gpus", "run_slots"]
+           "plan_gpus", "rollout_memory_mib", "run_slots"]
 
 STAGES = ("rollout", "trainer", "reference")
 COLOCATED_SHARE = 0.5  # vLLM's share of a GPU it shares with a trainer rank (verl's default)
@@ -122,14 +122,24 @@ def gpu_slots(placement: PlacementConfig, *, reference: int, gpus: int) -> SlotP
 
     plan = plan_gpus(placement, reference=reference, gpus=gpus)
     pool = SlotPool(use_cgroups=False)
-    rollout_mib = placement.rollout_slot_memory_mib or None
-    if rollout_mib is None and placement.colocate:
-        rollout_mib = int(gpu_memory_mib() * COLOCATED_SHARE)
+    rollout_mib = rollout_memory_mib(placement)
     for stage, ranks in plan.stages().items():
         for r, own in enumerate(ranks):
             pool.create(f"{stage}{r}", gpus=own,
                         memory_mib=rollout_mib if stage == "rollout" else None)
     return pool
+
+
+def rollout_memory_mib(placement: PlacementConfig, *,
+                       gpu_total_mib: int | None = None) -> int | None:
+    """vLLM's budget on each GPU of a rollout replica: `placement.rollout_slot_memory_mib`,
+    else half of each GPU when colocated (`COLOCATED_SHARE` of `gpu_total_mib`, default this
+    process's first GPU's memory), else None (vLLM's default share)."""
+    if placement.rollout_slot_memory_mib:
+        return placement.rollout_slot_memory_mib
+    if not placement.colocate:
+        return None
+    return int((gpu_total_mib or gpu_memory_mib()) * COLOCATED_SHARE)
 
 
 def gpu_memory_mib() -> int:

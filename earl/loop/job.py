@@ -21,6 +21,7 @@ from earl.config import RunConfig
 from earl.loop.devices import device_roles, run_slots
 from earl.loop.healing import Healer
 from earl.loop.hooks import RunHooks
+from earl.loop.stage_configs import reference_actors
 from earl.observe import Metrics, Tracer, progress_line
 from earl.recipe import Recipe
 
@@ -164,11 +165,8 @@ class Job:
 
     @property
     def n_reference(self) -> int:
-        """Reference actors: only when a KL term reads their log-probs (with LoRA the
-        trainer's own base model, its adapter off, is the reference)."""
-        if self.cfg.lora.on:
-            return 0
-        return self.cfg.placement.reference if self.cfg.algorithm.kl_coef > 0 else 0
+        """Reference actors that run (`earl.loop.stage_configs.reference_actors`)."""
+        return reference_actors(self.cfg)
 
     def elapsed(self) -> float:
         """Wall seconds of the run, earlier (resumed-from) segments included."""

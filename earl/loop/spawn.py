@@ -5,7 +5,7 @@ selector's first plan, which decides the rollout's window, layout and slots; the
 replicas; the producers (agent coroutines and the dock's warehouse shards). The parts
 (`earl.loop.parts`) are wrapped by healing (`earl.loop.healing_parts.heal`) as they are built.
 `evaluating` spawns only what a greedy evaluation of a saved policy needs (`earl eval`).
-Stage configs are built from the run's config sections here and nowhere else.
+Stage configs come from `earl.loop.stage_configs` (what `earl train --dry-run` shows too).
 
 Not here: the loop that drives the parts (`earl.loop.main`), the actors themselves
 (`earl.stages`).
@@ -27,6 +27,7 @@ from earl.loop.healing_parts import (
     heal,
 )
 from earl.loop.parts import ActorEvaluation, ActorProduction, ActorTraining
+from earl.loop.stage_configs import engine_config, reference_config, trainer_config
 
 if TYPE_CHECKING:
     from earl.loop.job import Job
@@ -161,38 +162,25 @@ def _slots(job: Job, actor: str, n: int, per_rank: int = 1) -> Any:
 
 async def spawn_trainer(job: Job) -> Any:
     from earl.stages.trainer import TrainerActor
-    from earl.stages.trainer_torch import TrainerConfig
 
     cfg, pl = job.cfg, job.cfg.placement
     dist_url = None
     if pl.trainer > 1:  # the rendezvous on rank 0's host (under Ray, maybe another node)
         host, port = await job.rt.free_address("trainer", pl.trainer)
         dist_url = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
-    tcfg = TrainerConfig(model=str(job.start), optim=cfg.optim, loss=cfg.algorithm.loss(),
-                         threads=pl.threads_per_actor, seed=cfg.seed, device=pl.device,
-                         temperature=cfg.algorithm.temperature,
-                         micro_batch_tokens=pl.micro_batch_tokens, dist_url=dist_url,
-                         lora=cfg.lora, shared_prefix=pl.shared_prefix,
-                         record_dir=str(job.out / "trained") if cfg.record_trained else "",
-                         dtype=pl.dtype, tp=pl.trainer_tp, pp=pl.trainer_pp,  # type: ignore[arg-type]
-                         # DDP does not compose with DTensor tensor parallel; FSDP2 does
-                         # (megatron's tensor parallel composes with DDP)
-                         parallel="fsdp" if 1 < pl.trainer_tp < pl.trainer
-                         and pl.backend == "torch" else "ddp")
+    tcfg = trainer_config(cfg, model=str(job.start), dist_url=dist_url,
+                          record_dir=str(job.out / "trained") if cfg.record_trained else "")
     return await job.rt.spawn("trainer", TrainerActor, tcfg, pl.backend, n=pl.trainer,
                               env=job.env, slot=_slots(job, "trainer", pl.trainer))
 
 
 async def spawn_reference(job: Job) -> Any:
     """The reference actors, or None without a KL term."""
-    from earl.stages.reference import ReferenceActor, ReferenceConfig
+    from earl.stages.reference import ReferenceActor
 
     if job.n_reference == 0:
         return None
-    pl = job.cfg.placement
-    rcfg = ReferenceConfig(model=str(job.start), threads=pl.threads_per_actor,
-                           temperature=job.cfg.algorithm.temperature, device=pl.device,
-                           dtype=pl.dtype)
+    rcfg = reference_config(job.cfg, model=str(job.start))
     return await job.rt.spawn("reference", ReferenceActor, rcfg, n=job.n_reference,
                               env=job.env, restart=job.healer.policy("reference"),
                               slot=_slots(job, "reference", job.n_reference))
@@ -232,16 +220,9 @@ async def spawn_replicas(job: Job, version: int) -> ActorGroup[RolloutActor]:
 def _engine_config(job: Job, version: int) -> EngineConfig:
     """A replica's config: it serves the trained weights on a resumed run (`version` > 0),
     the starting policy (`job.start`) otherwise."""
-    from earl.stages.vllm_engine import EngineConfig
-
-    cfg, pl = job.cfg, job.cfg.placement
     serve = job.weights if (job.weights / "config.json").is_file() and version else job.start
-    return EngineConfig(model=str(serve),
-                        max_model_len=pl.context_window or job.max_model_len,
-                        threads=pl.threads_per_actor, seed=cfg.seed,
-                        kv_cache_gb=pl.kv_cache_gb, dtype=pl.dtype, device=pl.device,
-                        tensor_parallel_size=pl.rollout_tp,
-                        sleep_mode=pl.colocate and pl.device == "cuda")
+    return engine_config(job.cfg, model=str(serve),
+                         max_model_len=job.cfg.placement.context_window or job.max_model_len)
 
 
 async def spawn_producers(job: Job, version: int) -> Any:

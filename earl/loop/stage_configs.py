@@ -1,0 +1,75 @@
+"""Each stage's actor config, built from a run's config sections: the trainer's `TrainerConfig`,
+the reference's `ReferenceConfig`, a rollout replica's `EngineConfig`, and how many reference
+actors run.
+
+Pure functions of the run config and of the few facts only a live run has (the starting
+policy's folder, the context window, the trainer's rendezvous address), passed in: the run's
+spawning (`earl.loop.spawn`) builds its actors from them, and `earl.plan` shows what a run would
+build without starting anything.
+
+Not here: spawning, where each rank runs (`earl.loop.devices`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from earl.config import RunConfig
+    from earl.stages.reference import ReferenceConfig
+    from earl.stages.trainer_config import TrainerConfig
+    from earl.stages.vllm_build import EngineConfig
+
+__all__ = ["engine_config", "reference_actors", "reference_config", "trainer_config"]
+
+
+def reference_actors(cfg: RunConfig) -> int:
+    """Reference actors that run: only when a KL term reads their log-probs (with LoRA the
+    trainer's own base model, its adapter off, is the reference)."""
+    if cfg.lora.on:
+        return 0
+    return cfg.placement.reference if cfg.algorithm.kl_coef > 0 else 0
+
+
+def trainer_config(cfg: RunConfig, *, model: str, dist_url: str | None = None,
+                   record_dir: str = "") -> TrainerConfig:
+    """The trainer ranks' config: `model` is the starting policy's folder, `dist_url` the
+    ranks' rendezvous (None for one rank), `record_dir` where trained sample ids go."""
+    from earl.stages.trainer_config import TrainerConfig
+
+    pl = cfg.placement
+    return TrainerConfig(model=model, optim=cfg.optim, loss=cfg.algorithm.loss(),
+                         threads=pl.threads_per_actor, seed=cfg.seed, device=pl.device,
+                         temperature=cfg.algorithm.temperature,
+                         micro_batch_tokens=pl.micro_batch_tokens, dist_url=dist_url,
+                         lora=cfg.lora, shared_prefix=pl.shared_prefix, record_dir=record_dir,
+                         dtype=pl.compute_dtype(),  # type: ignore[arg-type]
+                         tp=pl.trainer_tp, pp=pl.trainer_pp,
+                         # DDP does not compose with DTensor tensor parallel; FSDP2 does
+                         # (megatron's tensor parallel composes with DDP)
+                         parallel="fsdp" if 1 < pl.trainer_tp < pl.trainer
+                         and pl.backend == "torch" else "ddp")
+
+
+def reference_config(cfg: RunConfig, *, model: str) -> ReferenceConfig:
+    """The reference actors' config (`model`: the starting policy, the KL anchor)."""
+    from earl.stages.reference import ReferenceConfig
+
+    pl = cfg.placement
+    return ReferenceConfig(model=model, threads=pl.threads_per_actor,
+                           temperature=cfg.algorithm.temperature, device=pl.device,
+                           dtype=pl.compute_dtype())
+
+
+def engine_config(cfg: RunConfig, *, model: str, max_model_len: int) -> EngineConfig:
+    """A rollout replica's vLLM config serving `model`, with the rollout's context window
+    (`placement.context_window`, else `max_model_len`). On CUDA the caller sets
+    ``gpu_memory_mib`` from the replica's slot."""
+    from earl.stages.vllm_build import EngineConfig
+
+    pl = cfg.placement
+    return EngineConfig(model=model, max_model_len=pl.context_window or max_model_len,
+                        threads=pl.threads_per_actor, seed=cfg.seed,
+                        kv_cache_gb=pl.kv_cache_gb, dtype=pl.compute_dtype(), device=pl.device,
+                        tensor_parallel_size=pl.rollout_tp,
+                        sleep_mode=pl.colocate and pl.device == "cuda")
