@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from earl.runtime.dock_index import Lease
-from earl.runtime.dock_warehouse import unpack_batch
+from earl.runtime.dock_warehouse import frame_tag, unpack_batch
 from earl.runtime.layout import Layout, MicroBatchRule, assign_micro_batches
 from earl.runtime.transport.base import Frame, Receiver, Sender, pack_arrays
 
@@ -113,6 +113,7 @@ async def gather(
     request: Callable[[FetchOp, str], Coroutine[object, object, None]],
     *,
     timeout_s: float = 120.0,
+    tag: str = "",
 ) -> tuple[Batch, list[Frame]]:
     """Have every warehouse in `fetches` send its slice to `receiver`; collect the frames.
 
@@ -120,6 +121,10 @@ async def gather(
     deadlock). Args:
         request: ``await request(op, address)`` makes warehouse ``op.shard`` send the slice to
             `address` (an RPC); it raises if the warehouse is dead.
+        tag: the fetch's name, which `request` has the warehouses put in their frames
+            (`Warehouse.pack`): frames with another tag are released unread. A fetch that
+            failed may leave frames in `receiver` (a live warehouse's answer that came after
+            another's death); counted as this fetch's, they would stand in for its own.
     Returns:
         (batch, frames); the batch views the frames' memory -- release the frames when done.
     Raises:
@@ -132,10 +137,15 @@ async def gather(
         deadline = time.monotonic() + timeout_s
         while len(frames) < len(fetches):
             try:
-                frames.append(await asyncio.to_thread(receiver.recv, 0.2))
+                frame = await asyncio.to_thread(receiver.recv, 0.2)
             except TimeoutError:
                 if time.monotonic() > deadline:
                     raise
+                continue
+            if tag and frame_tag(frame) != tag:
+                frame.release()  # an earlier fetch's
+                continue
+            frames.append(frame)
 
     try:
         async with asyncio.TaskGroup() as tg:
@@ -159,9 +169,11 @@ async def gather_replica(
     request: Callable[[FetchOp, str], Coroutine[object, object, None]],
     *,
     timeout_s: float = 120.0,
+    tag: str = "",
 ) -> tuple[Batch, list[Frame]]:
-    """On a replica leader: `gather` the replica's slice (see `gather` for errors)."""
-    batch, frames = await gather(replica.fetches, receiver, request, timeout_s=timeout_s)
+    """On a replica leader: `gather` the replica's slice (see `gather` for errors and `tag`)."""
+    batch, frames = await gather(replica.fetches, receiver, request, timeout_s=timeout_s,
+                                 tag=tag)
     missing = set(replica.sample_ids) - batch.keys()
     if missing:
         for f in frames:
@@ -221,6 +233,7 @@ async def gather_many(
     request: Callable[[FetchOp, str], Coroutine[object, object, None]],
     *,
     timeout_s: float = 120.0,
+    tag: str = "",
 ) -> tuple[Batch, list[Frame], dict[str, int]]:
     """`gather` over several receivers at once (a consumer's one per transport kind: its
     warehouses sit on several hosts), keyed by name: one batch, every frame, and the bytes each
@@ -228,7 +241,7 @@ async def gather_many(
     out: dict[str, tuple[Batch, list[Frame]]] = {}
 
     async def one(key: str, ops: Sequence[FetchOp], receiver: Receiver) -> None:
-        out[key] = await gather(ops, receiver, request, timeout_s=timeout_s)
+        out[key] = await gather(ops, receiver, request, timeout_s=timeout_s, tag=tag)
 
     try:
         async with asyncio.TaskGroup() as tg:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import secrets
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -265,9 +266,11 @@ class WarehouseHost:
         return self._warehouse
 
     @endpoint
-    async def dock_send(self, sample_ids: list[str], columns: list[str], address: str) -> int:
-        """Send the columns to a consumer's receiver; returns bytes sent."""
-        header, bufs = self.warehouse.pack(sample_ids, columns)
+    async def dock_send(self, sample_ids: list[str], columns: list[str], address: str,
+                        tag: str = "") -> int:
+        """Send the columns to a consumer's receiver, in a frame tagged with the consumer's
+        fetch (`dispatch.gather`); returns bytes sent."""
+        header, bufs = self.warehouse.pack(sample_ids, columns, tag)
         if address not in self._senders:
             self._senders[address] = (open_sender(address), threading.Lock())
         sender, lock = self._senders[address]
@@ -332,6 +335,7 @@ class Dock:
         self._hosts: dict[str, str] = {}  # shard -> its host id (asked once)
         self._fetched: dict[str, int] = {}  # transport kind -> bytes received
         self._rr = itertools.count()
+        self._fetches = itertools.count(1)  # tags this client's fetches (`dispatch.gather`)
 
     async def put(self, sample_id: str, columns: Mapping[str, np.ndarray], *, group_id: str,
                   group_size: int = 1, wait: bool = True, timeout_s: float | None = None) -> None:
@@ -449,10 +453,13 @@ class Dock:
 
     async def _gather(self, issuers: Sequence[tuple[int, int]], ops: Sequence[FetchOp],
                       timeout_s: float) -> tuple[Batch, list[Frame]]:
+        tag = f"{next(self._fetches)}.{secrets.token_hex(4)}"
+
         async def request(op: FetchOp, address: str) -> None:
             try:
                 shard = await _shard(op.shard)
-                await shard.dock_send.call_one(list(op.sample_ids), list(op.columns), address)
+                await shard.dock_send.call_one(list(op.sample_ids), list(op.columns), address,
+                                               tag)
             except (ActorDied, ActorError, KeyError, ConnectionError) as e:
                 raise _ShardFailed(op.shard, e) from e
 
@@ -463,7 +470,7 @@ class Dock:
                                    []).append(op)
             batch, frames, got = await gather_many(
                 {kind: (part, self.inbox.receiver(kind)) for kind, part in by_kind.items()},
-                request, timeout_s=timeout_s)
+                request, timeout_s=timeout_s, tag=tag)
         except _ShardFailed as failed:
             self._hosts.pop(failed.shard, None)  # a restarted shard may be elsewhere
             for index_rank, lease_id in issuers:

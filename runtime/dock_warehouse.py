@@ -11,6 +11,7 @@ Not here: deciding what is ready or consumed (runtime/dock_index.py).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -99,9 +100,14 @@ class Warehouse:
                 out[f"{i}/{c}"] = store[c]
         return out
 
-    def pack(self, sample_ids: Sequence[str], columns: Sequence[str]) -> tuple[bytes, list]:
-        """A transport frame with the requested columns; `unpack_batch` reverses it."""
-        return pack_arrays(self.get(sample_ids, columns), {"ids": list(sample_ids)})
+    def pack(self, sample_ids: Sequence[str], columns: Sequence[str], tag: str = ""
+             ) -> tuple[bytes, list]:
+        """A transport frame with the requested columns; `unpack_batch` reverses it. `tag`
+        names the fetch that asked for it (`frame_tag`)."""
+        meta: dict[str, object] = {"ids": list(sample_ids)}
+        if tag:
+            meta["fetch"] = tag
+        return pack_arrays(self.get(sample_ids, columns), meta)
 
     def mark_acked(self, sample_ids: Iterable[str], stage: str) -> None:
         for sid in sample_ids:
@@ -150,6 +156,13 @@ def _check(sample_id: str, column: str, a: object) -> np.ndarray:
         raise ValueError(f"sample {sample_id!r} column {column!r} has shape {a.shape}; "
                          "dock columns are 1-D per sample (or scalars)")
     return a if a.flags.c_contiguous else a.copy(order="C")  # keeps 0-d scalars 0-d
+
+
+def frame_tag(frame: Frame) -> str:
+    """The fetch a frame made by `Warehouse.pack` answers ("" if untagged): a consumer reads
+    only its current fetch's frames, never one a failed fetch left in its receiver."""
+    meta = json.loads(frame.header).get("m", {})
+    return str(meta.get("fetch", ""))
 
 
 def unpack_batch(frame: Frame, *, copy: bool = False) -> dict[str, dict[str, np.ndarray]]:
