@@ -123,6 +123,12 @@ class IndexActor(Actor):
         async with self.changed:
             self.changed.notify_all()
 
+    async def _evict(self, evict: dict[str, list[str]]) -> None:
+        """Have each live shard drop the columns of `evict` (shard -> sample ids)."""
+        for shard, ids in evict.items():
+            with contextlib.suppress(ActorDied, KeyError):
+                await (await _shard(shard)).dock_evict.call_one(ids)
+
     @endpoint
     async def register(self, info: SampleInfo, wait: bool = True,
                        timeout_s: float | None = None) -> None:
@@ -154,8 +160,9 @@ class IndexActor(Actor):
             setattr(self.ix, attr, getattr(self.ix, attr) - 1)
 
     @endpoint
-    async def add_columns(self, sample_id: str, shard: str, columns: dict[str, int]) -> None:
-        self.ix.add_columns(sample_id, shard, columns)
+    async def add_columns(self, sample_id: str, shard: str, columns: dict[str, int],
+                          stage: str = "") -> None:
+        self.ix.add_columns(sample_id, shard, columns, stage)
         await self._notify()
 
     @endpoint
@@ -167,13 +174,16 @@ class IndexActor(Actor):
         async with self.changed:
             while True:
                 try:
-                    return self.ix.take(stage, columns, n, whole_groups=whole_groups,
-                                        min_version=min_version, at_least=at_least,
-                                        group_ids=group_ids, holder=holder)
+                    lease = self.ix.take(stage, columns, n, whole_groups=whole_groups,
+                                         min_version=min_version, at_least=at_least,
+                                         group_ids=group_ids, holder=holder)
+                    break
                 except WouldBlock:
                     if not wait:
                         raise
                     await self._wait(deadline, "consumers")
+        await self._evict(self.ix.take_evictions())  # groups lost as expired leases ended
+        return lease
 
     @endpoint
     async def ack(self, lease_id: int) -> None:
@@ -181,9 +191,8 @@ class IndexActor(Actor):
         for shard, ids in res.acked.items():  # before returning: survives an index restart
             with contextlib.suppress(ActorDied, KeyError):
                 await (await _shard(shard)).dock_mark_acked.call_one(ids, res.stage)
-        for shard, ids in res.evict.items():
-            with contextlib.suppress(ActorDied, KeyError):
-                await (await _shard(shard)).dock_evict.call_one(ids)
+        await self._evict(res.evict)
+        await self._evict(self.ix.take_evictions())  # groups lost as a shard died
         await self._notify()
 
     @endpoint
@@ -193,14 +202,15 @@ class IndexActor(Actor):
             self.ix.release(lease_id)
         if dead_shard is not None:
             await self.drop_shard(dead_shard)
+        await self._evict(self.ix.take_evictions())
         await self._notify()
 
     @endpoint
     async def drop_shard(self, shard: str) -> None:
-        """A warehouse died: its groups go to `take_lost`, their other columns are evicted."""
-        for other, ids in self.ix.drop_shard(shard).items():
-            with contextlib.suppress(ActorDied, KeyError):
-                await (await _shard(other)).dock_evict.call_one(ids)
+        """A warehouse died: its groups go to `take_lost`, their other columns are evicted;
+        columns a named stage added there are written again (`DockIndex.drop_shard`)."""
+        await self._evict(self.ix.drop_shard(shard))
+        await self._evict(self.ix.take_evictions())
         await self._notify()
 
     @endpoint
@@ -356,13 +366,16 @@ class Dock:
         await self.put(sample_id, columns, group_id=group_id, group_size=group_size, wait=False)
 
     async def add_columns(self, sample_id: str, columns: Mapping[str, np.ndarray], *,
-                          group_id: str) -> None:
-        """A later stage adds columns (e.g. ref_logprobs) to a sample, in this shard."""
+                          group_id: str, stage: str = "") -> None:
+        """A later stage adds columns (e.g. ref_logprobs) to a sample, in this shard. Name the
+        `stage` so this shard's death costs only these columns, which the stage writes again
+        (unnamed: the sample's group is lost and played again)."""
         if self.warehouse is None:
             raise ValueError("this Dock has no warehouse: pass warehouse= to add columns")
         sizes = self.warehouse.put(sample_id, columns)
         assert isinstance(sizes, dict)
-        await self._owner(group_id).add_columns.call_one(sample_id, self.warehouse.name, sizes)
+        await self._owner(group_id).add_columns.call_one(sample_id, self.warehouse.name, sizes,
+                                                         stage)
 
     @property
     def _holder(self) -> str:

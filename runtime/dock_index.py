@@ -5,8 +5,9 @@ it. A sample is registered by the shard that produced it and may gain columns on
 (a reference actor adds ``ref_logprobs`` on its own shard). Each consuming *stage* takes samples
 under a *lease*; `ack` marks them consumed by that stage, and a sample every stage has acked is
 evicted. Leases that time out or are released go back to the pool; acked samples are never
-handed out again to the same stage. When a shard dies, the samples whose columns it held are
-reported for re-production (`take_lost`) -- whole GRPO groups at a time -- never dropped silently.
+handed out again to the same stage. When a shard dies, the samples it registered are reported
+for re-production (`take_lost`) -- whole GRPO groups at a time -- never dropped silently; columns
+a stage added there (a reference's) are only forgotten, for that stage to write again.
 
 Not here: waiting (`put` awaiting capacity, consumers awaiting samples) -- see runtime/dock.py.
 """
@@ -141,6 +142,7 @@ class _Entry:
     columns: dict[str, tuple[str, int]]  # column -> (shard, nbytes)
     acked: set[str] = field(default_factory=set)
     leased: dict[str, int] = field(default_factory=dict)  # stage -> lease id
+    writers: dict[str, str] = field(default_factory=dict)  # added column -> the stage that wrote it
 
 
 class DockIndex:
@@ -176,6 +178,8 @@ class DockIndex:
         self._leases: dict[int, tuple[Lease, float]] = {}
         self._holders: dict[int, str] = {}  # lease id -> the shard of the process holding it
         self._lost: list[LostSample] = []
+        self._doomed: dict[str, str] = {}  # group id -> its dead shard, while a lease holds it
+        self._evictions: dict[str, list[str]] = {}  # shard -> ids lost since `take_evictions`
         self._seq = itertools.count()
         self._lease_ids = itertools.count(1)
         self.waiting_producers = 0
@@ -208,14 +212,23 @@ class DockIndex:
         self._samples[info.sample_id] = _Entry(info=info, seq=next(self._seq), columns=cols)
         self._groups.setdefault(info.group_id, []).append(info.sample_id)
 
-    def add_columns(self, sample_id: str, shard: str, columns: Mapping[str, int]) -> None:
-        """A later stage wrote more columns of `sample_id` on `shard`."""
+    def add_columns(self, sample_id: str, shard: str, columns: Mapping[str, int],
+                    stage: str = "") -> None:
+        """A later stage wrote more columns of `sample_id` on `shard`. Naming the `stage` lets
+        the shard's death cost only these columns (`drop_shard`: the stage writes them again);
+        unnamed, its death loses the sample's group."""
         e = self._samples.get(sample_id)
         if e is None:
             raise ValueError(f"sample {sample_id!r} is not in the dock (evicted or never put)")
         self._check_columns(columns)
+        if stage and stage not in self.stages:
+            raise ValueError(f"unknown stage {stage!r}; the dock's stages are {list(self.stages)}")
         for c, nb in columns.items():
             e.columns[c] = (shard, nb)
+            if stage:
+                e.writers[c] = stage
+            else:
+                e.writers.pop(c, None)
 
     def _check_columns(self, columns: Iterable[str]) -> None:
         unknown = sorted(set(columns) - self.known_columns)
@@ -264,6 +277,7 @@ class DockIndex:
                 and stage not in e.leased
                 and all(c in e.columns for c in columns)
                 and (min_version is None or e.info.version >= min_version)
+                and e.info.group_id not in self._doomed
             )
 
         sizes = {self._samples[ids[0]].info.group_size for ids in self._groups.values()}
@@ -337,11 +351,12 @@ class DockIndex:
             if e.acked.issuperset(self.stages):
                 for shard in self._remove(loc.sample_id):
                     evict.setdefault(shard, []).append(loc.sample_id)
+        self._settle(lease)
         return AckResult(stage=lease.stage, evict=evict, acked=acked)
 
     def release(self, lease_id: int) -> None:
         """Return a lease's samples to the pool (the consumer failed or gave up)."""
-        self._pop_lease(lease_id)
+        self._settle(self._pop_lease(lease_id))
 
     def _pop_lease(self, lease_id: int) -> Lease:
         item = self._leases.pop(lease_id, None)
@@ -360,31 +375,67 @@ class DockIndex:
         now = self._clock()
         dead = [lid for lid, (_, deadline) in self._leases.items() if deadline <= now]
         for lid in dead:
-            self._pop_lease(lid)
+            self._settle(self._pop_lease(lid))
         return dead
 
     # -- faults and eviction ----------------------------------------------------------------
 
     def drop_shard(self, shard: str) -> dict[str, list[str]]:
-        """A shard died: the leases its process held go back to the pool, its samples' groups
-        go to `take_lost`; returns evictions elsewhere."""
+        """A shard died: the leases its process held go back to the pool; columns it held that
+        a stage added under its name (`add_columns`: the reference's ``ref_logprobs``) are
+        forgotten and that stage writes them again, nothing else of their samples is lost;
+        the groups of the samples it registered (or held unnamed columns of) go to
+        `take_lost`. Returns evictions elsewhere.
+
+        A lease in flight keeps its samples: a consumer that fetched them before the death
+        acks them (trained once, not played again); one whose fetch fails on the dead shard
+        releases them. A lost group is handed out no more, and reported lost once no lease
+        holds it (`take_evictions`: the other shards' columns of groups lost later).
+        """
         for lid in [lid for lid, h in self._holders.items() if h == shard]:
-            self._pop_lease(lid)
-        hit_groups = {
-            e.info.group_id
-            for e in self._samples.values()
-            if any(s == shard for s, _ in e.columns.values())
-        }
+            self._settle(self._pop_lease(lid))
+        hit_groups: set[str] = set()
+        for e in self._samples.values():
+            cols = [c for c, (s, _) in e.columns.items() if s == shard]
+            if not cols:
+                continue
+            if e.info.shard == shard or any(c not in e.writers for c in cols):
+                hit_groups.add(e.info.group_id)
+                continue
+            for c in cols:
+                del e.columns[c]
+                e.acked.discard(e.writers.pop(c))
         evict: dict[str, list[str]] = {}
         for gid in hit_groups:
-            for sid in list(self._groups.get(gid, [])):
-                e = self._samples[sid]
-                missing = tuple(sorted(c for c, (s, _) in e.columns.items() if s == shard))
-                self._lost.append(LostSample(sid, gid, missing))
-                for s in self._remove(sid):
-                    if s != shard:
-                        evict.setdefault(s, []).append(sid)
+            self._doomed.setdefault(gid, shard)
+            self._lose_if_free(gid, evict)
         return evict
+
+    def _settle(self, lease: Lease) -> None:
+        """A lease ended: the lost groups it held are reported lost if nothing holds them."""
+        for gid in {loc.group_id for loc in lease.samples} & self._doomed.keys():
+            self._lose_if_free(gid, self._evictions)
+
+    def _lose_if_free(self, gid: str, evict: dict[str, list[str]]) -> None:
+        """Group `gid`, whose shard died, goes to `take_lost` once no lease holds any of its
+        samples (what every stage consumed meanwhile was evicted: not lost)."""
+        ids = self._groups.get(gid, [])
+        if any(self._samples[sid].leased for sid in ids):
+            return
+        shard = self._doomed.pop(gid)
+        for sid in list(ids):
+            e = self._samples[sid]
+            missing = tuple(sorted(c for c, (s, _) in e.columns.items() if s == shard))
+            self._lost.append(LostSample(sid, gid, missing))
+            for s in self._remove(sid):
+                if s != shard:
+                    evict.setdefault(s, []).append(sid)
+
+    def take_evictions(self) -> dict[str, list[str]]:
+        """Columns to evict from live shards: those of groups lost when a lease that held them
+        ended (`drop_shard` returns the rest itself); clears the list."""
+        out, self._evictions = self._evictions, {}
+        return out
 
     def retract_shard(self, shard: str, stage: str) -> int:
         """A shard that holds only columns `stage` added (the reference's ``ref_logprobs``) is

@@ -193,7 +193,8 @@ class ReferenceActor(WarehouseHost, Actor):
             for f in frames:
                 f.release()
         for loc, lp in zip(lease.samples, scores, strict=True):
-            await dock.add_columns(loc.sample_id, {"ref_logprobs": lp}, group_id=loc.group_id)
+            await dock.add_columns(loc.sample_id, {"ref_logprobs": lp}, group_id=loc.group_id,
+                                   stage=stage)
         await dock.ack(lease)
         return len(scores)
 

@@ -113,18 +113,37 @@ def test_dead_shard_requeues_whole_groups_for_reproduction_never_drops():
     ix.register(info("a1", "A", 2, shard="w1"))
     ix.register(info("b0", "B", 1, shard="w1"))
     ix.register(info("c0", "C", 1, shard="w2"))
+    ix.register(info("d0", "D", 1, shard="w0"))
     lease = ix.take("train", ["input_ids"], 2)
-    evict = ix.drop_shard("w0")
-    assert evict == {"w1": ["a1"]}  # the surviving half of group A is dropped with it
+    assert {x.group_id for x in lease.samples} == {"A"}
+    assert ix.drop_shard("w0") == {}  # D is lost at once; A is leased: its consumer decides
+    assert [x.sample_id for x in ix.take_lost()] == ["d0"]
+    with pytest.raises(WouldBlock):  # a lost group is handed out no more
+        ix.take("train", ["input_ids"], 3, whole_groups=False)
+    ix.release(lease.lease_id)  # its fetch failed on the dead shard: now A is lost
+    assert ix.take_evictions() == {"w1": ["a1"]}  # the surviving half goes with it
     lost = ix.take_lost()
     assert {(x.sample_id, x.group_id) for x in lost} == {("a0", "A"), ("a1", "A")}
     assert next(x for x in lost if x.sample_id == "a0").missing == ("input_ids", "versions")
     with pytest.raises(LeaseError):
-        ix.ack(lease.lease_id)  # its data is gone
+        ix.ack(lease.lease_id)
     rest = ix.take("train", ["input_ids"], 2)
     assert {x.sample_id for x in rest.samples} == {"b0", "c0"}
     st = ix.statistics()
     assert st.samples == 2 and st.lost == 0 and st.leased == 2
+
+
+def test_a_group_fetched_before_its_shard_died_is_acked_not_played_again():
+    """The trainer fetched group A, then A's producer died (another consumer's fetch told the
+    index): the trainer's ack consumes A; nothing is lost, nothing is trained twice."""
+    ix = make(stages=["train"])
+    ix.register(info("a0", "A", 2, shard="w0"))
+    ix.register(info("a1", "A", 2, shard="w0"))
+    lease = ix.take("train", ["input_ids"], 2)
+    ix.drop_shard("w0")
+    assert ix.ack(lease.lease_id).evict == {"w0": ["a0", "a1"]}
+    assert ix.take_lost() == [] and ix.take_evictions() == {}
+    assert ix.statistics().samples == 0
 
 
 def test_a_retracted_column_shard_is_written_again_by_its_stage_and_nothing_is_lost():
@@ -216,3 +235,42 @@ def test_leases_from_two_index_shards_merge_into_one():
         merge_leases([])
     with pytest.raises(ValueError, match="stage or columns"):
         merge_leases([la, b.take("train", ["versions"], 1, whole_groups=False)])
+
+
+def test_a_dead_column_shard_costs_only_the_columns_its_stage_added():
+    """A reference's death: the ref_logprobs it added under its stage are forgotten and scored
+    again; the producers' data and groups stay (nothing lost, nothing evicted); a consumer that
+    already leased the samples keeps its lease (it acks once, never trains them twice)."""
+    ix = make()
+    ix.register(info("a0", "A", 2, shard="w0"))
+    ix.register(info("a1", "A", 2, shard="w0"))
+    ix.register(info("b0", "B", 1, shard="w0"))
+    ref = ix.take("ref", ["input_ids"], 3, whole_groups=False, holder="ref0")
+    for sid in ("a0", "a1", "b0"):
+        ix.add_columns(sid, "ref0", {"ref_logprobs": 16}, stage="ref")
+    ix.ack(ref.lease_id)
+    held = ix.take("train", ["input_ids", "ref_logprobs"], 1, whole_groups=False)
+    assert [x.sample_id for x in held.samples] == ["a0"]
+    assert ix.drop_shard("ref0") == {}
+    assert ix.take_lost() == [] and ix.statistics().samples == 3
+    assert ix.statistics().ready.get("ref_logprobs", 0) == 0
+    with pytest.raises(WouldBlock):  # the trainer waits for the new scores
+        ix.take("train", ["input_ids", "ref_logprobs"], 2)
+    again = ix.take("ref", ["input_ids"], 3, whole_groups=False, holder="ref0")
+    assert sorted(x.sample_id for x in again.samples) == ["a0", "a1", "b0"]
+    for sid in ("a0", "a1", "b0"):
+        ix.add_columns(sid, "ref0", {"ref_logprobs": 16}, stage="ref")
+    ix.ack(again.lease_id)
+    ix.ack(held.lease_id)  # the step that read a0 before the death still acks it
+    rest = ix.take("train", ["input_ids", "ref_logprobs"], 2, whole_groups=False)
+    assert sorted(x.sample_id for x in rest.samples) == ["a1", "b0"]
+
+
+def test_unnamed_added_columns_lose_their_groups_when_the_shard_dies():
+    ix = make()
+    ix.register(info("a0", "A", 1, shard="w0"))
+    with pytest.raises(ValueError, match="unknown stage"):
+        ix.add_columns("a0", "w1", {"ref_logprobs": 16}, stage="critic")
+    ix.add_columns("a0", "w1", {"ref_logprobs": 16})  # no stage named: cannot be rewritten
+    ix.drop_shard("w1")
+    assert [x.sample_id for x in ix.take_lost()] == ["a0"]
