@@ -11,8 +11,9 @@ again:
 - producer: its policy version and its critic (from the last checkpoint) are restored, its
   dock shard is dropped from the index, and the groups it held are played again
   (`Dock.take_lost`; the batch it was playing is re-played by `HealingProduction`);
-- reference: its shard is dropped the same way, the lost groups re-played, and its
-  `serve_dock` loop started again (`serve_reference`).
+- reference: its shard is dropped too, which costs only the ``ref_logprobs`` it held (the
+  dock forgets them and the new process scores those samples again), and its `serve_dock`
+  loop is started again (`serve_reference`).
 
 The trainer and the dock's index hold state no other process has (optimizer, leases), so their
 death rewinds the run: every actor is stopped and the job resumes in-process from the last

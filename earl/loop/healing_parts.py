@@ -6,7 +6,7 @@ process:
 
 - `HealingProduction`: a producer that dies while playing a batch has its share re-played
   (`ProducerActor.replay`, fresh sample ids); groups the dock reports lost (`take_lost`: a dead
-  producer's or reference's shard) are played again.
+  producer's shard) are played again.
 - `HealingTraining`: a step whose fetch hit a dead shard is taken again once the lost groups are
   re-played; a weight push that hit a dead rollout replica is pushed again. A `LedgerDock`
   records which samples each acked lease trained.
@@ -66,41 +66,45 @@ class HealingProduction:
 
     def __init__(self, inner: ActorProduction, healer: Healer, rt: Any, dock: Dock) -> None:
         self.inner, self.healer, self.rt, self.dock = inner, healer, rt, dock
-        self.playing: set[int] = set()
+        # the plays of producers' shares still playing ("b<batch>-p<rank>[-<tag>]", their
+        # rows' ids less the row): `_share` plays their lost groups again, not `reproduce_lost`
+        self.playing: set[str] = set()
         self._tags = itertools.count(1)
-        self._lock = asyncio.Lock()
         self._pending: dict[str, tuple[int, GroupTask]] = {}  # group id -> (batch, task)
 
     async def play(self, batch: int, snapshot: bool) -> BatchResult:
-        self.playing.add(batch)
-        try:
-            with self.inner.tracer.span("play", actor="producer", step=batch + 1):
-                results = await asyncio.gather(*(self._share(r, batch, share, snapshot, need)
-                                                 for r, share, need in self.inner.deal(batch)))
-        finally:
-            self.playing.discard(batch)
+        with self.inner.tracer.span("play", actor="producer", step=batch + 1):
+            results = await asyncio.gather(*(self._share(r, batch, share, snapshot, need)
+                                             for r, share, need in self.inner.deal(batch)))
         return self.inner.merge(batch, results)
 
     async def _share(self, r: int, batch: int, share: list[GroupTask], snapshot: bool,
                      need: int | None) -> BatchResult:
-        tag = ""
-        while True:
-            producer = self.inner.producers[r]
-            try:
-                if not tag:
-                    res = await producer.play.call_one(batch, share, snapshot, need)
-                else:
-                    res = await producer.replay.call_one(batch, share, tag, snapshot, need)
-            except Exception as exc:
-                who = died_actor(exc)
-                if who != ("producer", r) or self.healer.stopping:
-                    raise
-                self.healer.note("replay_share", "producer", rank=r, step=batch + 1)
-                await self.healer.wait_rebuilt(self.rt, "producer", r)
-                tag = f"x{next(self._tags)}"
-                continue
-            self._record(batch, res, tag, r)
-            return res
+        """Producer `r`'s share of `batch`, played again whole if it dies playing it (the
+        groups of a share still playing are not re-played by `reproduce_lost`)."""
+        tag, plays = "", set()
+        try:
+            while True:
+                plays.add(sample_id(batch, 0, tag, r).rsplit("-", 1)[0])
+                self.playing |= plays
+                producer = self.inner.producers[r]
+                try:
+                    if not tag:
+                        res = await producer.play.call_one(batch, share, snapshot, need)
+                    else:
+                        res = await producer.replay.call_one(batch, share, tag, snapshot, need)
+                except Exception as exc:
+                    who = died_actor(exc)
+                    if who != ("producer", r) or self.healer.stopping:
+                        raise
+                    self.healer.note("replay_share", "producer", rank=r, step=batch + 1)
+                    await self.healer.wait_rebuilt(self.rt, "producer", r)
+                    tag = f"x{next(self._tags)}"
+                    continue
+                self._record(batch, res, tag, r)
+                return res
+        finally:
+            self.playing -= plays
 
     async def play_groups(self, batch: int, done: Callable[[BatchResult], None]
                           ) -> BatchResult:
@@ -172,34 +176,43 @@ class HealingProduction:
         self.healer.stage.pop(key, None)
 
     async def reproduce_lost(self, reason: str) -> int:
-        """Play again every group the dock reports lost (except batches being re-played now);
-        returns the groups re-played."""
-        async with self._lock:
-            lost = await self.dock.take_lost()
-            self.healer.ledger.add_dropped(lost, f"{reason} (group re-played)")
-            stride = self.inner.stride
-            for gid in sorted({x.group_id for x in lost}):
-                cursor = int(gid[1:])
-                batch = cursor // stride
-                if batch not in self.playing:
-                    self._pending[gid] = (batch, self.inner.groups(batch)[cursor % stride])
-            done = 0
-            for gid, (batch, task) in list(self._pending.items()):
-                r = hash(gid) % len(self.inner.producers)
-                tag = f"x{next(self._tags)}"
-                self.healer.stage[f"producer[{r}]"] = f"replay of group {gid} (batch {batch})"
-                try:
-                    res = await self.inner.producers[r].replay.call_one(batch, [task], tag,
-                                                                        False)
-                except (ActorDied, ActorError) as exc:  # played at the next rebuild
-                    self.healer.log(f"healing: re-playing group {gid} failed ({exc}); later")
-                    continue
-                self._record(batch, res, tag, r)
-                del self._pending[gid]
-                done += 1
-            if done:
-                self.healer.note("replay_groups", "producer", groups=done)
-            return done
+        """Play again every group the dock reports lost (except those of a producer's share
+        still playing: `_share` plays it again whole); returns the groups re-played.
+
+        Each call plays the groups it took from the dock and holds no lock while they play:
+        a re-play waits for room in the dock, which only the trainer (and so the reference)
+        makes, so the reference's rebuild must never wait behind it. A group whose re-play
+        failed is played by the next call (the next rebuild or retried step)."""
+        lost = await self.dock.take_lost()
+        self.healer.ledger.add_dropped(lost, f"{reason} (group re-played)")
+        stride, n = self.inner.stride, len(self.inner.producers)
+        shares = {x.group_id for x in lost if x.sample_id.rsplit("-", 1)[0] in self.playing}
+        for gid in sorted({x.group_id for x in lost} - shares):
+            cursor = int(gid[1:])
+            batch = cursor // stride
+            self._pending[gid] = (batch, self.inner.groups(batch)[cursor % stride])
+        mine, self._pending = self._pending, {}
+        played = 0
+
+        async def one(gid: str, batch: int, task: GroupTask) -> None:
+            nonlocal played
+            r, tag = hash(gid) % n, f"x{next(self._tags)}"
+            self.healer.stage[f"producer[{r}]"] = f"replay of group {gid} (batch {batch})"
+            try:
+                res = await self.inner.producers[r].replay.call_one(batch, [task], tag, False)
+            except (ActorDied, ActorError) as exc:
+                self.healer.log(f"healing: re-playing group {gid} failed ({exc}); later")
+                self._pending[gid] = (batch, task)
+                return
+            self._record(batch, res, tag, r)
+            played += 1
+
+        async with asyncio.TaskGroup() as tg:
+            for gid, (batch, task) in mine.items():
+                tg.create_task(one(gid, batch, task))
+        if played:
+            self.healer.note("replay_groups", "producer", groups=played)
+        return played
 
 
 class HealingTraining:
@@ -332,8 +345,14 @@ def heal(production: ActorProduction, training: ActorTraining,
         await prod.rebuild(rank, last_producer_state(out, rank))
 
     async def reference(rank: int) -> None:
+        # its ref_logprobs are forgotten and scored again by the new process (they were added
+        # under the reference's stage); only groups it held unnamed columns of are lost
+        key = f"reference[{rank}]"
+        healer.stage[key] = "drop_shard"
         await dock.index.drop_shard.call(f"reference:{rank}")
+        healer.stage[key] = "reproduce_lost"
         await prod.reproduce_lost(f"shard reference:{rank} died")
+        healer.stage.pop(key, None)
 
     healer.rebuilds.update(rollout=train.repush, producer=producer, reference=reference)
     return HealingParts(production=prod, training=train, evaluation=None if evaluation is None

@@ -273,18 +273,19 @@ async def test_a_producer_death_replays_its_share_with_fresh_ids() -> None:
     assert sorted(healer.ledger.produced) == [f"b000003-p0-{tag}-{j:04d}" for j in range(4)]
 
 
-async def test_lost_groups_are_replayed_except_the_batch_being_replayed() -> None:
+async def test_lost_groups_are_replayed_except_a_share_being_replayed() -> None:
     healer = Healer(log=lambda s: None)
     inner = _production(2)
-    lost = [LostSample("b000001-0000", "g2", ()), LostSample("b000001-0001", "g2", ()),
-            LostSample("b000002-0000", "g4", ())]
+    lost = [LostSample("b000001-p0-0000", "g2", ()), LostSample("b000001-p0-0001", "g2", ()),
+            LostSample("b000002-p0-0000", "g4", ()), LostSample("b000002-p1-x3-0000", "g5", ())]
     prod = HealingProduction(inner, healer, _Rt(), _Dock(lost))  # type: ignore[arg-type]
-    prod.playing.add(2)  # batch 2's share is being re-played by `play`
-    assert await prod.reproduce_lost("shard producer:0 died") == 1
-    replays = [c for c in inner.producers.calls if c[0] == "replay"]
-    assert len(replays) == 1 and replays[0][2][0] == 1
-    assert [g.group_id for g in replays[0][2][1]] == ["g2"]
-    assert set(healer.ledger.dropped) == {"b000001-0000", "b000001-0001", "b000002-0000"}
+    prod.playing.add("b000002-p0")  # producer 0's share of batch 2 is re-played by `play`
+    # ...but g5, of producer 1's share of batch 2 (done), and g2 are played again
+    assert await prod.reproduce_lost("shard producer:0 died") == 2
+    replays = sorted((c[2][0], c[2][1][0].group_id) for c in inner.producers.calls
+                     if c[0] == "replay")
+    assert replays == [(1, "g2"), (2, "g5")]
+    assert set(healer.ledger.dropped) == {x.sample_id for x in lost}
 
 
 async def test_over_sampled_batches_keep_each_producers_share_and_record_only_it() -> None:
