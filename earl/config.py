@@ -202,7 +202,12 @@ class RunConfig:
     the wall time reported. `eval_games`: episodes per evaluation (0 = 64 generated tasks, or
     every line of `eval_tasks`; with `eval_tasks`, its first `eval_games` lines). `max_restarts`: how often each rollout, producer and reference
     actor is restarted, and the run rewound to its checkpoint after a trainer or dock death
-    (`earl.loop.healing`), before a death stops the run. `tool_timeout_s`: per tool call of
+    (`earl.loop.healing`), before a death stops the run. `stall_s`, `stall_steps`: a run that
+    trains no step and heals nothing for `stall_steps` times its longest step so far (evals and
+    checkpoints between steps included), and at least `stall_s` seconds, has stalled: it is
+    rewound to its checkpoint like a trainer's death (counted by `max_restarts`), and past
+    that it stops with an error naming what it waited for (`earl.loop.watchdog`; `stall_s`
+    0 = never). `tool_timeout_s`: per tool call of
     an agent; a call taking longer comes back to the agent as an error and the session goes on.
     `over_sample_groups`: extra groups started per batch; the batch trains the first
     `batch_size / group_size` groups to finish and cuts the rest (their tasks are skipped, their
@@ -254,6 +259,8 @@ class RunConfig:
     select_best: bool = False
     checkpoint_every: int = 25
     max_restarts: int = 3
+    stall_s: float = 300.0
+    stall_steps: float = 20.0
     tool_timeout_s: float = 30.0
     dump_trajectories: bool = True
     dump_share: float = 0.1
@@ -322,6 +329,10 @@ class RunConfig:
         need(self.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
         need(self.max_restarts >= 0, "max_restarts",
              "must be >= 0 (0 = any actor death stops the run)")
+        need(self.stall_s >= 0, "stall_s", "must be >= 0 seconds (0 = a run never counts as "
+             "stalled)")
+        need(self.stall_steps >= 1, "stall_steps", "must be >= 1 (the stall limit in longest "
+             "steps so far)")
         need(self.tool_timeout_s > 0, "tool_timeout_s",
              "must be > 0 seconds (a tool call taking longer comes back to the agent as an "
              "error)")

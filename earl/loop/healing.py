@@ -169,6 +169,7 @@ class Healer:
         self._stop = asyncio.Event()
         self.stopping = False         # the run is ending: deaths now are not healed
         self.stage: dict[str, str] = {}  # "group[rank]" -> the rebuild step in progress
+        self.active_at = 0.0  # time.monotonic() of the last event or restart seen (watchdog)
         self._rt: Any = None  # while `watch` runs: the runtime, its task group, its watchers
         self._tg: asyncio.TaskGroup | None = None
         self._watchers: dict[tuple[str, int], asyncio.Task[None]] = {}
@@ -182,6 +183,7 @@ class Healer:
     def note(self, what: str, group: str, **info: object) -> None:
         """One healing event: counted, logged, traced."""
         t = time.perf_counter()
+        self.active_at = time.monotonic()
         self.events.append({"event": what, "actor": group, "t": t, **info})
         if self.tracer is not None:
             self.tracer.add(what, actor=group, start=t, end=t, **info)
@@ -242,6 +244,7 @@ class Healer:
             rec = await rt.dir_call("lookup", name)
             seen = rec.restarts[rank]
             self.restarts[name] = self.restarts.get(name, 0) + 1
+            self.active_at = time.monotonic()
             t0 = time.perf_counter()
             self.log(f"healing: {name}[{rank}] restarted ({rec.reasons[rank] or 'died'}); "
                      f"restart {seen}/{self.max_restarts}, rebuilding its state")
@@ -320,13 +323,16 @@ class Healer:
 
 async def run_job(job: Job, resume: bool) -> RunResult:
     """One attempt of `job` (`earl.loop.main.train_attempt`), and another from the last
-    checkpoint each time the trainer or the dock dies.
+    checkpoint each time the trainer or the dock dies, or the run stalls (`Stalled`: no step
+    and no healing event within its limit, `earl.loop.watchdog`).
 
     Raises:
-        HealingError: past the rewind limit (the original error is its cause).
+        HealingError: past the rewind limit (the original error, a death or the `Stalled`
+            naming the stage the run waited in, is its cause).
     """
     from earl.loop.checkpoint import MANIFEST
     from earl.loop.main import train_attempt
+    from earl.loop.watchdog import stalled_in
 
     healer = job.healer
     try:
@@ -335,24 +341,32 @@ async def run_job(job: Job, resume: bool) -> RunResult:
                 return await train_attempt(job, resume)
             except Exception as exc:
                 who = died_actor(exc)
-                if who is None or who[0] not in REWOUND:
+                stall = stalled_in(exc) if who is None else None
+                if stall is None and (who is None or who[0] not in REWOUND):
                     raise
+                what = f"{who[0]}[{who[1]}] died" if who is not None else \
+                    f"the run stalled: {stall}"
                 healer.close()
                 if healer.rewinds >= healer.max_restarts:
-                    raise HealingError(f"{who[0]}[{who[1]}] died and the run was already "
-                                       f"rewound {healer.rewinds} time(s) (limit "
+                    raise HealingError(f"{what}, and the run was already rewound "
+                                       f"{healer.rewinds} time(s) (limit "
                                        f"{healer.max_restarts})") from exc
                 healer.rewinds += 1
-                healer.restarts[who[0]] = healer.restarts.get(who[0], 0) + 1
+                if who is not None:
+                    healer.restarts[who[0]] = healer.restarts.get(who[0], 0) + 1
+                else:
+                    assert stall is not None
+                    healer.note("stall", "driver", stage=stall.stage,
+                                idle_s=round(stall.idle_s, 1), healing=stall.healing)
                 await job.stop_actors()
                 manifest = job.out / "checkpoint" / MANIFEST
                 resume = manifest.is_file()
                 step = int(json.loads(manifest.read_text())["step"]) if resume else 0
                 healer.ledger.rewind(step)
-                healer.note("rewind", who[0], rank=who[1], to_step=step)
-                job.log(f"healing: {who[0]}[{who[1]}] died; restarting the run's actors from "
-                        f"the checkpoint of step {step} (rewind {healer.rewinds}/"
-                        f"{healer.max_restarts})")
+                healer.note("rewind", who[0] if who is not None else "driver",
+                            rank=who[1] if who is not None else 0, to_step=step)
+                job.log(f"healing: {what}; restarting the run's actors from the checkpoint "
+                        f"of step {step} (rewind {healer.rewinds}/{healer.max_restarts})")
                 healer.reopen()
     finally:
         job.close()

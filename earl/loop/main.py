@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from earl.loop.checkpoint import trim_logs
 from earl.loop.schedule import LoopState, Schedule
 from earl.loop.step_log import StepLog
+from earl.loop.watchdog import Watchdog
 from earl.resolve import model_folder
 from earl.stages.optim import lr_scale
 
@@ -59,7 +60,7 @@ async def train_attempt(job: Job, resume: bool) -> RunResult:
             target_key=recipe.target_key,
             lr_scale=lambda p: lr_scale(cfg.optim, p), observe=StepLog(job),
             on_eval=lambda ev: keep_best(job, ev), clock=job.elapsed,
-            selection=parts.selection)
+            selection=parts.selection, watchdog=watchdog(job))
         stopped = await schedule.run()
         await parts.actors.trainer.save_hf.call(str(job.weights))  # a collective under TP/FSDP
         async with (parts.selection.using() if parts.selection is not None
@@ -68,6 +69,22 @@ async def train_attempt(job: Job, resume: bool) -> RunResult:
             final = await evaluate(job, "final") if parts.evaluation is not None else {}
         await parts.actors.rollout.close.call()
     return write_result(job, state, final, stopped, selected)
+
+
+def watchdog(job: Job) -> Watchdog:
+    """The attempt's stall limit (`stall_s`, `stall_steps`): the healer's events count as
+    progress, and a stall names the rebuilds in progress and what the dock holds."""
+    healer, dock = job.healer, job.attempt.actors.dock
+
+    async def dock_state() -> str:
+        st = await dock.statistics()
+        return (f"the dock holds {st.samples} of {st.capacity} samples (with each column: "
+                f"{st.ready}; leased {st.leased}; lost, not yet re-played {st.lost}; "
+                f"waiting: {st.waiting_producers} puts, {st.waiting_consumers} takes)")
+
+    return Watchdog(stall_s=job.cfg.stall_s, stall_steps=job.cfg.stall_steps,
+                    activity=lambda: healer.active_at, healing=lambda: healer.stage,
+                    diagnose=dock_state)
 
 
 async def restore(job: Job, trainer_ckpt: str, producer_states: list[dict[str, object]]
@@ -110,7 +127,11 @@ async def serving(job: Job) -> AsyncIterator[None]:
         finally:
             healer.close()
             if (reference := actors.reference) is not None:
-                await healer.stop_reference(reference.stop_serving.call)
+                # bounded: after a stall the reference may be the stuck part (its process
+                # is stopped with the others next)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(60.0):
+                        await healer.stop_reference(reference.stop_serving.call)
 
 
 async def evaluate(job: Job, split: str) -> dict[str, float]:

@@ -24,6 +24,7 @@ from earl.config import RunConfig
 from earl.loop.failures import add_failures, describe
 from earl.loop.gate import GroupGate, StalenessGate
 from earl.loop.pool import DoneGroup, GroupPool, straggler_wait
+from earl.loop.watchdog import Watchdog
 from earl.stages.batch_types import BatchResult
 
 __all__ = ["Checkpoints", "Evaluation", "LoopState", "NothingToTrain", "Production", "Schedule",
@@ -164,7 +165,8 @@ class Schedule:
                  observe: Callable[[StepRecord], Awaitable[None]] | None = None,
                  on_eval: Callable[[dict[str, float]], Awaitable[None]] | None = None,
                  clock: Callable[[], float] | None = None,
-                 selection: Selection | None = None) -> None:
+                 selection: Selection | None = None,
+                 watchdog: Watchdog | None = None) -> None:
         self.config, self.state, self.target_key = config, state, target_key
         self.time_limit_s = config.time_limit_minutes * 60
         self.production, self.training = production, training
@@ -181,6 +183,13 @@ class Schedule:
         self.groups_out = GroupGate(config.max_concurrent_groups
                                     or (config.max_policy_lag + 1) * self.groups_per_step)
         self._began: dict[int, float] = {}  # batch -> when its play began
+        # None: no stall limit; else the run ends with `Stalled` (a rewind heals it) when no
+        # step or healing event comes for its limit, naming what `_waiting` says it waits for
+        self.watchdog = watchdog
+
+    def _waiting(self, stage: str) -> contextlib.AbstractContextManager[None]:
+        return self.watchdog.waiting(stage) if self.watchdog is not None \
+            else contextlib.nullcontext()
 
     def elapsed(self) -> float:
         """Wall seconds of the run, earlier (resumed-from) segments included."""
@@ -233,14 +242,18 @@ class Schedule:
         async def next_batch(b: int) -> tuple[BatchResult, float, int]:
             """Step b's batch, the trainer's straggler wait and the groups dropped stale."""
             if self.partial:
-                return await self._take_groups(b)
+                with self._waiting(f"step {b + 1}'s groups to finish (producers)"):
+                    return await self._take_groups(b)
             t0 = time.perf_counter()
-            res = await future(b)
+            with self._waiting(f"batch {b}'s rollout for step {b + 1} (producers)"):
+                res = await future(b)
             return res, straggler_wait(res, self._began.pop(b, t0), t0), 0
 
         last = self.clock()
         async with asyncio.TaskGroup() as tg:
             tg.create_task(producer(tg), name="producer")
+            watch = None if self.watchdog is None else \
+                tg.create_task(self.watchdog.watch(), name="watchdog")
             b = self.state.step
             while b < c.steps:
                 last = await self._learn(b, *await next_batch(b), last)
@@ -253,7 +266,8 @@ class Schedule:
             await self.gate.close()
             await self.groups_out.close()
             if self.partial:  # the groups still out finish and are dropped, with the reason
-                await self._drain(list(played.values()))
+                with self._waiting("the groups still out at the run's end (producers)"):
+                    await self._drain(list(played.values()))
             else:
                 # Batches already started are finished and trained: their experience is in
                 # the dock and the critic has seen them, so the final checkpoint stays
@@ -261,6 +275,8 @@ class Schedule:
                 while b in played:
                     last = await self._learn(b, *await next_batch(b), last)
                     b += 1
+            if watch is not None:
+                watch.cancel()
         await self.checkpoints.save(self.state, None)
         return self.stopped
 
@@ -321,29 +337,40 @@ class Schedule:
         new_errors = add_failures(s.failures, res.episodes)
         if res.samples == 0:
             raise NothingToTrain(b, res)
-        async with (self.selection.train(b, res) if self.selection is not None
-                    else contextlib.nullcontext()):
-            metrics = await self.training.train(
-                b, res.samples, scale, res.row_groups if self.partial else None)
-            await self.training.publish(b + 1)
+        step = f"step {b + 1}"
+        with self._waiting(f"{step}'s layout (selector)"):
+            async with (self.selection.train(b, res) if self.selection is not None
+                        else contextlib.nullcontext()):
+                with self._waiting(f"{step}'s training (the trainer's lease on the dock: "
+                                   "scored by the reference; fetch; optimizer step)"):
+                    metrics = await self.training.train(
+                        b, res.samples, scale, res.row_groups if self.partial else None)
+                with self._waiting(f"{step}'s weight push to the rollout"):
+                    await self.training.publish(b + 1)
         if self.partial:  # new groups start under the weights this step made
             await self.groups_out.done(self.groups_per_step)
         if self.selection is not None:
             self.selection.trained(b, metrics)
-        await self.production.note_version(b + 1)
+        with self._waiting(f"{step}'s policy version to the producers"):
+            await self.production.note_version(b + 1)
         await self.gate.advance(b + 1)
         s.step = b + 1
         s.episodes += len(res.episodes)
+        if self.watchdog is not None:
+            self.watchdog.step_done()
         now = self.clock()
         if self.observe is not None:
-            await self.observe(StepRecord(
-                version=s.step, result=res, train=metrics, step_s=now - last, lr_scale=scale,
-                straggler_wait_s=wait_s, stale_groups=stale, slots=self.slots,
-                new_errors=new_errors,
-                groups_running=self.groups_out.out - self.pool.size() if self.partial else 0))
+            with self._waiting(f"{step}'s metrics (the observer)"):
+                await self.observe(StepRecord(
+                    version=s.step, result=res, train=metrics, step_s=now - last,
+                    lr_scale=scale, straggler_wait_s=wait_s, stale_groups=stale,
+                    slots=self.slots, new_errors=new_errors,
+                    groups_running=self.groups_out.out - self.pool.size() if self.partial
+                    else 0))
         if s.step % self.config.checkpoint_every == 0 and s.step < self.config.steps:
             # partial rollouts: the critic has seen groups in the order they finished
-            await self.checkpoints.save(s, None if self.partial else b)
+            with self._waiting(f"the checkpoint of step {s.step}"):
+                await self.checkpoints.save(s, None if self.partial else b)
         return now
 
     async def _after_step(self) -> str:
@@ -352,7 +379,8 @@ class Schedule:
         if c.eval_every > 0 and self.evaluation is not None and s.step % c.eval_every == 0:
             async with (self.selection.using() if self.selection is not None
                         else contextlib.nullcontext()):
-                ev = await self.evaluation.evaluate("validation", s.step)
+                with self._waiting(f"the validation eval after step {s.step} (producers)"):
+                    ev = await self.evaluation.evaluate("validation", s.step)
             ev.update(step=float(s.step), minutes=self.elapsed() / 60)
             s.evals.append(ev)
             value = ev.get(self.target_key, float("-inf"))
