@@ -166,8 +166,8 @@ class Selection:
     CUT = 0.7
     GROW = 4.0
     # steps after a change (or the start) not measured end to end: new processes warm up and
-    # the pipeline refills (run Q at 569fb32: six steps after a move back to r2-t2 ran 1.0 s
-    # each, the next nine 0.7 s at the same contexts; with two left out a probe measured that)
+    # the pipeline refills (on the gauntlet the six steps after a move ran 1.0 s each, the
+    # next ones 0.7 s at the same contexts)
     SETTLE_STEPS = 6
 
     def __init__(self, policy: Policy, reconfigurer: Reconfigurer, *, setting: Setting,
@@ -452,7 +452,7 @@ class Selection:
         times: dict[str, float] = {}
         if new.changed(old):
             # the policy holds the new plan from its decision on: a step that ends while the
-            # change waits for the lock or runs ran the old one (run Y counted one in a trial)
+            # change waits for the lock or runs ran the old one, and must not count in a trial
             self._unmeasured = self.SETTLE_STEPS
             async with self._lock.exclusive():
                 t0 = time.perf_counter()

@@ -115,9 +115,9 @@ class SearchPolicy:
              capacity: float, *, rollout_tp: int = 0) -> ActorPlan | None:
         """The fastest feasible layout of `actor` on exactly `slots`, or None (`rollout_tp`: a
         rollout's TP degree must be that one). A layout with activation recomputation only
-        where the same one without does not fit: it computes one more forward, and a price
-        above the plain layout's is the measured efficiencies' doing (run M trained 376 of
-        400 steps recomputing, priced +36% on the efficiency a one-rank trainer measured)."""
+        where the same one without does not fit: it computes one more forward, so a price
+        above the plain layout's comes from noise in the measured efficiencies, not from
+        recomputing (pricing it on them once kept a trainer recomputing for most of a run)."""
         found: ActorPlan | None = None
         fits: set[Parallel] = set()  # layouts that hold `context` without recomputation
         for par in self.layouts(self.config.actors[actor], len(slots)):
@@ -359,11 +359,9 @@ class SearchPolicy:
         new actor's warm-up ran in) and, where given, its trajectories' token-weighted length
         (`context`): the rate is then in roofline seconds per second, which a growing context
         does not lower (on the tiny model a token at 1,536 tokens of context costs 27% more
-        than at 1,024: a plan measured a few steps earlier looked that much faster, and run J
-        moved back to it). `seconds` 0: a step the loop leaves unmeasured, or, from the loop's
-        start, none yet: a plan is then not left on prices before it has run measured steps
-        (run S at 0f82699 left its first plan at step 5, before its first measured step).
-        Feeds `switching`."""
+        than at 1,024, so a plan measured a few steps earlier would look that much faster).
+        `seconds` 0: a step the loop leaves unmeasured, or, from the loop's start, none yet:
+        a plan is not left on prices before it has run measured steps. Feeds `switching`."""
         self.switching.observe(tokens=tokens, seconds=seconds, context=context,
                                plan=self._s.plan, bucket=self._s.bucket)
 

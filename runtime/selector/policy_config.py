@@ -85,12 +85,12 @@ class PolicyConfig:
             steps' spread), or after 3 x `probe_steps` measured steps, when it stays only if
             faster by this much (a tie goes back to the old plan); a plan measured faster is
             switched back to only by this much too. Over 6 steps a gauntlet rate's standard
-            error is ~10% (runs W-Y), the size of the gaps between its layouts at a bucket.
+            error is ~10% on 2 cores, the size of the gaps between its layouts at a bucket.
             0: the rates alone decide, at `probe_steps`.
         probe_margin: a plan priced this much below the current one is not probed. Wide: the
             prices are what a probe checks, and on the gauntlet they put two replicas and a DP
-            2 trainer below 0.7x three replicas and one rank for 250 steps (run K, 46d5192, at
-            0.3), where the static runs measure them 1.3-1.6x as fast.
+            2 trainer below 0.7x three replicas and one rank, where the static runs measure
+            them 1.3-1.6x as fast (a margin of 0.3 never probed them).
         max_micro_batch_tokens: cap on the train/reference micro-batch budget.
         max_kv_tokens: cap on a rollout replica's KV-cache budget.
         dp_divides: a train or reference layout's DP degree must divide this (a run's GRPO

@@ -22,16 +22,13 @@ is at least as fast end to end as the plan it replaced at the same bucket; if it
 policy goes back and the wait for the next probe doubles (at most 4x). A rate comes with its
 standard error, from the spread of its steps taken in consecutive pairs (the loop runs a step
 ahead, so a fast step and a slow one alternate): over 6 steps it is ~10% on the gauntlet, as
-large as the gaps between its layouts (run Z left two replicas and two trainer ranks for
-three and one at step 67, "measured +12% faster", 0.557 over 6 steps against 0.496 over 18,
-and held them for 434 of its 500 steps). So a trial whose rates are within `trial_sigmas`
-standard errors of the old plan's runs on, to 3 x `probe_steps` measured steps; then it stays
-only if it is faster beyond the noise, else the old plan wins the tie (run Z4 kept three
-replicas and one trainer rank on a tie at step 168, 0.456 against 0.445 of the roofline over
-18 steps, and held them for 194 steps, train-bound at 4,096 tokens); and a plan measured
-faster is switched back to only by more than that noise.
-Runs R, T and U left two replicas and two trainer ranks for three and one on prices at steps
-12-30, and held them until a probe 50-200 steps later measured them 15-35% slower. Where the contexts move to another bucket
+large as the gaps between its layouts, so one 6-step trial can call a slower plan 12% faster
+and keep it for the rest of a run. A trial whose rates are within `trial_sigmas` standard
+errors of the old plan's therefore runs on, to 3 x `probe_steps` measured steps; then it stays
+only if it is faster beyond the noise, else the old plan wins the tie; and a plan measured
+faster is switched back to only by more than that noise. Prices alone are not trusted either:
+left on prices, a plan measured 15-35% slower by a later probe was held for 50-200 steps.
+Where the contexts move to another bucket
 before the trial is measured at either, it goes back without a verdict.
 
 Not here: which plan is best (`policy.SearchPolicy`: search, buckets, forced changes).
@@ -156,8 +153,8 @@ class Switching:
         """Whether switching from `cur` to `cand` saves more than it costs over
         `horizon_steps` steps, and the ledger that says so. The prices give the share of a
         step the switch saves; a step's seconds are the loop's, measured end to end, where it
-        gives them (composed stage prices put run T's steps at several times what they took,
-        and a TP 2 replica "paid" for a 17 s start). A plan not measured end to end at
+        gives them (composed stage prices can put a step at several times what it takes, and
+        make a TP 2 replica's 17 s start look paid for). A plan not measured end to end at
         `bucket` may be measured slower and left: its switch costs the way back too."""
         p, c, m = self.policy, self.policy.config, self.policy.measured
         tokens = m.step_tokens() if m is not None else None
