@@ -357,7 +357,8 @@ async def run_job(job: Job, resume: bool) -> RunResult:
                 else:
                     assert stall is not None
                     healer.note("stall", "driver", stage=stall.stage,
-                                idle_s=round(stall.idle_s, 1), healing=stall.healing)
+                                idle_s=round(stall.idle_s, 1), healing=stall.healing,
+                                dock=stall.detail)
                 await job.stop_actors()
                 manifest = job.out / "checkpoint" / MANIFEST
                 resume = manifest.is_file()
