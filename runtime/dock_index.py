@@ -460,6 +460,7 @@ class DockIndex:
         for e in hit:
             for c in [c for c, (s, _) in e.columns.items() if s == shard]:
                 del e.columns[c]
+                e.writers.pop(c, None)
             e.acked.discard(stage)
         return len(hit)
 
