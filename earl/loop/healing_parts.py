@@ -109,25 +109,33 @@ class HealingProduction:
     async def play_groups(self, batch: int, done: Callable[[BatchResult], None]
                           ) -> BatchResult:
         """`ActorProduction.play_groups`, each group played again (tagged) when its producer
-        died while playing it. Its batch is not in `playing`: a group is in the dock as soon
-        as it is done, so one lost with a shard is re-played by `reproduce_lost` while the
-        rest of its batch plays on."""
+        died while playing it. Only the groups still playing are in `playing`: a group is in
+        the dock as soon as it is done, so one lost with a shard is re-played by
+        `reproduce_lost` while the rest of its batch plays on."""
         return await self.inner.play_groups(batch, done, play=self._play_group)
 
     async def _play_group(self, batch: int, g: int, task: GroupTask) -> BatchResult:
-        r, tag = g % len(self.inner.producers), ""
-        while True:
-            try:
-                res = await self.inner.play_group(batch, g, task, tag)
-            except Exception as exc:
-                if died_actor(exc) != ("producer", r) or self.healer.stopping:
-                    raise
-                self.healer.note("replay_group", "producer", rank=r, step=batch + 1)
-                await self.healer.wait_rebuilt(self.rt, "producer", r)
-                tag = f"x{next(self._tags)}"
-                continue
-            self._record(batch, res, f"{tag}-g{g}" if tag else f"g{g}", r)
-            return res
+        """Group `g`, played again if its producer dies playing it (its rows put before the
+        death are not re-played by `reproduce_lost` as well)."""
+        r, tag, plays = g % len(self.inner.producers), "", set()
+        try:
+            while True:
+                ids = f"{tag}-g{g}" if tag else f"g{g}"
+                plays.add(sample_id(batch, 0, ids, r).rsplit("-", 1)[0])
+                self.playing |= plays
+                try:
+                    res = await self.inner.play_group(batch, g, task, tag)
+                except Exception as exc:
+                    if died_actor(exc) != ("producer", r) or self.healer.stopping:
+                        raise
+                    self.healer.note("replay_group", "producer", rank=r, step=batch + 1)
+                    await self.healer.wait_rebuilt(self.rt, "producer", r)
+                    tag = f"x{next(self._tags)}"
+                    continue
+                self._record(batch, res, ids, r)
+                return res
+        finally:
+            self.playing -= plays
 
     def _record(self, batch: int, res: BatchResult, tag: str, rank: int) -> None:
         """The rows `res` put, in the ledger (their ids as the producer made them)."""

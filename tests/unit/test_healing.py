@@ -277,9 +277,11 @@ async def test_lost_groups_are_replayed_except_a_share_being_replayed() -> None:
     healer = Healer(log=lambda s: None)
     inner = _production(2)
     lost = [LostSample("b000001-p0-0000", "g2", ()), LostSample("b000001-p0-0001", "g2", ()),
-            LostSample("b000002-p0-0000", "g4", ()), LostSample("b000002-p1-x3-0000", "g5", ())]
+            LostSample("b000002-p0-0000", "g4", ()), LostSample("b000002-p1-x3-0000", "g5", ()),
+            LostSample("b000003-p0-x2-g0-0000", "g6", ())]
     prod = HealingProduction(inner, healer, _Rt(), _Dock(lost))  # type: ignore[arg-type]
     prod.playing.add("b000002-p0")  # producer 0's share of batch 2 is re-played by `play`
+    prod.playing.add("b000003-p0-x2-g0")  # and a group of batch 3 by `play_groups`
     # ...but g5, of producer 1's share of batch 2 (done), and g2 are played again
     assert await prod.reproduce_lost("shard producer:0 died") == 2
     replays = sorted((c[2][0], c[2][1][0].group_id) for c in inner.producers.calls
