@@ -21,7 +21,8 @@ __all__ = ["DRAWN", "Drawn", "draw"]
 DRAWN = ("kill:producer", "kill:reference", "kill:rollout", "kill:dock", "kill:trainer",
          "drop:producer", "drop:reference", "corrupt_frame", "delay", "disk_full",
          "squat:shm", "slowloris", "kill:resave", "stall:tool")
-HEALED_IN_PLACE = ("kill:producer", "kill:reference", "kill:rollout")  # may overlap
+HEALED_IN_PLACE = ("kill:producer", "kill:reference", "kill:rollout", "drop:producer",
+                   "drop:reference")  # deaths healed in place: they may overlap
 
 
 @dataclass(frozen=True, slots=True)
