@@ -153,8 +153,10 @@ class Injector:
             before = (healer.restarts.get(name, 0), healer.rewinds)
             os.kill(pid, 9)
             fired.set()
+            # healed: rebuilt in place, or (the trainer, the dock, any actor while an attempt
+            # starts) rewound
             ok = await until(lambda: (healer.restarts.get(name, 0), healer.rewinds) != before
-                              and (name in ("trainer", "dock") or any(
+                              and (healer.rewinds > before[1] or any(
                                   e["event"] == "restart" and e["actor"] == name
                                   and e.get("restarts", 0) > before[0]
                                   for e in healer.events)), 300)

@@ -170,6 +170,7 @@ class Healer:
         self.stopping = False         # the run is ending: deaths now are not healed
         self.stage: dict[str, str] = {}  # "group[rank]" -> the rebuild step in progress
         self.active_at = 0.0  # time.monotonic() of the last event or restart seen (watchdog)
+        self.watched = False  # `watch` ran in this attempt (a death before it rewinds it)
         self._rt: Any = None  # while `watch` runs: the runtime, its task group, its watchers
         self._tg: asyncio.TaskGroup | None = None
         self._watchers: dict[tuple[str, int], asyncio.Task[None]] = {}
@@ -199,6 +200,7 @@ class Healer:
     async def watch(self, rt: Any, groups: dict[str, int]) -> None:
         """Rebuild every restart of `groups` (name -> ranks) until `close`; run it as a task.
         A group re-created or resized meanwhile is followed with `follow`."""
+        self.watched = True
         async with asyncio.TaskGroup() as tg:
             self._rt, self._tg = rt, tg
             for name, n in groups.items():
@@ -231,6 +233,7 @@ class Healer:
         self._stop = asyncio.Event()
         self._rebuilt.clear()
         self.stopping = False
+        self.watched = False
 
     async def _watch_rank(self, name: str, rank: int, current: bool = False) -> None:
         rt, seen = self._rt, 0
@@ -323,8 +326,9 @@ class Healer:
 
 async def run_job(job: Job, resume: bool) -> RunResult:
     """One attempt of `job` (`earl.loop.main.train_attempt`), and another from the last
-    checkpoint each time the trainer or the dock dies, or the run stalls (`Stalled`: no step
-    and no healing event within its limit, `earl.loop.watchdog`).
+    checkpoint each time the trainer or the dock dies, the run stalls (`Stalled`: no step
+    and no healing event within its limit, `earl.loop.watchdog`), or an actor dies while the
+    attempt starts (spawn, restore: before its healer watches, nothing rebuilds it in place).
 
     Raises:
         HealingError: past the rewind limit (the original error, a death or the `Stalled`
@@ -342,10 +346,12 @@ async def run_job(job: Job, resume: bool) -> RunResult:
             except Exception as exc:
                 who = died_actor(exc)
                 stall = stalled_in(exc) if who is None else None
-                if stall is None and (who is None or who[0] not in REWOUND):
+                starting = who is not None and who[0] in HEALED and not healer.watched
+                if stall is None and not starting and (who is None or who[0] not in REWOUND):
                     raise
-                what = f"{who[0]}[{who[1]}] died" if who is not None else \
-                    f"the run stalled: {stall}"
+                what = f"the run stalled: {stall}" if who is None else \
+                    f"{who[0]}[{who[1]}] died" + (" while the attempt started" if starting
+                                                  else "")
                 healer.close()
                 if healer.rewinds >= healer.max_restarts:
                     raise HealingError(f"{what}, and the run was already rewound "

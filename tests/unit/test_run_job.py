@@ -1,0 +1,91 @@
+"""earl.loop.healing.run_job's decisions, with a fake job and attempts: a death while an
+attempt starts (before its healer watches) and a stall are healed by a rewind to the
+checkpoint; a death of a healed-in-place actor once the healer watches is not; past
+`max_restarts` rewinds the run stops with the cause named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from earl.loop import main as loop_main
+from earl.loop.healing import Healer, HealingError, run_job
+from earl.loop.watchdog import Stalled, stalled_in
+from earl.runtime.errors import ActorDied
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class FakeJob:
+    def __init__(self, out: Path, max_restarts: int = 3) -> None:
+        self.out, self.lines = out, []
+        self.healer = Healer(max_restarts=max_restarts, log=self.lines.append)
+        self.stopped = self.closed = 0
+
+    def log(self, line: str) -> None:
+        self.lines.append(line)
+
+    async def stop_actors(self) -> None:
+        self.stopped += 1
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def attempts(monkeypatch: pytest.MonkeyPatch, *outcomes: Any) -> list[bool]:
+    """`train_attempt` raises each outcome that is an exception (a callable is called first
+    with the job: what the attempt did before), then returns "done"; returns the resumes."""
+    resumes: list[bool] = []
+    todo = list(outcomes)
+
+    async def fake(job: FakeJob, resume: bool) -> str:
+        resumes.append(resume)
+        step = todo.pop(0) if todo else "done"
+        if callable(step) and not isinstance(step, BaseException):
+            step = step(job)
+        if isinstance(step, BaseException):
+            raise step
+        return str(step)
+
+    monkeypatch.setattr(loop_main, "train_attempt", fake)
+    return resumes
+
+
+def producer_dies() -> ActorDied:
+    return ActorDied("producer[0]", "killed", group="producer", rank=0, cause="killed")
+
+
+async def test_a_death_while_an_attempt_starts_rewinds_it(monkeypatch, tmp_path) -> None:
+    job = FakeJob(tmp_path)
+    resumes = attempts(monkeypatch, producer_dies())  # watched stays False: spawn, restore
+    assert await run_job(job, False) == "done"  # type: ignore[arg-type]
+    assert resumes == [False, False] and job.healer.rewinds == 1 and job.stopped == 1
+    assert any("while the attempt started" in line for line in job.lines)
+
+
+async def test_a_death_once_the_healer_watches_is_not_rewound(monkeypatch, tmp_path) -> None:
+    job = FakeJob(tmp_path)
+
+    def watched_then_dies(j: FakeJob) -> ActorDied:
+        j.healer.watched = True  # `serving` started the healer's watch
+        return producer_dies()
+
+    attempts(monkeypatch, watched_then_dies)
+    with pytest.raises(ActorDied):
+        await run_job(job, False)  # type: ignore[arg-type]
+    assert job.healer.rewinds == 0
+
+
+async def test_a_stall_rewinds_and_past_the_limit_stops_naming_the_stage(
+        monkeypatch, tmp_path) -> None:
+    job = FakeJob(tmp_path, max_restarts=1)
+    stall = Stalled("step 3's training", 61.0, 60.0, {"producer[0]": "reproduce_lost"})
+    attempts(monkeypatch, ExceptionGroup("tg", [stall]), ExceptionGroup("tg", [stall]))
+    with pytest.raises(HealingError, match="step 3's training") as info:
+        await run_job(job, False)  # type: ignore[arg-type]
+    assert stalled_in(info.value) is stall  # the cause, as data
+    assert job.healer.rewinds == 1
+    (event,) = [e for e in job.healer.events if e["event"] == "stall"]
+    assert event["stage"] == "step 3's training"
