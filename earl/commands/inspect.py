@@ -135,7 +135,10 @@ def render(t: Record, decode: Any) -> str:
 
 def replay(t: Record, tok: Any) -> dict[str, object]:
     """Re-play a board game's recorded moves in a fresh env with the same seed; compare
-    outcomes. Works for Tic-Tac-Toe and Connect Four records (their info carries the seed)."""
+    outcomes. Works for Tic-Tac-Toe and Connect Four records (their info carries the seed).
+    A move's text is decoded as the agent saw it (`ChatCodec.decode` of the turn without its
+    stop token, special tokens kept): a turn the model filled with odd tokens reads the same."""
+    from earl.agents.chat import ChatCodec
     from earl.agents.connect4 import game_config
     from earl.envs.connect4 import INTRO as C4_INTRO
     from earl.envs.connect4 import ConnectFour
@@ -154,8 +157,12 @@ def replay(t: Record, tok: Any) -> dict[str, object]:
     env.reset(seed)
     outcome = "unfinished"
     moves = []
+    codec = ChatCodec(tok)
     for start, end in t["turn_spans"]:
-        text = tok.decode(ids[start:end], skip_special_tokens=True)
+        body = ids[start:end]
+        if body and body[-1] in codec.stop_ids:
+            body = body[:-1]
+        text = codec.decode(body)
         moves.append(text)
         res = env.step(text)
         if res.done:
