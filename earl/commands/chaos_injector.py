@@ -22,7 +22,10 @@ from earl.commands.chaos_oracle import lose_a_sample
 if TYPE_CHECKING:
     from earl.commands.chaos_draw import Drawn
 
-__all__ = ["Injector"]
+__all__ = ["NEEDS_RUN", "Injector"]
+
+# faults whose healing the run must go on for: the next fault must not hold it meanwhile
+NEEDS_RUN = ("kill:trainer", "kill:dock", "kill:resave", "drop:producer", "drop:reference")
 
 
 class Injector:
@@ -68,26 +71,33 @@ class Injector:
             raise OSError(errno.ENOSPC, "No space left on device (injected)", folder)
 
     async def after_step(self, record: Any) -> None:
-        """After each trained step is logged: fire what is due, hold the run until it is."""
+        """After each trained step is logged: fire what is due, hold the run until it is.
+
+        The run is not held for a fault still waiting for the one before it to heal when that
+        healing needs the run to go on (`NEEDS_RUN`: a rewind is seen by the next step's call
+        to the dead trainer or dock; a dropped connection needs calls in flight)."""
         step = int(record.version)
         self._running = int(getattr(record, "groups_running", 0))
-        now = time.perf_counter()
-        if self._last:
-            self._dt = 0.5 * self._dt + 0.5 * (now - self._last)
-        self._last = now
+        if self._last:  # the step's own time, without the holds (the previous call's waits)
+            self._dt = 0.5 * self._dt + 0.5 * (time.perf_counter() - self._last)
         await self._collect_pids()
         while self._next < len(self.faults) and self.plan[self._next] <= step:
             i, self._next = self._next, self._next + 1
-            delay = 0.0 if self.faults[i] == "kill:rollout_span" else \
+            # a drop and kill:rollout_span wait for calls in flight themselves, from now
+            delay = 0.0 if self.faults[i].startswith(("kill:rollout_span", "drop:")) else \
                 self.rng.uniform(0.0, max(self._dt, 0.05)) if self.at is None else \
                 self.at[i] * max(self._dt, 0.05)
             self.tasks.append(asyncio.ensure_future(self._fire(i, step, delay)))
         for i in range(self._next):
+            gated = i > 0 and not self.overlap[i] and not self.settled[i - 1].is_set() \
+                and self.faults[i - 1] in NEEDS_RUN
             if not self.faults[i].startswith("drop:"):
-                if self.plan[i] < step:
+                if self.plan[i] < step and not gated:
                     await self.fired[i].wait()
-            elif self.plan[i] + 1 < step:  # a drop needs calls in flight: one more step runs,
-                await self.settled[i].wait()  # then the run waits until the actor is back
+            elif self.plan[i] + 1 < step and self.fired[i].is_set():  # a drop needs calls in
+                await self.settled[i].wait()  # flight: the run goes on until it is fired, then
+                # waits for the actor to be back
+        self._last = time.perf_counter()
 
     async def _requests_in_flight(self, timeout: float = 60.0) -> int:
         """Wait (up to `timeout` s) until the rollout has generations in flight, right after a
@@ -154,12 +164,12 @@ class Injector:
             os.kill(pid, 9)
             fired.set()
             # healed: rebuilt in place, or (the trainer, the dock, any actor while an attempt
-            # starts) rewound
-            ok = await until(lambda: (healer.restarts.get(name, 0), healer.rewinds) != before
-                              and (healer.rewinds > before[1] or any(
-                                  e["event"] == "restart" and e["actor"] == name
-                                  and e.get("restarts", 0) > before[0]
-                                  for e in healer.events)), 300)
+            # starts) rewound and the new attempt's healer watching (its actors up)
+            ok = await until(lambda: any(
+                e["event"] == "restart" and e["actor"] == name
+                and e.get("restarts", 0) > before[0] for e in healer.events) or (
+                sum(e["event"] == "rewind" for e in healer.events) > before[1]
+                and healer.watched), 300)
             if fault == "kill:rollout_span":  # it must have hit sessions spanning the push
                 return {"pid": pid, "groups_running": running, "requests_in_flight": in_flight,
                         "recovered": ok and in_flight > 0}
@@ -261,7 +271,12 @@ class Injector:
         pid = (await self.rt.dir_call("lookup", name)).pids[0]
         os.kill(pid, signal.SIGSTOP)
         fired.set()
-        ok = await until(lambda: len(stalls()) > before, 900)
+        def rewinds() -> int:
+            return sum(e["event"] == "rewind" for e in healer.events)
+
+        rewound = rewinds()  # the rewind's event comes once the frozen process is stopped
+        ok = await until(lambda: len(stalls()) > before and rewinds() > rewound
+                         and healer.watched, 900)
         if not ok:
             os.kill(pid, signal.SIGKILL)
         return {"pid": pid, "stage": stalls()[-1]["stage"] if ok else "", "recovered": ok}
@@ -363,7 +378,7 @@ class Injector:
         except Exception:  # noqa: BLE001, S110 - the trainer died under it: expected
             pass
         fired.set()
-        ok = await until(lambda: len(rewinds()) > before, 300)
+        ok = await until(lambda: len(rewinds()) > before and healer.watched, 300)
         to = rewinds()[-1].get("to_step") if ok else None
         return {"pid": pid, "step_in_force": state.step, "rewound_to": to,
                 "recovered": ok and to == state.step}
