@@ -99,13 +99,14 @@ async def test_watch_raises_with_the_diagnosis() -> None:
         return "the dock holds 8 samples"
 
     dog = Watchdog(stall_s=60.0, stall_steps=10.0, clock=clock, diagnose=diagnose)
-    watch = asyncio.ensure_future(dog.watch(every_s=0.001))
-    await asyncio.sleep(0.01)
-    assert not watch.done()
-    clock.t += 61.0
-    with pytest.raises(Stalled) as info:
-        await asyncio.wait_for(watch, 5.0)
-    assert info.value.detail == "the dock holds 8 samples"
+    with pytest.raises(ExceptionGroup) as info:
+        async with asyncio.timeout(5.0), asyncio.TaskGroup() as tg:
+            watch = tg.create_task(dog.watch(every_s=0.001))
+            await asyncio.sleep(0.01)
+            assert not watch.done()  # 0 s idle
+            clock.t += 61.0
+    stall = stalled_in(info.value)
+    assert stall is not None and stall.detail == "the dock holds 8 samples"
 
 
 class StuckTraining:
