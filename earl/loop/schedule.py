@@ -207,15 +207,22 @@ class Schedule:
         def future(b: int) -> asyncio.Future[BatchResult]:
             return played.setdefault(b, loop.create_future())
 
+        def group_done(res: BatchResult) -> None:  # partial rollouts: progress
+            self.pool.add(res)
+            if self.watchdog is not None:
+                self.watchdog.beat()
+
         async def produce_one(b: int) -> None:
             try:
                 if self.partial:
-                    res = await self.production.play_groups(b, self.pool.add)
+                    res = await self.production.play_groups(b, group_done)
                 else:
                     self._began[b] = time.perf_counter()
                     async with (self.selection.rollout(b) if self.selection is not None
                                 else contextlib.nullcontext()):
                         res = await self.production.play(b, self._snapshot(b))
+                    if self.watchdog is not None:  # a batch played: progress
+                        self.watchdog.beat()
                 future(b).set_result(res)
             except BaseException as exc:
                 # The task group raises `exc` itself; the future only wakes a step waiting

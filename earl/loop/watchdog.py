@@ -1,8 +1,8 @@
 """The run's progress watchdog: a run that stops making progress ends with an error naming
 where it waits, instead of hanging.
 
-Progress is a trained step or a healing event (a restart seen, a process rebuilt, a group
-played again, a step retried: `Healer.active_at`). The schedule says what it waits for at each
+Progress is a trained step, a batch played (a group, with partial rollouts) or a healing event
+(a restart seen, a process rebuilt, a group played again, a step retried: `Healer.active_at`). The schedule says what it waits for at each
 moment (`waiting`: a batch's rollout, the trainer's step, a weight push, an eval, a
 checkpoint). When nothing progresses for `limit_s()` seconds, `watch` raises `Stalled` with
 that stage, the step each rebuild in progress is at (`Healer.stage`) and, if given, what the

@@ -118,9 +118,9 @@ class StuckTraining:
     async def train(self, batch: int, samples: int, lr_scale: float,
                     groups: object = None) -> dict[str, float]:
         self.clock.t += 1.0
-        if batch == 1:
-            self.clock.t += 1000.0  # time passes, nothing comes
-            await asyncio.Event().wait()
+        while batch == 1:  # time passes, nothing comes (the producers stop at the gate)
+            await asyncio.sleep(0.01)
+            self.clock.t += 10.0
         self.trained += 1
         return {"loss": 1.0}
 
