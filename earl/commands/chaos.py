@@ -10,6 +10,9 @@ run's invariants (`--json`: as one JSON line).
     earl chaos --faults kill:producer,disk_full --steps 6 --seed 3
     earl chaos --draw 4 --seed 17     # 4 faults, their order, steps, points of a step and
                                       # overlaps drawn from the seed (earl.commands.chaos_draw)
+    earl chaos --soak 125 --seed 1 --json  # a run of 125 minutes, a drawn fault every ~5 min,
+                                      # each actor's RSS and the folder's size sampled
+                                      # (earl.commands.chaos_soak; bench/soak.py saves it)
 
 Faults (each at a random point of a step, one at a time):
   kill:<group>   SIGKILL of rank 0 of rollout | producer | reference | dock | trainer
@@ -79,6 +82,8 @@ SMALL = ["--warm_start.steps=0", "--batch_size=8", "--group_size=4", "--eval_gam
          "--eval_every=0", "--checkpoint_every=2", "--time_limit_minutes=30",
          "--record_trained=true",  # the trainers' records: what the oracle reads
          "--stall_s=60"]  # a stuck run ends, naming its stage, long before --deadline
+# a soak trains batches of the recipe's size and keeps a checkpoint every 10 steps
+SOAK = ["--batch_size=64", "--group_size=8", "--checkpoint_every=10"]
 
 
 def main(argv: list[str]) -> int:
@@ -92,6 +97,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--draw", type=int, default=0, metavar="N",
                    help="draw N distinct faults, their order, steps, points of a step and "
                         "overlaps from --seed (earl.commands.chaos_draw) instead of --faults")
+    p.add_argument("--soak", type=float, default=0.0, metavar="MINUTES",
+                   help="run for MINUTES (not --steps) with a fault drawn from --seed every "
+                        "--every-s seconds, sampling each actor's RSS and the folder's size")
+    p.add_argument("--every-s", type=float, default=300.0,
+                   help="with --soak: seconds between faults")
     p.add_argument("--output-dir", help="run folder (default: a temp dir, removed)")
     p.add_argument("--verbose", action="store_true", help="progress and healing lines; the actors' library output on the terminal instead of <output_dir>/run.log")
     p.add_argument("--json", action="store_true",
@@ -112,7 +122,12 @@ def main(argv: list[str]) -> int:
             print(f"earl chaos: unknown fault {f!r} (see --help)", file=sys.stderr)
             return 2
     steps = args.steps or (7 if args.quick else 12)
-    drawn = None
+    drawn, due = None, None
+    if args.soak:
+        from earl.commands.chaos_soak import schedule
+
+        faults, due = schedule(args.soak, args.every_s, args.seed)
+        steps, args.deadline = 10**6, max(args.deadline, args.soak * 60 + 1800)
     if args.draw:
         from earl.commands.chaos_draw import draw
 
@@ -135,12 +150,14 @@ def main(argv: list[str]) -> int:
         mode = "continue" if "kill:rollout_span" in faults else "off"
         cfg = load_config(None, [*SMALL, f"--steps={steps}", f"--output_dir={out}",
                                  f"--tool_timeout_s={args.tool_timeout_s}",
-                                 f"--partial_rollouts={mode}"])
+                                 f"--partial_rollouts={mode}",
+                                 *(SOAK + [f"--time_limit_minutes={args.soak}"] if args.soak
+                                   else [])])
         log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.verbose \
             else (lambda line: None)
         report = asyncio.run(run_chaos(cfg, faults, seed=args.seed, log=log,
                                        deadline_s=args.deadline, verbose=args.verbose,
-                                       drawn=drawn))
+                                       drawn=drawn, due_s=due))
     if args.json:
         print(json.dumps(report), flush=True)
     else:
@@ -162,10 +179,13 @@ def _print_report(report: dict[str, Any]) -> None:
 
 async def run_chaos(cfg: Any, faults: list[str], *, seed: int = 0, log: Any = print,
                     deadline_s: float = 900.0, verbose: bool = False,
-                    drawn: Drawn | None = None) -> dict[str, Any]:
+                    drawn: Drawn | None = None,
+                    due_s: list[float] | None = None) -> dict[str, Any]:
     """Run `cfg` with `faults` injected; returns the report `earl chaos` prints. A run still
     going after `deadline_s` counts as hung: its tasks' stacks go to stderr, and it is
-    cancelled."""
+    cancelled. With `due_s` (a soak) fault i fires once `due_s[i]` s have passed, the run ends
+    by its time limit, and the report's `soak` holds the samples and their summary."""
+    from earl.commands.chaos_soak import Sampler, summarize
     from earl.loop.healing import run_job
     from earl.loop.hooks import RunHooks
     from earl.loop.job import Job
@@ -196,7 +216,10 @@ async def run_chaos(cfg: Any, faults: list[str], *, seed: int = 0, log: Any = pr
                              before_checkpoint=lambda folder: inj.before_checkpoint(folder),
                              env=env)
             job = Job(cfg, recipe, ref, rt, log=log, trace=True, hooks=hooks)
-            inj = Injector(job, rt, faults, seed=seed, disk=disk, stall=stall, drawn=drawn)
+            inj = Injector(job, rt, faults, seed=seed, disk=disk, stall=stall, drawn=drawn,
+                           due_s=due_s)
+            sampler = Sampler(rt, job, out) if due_s is not None else None
+            sampling = asyncio.ensure_future(sampler.run()) if sampler is not None else None
             run = asyncio.ensure_future(run_job(job, False))
             watchdog = asyncio.get_running_loop().call_later(deadline_s, _hung, run)
             try:
@@ -210,6 +233,9 @@ async def run_chaos(cfg: Any, faults: list[str], *, seed: int = 0, log: Any = pr
                 steps = job.state.step if job.started else 0
             finally:
                 watchdog.cancel()
+                if sampling is not None:
+                    sampling.cancel()
+                    await asyncio.gather(sampling, return_exceptions=True)
                 await inj.wait(120.0)
             await inj._collect_pids()
             pids = inj.pids
@@ -220,7 +246,9 @@ async def run_chaos(cfg: Any, faults: list[str], *, seed: int = 0, log: Any = pr
     ledger = job.healer.ledger.summary(read_trained(out / "trained"), resident)
     left_behind = orphans(pids | {os.getpid()})
     monotone = versions_monotone(out, cfg.max_policy_lag, cfg.partial_rollouts != "off")
-    recovered = (not error and steps == cfg.steps and len(inj.done) == len(faults)
+    # a soak ends by its time limit, with the faults that came due by then
+    recovered = (not error and (steps == cfg.steps or due_s is not None)
+                 and len(inj.done) == (inj.due if due_s is not None else len(faults))
                  and all(f["recovered"] for f in inj.done))
     report: dict[str, Any] = {
         "faults_injected": len(inj.done), "recovered": recovered,
@@ -233,7 +261,10 @@ async def run_chaos(cfg: Any, faults: list[str], *, seed: int = 0, log: Any = pr
                                                              faults else ""),
         **{k: v for k, v in ledger.items() if k not in ("samples_lost", "samples_duplicated")},
         "error": error, "wall_s": round(time.perf_counter() - t0, 1), "seed": seed,
-        **({"drawn": drawn.as_json()} if drawn is not None else {})}
+        **({"drawn": drawn.as_json()} if drawn is not None else {}),
+        **({"soak": {"faults_planned": len(faults), "due_s": due_s,
+                     **summarize(sampler.rows), "rows": sampler.rows}}
+           if sampler is not None else {})}
     report["ok"] = bool(recovered and not report["samples_lost"]
                         and not report["samples_duplicated"] and monotone
                         and not any(left_behind.values()))

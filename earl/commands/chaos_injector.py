@@ -38,7 +38,8 @@ class Injector:
     `RunHooks` (`after_step`, `before_checkpoint`)."""
 
     def __init__(self, job: Any, rt: Any, faults: list[str], *, seed: int, disk: str,
-                 stall: Path | None = None, drawn: Drawn | None = None) -> None:
+                 stall: Path | None = None, drawn: Drawn | None = None,
+                 due_s: list[float] | None = None) -> None:
         import random
 
         self.job, self.rt, self.faults, self.disk, self.stall = job, rt, faults, disk, stall
@@ -56,12 +57,22 @@ class Injector:
             assert list(drawn.faults) == faults
             self.plan, self.at = list(drawn.after_step), list(drawn.at)
             self.overlap = list(drawn.overlap)
+        # a soak (`earl.commands.chaos_soak`): fault i is due `due_s[i]` s after the first step
+        self.due_s, self._first = due_s, 0.0
+        if due_s is not None:
+            assert len(due_s) == len(faults)
+            self.plan = [2**62] * len(faults)  # set to the step after which each came due
         self.fired = [asyncio.Event() for _ in faults]
         self.settled = [asyncio.Event() for _ in faults]  # one fault at a time
         self.tasks: list[asyncio.Task[None]] = []
         self._last, self._dt, self._next = 0.0, 0.2, 0
         self._running = 0  # groups still playing at the last step's end (partial rollouts)
         self._disk_full_armed = False  # the next trainer save fails as a full disk would
+
+    @property
+    def due(self) -> int:
+        """How many faults came due (fired or being fired)."""
+        return self._next
 
     async def before_checkpoint(self, folder: str) -> None:
         if self._disk_full_armed:
@@ -81,6 +92,12 @@ class Injector:
         if self._last:  # the step's own time, without the holds (the previous call's waits)
             self._dt = 0.5 * self._dt + 0.5 * (time.perf_counter() - self._last)
         await self._collect_pids()
+        if self.due_s is not None:
+            self._first = self._first or time.perf_counter()
+            now = time.perf_counter() - self._first
+            for i in range(self._next, len(self.faults)):
+                if self.plan[i] == 2**62 and self.due_s[i] <= now:
+                    self.plan[i] = step
         while self._next < len(self.faults) and self.plan[self._next] <= step:
             i, self._next = self._next, self._next + 1
             # a drop and kill:rollout_span wait for calls in flight themselves, from now
@@ -123,7 +140,7 @@ class Injector:
         rec: dict[str, Any] = {"fault": fault, "after_step": step, "delay_s": round(delay, 3)}
         t = time.perf_counter()
         try:
-            rec.update(await self._inject(fault, self.fired[i]))
+            rec.update(await self._inject(i))
         except Exception as exc:  # noqa: BLE001 - a fault that could not be injected
             rec.update(recovered=False, note=f"not injected: {exc}")
         finally:
@@ -141,8 +158,8 @@ class Injector:
             for t in pending:
                 t.cancel()
 
-    async def _inject(self, fault: str, fired: asyncio.Event) -> dict[str, Any]:
-        healer = self.job.healer
+    async def _inject(self, i: int) -> dict[str, Any]:
+        fault, fired, healer = self.faults[i], self.fired[i], self.job.healer
         target = fault.split(":", 1)[1] if fault.startswith(("kill:", "drop:", "hang:")) \
             else "producer"
         target = "rollout" if target == "rollout_span" else target
@@ -191,11 +208,11 @@ class Injector:
                     "recovered": after.pids[0] == pid and after.status[0] == "up" and answers}
         if fault == "delay":
             fired.set()
-            self.settled[self.faults.index("delay")].set()
+            self.settled[i].set()
             n = await delay_requests(2.0, self.rng)
             return {"delayed": n, "recovered": True}
         if fault == "disk_full":
-            return await self._disk_full(fired)
+            return await self._disk_full(i)
         if fault == "lose:sample":
             lost: list[str] = []
             undo = lose_a_sample(lost)
@@ -281,8 +298,8 @@ class Injector:
             os.kill(pid, signal.SIGKILL)
         return {"pid": pid, "stage": stalls()[-1]["stage"] if ok else "", "recovered": ok}
 
-    async def _disk_full(self, fired: asyncio.Event) -> dict[str, Any]:
-        healer = self.job.healer
+    async def _disk_full(self, i: int) -> dict[str, Any]:
+        fired, healer = self.fired[i], self.job.healer
         folder = Path(self.job.out) / "checkpoint"
         filler = folder / ".filler"
         before = len([e for e in healer.events if e["event"] == "checkpoint_failed"])
@@ -291,7 +308,7 @@ class Injector:
         else:  # no tmpfs (not root): the trainer's next save raises ENOSPC
             self._disk_full_armed = True
         fired.set()
-        self.settled[self.faults.index("disk_full")].set()
+        self.settled[i].set()
         ok = await until(lambda: len([e for e in healer.events
                                        if e["event"] == "checkpoint_failed"]) > before, 300)
         filler.unlink(missing_ok=True)

@@ -35,19 +35,20 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from earl.loop.ledger import Ledger
 from earl.runtime.config import RestartPolicy
 from earl.runtime.errors import ActorDied, ActorError, deaths_in
-from earl.stages.batch_types import batch_of
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from earl.loop.job import Job
     from earl.loop.result import RunResult
     from earl.observe import Tracer
-    from earl.runtime.dock_index import Location, LostSample
 
 __all__ = ["HEALED", "REWOUND", "Healer", "HealingConfig", "HealingError", "Ledger",
            "died_actor", "run_job"]
@@ -86,67 +87,6 @@ def died_actor(exc: BaseException) -> tuple[str, int] | None:
     return None
 
 
-@dataclass(kw_only=True, slots=True)
-class Ledger:
-    """The driver's record of every sample produced, acked by a training step, or dropped with
-    its reason. What was lost or trained twice is judged against the trainers' own records
-    (`summary`), not against the acks: an ack says a step was asked to train a sample, not
-    that the sample entered its gradient.
-    """
-
-    produced: dict[str, str] = field(default_factory=dict)   # sample id -> group id
-    acked: list[str] = field(default_factory=list)
-    dropped: dict[str, str] = field(default_factory=dict)    # sample id -> reason
-    rewound: int = 0                                         # discarded by rewinds
-
-    def add_produced(self, ids: list[str], group_ids: list[str]) -> None:
-        self.produced.update(zip(ids, group_ids, strict=True))
-
-    def add_acked(self, locations: tuple[Location, ...]) -> None:
-        self.acked += [loc.sample_id for loc in locations]
-
-    def add_dropped(self, lost: list[LostSample], reason: str) -> None:
-        for x in lost:
-            self.produced.setdefault(x.sample_id, x.group_id)
-            self.dropped[x.sample_id] = reason
-
-    def rewind(self, step: int) -> None:
-        """Forget batches >= `step`: the trainer went back to a checkpoint of that step."""
-        keep = {s for s in self.produced if batch_of(s) < step}
-        self.rewound += len(self.produced) - len(keep)
-        self.produced = {s: g for s, g in self.produced.items() if s in keep}
-        self.acked = [s for s in self.acked if batch_of(s) < step]
-        self.dropped = {s: r for s, r in self.dropped.items() if batch_of(s) < step}
-
-    def summary(self, trained: Sequence[str], resident: Iterable[str] = ()) -> dict[str, object]:
-        """The invariants, against `trained` (every sample id the trainer ranks recorded as
-        trained, a multiset: `earl.stages.trainer.TrainerActor`) and `resident` (ids still in
-        the dock, not yet trained).
-
-        `samples_lost`: produced, and neither trained, nor dropped with a reason, nor still in
-        the dock. `samples_duplicated`: extra trainings of a sample, or of a group (a group
-        re-played after it was trained: two plays' ids of one group).
-        `samples_acked_untrained`: acked by a step that never trained them (a subset of lost).
-        """
-        done = set(trained)
-        dup_samples = len(trained) - len(done)
-        plays: dict[str, set[str]] = {}
-        for s in done:
-            if (g := self.produced.get(s)) is not None:
-                plays.setdefault(g, set()).add(s.rsplit("-", 1)[0])
-        dup_groups = sum(len(p) - 1 for p in plays.values())
-        missing = set(self.produced) - done - set(self.dropped) - set(resident)
-        reasons: dict[str, int] = {}
-        for r in self.dropped.values():
-            reasons[r] = reasons.get(r, 0) + 1
-        return {"samples_produced": len(self.produced), "samples_trained": len(trained),
-                "samples_acked": len(self.acked),
-                "samples_acked_untrained": len(set(self.acked) - done),
-                "samples_dropped": reasons, "samples_rewound": self.rewound,
-                "samples_lost": len(missing), "lost_ids": sorted(missing)[:20],
-                "samples_duplicated": dup_samples + dup_groups}
-
-
 Rebuild = Callable[[int], Awaitable[None]]
 
 
@@ -154,7 +94,8 @@ class Healer:
     """The driver's bookkeeping of restarts: watchers, rebuild hooks, limits, metrics, trace."""
 
     def __init__(self, config: HealingConfig | None = None, *, max_restarts: int = 3,
-                 log: Callable[[str], None], tracer: Tracer | None = None) -> None:
+                 log: Callable[[str], None], tracer: Tracer | None = None,
+                 ledger: Path | None = None) -> None:
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
         self.config, self.log, self.tracer = config or HealingConfig(), log, tracer
@@ -163,7 +104,7 @@ class Healer:
         self.rewinds = 0
         self.version = 0              # the policy version the rollout actors must serve
         self.events: list[dict[str, object]] = []
-        self.ledger = Ledger()
+        self.ledger = Ledger(ledger)  # written only where a run is judged (`earl chaos`)
         self.rebuilds: dict[str, Rebuild] = {}
         self._rebuilt: dict[tuple[str, int], int] = {}  # (group, rank) -> restarts rebuilt
         self._stop = asyncio.Event()

@@ -98,7 +98,9 @@ class Job:
             self.env[ENV_PREFER] = prefer
         self.trace = trace
         self.tracer = Tracer(trace)
-        self.healer = Healer(max_restarts=cfg.max_restarts, log=self.log, tracer=self.tracer)
+        self.healer = Healer(max_restarts=cfg.max_restarts, log=self.log, tracer=self.tracer,
+                             ledger=self.out / "trained" / "ledger.jsonl"
+                             if cfg.record_trained else None)
         self.slots: SlotPool | None = None
         # each stage's device slots at the start (and with placement.devices the free ones)
         self.roles = device_roles(cfg.placement, reference=self.n_reference)

@@ -69,8 +69,8 @@ def _loc(sid: str, gid: str) -> Location:
     return Location(sample_id=sid, group_id=gid, length=4, version=0, columns={})
 
 
-def test_ledger_judges_by_the_trainers_records_not_the_acks() -> None:
-    led = Ledger()
+def test_ledger_judges_by_the_trainers_records_not_the_acks(tmp_path: Path) -> None:
+    led = Ledger(tmp_path / "ledger.jsonl")
     led.add_produced(["b000000-0000", "b000000-0001", "b000001-0000"], ["g0", "g0", "g1"])
     led.add_acked((_loc("b000000-0000", "g0"), _loc("b000000-0001", "g0")))
     # acked both, the trainer recorded one: the other is lost, whatever the ack said
@@ -91,7 +91,14 @@ def test_ledger_judges_by_the_trainers_records_not_the_acks() -> None:
     assert led.summary(trained)["samples_duplicated"] == 2
     led.rewind(1)  # the trainer went back to step 1: batch 1 is played and trained again
     assert led.summary([])["samples_rewound"] == 2
-    assert set(led.acked) == {"b000000-0000", "b000000-0001"}
+    assert set(led.read().acked) == {"b000000-0000", "b000000-0001"}
+    # what the driver holds meanwhile: nothing but the file's handle; a run not judged by
+    # `earl chaos` keeps no ledger at all
+    assert not any(hasattr(led, k) for k in ("produced", "acked", "dropped"))
+    off = Ledger()
+    off.add_produced(["b000000-0000"], ["g0"])
+    with pytest.raises(ValueError, match="record_trained"):
+        off.summary([])
 
 
 def test_the_oracle_reads_what_the_trainers_recorded(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -260,8 +267,8 @@ class _Rt:
         return Rec(["up", "up"], [1, 1], ["", ""])
 
 
-async def test_a_producer_death_replays_its_share_with_fresh_ids() -> None:
-    healer = Healer(log=lambda s: None)
+async def test_a_producer_death_replays_its_share_with_fresh_ids(tmp_path: Path) -> None:
+    healer = Healer(log=lambda s: None, ledger=tmp_path / "ledger.jsonl")
     healer._rebuilt[("producer", 0)] = 1  # the restart is rebuilt
     inner = _production(1)
     inner.producers.die_next = 1
@@ -270,11 +277,11 @@ async def test_a_producer_death_replays_its_share_with_fresh_ids() -> None:
     assert res.samples == 4
     assert [c[0] for c in inner.producers.calls] == ["play", "replay"]
     tag = inner.producers.calls[1][2][2]
-    assert sorted(healer.ledger.produced) == [f"b000003-p0-{tag}-{j:04d}" for j in range(4)]
+    assert sorted(healer.ledger.read().produced) == [f"b000003-p0-{tag}-{j:04d}" for j in range(4)]
 
 
-async def test_lost_groups_are_replayed_except_a_share_being_replayed() -> None:
-    healer = Healer(log=lambda s: None)
+async def test_lost_groups_are_replayed_except_a_share_being_replayed(tmp_path: Path) -> None:
+    healer = Healer(log=lambda s: None, ledger=tmp_path / "ledger.jsonl")
     inner = _production(2)
     lost = [LostSample("b000001-p0-0000", "g2", ()), LostSample("b000001-p0-0001", "g2", ()),
             LostSample("b000002-p0-0000", "g4", ()), LostSample("b000002-p1-x3-0000", "g5", ()),
@@ -287,11 +294,11 @@ async def test_lost_groups_are_replayed_except_a_share_being_replayed() -> None:
     replays = sorted((c[2][0], c[2][1][0].group_id) for c in inner.producers.calls
                      if c[0] == "replay")
     assert replays == [(1, "g2"), (2, "g5")]
-    assert set(healer.ledger.dropped) == {x.sample_id for x in lost}
+    assert set(healer.ledger.read().dropped) == {x.sample_id for x in lost}
 
 
-async def test_over_sampled_batches_keep_each_producers_share_and_record_only_it() -> None:
-    healer = Healer(log=lambda s: None)
+async def test_over_sampled_batches_keep_each_producers_share_and_record_only_it(tmp_path: Path) -> None:
+    healer = Healer(log=lambda s: None, ledger=tmp_path / "ledger.jsonl")
     inner = _production(2, over_sample=2)  # 4 groups played, the first 2 to finish kept
     assert inner.deal(1) == [(0, inner.groups(1)[0::2], 1), (1, inner.groups(1)[1::2], 1)]
     assert [g.group_id for g in inner.groups(1)] == ["g4", "g5", "g6", "g7"]
@@ -299,7 +306,7 @@ async def test_over_sampled_batches_keep_each_producers_share_and_record_only_it
     res = await asyncio.wait_for(prod.play(1, False), 5)
     assert res.samples == 4 and sorted(res.cut) == ["g6", "g7"]
     assert [c[2][3] for c in inner.producers.calls] == [1, 1]  # need, per producer
-    assert sorted(healer.ledger.produced.values()) == ["g4", "g4", "g5", "g5"]
+    assert sorted(healer.ledger.read().produced.values()) == ["g4", "g4", "g5", "g5"]
     # a lost group maps back to its batch through the stride of 4 groups per batch
     prod = HealingProduction(inner, healer, _Rt(), _Dock([LostSample("b1", "g6", ())]))  # type: ignore[arg-type]
     assert await prod.reproduce_lost("shard died") == 1

@@ -1,0 +1,73 @@
+"""The soak: `earl chaos --soak MINUTES` (a live run of the tictactoe recipe's batch size, for
+MINUTES, with a fault every ~5 minutes drawn with replacement from the chaos list), its report
+checked against the soak's targets.
+
+Prints one JSON object: the chaos report (faults, the oracle's lost/duplicated, restarts,
+rewinds) without its raw samples, the soak's summary (`earl.commands.chaos_soak`: RSS growth
+per actor after warm-up, the run folder's size by part, steps/s per 10-minute window) and
+`targets`: each target with the measured value and whether it held.
+
+    .venv/bin/python bench/soak.py --minutes 121 --seed 1 --save    # the 2-hour soak
+    .venv/bin/python bench/soak.py --minutes 12 --every-s 60          # a short look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import _results
+
+
+def targets(rep: dict, minutes: float) -> dict[str, dict[str, object]]:
+    """The soak's targets (issue 49) against its report."""
+    soak = rep.get("soak", {})
+    growth = soak.get("max_rss_growth")
+    return {
+        "hours_ge_2": {"value": round(soak.get("seconds", 0) / 3600, 2),
+                       "ok": soak.get("seconds", 0) >= 7200 - 600},  # sampled from start-up
+        "faults_ge_20": {"value": rep.get("faults_injected", 0),
+                         "ok": rep.get("faults_injected", 0) >= 20},
+        "all_recovered": {"value": rep.get("recovered"), "ok": bool(rep.get("recovered"))},
+        "lost_0": {"value": rep.get("samples_lost"), "ok": rep.get("samples_lost") == 0},
+        "duplicated_0": {"value": rep.get("samples_duplicated"),
+                         "ok": rep.get("samples_duplicated") == 0},
+        "rss_growth_le_10pct": {"value": growth, "ok": growth is not None and growth <= 0.10},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, default=121.0)
+    ap.add_argument("--every-s", type=float, default=300.0)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--keep", help="keep the run folder here (default: a temp dir, removed)")
+    _results.add_flag(ap)
+    args = ap.parse_args()
+    begun = _results.start()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with tempfile.TemporaryDirectory(prefix="earl-soak-") as tmp:
+        out = args.keep or f"{tmp}/run"
+        p = subprocess.run([sys.executable, "-m", "earl.cli", "chaos", "--json", "--soak",
+                            str(args.minutes), "--every-s", str(args.every_s), "--seed",
+                            str(args.seed), "--output-dir", out],
+                           capture_output=True, text=True, env=env, check=False,
+                           cwd=_results.REPO)
+    lines = p.stdout.strip().splitlines()
+    rep = json.loads(lines[-1]) if lines else {"error": p.stderr.strip()[-2000:]}
+    res = {"minutes": args.minutes, "every_s": args.every_s, "seed": args.seed,
+           "exit": p.returncode, "targets": targets(rep, args.minutes), **rep}
+    res["ok"] = all(t["ok"] for t in res["targets"].values())
+    print(json.dumps({k: v for k, v in res.items() if k != "soak"} | {
+        "soak": {k: v for k, v in rep.get("soak", {}).items() if k != "rows"}}), flush=True)
+    if args.save:
+        _results.save("soak", res, quick=args.minutes < 120, begun=begun)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""`earl chaos --soak MINUTES`: a long run with a fault every `--every-s` seconds, each drawn
+(with replacement) from the faults `--draw` draws from, and the run's resources sampled over
+time: each actor's resident memory, the run folder's size by part, the steps trained.
+
+What it reports (the chaos report's `soak`): per actor, RSS growth after warm-up (the median
+of the samples in the last 10 minutes over the median in the 10 minutes after warm-up, an
+actor's restarts included: the same name and rank is one actor); the run folder's size at
+warm-up and at the end, by top-level part; steps/s per 10-minute window. Not here: firing the
+faults (`earl.commands.chaos_injector`) and the oracle (`earl.commands.chaos_oracle`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from earl.commands.chaos_draw import DRAWN
+
+__all__ = ["GROUPS", "Sampler", "schedule", "summarize"]
+
+GROUPS = ("rollout", "producer", "reference", "dock", "trainer")
+WARMUP_S = 600.0  # RSS growth is measured after this
+WINDOW_S = 600.0  # the windows whose medians are compared, and steps/s is averaged over
+
+
+def schedule(minutes: float, every_s: float, seed: int) -> tuple[list[str], list[float]]:
+    """Faults drawn with replacement from `DRAWN` and when each is due (seconds from the first
+    step): one per `every_s`, each at +-20% of its slot; none in the last slot, so the run
+    shows it recovered from the last one."""
+    rng = random.Random(seed)
+    n = max(int(minutes * 60 / every_s) - 1, 1)
+    faults = [rng.choice(DRAWN) for _ in range(n)]
+    due = [round(every_s * (i + 1 + rng.uniform(-0.2, 0.2)), 1) for i in range(n)]
+    return faults, due
+
+
+def _rss_mib(pid: int) -> float:
+    """RSS of `pid` and its children (an actor's engine and tool workers), in MiB."""
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        procs = [p, *p.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0
+    for q in procs:
+        try:
+            total += q.memory_info().rss
+        except psutil.Error:
+            pass
+    return round(total / 2**20, 1)
+
+
+def _folder_mib(root: Path) -> dict[str, float]:
+    """Size of each top-level entry of `root` (a folder summed), in MiB."""
+    out: dict[str, float] = {}
+    for entry in root.iterdir() if root.is_dir() else ():
+        try:
+            files = [entry] if entry.is_file() else [p for p in entry.rglob("*") if p.is_file()]
+            out[entry.name] = round(sum(p.stat().st_size for p in files) / 2**20, 2)
+        except OSError:  # a file rotated away while summed
+            continue
+    return out
+
+
+class Sampler:
+    """Samples the run every `every_s` seconds into `rows`: seconds since start, steps trained,
+    RSS per actor (`name[rank]`, and `driver`: this process alone), the folder's size."""
+
+    def __init__(self, rt: Any, job: Any, out: Path, every_s: float = 30.0) -> None:
+        self.rt, self.job, self.out, self.every_s = rt, job, out, every_s
+        self.rows: list[dict[str, Any]] = []
+        self.t0 = time.perf_counter()
+
+    async def run(self) -> None:
+        while True:
+            await self.sample()
+            await asyncio.sleep(self.every_s)
+
+    async def sample(self) -> None:
+        import psutil
+
+        rss: dict[str, float] = {"driver": round(
+            psutil.Process(os.getpid()).memory_info().rss / 2**20, 1)}
+        for name in GROUPS:
+            rec = await self.rt.dir_call("lookup", name)
+            for rank, pid in enumerate(rec.pids if rec is not None else []):
+                if pid:
+                    rss[f"{name}[{rank}]"] = _rss_mib(pid)
+        folder = await asyncio.to_thread(_folder_mib, self.out)
+        self.rows.append({"t": round(time.perf_counter() - self.t0, 1),
+                          "step": self.job.state.step if self.job.started else 0,
+                          "rss_mib": rss, "folder_mib": folder})
+
+
+def _median(rows: list[dict[str, Any]], key: str) -> float | None:
+    vals = [r["rss_mib"][key] for r in rows if r["rss_mib"].get(key)]
+    return statistics.median(vals) if vals else None
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """RSS growth per actor after warm-up, folder size at warm-up and at the end, and steps/s
+    per window (see the module's docstring)."""
+    if not rows:
+        return {"samples": 0}
+    end = rows[-1]["t"]
+    early = [r for r in rows if WARMUP_S <= r["t"] < WARMUP_S + WINDOW_S]
+    late = [r for r in rows if r["t"] >= max(end - WINDOW_S, WARMUP_S + WINDOW_S)]
+    growth: dict[str, Any] = {}
+    for key in sorted({k for r in rows for k in r["rss_mib"]}):
+        a, b = _median(early, key), _median(late, key)
+        growth[key] = {"after_warmup_mib": a, "end_mib": b,
+                       "growth": round(b / a - 1, 4) if a and b else None}
+    warm = next((r for r in rows if r["t"] >= WARMUP_S), rows[0])
+    steps_per_s = []
+    t = 0.0
+    while t < end:
+        w = [r for r in rows if t <= r["t"] <= t + WINDOW_S]
+        if len(w) >= 2 and w[-1]["t"] > w[0]["t"]:
+            steps_per_s.append({"from_s": t, "steps_per_s": round(
+                (w[-1]["step"] - w[0]["step"]) / (w[-1]["t"] - w[0]["t"]), 3)})
+        t += WINDOW_S
+    total = lambda r: round(sum(r["folder_mib"].values()), 2)
+    vals = [g["growth"] for g in growth.values() if g["growth"] is not None]
+    return {"samples": len(rows), "seconds": end, "warmup_s": WARMUP_S, "window_s": WINDOW_S,
+            "rss": growth, "max_rss_growth": max(vals) if vals else None,
+            "folder_mib_after_warmup": total(warm), "folder_mib_end": total(rows[-1]),
+            "folder_mib_end_by_part": rows[-1]["folder_mib"],
+            "folder_mib_max": max(total(r) for r in rows), "steps_per_s": steps_per_s}
