@@ -2,7 +2,7 @@
 
 `train` builds the run's config (a recipe's defaults, a YAML file or dict, keyword overrides)
 and `run` resolves what to train (a shipped recipe, or a user's agent + tasks), builds the
-run's `Job` and runs it (`earl.loop.healing.run_job` -> `earl.loop.main.train_attempt`).
+run's `Job` and runs it (`earl.loop.main.run_job` -> `train_attempt`).
 
 One sample's path: agent coroutine (producer actor) -> the producer's dock shard -> the
 reference adds "ref_logprobs" on its shard -> the trainer ranks fetch straight from both ->
@@ -81,8 +81,8 @@ async def run(cfg: RunConfig, *, agent: Callable[..., Any] | None = None,
     step's metrics row (None: its progress line to `log`); run.log gets both."""
     recipe, ref = resolve_recipe(cfg, agent=agent, tasks=tasks)
     async with runtime(cfg, verbose=verbose) as rt:
-        from earl.loop.healing import run_job
         from earl.loop.job import Job
+        from earl.loop.main import run_job
 
         return await run_job(Job(cfg, recipe, ref, rt, log=log, progress=progress,
                                  trace=trace), resume)

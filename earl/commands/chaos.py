@@ -186,12 +186,11 @@ async def run_chaos(cfg: Any, faults: list[str], *, seed: int = 0, log: Any = pr
     cancelled. With `due_s` (a soak) fault i fires once `due_s[i]` s have passed, the run ends
     by its time limit, and the report's `soak` holds the samples and their summary."""
     from earl.commands.chaos_soak import Sampler, summarize
-    from earl.loop.healing import run_job
     from earl.loop.hooks import RunHooks
     from earl.loop.job import Job
+    from earl.loop.main import run_job
     from earl.resolve import resolve_recipe
-    from earl.run import quiet_logs
-    from earl.runtime import Runtime, RuntimeConfig
+    from earl.run import runtime
     from earl.runtime.dock import Dock
 
     out = Path(cfg.output_dir)
@@ -210,8 +209,7 @@ async def run_chaos(cfg: Any, faults: list[str], *, seed: int = 0, log: Any = pr
     t0 = time.perf_counter()
     error, steps, resident = "", 0, []
     try:
-        actor_log = None if verbose else quiet_logs(out)
-        async with Runtime(RuntimeConfig(actor_log=actor_log)) as rt:
+        async with runtime(cfg, verbose=verbose) as rt:  # actors may write under `out`
             hooks = RunHooks(after_step=lambda r: inj.after_step(r),
                              before_checkpoint=lambda folder: inj.before_checkpoint(folder),
                              env=env)
@@ -243,7 +241,7 @@ async def run_chaos(cfg: Any, faults: list[str], *, seed: int = 0, log: Any = pr
         stall.unlink(missing_ok=True)
         if disk:
             umount(out / "checkpoint")
-    ledger = job.healer.ledger.summary(read_trained(out / "trained"), resident)
+    ledger = job.supervisor.ledger.summary(read_trained(out / "trained"), resident)
     left_behind = orphans(pids | {os.getpid()})
     monotone = versions_monotone(out, cfg.max_policy_lag, cfg.partial_rollouts != "off")
     # a soak ends by its time limit, with the faults that came due by then
@@ -255,9 +253,9 @@ async def run_chaos(cfg: Any, faults: list[str], *, seed: int = 0, log: Any = pr
         "samples_lost": ledger["samples_lost"],
         "samples_duplicated": ledger["samples_duplicated"],
         "policy_versions_monotone": monotone, "steps_reached": steps, "orphans": left_behind,
-        "steps": cfg.steps, "faults": inj.done, "restarts": dict(job.healer.restarts),
-        "rewinds": job.healer.rewinds,
-        "stalls": [e for e in job.healer.events if e["event"] == "stall"], "disk_full": disk or ("injected" if "disk_full" in
+        "steps": cfg.steps, "faults": inj.done, "restarts": dict(job.supervisor.restarts),
+        "rewinds": job.supervisor.rewinds,
+        "stalls": [e for e in job.supervisor.events if e["event"] == "stall"], "disk_full": disk or ("injected" if "disk_full" in
                                                              faults else ""),
         **{k: v for k, v in ledger.items() if k not in ("samples_lost", "samples_duplicated")},
         "error": error, "wall_s": round(time.perf_counter() - t0, 1), "seed": seed,

@@ -159,7 +159,7 @@ class Injector:
                 t.cancel()
 
     async def _inject(self, i: int) -> dict[str, Any]:
-        fault, fired, healer = self.faults[i], self.fired[i], self.job.healer
+        fault, fired, sup = self.faults[i], self.fired[i], self.job.supervisor
         target = fault.split(":", 1)[1] if fault.startswith(("kill:", "drop:", "hang:")) \
             else "producer"
         target = "rollout" if target == "rollout_span" else target
@@ -177,16 +177,16 @@ class Injector:
             in_flight = await self._requests_in_flight() if fault == "kill:rollout_span" else 0
             rec = await self.rt.dir_call("lookup", name)
             pid = rec.pids[0]
-            before = (healer.restarts.get(name, 0), healer.rewinds)
+            before = (sup.restarts.get(name, 0), sup.rewinds)
             os.kill(pid, 9)
             fired.set()
             # healed: rebuilt in place, or (the trainer, the dock, any actor while an attempt
-            # starts) rewound and the new attempt's healer watching (its actors up)
+            # starts) rewound and the new attempt's supervisor watching (its actors up)
             ok = await until(lambda: any(
                 e["event"] == "restart" and e["actor"] == name
-                and e.get("restarts", 0) > before[0] for e in healer.events) or (
-                sum(e["event"] == "rewind" for e in healer.events) > before[1]
-                and healer.watched), 300)
+                and e.get("restarts", 0) > before[0] for e in sup.events) or (
+                sum(e["event"] == "rewind" for e in sup.events) > before[1]
+                and sup.watched), 300)
             if fault == "kill:rollout_span":  # it must have hit sessions spanning the push
                 return {"pid": pid, "groups_running": running, "requests_in_flight": in_flight,
                         "recovered": ok and in_flight > 0}
@@ -249,12 +249,12 @@ class Injector:
 
     async def _drop(self, name: str, fired: asyncio.Event) -> dict[str, Any]:
         """Cut the driver's connection to `name[0]` once calls to it are in flight (waits up
-        to 30 s for one): the runtime must kill and restart the live process, and the healer
+        to 30 s for one): the runtime must kill and restart the live process, and the supervisor
         rebuild it, as after a SIGKILL."""
-        healer = self.job.healer
+        sup = self.job.supervisor
         rec = await self.rt.dir_call("lookup", name)
         pid, addr = rec.pids[0], rec.addresses[0]
-        before = healer.restarts.get(name, 0)
+        before = sup.restarts.get(name, 0)
         deadline = time.monotonic() + 30.0  # the schedule goes on for a step (see `_gate`)
         while True:
             conn = self.rt.pool.conns.get(addr)
@@ -267,8 +267,8 @@ class Injector:
                     "note": "no call in flight within 30 s"}
         conn.transport.abort()
         fired.set()
-        ok = await until(lambda: healer.restarts.get(name, 0) > before and any(
-            e["event"] == "restart" and e["actor"] == name for e in healer.events), 300)
+        ok = await until(lambda: sup.restarts.get(name, 0) > before and any(
+            e["event"] == "restart" and e["actor"] == name for e in sup.events), 300)
         after = await self.rt.dir_call("lookup", name)
         return {"pid": pid, "calls_in_flight": busy, "new_pid": after.pids[0],
                 "recovered": ok and after.pids[0] != pid}
@@ -279,37 +279,37 @@ class Injector:
         the run was rewound (which stops the frozen process)."""
         import signal
 
-        healer = self.job.healer
+        sup = self.job.supervisor
 
         def stalls() -> list[dict[str, Any]]:
-            return [e for e in healer.events if e["event"] == "stall"]
+            return [e for e in sup.events if e["event"] == "stall"]
 
         before = len(stalls())
         pid = (await self.rt.dir_call("lookup", name)).pids[0]
         os.kill(pid, signal.SIGSTOP)
         fired.set()
         def rewinds() -> int:
-            return sum(e["event"] == "rewind" for e in healer.events)
+            return sum(e["event"] == "rewind" for e in sup.events)
 
         rewound = rewinds()  # the rewind's event comes once the frozen process is stopped
         ok = await until(lambda: len(stalls()) > before and rewinds() > rewound
-                         and healer.watched, 900)
+                         and sup.watched, 900)
         if not ok:
             os.kill(pid, signal.SIGKILL)
         return {"pid": pid, "stage": stalls()[-1]["stage"] if ok else "", "recovered": ok}
 
     async def _disk_full(self, i: int) -> dict[str, Any]:
-        fired, healer = self.fired[i], self.job.healer
+        fired, sup = self.fired[i], self.job.supervisor
         folder = Path(self.job.out) / "checkpoint"
         filler = folder / ".filler"
-        before = len([e for e in healer.events if e["event"] == "checkpoint_failed"])
+        before = len([e for e in sup.events if e["event"] == "checkpoint_failed"])
         if self.disk:
             fill(filler)
         else:  # no tmpfs (not root): the trainer's next save raises ENOSPC
             self._disk_full_armed = True
         fired.set()
         self.settled[i].set()
-        ok = await until(lambda: len([e for e in healer.events
+        ok = await until(lambda: len([e for e in sup.events
                                        if e["event"] == "checkpoint_failed"]) > before, 300)
         filler.unlink(missing_ok=True)
         return {"recovered": ok, "mode": "tmpfs" if self.disk else "injected"}
@@ -327,12 +327,12 @@ class Injector:
 
     async def _squat_shm(self, fired: asyncio.Event) -> dict[str, Any]:
         """Recovered: names were planted while the run made segments, and no actor failed."""
-        before = dict(self.job.healer.restarts), self.job.healer.rewinds
+        before = dict(self.job.supervisor.restarts), self.job.supervisor.rewinds
         attack = plant_shm_names(max(4.0, 3 * self._dt))
         await asyncio.to_thread(attack.wait_ready)
         fired.set()
         res = await asyncio.to_thread(attack.result, 120.0)
-        after = dict(self.job.healer.restarts), self.job.healer.rewinds
+        after = dict(self.job.supervisor.restarts), self.job.supervisor.rewinds
         return {"as_uid": attack.as_user, "planted": res.get("planted", 0),
                 "recovered": res.get("planted", 0) > 0 and after == before}
 
@@ -349,7 +349,7 @@ class Injector:
                         if c.status == psutil.CONN_LISTEN and c.laddr.ip == "127.0.0.1"})
         if not ports:
             return {"recovered": False, "note": "the producer listens on no loopback port"}
-        before = dict(self.job.healer.restarts), self.job.healer.rewinds
+        before = dict(self.job.supervisor.restarts), self.job.supervisor.rewinds
         n = open_files_limit(pid) + 500
         attacks = [a for port in ports for a in slowloris(port, n, 40.0)]
         for a in attacks:
@@ -359,7 +359,7 @@ class Injector:
         group = await self.rt.lookup("producer")
         rpc = isinstance(await group[0].state_dict.call_one(None), dict)
         res = [await asyncio.to_thread(a.result, 120.0) for a in attacks]
-        after = dict(self.job.healer.restarts), self.job.healer.rewinds
+        after = dict(self.job.supervisor.restarts), self.job.supervisor.rewinds
         opened = sum(r.get("opened", 0) for r in res)
         closed = sum(r.get("closed_by_server", 0) for r in res)
         return {"as_uid": attacks[0].as_user, "ports": ports, "connections": opened,
@@ -372,10 +372,10 @@ class Injector:
         the rewind that follows starts from that checkpoint (the run's own recovery)."""
         from earl.loop.checkpoint import MANIFEST, CheckpointStore
 
-        job, healer = self.job, self.job.healer
+        job, sup = self.job, self.job.supervisor
         pid = (await self.rt.dir_call("lookup", "trainer")).pids[0]
         def rewinds() -> list[dict[str, Any]]:
-            return [e for e in healer.events if e["event"] == "rewind"]
+            return [e for e in sup.events if e["event"] == "rewind"]
 
         before = len(rewinds())
 
@@ -395,7 +395,7 @@ class Injector:
         except Exception:  # noqa: BLE001, S110 - the trainer died under it: expected
             pass
         fired.set()
-        ok = await until(lambda: len(rewinds()) > before and healer.watched, 300)
+        ok = await until(lambda: len(rewinds()) > before and sup.watched, 300)
         to = rewinds()[-1].get("to_step") if ok else None
         return {"pid": pid, "step_in_force": state.step, "rewound_to": to,
                 "recovered": ok and to == state.step}

@@ -30,31 +30,32 @@ __all__ = ["Actors"]
 class Actors:
     """The live groups of one run attempt (a rewind spawns a new `Actors`).
 
-    Args:
-        trainer: the trainer ranks.
-        dock: the dock's client (the index; shards live in producers and reference).
-        reference: the reference actors, or None without a KL term.
-        micro_batch_tokens: the trainer's micro-batch token budget (None: its own setting).
-
-    The rollout replicas and the producers are spawned after the trainer (the selector's first
-    plan decides the rollout's layout), and join with `use_rollout` / `use_producers`.
+    Each group joins as its stage spawns it (`earl.loop.stages`): `use_trainer`, `use_dock`,
+    `use_reference` (none without a KL term), `use_rollout`, `use_producers`.
     """
 
-    def __init__(self, *, trainer: ActorGroup[Any], dock: Dock,
-                 reference: ActorGroup[ReferenceActor] | None,
-                 micro_batch_tokens: int | None = None) -> None:
-        self._trainer, self._dock, self._reference = trainer, dock, reference
+    def __init__(self) -> None:
+        self._trainer: ActorGroup[Any] | None = None
+        self._dock: Dock | None = None
+        self._reference: ActorGroup[ReferenceActor] | None = None
         self._rollout: ActorGroup[RolloutActor] | None = None
         self._producers: ActorGroup[ProducerActor] | None = None
-        self._micro_batch_tokens = micro_batch_tokens
+        self._micro_batch_tokens: int | None = None
 
     @property
     def trainer(self) -> ActorGroup[Any]:
+        if self._trainer is None:
+            raise RuntimeError("the trainer is not spawned yet (Actors.use_trainer)")
         return self._trainer
 
     @property
     def dock(self) -> Dock:
+        if self._dock is None:
+            raise RuntimeError("the dock is not spawned yet (Actors.use_dock)")
         return self._dock
+
+    def use_dock(self, dock: Dock) -> None:
+        self._dock = dock
 
     @property
     def reference(self) -> ActorGroup[ReferenceActor] | None:
@@ -85,7 +86,8 @@ class Actors:
             await self._producers.use_rollout.call(group.name, version)
 
     def use_reference(self, group: ActorGroup[ReferenceActor]) -> None:
-        """A re-created reference group (new devices) scores the dock from now on."""
+        """The reference group (spawned, or re-created on new devices) scores the dock from
+        now on."""
         self._reference = group
 
     async def reference_replaced(self, old: ActorGroup[ReferenceActor],
@@ -99,7 +101,8 @@ class Actors:
         self._producers = group
 
     def use_trainer(self, group: ActorGroup[Any], micro_batch_tokens: int | None) -> None:
-        """A re-created trainer group (new layout or slots) and its micro-batch budget."""
+        """The trainer group (spawned, or re-created with a new layout or slots) and its
+        micro-batch budget (None: its own setting)."""
         self._trainer, self._micro_batch_tokens = group, micro_batch_tokens
 
     def set_micro_batch_tokens(self, tokens: int) -> None:

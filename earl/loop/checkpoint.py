@@ -8,7 +8,8 @@ checkpoint in force is touched until a whole new one is in place: a crash or a f
 in a save (re-saving the step in force included) leaves the previous one in force. `load` verifies each part's step against the manifest, and
 `trim_logs` cuts `metrics.jsonl` and the trajectory dumps back to the checkpoint so a resumed
 run does not count the replayed steps twice. Nothing here talks to actors: the caller hands
-in async callables that save and load the trainer.
+in async callables that save and load the trainer, and says which failed saves the run goes on
+after (`skip_failed`: a full disk, `earl.loop.supervisor.Supervisor.checkpoint_failed`).
 """
 
 from __future__ import annotations
@@ -49,16 +50,30 @@ class CheckpointStore:
         root: the run's `checkpoint/` folder.
         save_trainer: `async (folder) -> None`, writes the trainer's state into folder.
         producer_states: `async (critic_batch) -> list of state dicts`, one per producer.
+        wall: the run's wall seconds so far (saved with the loop state).
+        skip_failed: `(step, error) -> bool`: whether the run goes on after a save of `step`
+            failed with `error`, the previous checkpoint in force (None: every failure raises).
     """
 
     def __init__(self, root: Path, *, save_trainer: Callable[[str], Awaitable[None]],
                  producer_states: Callable[[int | None], Awaitable[list[dict[str, object]]]],
-                 wall: Callable[[], float]) -> None:
+                 wall: Callable[[], float],
+                 skip_failed: Callable[[int, Exception], bool] | None = None) -> None:
         self.root = root
         self.save_trainer, self.producer_states, self.wall = save_trainer, producer_states, wall
+        self.skip_failed = skip_failed
         root.mkdir(parents=True, exist_ok=True)
 
     async def save(self, state: LoopState, critic_batch: int | None) -> None:
+        """Write every part of step `state.step`, then switch the manifest to it (atomic);
+        a failure `skip_failed` accepts leaves the previous checkpoint in force and returns."""
+        try:
+            await self._save(state, critic_batch)
+        except Exception as exc:
+            if self.skip_failed is None or not self.skip_failed(state.step, exc):
+                raise
+
+    async def _save(self, state: LoopState, critic_batch: int | None) -> None:
         """Write every part of step `state.step`, then switch the manifest to it (atomic).
 
         The parts are written under a staging folder that no manifest names, which is then
@@ -110,6 +125,11 @@ class CheckpointStore:
         if not folder.is_dir():
             raise CheckpointError(f"--resume: {path} names {folder.name}, which is missing")
         return m  # type: ignore[no-any-return]
+
+    def step_in_force(self) -> int | None:
+        """The step of the checkpoint in force (None: none yet)."""
+        path = self.root / MANIFEST
+        return int(json.loads(path.read_text())["step"]) if path.is_file() else None
 
     def load(self) -> tuple[LoopState, str, list[dict[str, object]]]:
         """The loop state, the trainer's folder and the producer states of the checkpoint in

@@ -1,13 +1,13 @@
 """One run's typed context: what it trains, where its files go, and what outlives a rewind.
 
 A `Job` is built once per run (`earl.run.run`, `earl chaos`). It holds the config, the recipe
-and the agent's reference, the runtime, the output paths, the actors' environment, the healer,
-the tracer and the device slots. Each attempt of the run (the first, and one per rewind after a
-trainer or dock death) spawns its actors and parts with `Job.spawn` (`earl.loop.spawn`); the
-attempt in force is `Job.attempt`, and its `Actors` say which trainer and rollout are live.
+and the agent's reference, the runtime, the output paths, the actors' environment, the
+supervisor, the tracer and the device slots. Each attempt of the run (the first, and one per
+rewind) spawns its actors and parts (`earl.loop.spawn`); the attempt in force is
+`Job.attempt`, and its `Actors` say which trainer and rollout are live.
 
-Not here: the loop (`earl.loop.main`), what is spawned (`earl.loop.spawn`), rewinds
-(`earl.loop.healing.run_job`).
+Not here: the loop (`earl.loop.main`), what is spawned (`earl.loop.stages`), restarts and
+rewinds (`earl.loop.supervisor`).
 """
 
 from __future__ import annotations
@@ -18,17 +18,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from earl.config import RunConfig
+from earl.loop.checkpoint import CheckpointStore
 from earl.loop.devices import device_roles, run_slots
-from earl.loop.healing import Healer
 from earl.loop.hooks import RunHooks
 from earl.loop.stage_configs import reference_actors
+from earl.loop.supervisor import Supervisor
 from earl.observe import Metrics, Tracer, progress_line
 from earl.recipe import Recipe
 
 if TYPE_CHECKING:
-    from earl.loop.healing_parts import SafeCheckpoints
+    from earl.loop.attempt import Attempt
     from earl.loop.schedule import LoopState
-    from earl.loop.spawn import Attempt
     from earl.runtime import Runtime
     from earl.runtime.slots import SlotPool
 
@@ -98,9 +98,9 @@ class Job:
             self.env[ENV_PREFER] = prefer
         self.trace = trace
         self.tracer = Tracer(trace)
-        self.healer = Healer(max_restarts=cfg.max_restarts, log=self.log, tracer=self.tracer,
-                             ledger=self.out / "trained" / "ledger.jsonl"
-                             if cfg.record_trained else None)
+        self.supervisor = Supervisor(
+            max_restarts=cfg.max_restarts, log=self.log, tracer=self.tracer, rt=rt,
+            ledger=self.out / "trained" / "ledger.jsonl" if cfg.record_trained else None)
         self.slots: SlotPool | None = None
         # each stage's device slots at the start (and with placement.devices the free ones)
         self.roles = device_roles(cfg.placement, reference=self.n_reference)
@@ -143,8 +143,12 @@ class Job:
     def attempt(self) -> Attempt:
         """The actors and parts of the attempt in force."""
         if self._attempt is None:
-            raise RuntimeError("the job's actors are not spawned yet (Job.spawn)")
+            raise RuntimeError("the job's actors are not spawned yet (Job.use_attempt)")
         return self._attempt
+
+    def use_attempt(self, attempt: Attempt) -> None:
+        """`attempt`'s actors and parts are the ones in force from now on."""
+        self._attempt = attempt
 
     @property
     def state(self) -> LoopState:
@@ -183,28 +187,18 @@ class Job:
 
         self._state = state
         self.wall_before = state.wall_before
-        self.healer.version = state.step
+        self.supervisor.set_version(state.step)
         (self.out / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=2))
         if self.metrics is not None:
             self.metrics.close()
         self.metrics = Metrics(self.out, append=resume)
 
-    async def spawn(self, version: int) -> Attempt:
-        """Spawn the attempt's actors at policy `version` and build the loop's parts."""
-        from earl.loop.spawn import spawn_attempt
-
-        self._attempt = await spawn_attempt(self, version)
-        return self._attempt
-
-    def checkpoints(self) -> SafeCheckpoints:
-        """The run's checkpoint store (`<output_dir>/checkpoint`); a failed save is reported
-        and skipped."""
-        from earl.loop.checkpoint import CheckpointStore
-        from earl.loop.healing_parts import SafeCheckpoints
-
-        return SafeCheckpoints(CheckpointStore(
-            self.out / "checkpoint", save_trainer=self.save_trainer,
-            producer_states=self.producer_states, wall=self.elapsed), self.healer)
+    def checkpoints(self) -> CheckpointStore:
+        """The run's checkpoint store (`<output_dir>/checkpoint`); a failed save the
+        supervisor accepts (a full disk) is reported and skipped."""
+        return CheckpointStore(self.out / "checkpoint", save_trainer=self.save_trainer,
+                               producer_states=self.producer_states, wall=self.elapsed,
+                               skip_failed=self.supervisor.checkpoint_failed)
 
     async def save_trainer(self, folder: str) -> None:
         """The trainer ranks' checkpoint (parameters, optimizer) into `folder`."""
@@ -218,12 +212,12 @@ class Job:
         return await self.attempt.production.states(batch)
 
     async def stop_actors(self) -> None:
-        """Stop every actor group (a rewind starts them again)."""
+        """Stop every stage's group, the last spawned first (a rewind starts them again)."""
         import contextlib
 
         if self.metrics is not None:
             self.metrics.close()
-        for name in ("producer", "rollout", "reference", "dock", "trainer"):
+        for name in reversed(self.supervisor.stages):
             with contextlib.suppress(KeyError):
                 await self.rt.stop(name)
 

@@ -16,14 +16,17 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
+from earl.runtime.dock import Dock
+from earl.runtime.dock_index import LostSample
 from earl.stages.batch_types import batch_of
 
 if TYPE_CHECKING:
-    from earl.runtime.dock_index import Location, LostSample
+    from earl.runtime import ActorGroup
+    from earl.runtime.dock_index import Lease, Location
 
-__all__ = ["Book", "Ledger"]
+__all__ = ["Book", "Ledger", "LedgerDock"]
 
 
 @dataclass(slots=True)
@@ -35,18 +38,18 @@ class Book:
     dropped: dict[str, str] = field(default_factory=dict)    # sample id -> reason
     rewound: int = 0                                         # discarded by rewinds
 
-    def apply(self, rec: dict[str, object]) -> None:
+    def apply(self, rec: dict[str, Any]) -> None:
         if "produced" in rec:
-            ids, gids = rec["produced"]  # type: ignore[misc]
+            ids, gids = rec["produced"]
             self.produced.update(zip(ids, gids, strict=True))
         elif "acked" in rec:
-            self.acked += rec["acked"]  # type: ignore[arg-type]
+            self.acked += rec["acked"]
         elif "dropped" in rec:
-            for sid, gid in rec["dropped"]:  # type: ignore[union-attr]
+            for sid, gid in rec["dropped"]:
                 self.produced.setdefault(sid, gid)
                 self.dropped[sid] = str(rec["reason"])
         elif "rewind" in rec:  # batches >= the step: the trainer went back before them
-            step = int(rec["rewind"])  # type: ignore[call-overload]
+            step = int(rec["rewind"])
             keep = {s: g for s, g in self.produced.items() if batch_of(s) < step}
             self.rewound += len(self.produced) - len(keep)
             self.produced = keep
@@ -127,7 +130,30 @@ class Ledger:
                 "samples_lost": len(missing), "lost_ids": sorted(missing)[:20],
                 "samples_duplicated": dup_samples + dup_groups}
 
+    def reset(self) -> None:
+        """Start the file afresh (a fresh run in a folder an earlier run used)."""
+        self.close()
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+class LedgerDock(Dock):
+    """A `Dock` client that writes each acked (or dropped) lease's samples to `ledger`."""
+
+    def __init__(self, index: ActorGroup[object], ledger: Ledger) -> None:
+        super().__init__(index)
+        self.ledger = ledger
+
+    async def ack(self, lease: Lease) -> None:
+        await super().ack(lease)
+        self.ledger.add_acked(lease.samples)
+
+    async def drop(self, lease: Lease, reason: str) -> None:
+        await super().ack(lease)
+        self.ledger.add_dropped(
+            [LostSample(loc.sample_id, loc.group_id, ()) for loc in lease.samples], reason)

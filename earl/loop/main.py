@@ -1,7 +1,8 @@
-"""The RL loop of `earl train`, top down: start -> spawn -> schedule -> final eval -> result.
+"""The RL loop of `earl train`, top down: the run (`run_job`), each of its attempts
+(`train_attempt`): start -> spawn -> schedule -> final eval -> result.
 
-One attempt of a run (`train_attempt`; `earl.loop.healing.run_job` starts another from the
-last checkpoint after a trainer or dock death):
+`run_job` runs attempts under the run's supervisor, which starts another from the last
+checkpoint after a trainer or dock death or a stall (`earl.loop.supervisor`). One attempt:
 
 1. load the checkpoint (on a resume) or warm-start the policy (`earl.loop.warm_start`);
 2. spawn the actors and the loop's parts (`Job.spawn`, `earl.loop.spawn`);
@@ -12,7 +13,8 @@ last checkpoint after a trainer or dock death):
    weights, evaluate and checkpoint when due;
 5. pick the final policy (`select_best`), evaluate it, write `result.json`.
 
-The reference scores the dock and the healer watches restarts for the whole attempt.
+The reference scores the dock and the supervisor rebuilds restarted ranks for the whole
+attempt (`serving`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import TYPE_CHECKING
 
 from earl.loop.checkpoint import trim_logs
 from earl.loop.schedule import LoopState, Schedule
+from earl.loop.spawn import spawn_attempt
+from earl.loop.stages import STAGES, rebuild
 from earl.loop.step_log import StepLog
 from earl.loop.watchdog import Watchdog
 from earl.resolve import model_folder
@@ -34,7 +38,23 @@ if TYPE_CHECKING:
     from earl.loop.job import Job
     from earl.loop.result import RunResult
 
-__all__ = ["train_attempt"]
+__all__ = ["run_job", "train_attempt"]
+
+
+async def run_job(job: Job, resume: bool) -> RunResult:
+    """Run `job` (from its last checkpoint with `resume`): its attempts under its supervisor.
+
+    Raises:
+        HealingError: past the rewind limit (`earl.loop.supervisor.Supervisor.supervise`).
+    """
+    if not resume:
+        job.supervisor.ledger.reset()
+    try:
+        return await job.supervisor.supervise(
+            lambda resume: train_attempt(job, resume), resume, stop=job.stop_actors,
+            checkpoint_step=job.checkpoints().step_in_force)
+    finally:
+        job.close()
 
 
 async def train_attempt(job: Job, resume: bool) -> RunResult:
@@ -48,7 +68,8 @@ async def train_attempt(job: Job, resume: bool) -> RunResult:
     job.begin(state, resume=resume)
     if not resume:
         await warm_start(job, model_folder(cfg, job.out))
-    parts = await job.spawn(state.step)
+    parts = await spawn_attempt(job, state.step)
+    job.use_attempt(parts)
     if resume:
         await restore(job, trainer_ckpt, producer_states)
     async with serving(job):
@@ -72,9 +93,9 @@ async def train_attempt(job: Job, resume: bool) -> RunResult:
 
 
 def watchdog(job: Job) -> Watchdog:
-    """The attempt's stall limit (`stall_s`, `stall_steps`): the healer's events count as
+    """The attempt's stall limit (`stall_s`, `stall_steps`): the supervisor's events count as
     progress, and a stall names the rebuilds in progress and what the dock holds."""
-    healer, dock = job.healer, job.attempt.actors.dock
+    sup, dock = job.supervisor, job.attempt.actors.dock
 
     async def dock_state() -> str:
         st = await dock.statistics()
@@ -83,7 +104,7 @@ def watchdog(job: Job) -> Watchdog:
                 f"waiting: {st.waiting_producers} puts, {st.waiting_consumers} takes)")
 
     return Watchdog(stall_s=job.cfg.stall_s, stall_steps=job.cfg.stall_steps,
-                    activity=lambda: healer.active_at, healing=lambda: healer.stage,
+                    activity=lambda: sup.active_at, healing=lambda: sup.rebuilding,
                     diagnose=dock_state)
 
 
@@ -106,32 +127,32 @@ async def restore(job: Job, trainer_ckpt: str, producer_states: list[dict[str, o
 @contextlib.asynccontextmanager
 async def serving(job: Job) -> AsyncIterator[None]:
     """While the body runs: the reference scores the dock (its group as it is now: a move by
-    the selector stops one group's loop and re-creates it), the healer rebuilds restarts."""
-    actors, healer = job.attempt.actors, job.healer
+    the selector stops one group's loop and re-creates it), the supervisor rebuilds restarted
+    ranks of the stages healed in place."""
+    actors, sup = job.attempt.actors, job.supervisor
 
     async def serve() -> None:
-        while (group := actors.reference) is not None and not healer.stopping:
-            await healer.serve_reference(job.rt, functools.partial(
+        while (group := actors.reference) is not None and not sup.stopping:
+            await sup.serve("reference", functools.partial(
                 group.serve_dock.call, 256, "reference", True))
-            await actors.reference_replaced(group, lambda: healer.stopping)
+            await actors.reference_replaced(group, lambda: sup.stopping)
 
     async with asyncio.TaskGroup() as tg:
         tg.create_task(serve(), name="reference")
         # the groups as spawned (the selector's first plan may differ from the placement)
-        tg.create_task(healer.watch(job.rt, {
-            "rollout": len(actors.rollout), "producer": len(actors.producers),
-            "reference": len(actors.reference) if actors.reference is not None else 0}),
-            name="healer")
+        tg.create_task(sup.watch({s.name: s.ranks(actors) for s in STAGES
+                                  if s.heals == "in_place"},
+                                 functools.partial(rebuild, job)), name="supervisor")
         try:
             yield
         finally:
-            healer.close()
+            sup.close()
             if (reference := actors.reference) is not None:
                 # bounded: after a stall the reference may be the stuck part (its process
                 # is stopped with the others next)
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(60.0):
-                        await healer.stop_reference(reference.stop_serving.call)
+                        await sup.stop_serving(reference.stop_serving.call)
 
 
 async def evaluate(job: Job, split: str) -> dict[str, float]:

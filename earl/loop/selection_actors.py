@@ -42,8 +42,8 @@ from earl.runtime.selector import (
 from earl.runtime.slots import SlotPool
 
 if TYPE_CHECKING:
-    from earl.loop.healing import Healer
     from earl.loop.job import Job
+    from earl.loop.supervisor import Supervisor
 
 __all__ = ["ActorReconfigurer", "SlotMemory", "build_selection", "cost_model_of", "device_peak",
            "make_policy", "queue_depths", "selection_for_run", "slot_usage"]
@@ -61,17 +61,17 @@ class ActorReconfigurer:
         checkpoint_dir: where resharding checkpoints go.
         kv_bytes_per_token: the rollout's KV bytes per token (sizes its KV budget).
         tracer: the run's `Tracer` (each re-creation is a span on the "selector" track).
-        healer: the run's `Healer`: its restart policies for the re-created rollout replicas
-            and reference ranks, and it follows each re-created group (`Healer.follow`: a rank
-            a move added is rebuilt after a restart like the ones the run started with).
+        supervisor: the run's `Supervisor`: its restart policies for the re-created groups,
+            and it follows each re-created group (`Supervisor.follow`: a rank a move added is
+            rebuilt after a restart like the ones the run started with).
     """
 
     def __init__(self, rt: Any, actors: Actors, *, pool: SlotPool | None,
                  slot_memory: SlotMemory | None = None, env: dict[str, str],
                  checkpoint_dir: Path, kv_bytes_per_token: float, tracer: Any = None,
-                 healer: Healer | None = None) -> None:
+                 supervisor: Supervisor | None = None) -> None:
         self.rt, self.actors, self.pool, self.env, self.tracer = rt, actors, pool, env, tracer
-        self.slot_memory, self.healer = slot_memory, healer
+        self.slot_memory, self.supervisor = slot_memory, supervisor
         self.checkpoint_dir, self.kv_bytes = checkpoint_dir, kv_bytes_per_token
         self._n = 0
 
@@ -167,12 +167,12 @@ class ActorReconfigurer:
         return times
 
     def _restart(self, group: str) -> Any:
-        """The restart policy of `group`'s re-created ranks: the run's healer's."""
-        return self.healer.policy(group) if self.healer is not None else None
+        """The restart policy of `group`'s re-created ranks: the run's supervisor's."""
+        return self.supervisor.policy(group) if self.supervisor is not None else None
 
     def _follow(self, group: str, ranks: int) -> None:
-        if self.healer is not None:
-            self.healer.follow(group, ranks)
+        if self.supervisor is not None:
+            self.supervisor.follow(group, ranks)
 
     def rollout_spawn(self, s: Setting) -> tuple[dict[str, Any], int, Any]:
         """The `EngineConfig` changes, replica count and slots that start the rollout group
@@ -424,7 +424,7 @@ def selection_for_run(job: Job, actors: Actors) -> tuple[Selection, ActorReconfi
     reconf = ActorReconfigurer(
         job.rt, actors, pool=pool, slot_memory=slot_memory, env=job.env,
         checkpoint_dir=job.out / "reshard", kv_bytes_per_token=kvb, tracer=job.tracer,
-        healer=job.healer)
+        supervisor=job.supervisor)
 
     def trace(d: Decision) -> None:
         now = time.perf_counter()

@@ -40,7 +40,7 @@ class StepLog:
         rec.update(job.attempt.training.flows)  # bytes per transport: experience, weights
         rec.update(reference_s=await self._reference_busy(), wall_s=job.elapsed())
         rec.update(await self._reference_flows())
-        rec.update(job.healer.metrics())  # restarts/<actor>, rewinds
+        rec.update(job.supervisor.metrics())  # restarts/<actor>, rewinds
         job.metrics.log(rec)
         for text in r.new_errors:
             job.log(f"episodes failing (first at step {r.version}): {text}")
@@ -55,7 +55,7 @@ class StepLog:
             return 0.0
         try:
             total = sum(await reference.busy_seconds.call())
-        except ActorDied:  # restarting: its counters start again from 0 (the healer's job)
+        except ActorDied:  # restarting: its counters start again from 0 (the supervisor's job)
             self._reference_total = 0.0
             return 0.0
         last, self._reference_total = self._reference_total, total

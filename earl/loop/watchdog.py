@@ -2,14 +2,14 @@
 where it waits, instead of hanging.
 
 Progress is a trained step, a batch played (a group, with partial rollouts) or a healing event
-(a restart seen, a process rebuilt, a group played again, a step retried: `Healer.active_at`). The schedule says what it waits for at each
+(a restart seen, a process rebuilt, a group played again, a step retried: `Supervisor.active_at`). The schedule says what it waits for at each
 moment (`waiting`: a batch's rollout, the trainer's step, a weight push, an eval, a
 checkpoint). When nothing progresses for `limit_s()` seconds, `watch` raises `Stalled` with
-that stage, the step each rebuild in progress is at (`Healer.stage`) and, if given, what the
+that stage, the step each rebuild in progress is at (`Supervisor.rebuilding`) and, if given, what the
 dock holds. The limit scales with the run: `stall_steps` times its longest step so far (the
 time between two trained steps, evals and checkpoints included), and never under `stall_s`.
 
-Not here: what a stall costs. `earl.loop.healing.run_job` heals it as it heals a trainer's
+Not here: what a stall costs. `earl.loop.supervisor.Supervisor.supervise` heals it as it heals a trainer's
 death, by a rewind to the last checkpoint; past `max_restarts` rewinds the run stops with the
 `Stalled` error.
 """
@@ -71,8 +71,8 @@ class Watchdog:
         stall_s: the least seconds without progress that count as a stall (0: never).
         stall_steps: the limit in longest steps so far, when that is more than `stall_s`.
         clock: monotonic seconds (fake it in tests).
-        activity: when the healer last did something (`Healer.active_at`, same clock).
-        healing: what each rebuild in progress is doing (`Healer.stage`).
+        activity: when the supervisor last did something (`Supervisor.active_at`, same clock).
+        healing: what each rebuild in progress is doing (`Supervisor.rebuilding`).
         diagnose: a description of where the data waits (the dock's statistics), read when a
             stall is found (given 10 s).
     """

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from earl.loop.healing import died_actor
+from earl.loop.supervisor import died_actor
 from earl.runtime import Actor, ActorDied, ActorError, Runtime, context, endpoint
 from earl.runtime.conn import connect
 from earl.runtime.frames import HEADER, MAGIC, Kind

@@ -18,7 +18,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from earl.loop.healing import died_actor
+from earl.loop.supervisor import died_actor
 from earl.runtime.conn import Connection
 from earl.runtime.dock import DockFetchError
 from earl.runtime.errors import (

@@ -173,7 +173,7 @@ class FakeRuntime:
 
 def _job(tmp_path: Path, overrides: list[str]) -> Any:
     from earl.loop.devices import device_roles
-    from earl.loop.healing import Healer
+    from earl.loop.supervisor import Supervisor
 
     cfg = from_dict(RunConfig, parse_overrides(overrides))
     n_ref = cfg.placement.reference if cfg.algorithm.kl_coef > 0 else 0
@@ -182,19 +182,17 @@ def _job(tmp_path: Path, overrides: list[str]) -> Any:
     return SimpleNamespace(cfg=cfg, rt=FakeRuntime(), env={}, slots=slots, start=tmp_path,
                            roles=device_roles(cfg.placement, reference=n_ref),
                            weights=tmp_path / "w", n_reference=n_ref, max_model_len=512,
-                           healer=Healer(max_restarts=0, log=lambda s: None))
+                           supervisor=Supervisor(max_restarts=0, log=lambda s: None))
 
 
 async def _spawn_all(job: Any) -> dict[str, tuple[tuple[Any, ...], dict[str, Any]]]:
-    from earl.loop.spawn import spawn_reference, spawn_rollout, spawn_trainer
+    """Build the trainer, reference and rollout stages as a run's attempt does."""
+    from earl.loop.actors import Actors
+    from earl.loop.stages import Building, Reference, Rollout, Trainer
 
-    async def use_rollout(group: Any) -> None:
-        pass
-
-    await spawn_trainer(job)
-    await spawn_reference(job)
-    await spawn_rollout(job, SimpleNamespace(use_rollout=use_rollout), 0, None,  # type: ignore[arg-type]
-                        None)
+    b = Building(job=job, actors=Actors(), version=0)
+    for stage in (Trainer(), Reference(), Rollout()):
+        await stage.build(b)
     return job.rt.spawned
 
 

@@ -1,26 +1,22 @@
-"""Healing logic without processes: which actor a failure names, the sample ledger, restart
-limits, the producer-side engine guard, failed checkpoints, re-played shares and lost groups."""
+"""The supervisor and healing without processes: which actor a failure names, the sample
+ledger, restart limits, the producer-side engine guard, failed checkpoints, re-played shares
+and lost groups."""
 
 from __future__ import annotations
 
 import asyncio
 import errno
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from earl.loop.healing import (
-    Healer,
-    HealingConfig,
-    HealingError,
-    Ledger,
-    died_actor,
-)
-from earl.loop.healing_parts import HealingProduction, SafeCheckpoints
-from earl.loop.parts import ActorProduction
+from earl.loop.checkpoint import CheckpointStore
+from earl.loop.ledger import Ledger
+from earl.loop.production import ActorProduction
 from earl.loop.schedule import LoopState
+from earl.loop.supervisor import HealingConfig, HealingError, Supervisor, died_actor
 from earl.runtime.dock import DockFetchError
 from earl.runtime.dock_index import Location, LostSample
 from earl.runtime.errors import ActorDied, ActorError
@@ -57,12 +53,21 @@ def test_died_actor_finds_the_dead_actor_through_groups_and_remote_errors() -> N
     assert died_actor(ValueError("nothing")) is None
 
 
-def test_restart_policy_per_group_and_limit_validation() -> None:
-    c = Healer(max_restarts=2, log=lambda s: None)
+def test_restart_policy_per_stage_and_limit_validation() -> None:
+    from earl.loop.stages import STAGES
+
+    c = Supervisor(max_restarts=2, log=lambda s: None)
+    for stage in STAGES:  # each stage is adopted as it is spawned, with its own healing
+        c.adopt(stage.name, stage.heals)
     assert c.policy("rollout").max_restarts == 2 and c.policy("producer").max_restarts == 2
     assert c.policy("trainer").max_restarts == 0  # rewound, not restarted in place
+    assert c.policy("dock").max_restarts == 0
+    assert c.stages == ("trainer", "dock", "reference", "rollout", "producer")
+    assert c.policy("unknown").max_restarts == 0  # never adopted: not restarted
+    with pytest.raises(ValueError, match="heals"):
+        c.adopt("x", "sometimes")
     with pytest.raises(ValueError, match="max_restarts"):
-        Healer(max_restarts=-1, log=lambda s: None)
+        Supervisor(max_restarts=-1, log=lambda s: None)
 
 
 def _loc(sid: str, gid: str) -> Location:
@@ -166,33 +171,32 @@ async def test_engine_gives_up_after_wait_s() -> None:
         await HealingEngine(client, wait_s=0.0).generate([1], None)
 
 
-@dataclass
-class _Store:
-    root: Path
-    fail: BaseException | None = None
-    saved: list[int] = field(default_factory=list)
-
-    async def save(self, state: LoopState, critic_batch: int | None) -> None:
-        if self.fail is not None:
-            raise self.fail
-        self.saved.append(state.step)
-
-    def manifest(self) -> dict[str, object]:
-        return {"step": 2, "folder": "step-000002"}
-
-
-async def test_failed_checkpoint_is_skipped(
-        tmp_path: Path) -> None:
+async def test_failed_checkpoint_is_skipped(tmp_path: Path) -> None:
     lines: list[str] = []
-    healer = Healer(log=lines.append)
-    store = _Store(tmp_path, fail=OSError(errno.ENOSPC, "No space left on device"))
-    safe = SafeCheckpoints(store, healer)
-    await safe.save(LoopState(step=4), None)
-    assert safe.failed[0][0] == 4 and "No space left" in lines[-1]
-    assert healer.events[-1]["event"] == "checkpoint_failed"
-    store.fail = ActorDied("trainer[0]", "killed")  # a trainer death is not skipped: rewind
+    sup = Supervisor(log=lines.append)
+    sup.adopt("trainer", "rewind")
+    sup.adopt("producer", "in_place")
+    fail: list[BaseException] = [OSError(errno.ENOSPC, "No space left on device")]
+
+    async def save_trainer(folder: str) -> None:
+        raise fail[0]
+
+    async def states(batch: int | None) -> list[dict[str, object]]:
+        return []
+
+    store = CheckpointStore(tmp_path, save_trainer=save_trainer, producer_states=states,
+                            wall=lambda: 0.0, skip_failed=sup.checkpoint_failed)
+    await store.save(LoopState(step=4), None)  # skipped: the run goes on
+    assert "No space left" in lines[-1] and store.step_in_force() is None
+    assert sup.events[-1]["event"] == "checkpoint_failed" and sup.events[-1]["step"] == 4
+    fail[0] = ActorDied("producer[0]", "killed")  # an in-place stage's death: skipped too
+    await store.save(LoopState(step=5), None)
+    fail[0] = ActorDied("trainer[0]", "killed")  # a trainer death is not skipped: rewind
     with pytest.raises(ActorDied):
-        await safe.save(LoopState(step=6), None)
+        await store.save(LoopState(step=6), None)
+    fail[0] = ValueError("a bug")  # not a fault the run goes on after
+    with pytest.raises(ValueError):
+        await store.save(LoopState(step=7), None)
 
 
 class _Handle:
@@ -242,10 +246,16 @@ class _Tasks:
         return k
 
 
-def _production(n: int, over_sample: int = 0) -> Any:
-    """A real `ActorProduction` (dealing, cursors, merging) over fake producers."""
+def _production(n: int, sup: Supervisor, lost: list[LostSample] | None = None,
+                over_sample: int = 0) -> Any:
+    """A real `ActorProduction` (dealing, cursors, merging, re-plays) over fake producers."""
     return ActorProduction(_Producers(n), _Tasks(), groups_per_batch=2,  # type: ignore[arg-type]
-                           group_size=2, shared=True, over_sample=over_sample)
+                           group_size=2, shared=True, over_sample=over_sample,
+                           supervisor=sup, dock=_Dock(lost or []))  # type: ignore[arg-type]
+
+
+def _supervisor(tmp_path: Path, **kw: Any) -> Supervisor:
+    return Supervisor(log=lambda s: None, ledger=tmp_path / "ledger.jsonl", rt=_Rt(), **kw)
 
 
 class _Dock:
@@ -268,52 +278,50 @@ class _Rt:
 
 
 async def test_a_producer_death_replays_its_share_with_fresh_ids(tmp_path: Path) -> None:
-    healer = Healer(log=lambda s: None, ledger=tmp_path / "ledger.jsonl")
-    healer._rebuilt[("producer", 0)] = 1  # the restart is rebuilt
-    inner = _production(1)
-    inner.producers.die_next = 1
-    prod = HealingProduction(inner, healer, _Rt(), _Dock([]))  # type: ignore[arg-type]
+    sup = _supervisor(tmp_path)
+    sup._rebuilt[("producer", 0)] = 1  # the restart is rebuilt
+    prod = _production(1, sup)
+    prod.producers.die_next = 1
     res = await asyncio.wait_for(prod.play(3, False), 5)
     assert res.samples == 4
-    assert [c[0] for c in inner.producers.calls] == ["play", "replay"]
-    tag = inner.producers.calls[1][2][2]
-    assert sorted(healer.ledger.read().produced) == [f"b000003-p0-{tag}-{j:04d}" for j in range(4)]
+    assert [c[0] for c in prod.producers.calls] == ["play", "replay"]
+    tag = prod.producers.calls[1][2][2]
+    assert sorted(sup.ledger.read().produced) == [f"b000003-p0-{tag}-{j:04d}" for j in range(4)]
+    assert [e["event"] for e in sup.events] == ["replay_share"]
 
 
 async def test_lost_groups_are_replayed_except_a_share_being_replayed(tmp_path: Path) -> None:
-    healer = Healer(log=lambda s: None, ledger=tmp_path / "ledger.jsonl")
-    inner = _production(2)
+    sup = _supervisor(tmp_path)
     lost = [LostSample("b000001-p0-0000", "g2", ()), LostSample("b000001-p0-0001", "g2", ()),
             LostSample("b000002-p0-0000", "g4", ()), LostSample("b000002-p1-x3-0000", "g5", ()),
             LostSample("b000003-p0-x2-g0-0000", "g6", ())]
-    prod = HealingProduction(inner, healer, _Rt(), _Dock(lost))  # type: ignore[arg-type]
+    prod = _production(2, sup, lost)
     prod.playing.add("b000002-p0")  # producer 0's share of batch 2 is re-played by `play`
     prod.playing.add("b000003-p0-x2-g0")  # and a group of batch 3 by `play_groups`
     # ...but g5, of producer 1's share of batch 2 (done), and g2 are played again
     assert await prod.reproduce_lost("shard producer:0 died") == 2
-    replays = sorted((c[2][0], c[2][1][0].group_id) for c in inner.producers.calls
+    replays = sorted((c[2][0], c[2][1][0].group_id) for c in prod.producers.calls
                      if c[0] == "replay")
     assert replays == [(1, "g2"), (2, "g5")]
-    assert set(healer.ledger.read().dropped) == {x.sample_id for x in lost}
+    assert set(sup.ledger.read().dropped) == {x.sample_id for x in lost}
 
 
 async def test_over_sampled_batches_keep_each_producers_share_and_record_only_it(tmp_path: Path) -> None:
-    healer = Healer(log=lambda s: None, ledger=tmp_path / "ledger.jsonl")
-    inner = _production(2, over_sample=2)  # 4 groups played, the first 2 to finish kept
-    assert inner.deal(1) == [(0, inner.groups(1)[0::2], 1), (1, inner.groups(1)[1::2], 1)]
-    assert [g.group_id for g in inner.groups(1)] == ["g4", "g5", "g6", "g7"]
-    prod = HealingProduction(inner, healer, _Rt(), _Dock([]))  # type: ignore[arg-type]
+    sup = _supervisor(tmp_path)
+    prod = _production(2, sup, over_sample=2)  # 4 groups played, the first 2 to finish kept
+    assert prod.deal(1) == [(0, prod.groups(1)[0::2], 1), (1, prod.groups(1)[1::2], 1)]
+    assert [g.group_id for g in prod.groups(1)] == ["g4", "g5", "g6", "g7"]
     res = await asyncio.wait_for(prod.play(1, False), 5)
     assert res.samples == 4 and sorted(res.cut) == ["g6", "g7"]
-    assert [c[2][3] for c in inner.producers.calls] == [1, 1]  # need, per producer
-    assert sorted(healer.ledger.read().produced.values()) == ["g4", "g4", "g5", "g5"]
+    assert [c[2][3] for c in prod.producers.calls] == [1, 1]  # need, per producer
+    assert sorted(sup.ledger.read().produced.values()) == ["g4", "g4", "g5", "g5"]
     # a lost group maps back to its batch through the stride of 4 groups per batch
-    prod = HealingProduction(inner, healer, _Rt(), _Dock([LostSample("b1", "g6", ())]))  # type: ignore[arg-type]
+    prod.dock.lost = [LostSample("b1", "g6", ())]
     assert await prod.reproduce_lost("shard died") == 1
-    name, _, (batch, groups, *_) = inner.producers.calls[-1]
+    name, _, (batch, groups, *_) = prod.producers.calls[-1]
     assert (name, batch, [g.group_id for g in groups]) == ("replay", 1, ["g6"])
-    assert len(inner.producers.calls[-1][2]) == 4  # no `need`: a lost group is played whole
-    three = _production(3)  # 2 groups, 3 producers: the third has nothing to keep
+    assert len(prod.producers.calls[-1][2]) == 4  # no `need`: a lost group is played whole
+    three = _production(3, sup)  # 2 groups, 3 producers: the third has nothing to keep
     assert three.deal(0) == [(0, three.groups(0)[:1], None), (1, three.groups(0)[1:], None)]
 
 
@@ -335,30 +343,32 @@ class DirRt:
 
 
 async def test_wait_rebuilt_names_a_dead_actor_and_the_limit() -> None:
-    healer = Healer(max_restarts=2, log=lambda s: None)
+    sup = Supervisor(max_restarts=2, log=lambda s: None,
+                     rt=DirRt(Rec(["dead"], [2], ["pid 9 killed by SIGKILL"])))
     with pytest.raises(HealingError, match=r"producer\[0\].*restart limit 2"):
-        await healer.wait_rebuilt(DirRt(Rec(["dead"], [2], ["pid 9 killed by SIGKILL"])),
-                                  "producer", 0)
+        await sup.wait_healed("producer", 0)
 
 
 async def test_a_death_while_the_run_ends_is_not_waited_for() -> None:
     """After `close` (the run is over) nothing is rebuilt: waiting for it fails at once instead
     of for `wait_s`, and the reference's serve loop just ends."""
     up = DirRt(Rec(["up"], [0], [""]))  # the directory has not even seen the death yet
-    healer = Healer(HealingConfig(wait_s=60.0), log=lambda s: None)
-    healer.close()
+    sup = Supervisor(HealingConfig(wait_s=60.0), log=lambda s: None, rt=up)
+    sup.adopt("reference", "in_place")
+    sup.close()
     with pytest.raises(HealingError, match=r"reference\[0\] died while the run was ending"):
-        await asyncio.wait_for(healer.wait_rebuilt(up, "reference", 0), 5)
+        await asyncio.wait_for(sup.wait_healed("reference", 0), 5)
 
     async def serve() -> object:
         raise ActorDied("reference[0]", "connection lost")
 
-    healer.stopping = False  # the death is seen first, then the run ends while waiting
-    waiting = asyncio.ensure_future(healer.serve_reference(up, serve))
-    await asyncio.sleep(0.2)
-    assert not waiting.done()
-    healer.close()
-    await asyncio.wait_for(waiting, 5)  # ends quietly
+    sup._reopen()  # the death is seen first, then the run ends while waiting
+    async with asyncio.TaskGroup() as tg:
+        waiting = tg.create_task(sup.serve("reference", serve))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        sup.close()
+        await asyncio.wait_for(waiting, 5)  # ends quietly
 
 
 class LiveDir:
@@ -391,24 +401,24 @@ async def test_a_group_a_move_recreated_is_watched_with_its_new_ranks() -> None:
     are rebuilt; the group as the move built it is not."""
     rt, rebuilt = LiveDir(), []
     rt.set("rollout", Rec(["up"], [0], [""]))
-    healer = Healer(max_restarts=3, log=lambda s: None)
+    sup = Supervisor(max_restarts=3, log=lambda s: None, rt=rt)
 
-    async def rebuild(rank: int) -> None:
+    async def rebuild(name: str, rank: int) -> None:
+        assert name == "rollout"
         rebuilt.append(rank)
 
-    healer.rebuilds["rollout"] = rebuild
-    watching = asyncio.ensure_future(healer.watch(rt, {"rollout": 1}))
+    watching = asyncio.ensure_future(sup.watch({"rollout": 1}, rebuild))
     await asyncio.sleep(0.05)
     rt.set("rollout", Rec(["up"], [1], ["killed"]))  # a restart before the move
     await asyncio.sleep(0.05)
     assert rebuilt == [0]
     rt.set("rollout", Rec(["up", "up"], [0, 0], ["", ""]))  # the move: 2 new replicas
-    healer.follow("rollout", 2)
+    sup.follow("rollout", 2)
     await asyncio.sleep(0.05)
     assert rebuilt == [0]  # what the move built needs no rebuild
     rt.set("rollout", Rec(["up", "up"], [1, 1], ["killed", "killed"]))
-    await asyncio.wait_for(healer.wait_rebuilt(rt, "rollout", 1), 5)
-    await asyncio.wait_for(healer.wait_rebuilt(rt, "rollout", 0), 5)
-    assert sorted(rebuilt) == [0, 0, 1] and healer.restarts["rollout"] == 3
-    healer.close()
+    await asyncio.wait_for(sup.wait_healed("rollout", 1), 5)
+    await asyncio.wait_for(sup.wait_healed("rollout", 0), 5)
+    assert sorted(rebuilt) == [0, 0, 1] and sup.restarts["rollout"] == 3
+    sup.close()
     await asyncio.wait_for(watching, 5)

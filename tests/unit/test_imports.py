@@ -195,13 +195,13 @@ def test_the_graph_sees_every_kind_of_import() -> None:
     g = graph()
     assert len(g) > 100
     assert "earl.runtime.dock" in g["earl.stages.reference"]  # module level, `from x import y`
-    assert "earl.stages.trainer_feed" in g["earl.loop.parts"]  # inside a function
+    assert "earl.stages.trainer_feed" in g["earl.loop.training"]  # inside a function
     assert "earl.stages.trainer_dist" in g["earl.stages.trainer_torch"]  # y is a submodule
     assert "earl.agents.chat" in g["earl.agents"]  # a package's __init__
     assert "earl" in g["earl.recipes.tictactoe"]  # `from earl import ...`
     assert "earl.stages.trainer_torch" in g["earl.stages.trainer_ckpt"]  # TYPE_CHECKING
     assert "earl.stages.trainer_torch" not in graph(typing=False)["earl.stages.trainer_ckpt"]
-    assert "earl.runtime.dock" in graph(typing=False)["earl.loop.healing_parts"]
+    assert "earl.runtime.dock" in graph(typing=False)["earl.loop.ledger"]
 
 
 def test_cycles_are_found_and_reported() -> None:
@@ -219,6 +219,15 @@ def test_no_import_cycle() -> None:
         if len(tangled) > len(cycle) - 1:
             lines.append(f"  (in a tangle of {len(tangled)}: {', '.join(tangled)})")
     assert not lines, "import cycles:\n" + "\n".join(lines)
+
+
+def test_the_loop_has_no_cycle_even_between_its_types() -> None:
+    """Within `earl.loop`, not even the type checker's imports cycle: a module that names
+    `Job` is above `Job` (the run's context knows no part, stage or loop that uses it)."""
+    edges = {m: frozenset(t for t in ts if t.startswith("earl.loop."))
+             for m, ts in graph().items() if m.startswith("earl.loop.")}
+    cycles = [" -> ".join(c) for c in _cycles(edges)]
+    assert not cycles, "earl.loop's type-level import cycles:\n" + "\n".join(cycles)
 
 
 def test_runtime_imports_nothing_above_it() -> None:

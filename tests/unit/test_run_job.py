@@ -1,7 +1,7 @@
-"""earl.loop.healing.run_job's decisions, with a fake job and attempts: a death while an
-attempt starts (before its healer watches) and a stall are healed by a rewind to the
-checkpoint; a death of a healed-in-place actor once the healer watches is not; past
-`max_restarts` rewinds the run stops with the cause named."""
+"""earl.loop.main.run_job's decisions (its supervisor's `supervise`), with a fake job and
+attempts: a death while an attempt starts (before the supervisor watches) and a stall are
+healed by a rewind to the checkpoint; a death of a healed-in-place actor once the supervisor
+watches is not; past `max_restarts` rewinds the run stops with the cause named."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 
 from earl.loop import main as loop_main
-from earl.loop.healing import Healer, HealingError, run_job
+from earl.loop.main import run_job
+from earl.loop.stages import STAGES
+from earl.loop.supervisor import HealingError, Supervisor
 from earl.loop.watchdog import Stalled, stalled_in
 from earl.runtime.errors import ActorDied
 
@@ -21,8 +23,16 @@ pytestmark = pytest.mark.timeout(30)
 class FakeJob:
     def __init__(self, out: Path, max_restarts: int = 3) -> None:
         self.out, self.lines = out, []
-        self.healer = Healer(max_restarts=max_restarts, log=self.lines.append)
+        self.supervisor = Supervisor(max_restarts=max_restarts, log=self.lines.append)
+        for stage in STAGES:
+            self.supervisor.adopt(stage.name, stage.heals)
         self.stopped = self.closed = 0
+
+    def checkpoints(self) -> Any:
+        class NoCheckpoint:
+            def step_in_force(self) -> None:
+                return None
+        return NoCheckpoint()
 
     def log(self, line: str) -> None:
         self.lines.append(line)
@@ -61,21 +71,21 @@ async def test_a_death_while_an_attempt_starts_rewinds_it(monkeypatch, tmp_path)
     job = FakeJob(tmp_path)
     resumes = attempts(monkeypatch, producer_dies())  # watched stays False: spawn, restore
     assert await run_job(job, False) == "done"  # type: ignore[arg-type]
-    assert resumes == [False, False] and job.healer.rewinds == 1 and job.stopped == 1
+    assert resumes == [False, False] and job.supervisor.rewinds == 1 and job.stopped == 1
     assert any("while the attempt started" in line for line in job.lines)
 
 
-async def test_a_death_once_the_healer_watches_is_not_rewound(monkeypatch, tmp_path) -> None:
+async def test_a_death_once_the_supervisor_watches_is_not_rewound(monkeypatch, tmp_path) -> None:
     job = FakeJob(tmp_path)
 
     def watched_then_dies(j: FakeJob) -> ActorDied:
-        j.healer.watched = True  # `serving` started the healer's watch
+        j.supervisor._watched = True  # `serving` started the supervisor's watch
         return producer_dies()
 
     attempts(monkeypatch, watched_then_dies)
     with pytest.raises(ActorDied):
         await run_job(job, False)  # type: ignore[arg-type]
-    assert job.healer.rewinds == 0
+    assert job.supervisor.rewinds == 0
 
 
 async def test_a_stall_rewinds_and_past_the_limit_stops_naming_the_stage(
@@ -86,6 +96,6 @@ async def test_a_stall_rewinds_and_past_the_limit_stops_naming_the_stage(
     with pytest.raises(HealingError, match="step 3's training") as info:
         await run_job(job, False)  # type: ignore[arg-type]
     assert stalled_in(info.value) is stall  # the cause, as data
-    assert job.healer.rewinds == 1
-    (event,) = [e for e in job.healer.events if e["event"] == "stall"]
+    assert job.supervisor.rewinds == 1
+    (event,) = [e for e in job.supervisor.events if e["event"] == "stall"]
     assert event["stage"] == "step 3's training"

@@ -97,10 +97,11 @@ def test_dry_run_plans_an_8_gpu_node_from_a_cpu_machine(
 
 @pytest.mark.timeout(60)
 async def test_the_plan_is_what_the_run_spawns(tmp_path: Path) -> None:
-    """The plan's GPUs and engine configs are the ones `earl.loop.spawn` hands the actors."""
+    """The plan's GPUs and engine configs are the ones the run's stages (`earl.loop.stages`) hand the actors."""
+    from earl.loop.actors import Actors
     from earl.loop.devices import device_roles, gpu_slots
-    from earl.loop.healing import Healer
-    from earl.loop.spawn import spawn_reference, spawn_rollout, spawn_trainer
+    from earl.loop.stages import Building, Reference, Rollout, Trainer
+    from earl.loop.supervisor import Supervisor
 
     overrides = [*LAYOUT_8[:-1], "--placement.trainer=2", "--placement.trainer_tp=1",
                  "--placement.rollout_slot_memory_mib=40960", "--algorithm.kl_coef=0.01",
@@ -122,15 +123,11 @@ async def test_the_plan_is_what_the_run_spawns(tmp_path: Path) -> None:
                           start=tmp_path / "weights_start", weights=tmp_path / "weights",
                           roles=device_roles(cfg.placement, reference=1), n_reference=1,
                           max_model_len=cfg.model.DEFAULT_CONTEXT,
-                          healer=Healer(max_restarts=0, log=lambda s: None))
+                          supervisor=Supervisor(max_restarts=0, log=lambda s: None))
 
-    async def use_rollout(group: Any) -> None:
-        pass
-
-    await spawn_trainer(job)  # type: ignore[arg-type]
-    await spawn_reference(job)  # type: ignore[arg-type]
-    actors = SimpleNamespace(use_rollout=use_rollout)
-    await spawn_rollout(job, actors, 0, None, None)  # type: ignore[arg-type]
+    b = Building(job=job, actors=Actors(), version=0)  # type: ignore[arg-type]
+    for stage in (Trainer(), Reference(), Rollout()):
+        await stage.build(b)
     slots.close()
 
     def gpus(kw: dict[str, Any]) -> list[list[int]]:
