@@ -17,7 +17,7 @@ The sync baseline gets its best configuration, chosen in the same run. Async at 
 L+1 batches in flight; on a waiting-bound workload concurrency alone can decide the result, so
 sync is also offered the same concurrency: play L+1 batches as one round (`batch_size` x (L+1)),
 then train them (one step). Its stages do not overlap, so it may use every core: 1 and 2
-threads per actor (`placement.threads_per_actor`). The first round runs every sync
+threads per actor (`placement.threads`). The first round runs every sync
 configuration (threads x {1, L+1} batches per round) and the fastest is the baseline for the
 remaining repeats, interleaved with async (a configuration 10x slower on a loaded machine would
 otherwise dominate the run time). The async run uses 1 thread per actor (its stages overlap).
@@ -78,7 +78,7 @@ def run_once(lag: int, threads: int, rounds: int, overrides: list[str], out: str
     # rollouts
     mode = ["--partial_rollouts=off"] if lag == 0 else []
     cfg = load_config(None, [*overrides, *mode, f"--max_policy_lag={lag}", f"--output_dir={out}",
-                             f"--placement.threads_per_actor={threads}",
+                             f"--placement.threads={threads}",
                              f"--batch_size={base.batch_size * rounds}", f"--steps={steps}"])
     marks: list[tuple[float, float]] = []  # (wall, CPU of the whole process tree) per step
 

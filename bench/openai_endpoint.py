@@ -157,11 +157,12 @@ async def throughput(codec, *, sessions: int, turns: int, tokens: int, rounds: i
     from earl.engine import SamplingParams
     from earl.models.tiny import default_model_dir
     from earl.runtime import Runtime
+    from earl.stages.compute import Compute
     from earl.stages.rollout import RolloutActor, RolloutClient
     from earl.stages.vllm_engine import EngineConfig
 
-    ecfg = EngineConfig(model=str(default_model_dir()), dtype="float32", max_model_len=2048,
-                        max_num_seqs=256)
+    ecfg = EngineConfig(model=str(default_model_dir()), compute=Compute(dtype="float32"),
+                        max_model_len=2048, max_num_seqs=256)
     import aiohttp
 
     async with Runtime() as rt, OpenAIEndpoint() as ep, \

@@ -47,10 +47,11 @@ def _prompts(n: int = 64) -> list[list[int]]:
 
 async def _rollout(model: str, tp: int, threads: int, gen: int, reps: int) -> float:
     from earl.engine import SamplingParams
+    from earl.stages.compute import Compute
     from earl.stages.vllm_engine import EngineConfig, VLLMEngine
 
-    cfg = EngineConfig(model=model, dtype="float32", max_model_len=512, kv_cache_gb=0.25,
-                       tensor_parallel_size=tp, threads=threads)
+    cfg = EngineConfig(model=model, compute=Compute(dtype="float32", threads=threads),
+                       max_model_len=512, kv_cache_gb=0.25, tensor_parallel_size=tp)
     params = SamplingParams(max_tokens=gen, temperature=0.0)
     best = 0.0
     async with VLLMEngine(cfg) as eng:
@@ -88,12 +89,14 @@ def _train_child(model: str, rank: int, world: int, tp: int, threads: int, url: 
     os.environ["OMP_NUM_THREADS"] = str(threads)
     import torch
 
+    from earl.stages.compute import Compute
     from earl.stages.optim import OptimConfig
     from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
 
     torch.set_num_threads(threads)
     t = TorchTrainer(TrainerConfig(model=model, tp=tp, dist_url=url, optim=OptimConfig(lr=1e-5),
-                                   micro_batch_tokens=2048), rank=rank, world_size=world)
+                                   micro_batch_tokens=2048, compute=Compute(threads=threads)),
+                     rank=rank, world_size=world)
     batch = _batch()
     dp = world // tp
     mine = batch.split(dp)[rank // tp] if dp > 1 else batch
@@ -138,6 +141,7 @@ def _spawned(target, *args) -> float:  # type: ignore[no-untyped-def]
 async def _reconfig(model: str, out: Path) -> dict[str, dict[str, float]]:
     from earl.runtime import Runtime
     from earl.runtime.layout import Layout
+    from earl.stages.compute import Compute
     from earl.stages.reconfigure import reconfigure_rollout, reconfigure_trainer
     from earl.stages.rollout import RolloutActor
     from earl.stages.trainer import TrainerActor, TrainerConfig, free_dist_url
@@ -148,10 +152,10 @@ async def _reconfig(model: str, out: Path) -> dict[str, dict[str, float]]:
         trainer, rollout = await asyncio.gather(
             rt.spawn("trainer", TrainerActor,
                      TrainerConfig(model=model, parallel="fsdp", dist_url=free_dist_url(),
-                                   threads=1), n=2, env=env),
+                                   compute=Compute(threads=1)), n=2, env=env),
             rt.spawn("rollout", RolloutActor,
-                     EngineConfig(model=model, dtype="float32", max_model_len=512,
-                                  kv_cache_gb=0.25), n=1, env=env))
+                     EngineConfig(model=model, compute=Compute(dtype="float32"),
+                                  max_model_len=512, kv_cache_gb=0.25), n=1, env=env))
         batch = _batch(8).split(2)
         await asyncio.gather(*(trainer[r].train_step.call_one(batch[r]) for r in range(2)))
         trainer, tt = await reconfigure_trainer(rt, trainer, Layout(dp=1, tp=2),

@@ -135,11 +135,13 @@ async def bench_model(rt: object, name: str, path: str, *, dtype: str, sessions:
 
     from earl import ChatCodec
     from earl.engine import SamplingParams
+    from earl.stages.compute import Compute
     from earl.stages.rollout import RolloutActor, RolloutClient
     from earl.stages.vllm_engine import EngineConfig
     from earl.stages.weights import WeightPublisher
 
-    cfg = EngineConfig(model=path, dtype=dtype, max_model_len=2048, max_num_seqs=256)
+    cfg = EngineConfig(model=path, compute=Compute(dtype=dtype), max_model_len=2048,
+                       max_num_seqs=256)
     t0 = time.perf_counter()
     g = await rt.spawn(f"rollout-{name}", RolloutActor, asdict(cfg),  # type: ignore[attr-defined]
                        env={"OMP_NUM_THREADS": "1"})
@@ -224,9 +226,10 @@ async def engine_only(kind: str, sessions: int, turns: int) -> dict[str, float |
     prompts = [[1] + [rng.randrange(7, 263) for _ in range(32)] for _ in range(sessions)]
     t0 = time.perf_counter()
     if kind == "inproc":
+        from earl.stages.compute import Compute
         from earl.stages.vllm_engine import EngineConfig, VLLMEngine
 
-        eng = VLLMEngine(EngineConfig(model=path, dtype="float32"))
+        eng = VLLMEngine(EngineConfig(model=path, compute=Compute(dtype="float32")))
         await eng.start()
 
         async def gen(p: list[int], i: int) -> list[int]:

@@ -42,6 +42,7 @@ def _bench_model(hidden: int, layers: int, rounds: int, seed: int, samples: int
 
     from earl.models.tiny import build_tiny_model
     from earl.packing import pack, packed_forward, plan_micro_batches, set_attention, token_logprobs
+    from earl.stages.compute import Compute
     from earl.stages.trainer_batch import TrainBatch
     from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
 
@@ -84,8 +85,10 @@ def _bench_model(hidden: int, layers: int, rounds: int, seed: int, samples: int
     batch = TrainBatch.from_samples([
         {"input_ids": s, "loss_mask": torch.ones(len(s)), "advantages": torch.randn(len(s), generator=g),
          "rollout_logprobs": -torch.rand(len(s), generator=g)} for s in seqs])
-    trainer = TorchTrainer(TrainerConfig(model=str(folder), micro_batch_tokens=4096,
-                                         loss={"entropy_coef": 0.01}))  # type: ignore[arg-type]
+    trainer = TorchTrainer(TrainerConfig(  # the threads this bench set (torch's, as they are)
+        model=str(folder), micro_batch_tokens=4096,
+        compute=Compute(threads=torch.get_num_threads()),
+        loss={"entropy_coef": 0.01}))  # type: ignore[arg-type]
 
     def train_step() -> None:
         trainer.train_step(batch)

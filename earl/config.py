@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import ClassVar
 
 from earl.algorithms.loss_config import LossConfig
-from earl.config_parse import _merge, from_dict, parse_overrides, read_yaml, to_dict
+from earl.config_parse import _merge, from_dict, parse_overrides, read_yaml, renamed, to_dict
 from earl.placement import PlacementConfig
 from earl.runtime.errors import need
 from earl.runtime.selector.policy import PolicyConfig
+from earl.stages.compute import Seeded
 from earl.stages.lora import LoraConfig
 from earl.stages.optim import OptimConfig
 
@@ -80,7 +81,8 @@ class AlgorithmConfig(LossConfig):
     (per-turn credit from the agent's per-turn rewards; against the recipe's own critic,
     `Recipe.critic`, when `critic` is "recipe"). `self_imitation`: with that critic, up to this
     many extra samples per batch replay a turn with the reply the critic rates best there.
-    `temperature`: the rollout's sampling temperature (log-probs are of logits / temperature).
+    `temperature` (a `LossConfig` field, so the trainer and the reference read this one): the
+    rollout's sampling temperature (log-probs are of logits / temperature).
     """
 
     name: str = "grpo"
@@ -88,7 +90,6 @@ class AlgorithmConfig(LossConfig):
     normalize_std: bool = False
     critic: str = "none"
     self_imitation: int = 0
-    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         LossConfig.__post_init__(self)
@@ -108,7 +109,6 @@ class AlgorithmConfig(LossConfig):
         need(self.self_imitation >= 0, "self_imitation", "must be >= 0 (0 = off)")
         need(self.self_imitation == 0 or self.critic == "recipe", "self_imitation",
              "needs algorithm.critic=recipe (the critic rates the replies), or set it to 0")
-        need(self.temperature > 0, "temperature", "must be > 0 for exploration")
 
 
 
@@ -189,8 +189,9 @@ class SelectorConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class RunConfig:
-    """One training run. `batch_size` counts trajectories per step (whole groups).
+class RunConfig(Seeded):
+    """One training run. `batch_size` counts trajectories per step (whole groups). `seed`: the
+    run's seed (`earl.stages.compute.Seeded`; each stage's `Compute` carries it).
 
     What to train: `recipe` (a shipped one by name), or `agent` ("PATH.py:NAME") with `tasks`
     (a JSONL file) and optional `eval_tasks`. `reward`: a rule "PATH.py:NAME",
@@ -243,7 +244,6 @@ class RunConfig:
     tasks: str = ""
     eval_tasks: str = ""
     reward: str = ""
-    seed: int = 0
     steps: int = 200
     batch_size: int = 32
     group_size: int = 8
@@ -400,16 +400,16 @@ def load_config(path: str | os.PathLike[str] | None = None,
         ValueError: unknown keys, bad values, impossible placements (message names the field).
         TypeError: a value of the wrong type.
     """
-    data: dict[str, object] = read_yaml(path) if path is not None else {}
+    data: dict[str, object] = renamed(RunConfig, read_yaml(path)) if path is not None else {}
     if overrides:
-        data = _merge(data, parse_overrides(overrides))
+        data = _merge(data, renamed(RunConfig, parse_overrides(overrides)))
     if recipe_defaults is None:
         recipe_defaults = {}
         if not data.get("agent"):
             from earl.recipe import load_recipe
 
             recipe_defaults = load_recipe(str(data.get("recipe", "tictactoe"))).config
-    cfg = from_dict(RunConfig, _merge(dict(recipe_defaults), data))
+    cfg = from_dict(RunConfig, _merge(renamed(RunConfig, dict(recipe_defaults)), data))
     validate(cfg, gpus=gpus)
     return cfg
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from earl.runtime.errors import need
+from earl.stages.compute import DEVICES, DTYPES, Hardware
 
 __all__ = ["BACKENDS", "DEVICES", "DTYPES", "LAUNCHERS", "STAGE_GROUPS", "TRANSPORTS", "WEIGHT_TRANSPORTS",
            "PlacementConfig"]
 
-DEVICES = ("cpu", "cuda")
-DTYPES = ("auto", "float32", "bfloat16")  # "auto": PlacementConfig.compute_dtype
 TRANSPORTS = ("", "shm", "ucx", "zmq")  # placement.transport ("": by locality)
 LAUNCHERS = ("local", "ray")
 STAGE_GROUPS = ("rollout", "trainer", "reference", "producer", "dock")  # actor groups of a run
@@ -26,8 +25,10 @@ BACKENDS = ("torch", "megatron")  # placement.backend: the trainer's engine
 
 
 @dataclass(kw_only=True, slots=True)
-class PlacementConfig:
-    """Where actors run and how many of each; the recipe never depends on it.
+class PlacementConfig(Hardware):
+    """Where actors run and how many of each; the recipe never depends on it. Its `device`,
+    `dtype` and `threads` are `earl.stages.compute.Hardware`'s: every stage's `Compute` is them
+    (and the run's seed).
 
     `rollout`: vLLM rollout replicas; `reference`: reference actors (started only when
     `algorithm.kl_coef` > 0); `producers`: producer actors running agent coroutines
@@ -55,9 +56,8 @@ class PlacementConfig:
     reference actor gets its own GPU(s) in a device slot (`earl.loop.devices.plan_gpus`);
     `rollout_slot_memory_mib` is then vLLM's budget on each of its GPUs (0 = vLLM's default
     share), and `kv_cache_gb` is not used (vLLM fills that budget with KV cache).
-    `dtype`: what the trainer (bf16 autocast over fp32 master weights), the reference and
-    vLLM compute in: "float32", "bfloat16", or "auto" (the default: bfloat16 on CUDA, which
-    vLLM's fast attention kernels need, float32 on CPU; `compute_dtype`). `rollout_tp`: GPUs
+    `dtype`: what the trainer, the reference and vLLM compute in (`Hardware`; "auto": bfloat16
+    on CUDA, float32 on CPU). `threads`: each actor's torch/OpenMP threads. `rollout_tp`: GPUs
     (or CPU workers) per rollout replica (vLLM tensor parallel); `trainer_tp`: the trainer's
     tensor-parallel degree, `trainer_pp` its pipeline stages (backend=megatron), its `trainer`
     ranks forming trainer / (trainer_tp x trainer_pp) data-parallel replicas.
@@ -97,8 +97,6 @@ class PlacementConfig:
     producers: int = 1
     reference: int = 1
     trainer: int = 1
-    device: str = "cpu"
-    threads_per_actor: int = 1
     launcher: str = "local"
     slot_memory_mib: int = 0
     devices: int = 0
@@ -106,7 +104,6 @@ class PlacementConfig:
     micro_batch_tokens: int = 65536
     kv_cache_gb: float = 0.25
     context_window: int = 0
-    dtype: str = "auto"
     rollout_tp: int = 1
     trainer_tp: int = 1
     trainer_pp: int = 1
@@ -118,8 +115,7 @@ class PlacementConfig:
     backend: str = "torch"
 
     def __post_init__(self) -> None:
-        need(self.device in DEVICES, "device", f"{self.device!r} unknown; choose one of {DEVICES}")
-        need(self.dtype in DTYPES, "dtype", f"{self.dtype!r} unknown; choose one of {DTYPES}")
+        Hardware.__post_init__(self)
         need(self.rollout_tp >= 1, "rollout_tp", "must be >= 1 (GPUs per rollout replica)")
         need(self.trainer_tp >= 1, "trainer_tp", "must be >= 1 (1 = no tensor parallel)")
         need(self.trainer % self.trainer_tp == 0, "trainer_tp",
@@ -139,7 +135,6 @@ class PlacementConfig:
         need(self.trainer >= 1, "trainer", "needs at least 1 trainer rank")
         need(self.reference >= 0, "reference", "must be >= 0")
         need(self.producers >= 1, "producers", "needs at least 1 producer actor")
-        need(self.threads_per_actor >= 1, "threads_per_actor", "must be >= 1")
         need(self.launcher in LAUNCHERS, "launcher",
              f"{self.launcher!r} unknown; choose one of {LAUNCHERS}")
         need(self.slot_memory_mib == 0 or self.slot_memory_mib >= 64, "slot_memory_mib",
@@ -196,13 +191,11 @@ class PlacementConfig:
                  f"placement.reference={self.reference} actors need one trainer GPU each: "
                  f"lower it to at most placement.trainer={self.trainer}")
 
-    def compute_dtype(self, device: str | None = None) -> str:
-        """`dtype` resolved for `device` (default: `self.device`): "auto" is "bfloat16" on
-        CUDA and "float32" on CPU (where the trainer's and vLLM's bf16 is not faster on every
-        machine, and sampling log-probs then match the trainer's exactly)."""
-        if self.dtype != "auto":
-            return self.dtype
-        return "bfloat16" if (device or self.device) == "cuda" else "float32"
+    @property
+    def threads_per_actor(self) -> int:
+        """Deprecated spelling of `threads` (the key `placement.threads_per_actor` still reads,
+        with a DeprecationWarning); kept one release for readers not yet moved."""
+        return self.threads
 
     def devices_per_replica(self) -> int:
         """Devices one rollout replica takes: its `rollout_tp` GPUs, or CPU devices (joined

@@ -193,18 +193,18 @@ def plan(cfg: RunConfig, machine: Machine | None = None) -> Plan:
         note="the selector re-plans the rollout's and the trainer's devices, layout and "
              "budgets before each step: shown is the starting placement"
              if cfg.selector.on else "",
-        rollout=RolloutPlan(replicas=pl.rollout, tp=pl.rollout_tp, dtype=ecfg.dtype,
+        rollout=RolloutPlan(replicas=pl.rollout, tp=pl.rollout_tp, dtype=ecfg.compute.dtype,
                             devices=devices["rollout"], where=where,
                             memory_mib_per_gpu=slot_mib, engine_env=dict(ENGINE_ENV),
                             engine_args=[dict(args) for _ in range(pl.rollout)]),
         trainer=TrainerPlan(ranks=pl.trainer, backend=pl.backend, parallel=tcfg.parallel,
                             dp=pl.trainer // (pl.trainer_tp * pl.trainer_pp), tp=pl.trainer_tp,
-                            pp=pl.trainer_pp, dtype=tcfg.dtype,
+                            pp=pl.trainer_pp, dtype=tcfg.compute.dtype,
                             micro_batch_tokens=tcfg.micro_batch_tokens, lora_rank=cfg.lora.rank,
                             devices=devices["trainer"], where=where),
         reference=ReferencePlan(ranks=n_ref, devices=devices["reference"], where=where,
-                                dtype=reference_config(cfg, model=start).dtype if n_ref
-                                else None))
+                                dtype=reference_config(cfg, model=start).compute.dtype
+                                if n_ref else None))
 
 
 def _devices(cfg: RunConfig, n_ref: int,

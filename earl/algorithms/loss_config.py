@@ -40,6 +40,8 @@ class LossConfig:
             decoupled PPO with proximal = ``old_logprobs`` and behaviour = rollout log-probs.
         is_cap: truncation of the TIS weight.
         behaviour_weight_cap: decoupled PPO drops tokens with ``pi_prox / pi_behav`` above it.
+        temperature: the policy's sampling temperature: the rollout samples at it, and every
+            log-prob (the rollout's, the trainer's, the reference's) is of logits / temperature.
     """
 
     clip_low: float = 0.2
@@ -52,6 +54,7 @@ class LossConfig:
     off_policy: OffPolicy = "none"
     is_cap: float = 2.0
     behaviour_weight_cap: float | None = 5.0
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         need(self.agg in AGG_MODES, "agg", f"{self.agg!r} unknown; choose one of {AGG_MODES}")
@@ -65,6 +68,7 @@ class LossConfig:
         need(self.kl_coef >= 0, "kl_coef", "must be >= 0 (0 = no KL term)")
         need(self.entropy_coef >= 0, "entropy_coef", "must be >= 0 (0 = no entropy bonus)")
         need(self.is_cap > 0, "is_cap", "must be > 0")
+        need(self.temperature > 0, "temperature", "must be > 0 for exploration")
 
     @property
     def needs_rollout_logprobs(self) -> bool:

@@ -1,6 +1,8 @@
 """Each stage's actor config, built from a run's config sections: the trainer's `TrainerConfig`,
 the reference's `ReferenceConfig`, a rollout replica's `EngineConfig`, and how many reference
-actors run.
+actors run. What every stage computes with is one `earl.stages.compute.Compute` (`compute`: the
+placement's hardware and the run's seed, "auto" resolved), and the log-prob temperature is the
+algorithm's (`LossConfig.temperature`): no builder copies them field by field.
 
 Pure functions of the run config and of the few facts only a live run has (the starting
 policy's folder, the context window, the trainer's rendezvous address), passed in: the run's
@@ -16,11 +18,20 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from earl.config import RunConfig
+    from earl.stages.compute import Compute
     from earl.stages.reference import ReferenceConfig
     from earl.stages.trainer_config import TrainerConfig
     from earl.stages.vllm_build import EngineConfig
 
-__all__ = ["engine_config", "reference_actors", "reference_config", "trainer_config"]
+__all__ = ["compute", "engine_config", "reference_actors", "reference_config", "trainer_config"]
+
+
+def compute(cfg: RunConfig) -> Compute:
+    """What every stage of the run computes with: the placement's hardware (device, dtype
+    resolved, threads) and the run's seed."""
+    from earl.stages.compute import Compute
+
+    return Compute.of(cfg.placement, cfg.seed)
 
 
 def reference_actors(cfg: RunConfig) -> int:
@@ -39,12 +50,9 @@ def trainer_config(cfg: RunConfig, *, model: str, dist_url: str | None = None,
 
     pl = cfg.placement
     return TrainerConfig(model=model, optim=cfg.optim, loss=cfg.algorithm.loss(),
-                         threads=pl.threads_per_actor, seed=cfg.seed, device=pl.device,
-                         temperature=cfg.algorithm.temperature,
-                         micro_batch_tokens=pl.micro_batch_tokens, dist_url=dist_url,
-                         lora=cfg.lora, shared_prefix=pl.shared_prefix, record_dir=record_dir,
-                         dtype=pl.compute_dtype(),  # type: ignore[arg-type]
-                         tp=pl.trainer_tp, pp=pl.trainer_pp,
+                         compute=compute(cfg), micro_batch_tokens=pl.micro_batch_tokens,
+                         dist_url=dist_url, lora=cfg.lora, shared_prefix=pl.shared_prefix,
+                         record_dir=record_dir, tp=pl.trainer_tp, pp=pl.trainer_pp,
                          # DDP does not compose with DTensor tensor parallel; FSDP2 does
                          # (megatron's tensor parallel composes with DDP)
                          parallel="fsdp" if 1 < pl.trainer_tp < pl.trainer
@@ -55,10 +63,7 @@ def reference_config(cfg: RunConfig, *, model: str) -> ReferenceConfig:
     """The reference actors' config (`model`: the starting policy, the KL anchor)."""
     from earl.stages.reference import ReferenceConfig
 
-    pl = cfg.placement
-    return ReferenceConfig(model=model, threads=pl.threads_per_actor,
-                           temperature=cfg.algorithm.temperature, device=pl.device,
-                           dtype=pl.compute_dtype())
+    return ReferenceConfig(model=model, compute=compute(cfg), loss=cfg.algorithm.loss())
 
 
 def engine_config(cfg: RunConfig, *, model: str, max_model_len: int) -> EngineConfig:
@@ -69,7 +74,6 @@ def engine_config(cfg: RunConfig, *, model: str, max_model_len: int) -> EngineCo
 
     pl = cfg.placement
     return EngineConfig(model=model, max_model_len=pl.context_window or max_model_len,
-                        threads=pl.threads_per_actor, seed=cfg.seed,
-                        kv_cache_gb=pl.kv_cache_gb, dtype=pl.compute_dtype(), device=pl.device,
+                        compute=compute(cfg), kv_cache_gb=pl.kv_cache_gb,
                         tensor_parallel_size=pl.rollout_tp,
                         sleep_mode=pl.colocate and pl.device == "cuda")

@@ -18,15 +18,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from earl.algorithms.loss_config import LossConfig
 from earl.runtime import Actor, context, endpoint
 from earl.runtime.dock import Dock, WarehouseHost
 from earl.runtime.selector.profile import peak_bytes, reset_peak
 from earl.runtime.wire import message
+from earl.stages.compute import Compute
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -34,34 +36,33 @@ if TYPE_CHECKING:
 __all__ = ["ReferenceActor", "ReferenceConfig", "ReferenceModel", "microbatches"]
 
 
+for _cls in (Compute, LossConfig):  # they travel inside a ReferenceConfig
+    message(_cls)
+
+
 @message
 @dataclass(kw_only=True, slots=True)
 class ReferenceConfig:
     """Args:
     model: HF folder of the initial policy.
-    dtype: "float32" or "bfloat16".
+    compute: device ("cuda": the first GPU this process sees, its slot's), dtype ("auto"
+        resolved here) and torch threads (`earl.stages.compute.Compute`).
     token_budget: most padded tokens per forward pass (bounds the B x T x vocab logits).
-    temperature: log-probs of softmax(logits / temperature), as the policy samples.
-    threads: torch threads.
-    device: "cpu" or "cuda" (the first GPU this process sees: its slot's).
+    loss: the objective these log-probs feed; they are of softmax(logits / loss.temperature),
+        as the policy samples.
     """
 
     model: str
-    dtype: str = "float32"
+    compute: Compute = field(default_factory=Compute)
     token_budget: int = 4096
-    temperature: float = 1.0
-    threads: int = 1
-    device: str = "cpu"
+    loss: LossConfig = field(default_factory=LossConfig)
 
     def __post_init__(self) -> None:
+        self.compute = Compute.coerce(self.compute)
+        if isinstance(self.loss, dict):
+            self.loss = LossConfig(**self.loss)
         if self.token_budget < 1:
             raise ValueError(f"ReferenceConfig.token_budget must be >= 1, got {self.token_budget}")
-        if self.temperature <= 0:
-            raise ValueError(f"ReferenceConfig.temperature must be > 0, got {self.temperature}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"ReferenceConfig.dtype must be float32 or bfloat16, got {self.dtype}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"ReferenceConfig.device must be 'cpu' or 'cuda', got {self.device!r}")
 
 
 def microbatches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
@@ -84,11 +85,12 @@ class ReferenceModel:
         import torch
         from transformers import AutoModelForCausalLM
 
-        torch.set_num_threads(config.threads)
+        c = config.compute
+        torch.set_num_threads(c.threads)
         self.config = config
         self.model = AutoModelForCausalLM.from_pretrained(
-            config.model, dtype=getattr(torch, config.dtype)).eval()
-        self.model.to(config.device)  # type: ignore[arg-type]
+            config.model, dtype=getattr(torch, c.dtype)).eval()
+        self.model.to(c.device)  # type: ignore[arg-type]
         self.model.requires_grad_(False)
         self.tokens_scored = 0
 
@@ -121,7 +123,7 @@ class ReferenceModel:
                     for row, i in enumerate(group):
                         want[row, : len(seqs[i])] = torch.from_numpy(np.asarray(masks[i]) > 0)
                 rows, cols = torch.nonzero(want[:, 1:], as_tuple=True)
-                dev = self.config.device  # inputs go over; log-probs come back to the host
+                dev = self.config.compute.device  # inputs go over; log-probs come back to the host
                 lp = self._score(ids.to(dev), mask.to(dev), rows.to(dev),
                                  (cols + 1).to(dev)).cpu().numpy()
             rows_np, cols_np = rows.numpy(), cols.numpy() + 1
@@ -137,8 +139,9 @@ class ReferenceModel:
         """log p(ids[rows, cols] | ids[rows, :cols]); the LM head runs on those rows only."""
         hidden = self.model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
         logits = self.model.get_output_embeddings()(hidden[rows, cols - 1]).float()
-        if self.config.temperature != 1.0:
-            logits = logits / self.config.temperature
+        temperature = self.config.loss.temperature
+        if temperature != 1.0:
+            logits = logits / temperature
         return logits.gather(-1, ids[rows, cols][:, None])[:, 0] - logits.logsumexp(-1)
 
 
@@ -257,8 +260,8 @@ class ReferenceActor(WarehouseHost, Actor):
         """This rank's memory peak (MiB) since the last call, then a new one starts: the
         resident set on CPU (the model, the forward passes and the dock columns it holds),
         the CUDA allocator's peak on a GPU (the selector's measured reference memory)."""
-        peak = peak_bytes(self.ref.config.device) / 2**20
-        reset_peak(self.ref.config.device)
+        peak = peak_bytes(self.ref.config.compute.device) / 2**20
+        reset_peak(self.ref.config.compute.device)
         return peak
 
     @endpoint

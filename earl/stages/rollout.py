@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from earl.engine import ContextLengthError, Generation, SamplingParams
 from earl.runtime import Actor, ActorError, ActorGroup, endpoint
 from earl.runtime.wire import message
+from earl.stages.compute import Compute
 from earl.stages.vllm_engine import EngineConfig, RolloutStatistics, UpdateMode, VLLMEngine
 from earl.stages.weights_inbox import WeightEndpoints, WeightInbox
 
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 
     from earl.runtime.transport import Frame
 
-for _cls in (SamplingParams, Generation, EngineConfig, RolloutStatistics):
+for _cls in (SamplingParams, Generation, EngineConfig, Compute, RolloutStatistics):
     message(_cls)
 
 __all__ = ["RolloutActor", "RolloutClient"]
@@ -67,7 +68,7 @@ class RolloutActor(WeightEndpoints, Actor):
         self.config = config
         self.engine = VLLMEngine(config, policy_version=policy_version, on_death=_die)
         self._staged: list[tuple[str, torch.Tensor]] = []
-        self.weights = WeightInbox(config.device)  # where weight pushes arrive
+        self.weights = WeightInbox(config.compute.device)  # where weight pushes arrive
 
     async def setup(self) -> None:
         await self.engine.start()

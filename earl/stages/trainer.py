@@ -35,6 +35,7 @@ from earl.runtime import Actor, ActorGroup, endpoint, registry, wire
 from earl.runtime.dispatch import DispatchPlan, FetchOp, ReplicaPlan, receive_replica
 from earl.runtime.dispatch import forward as forward_frames
 from earl.runtime.layout import Layout
+from earl.stages.compute import Compute
 from earl.stages.lora import LoraConfig
 from earl.stages.optim import OptimConfig
 from earl.stages.trainer_batch import TrainBatch
@@ -51,8 +52,8 @@ if TYPE_CHECKING:
     from earl.stages.weights import WeightPublisher
 
 # Typed configs and plans travel to trainer ranks as records (decoded after this import).
-for _cls in (TrainerConfig, LossConfig, OptimConfig, LoraConfig, Layout, FetchOp, ReplicaPlan,
-             DispatchPlan):
+for _cls in (TrainerConfig, Compute, LossConfig, OptimConfig, LoraConfig, Layout, FetchOp,
+             ReplicaPlan, DispatchPlan):
     wire.message(_cls)
 
 R = TypeVar("R")

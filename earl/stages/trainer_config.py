@@ -4,11 +4,11 @@ builds from, and what `earl.stages.reconfigure` re-spawns a group with)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 from earl.algorithms.objective import LossConfig
 from earl.packing import AttnMode
 from earl.stages import trainer_dist as tdist
+from earl.stages.compute import Compute
 from earl.stages.lora import LoraConfig
 from earl.stages.optim import OptimConfig
 
@@ -22,21 +22,20 @@ class TrainerConfig:
     Attributes:
         model: HF model folder (config.json + safetensors).
         optim: AdamW, warmup and gradient clipping (`earl.stages.optim.OptimConfig`).
-        dtype: ``"float32"``, or ``"bfloat16"`` (bf16 autocast, fp32 master weights).
+        compute: device (on CUDA each rank takes its local GPU), dtype (``"bfloat16"``: bf16
+            autocast over fp32 master weights; "auto" resolved here), torch intra-op threads,
+            and the torch seed (`earl.stages.compute.Compute`).
         micro_batch_tokens: token budget of one packed forward/backward.
         attention: ``"varlen"`` (per-sample causal SDPA) or ``"mask"`` (block-diagonal mask).
-        temperature: the rollout's sampling temperature; log-probs use ``logits / temperature``.
         parallel: ``"ddp"`` or ``"fsdp"`` (FSDP2) across data-parallel replicas.
         tp: tensor-parallel degree (DTensor plans on every decoder layer); the ranks form
             ``world_size // tp`` data-parallel replicas of ``tp`` ranks each (TP fastest, as in
             `earl.runtime.layout.Layout`). TP with more than one replica needs ``"fsdp"``.
         pp: pipeline-parallel stages (megatron backend only): ``dp * tp * pp`` ranks, PP slowest.
         dist_url: rendezvous address shared by all ranks (``trainer_dist.free_dist_url()``).
-        device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
-        threads: torch intra-op threads on CPU (None: leave as is).
-        seed: torch seed for anything random in the trainer.
         log_entropy: compute the policy entropy metric even when ``loss.entropy_coef`` is 0.
-        loss: the objective (see `earl.algorithms.LossConfig`).
+        loss: the objective (see `earl.algorithms.LossConfig`); log-probs are of
+            ``logits / loss.temperature``, the rollout's sampling temperature.
         lora: low-rank adapters (`earl.stages.lora.LoraConfig`; rank 0 = full fine-tuning).
             With adapters the optimizer holds only them, `named_weights` gives the merged
             weights, and a KL term reads the base policy (the adapter switched off) computed
@@ -54,17 +53,13 @@ class TrainerConfig:
 
     model: str
     optim: OptimConfig = field(default_factory=OptimConfig)
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    compute: Compute = field(default_factory=Compute)
     micro_batch_tokens: int = 4096
     attention: AttnMode = "varlen"
-    temperature: float = 1.0
     parallel: tdist.Parallel = "ddp"
     tp: int = 1
     pp: int = 1
     dist_url: str | None = None
-    device: str = "auto"
-    threads: int | None = None
-    seed: int = 0
     log_entropy: bool = True
     loss: LossConfig = field(default_factory=LossConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -79,8 +74,7 @@ class TrainerConfig:
             self.lora = LoraConfig(**self.lora)
         if isinstance(self.optim, dict):
             self.optim = OptimConfig(**self.optim)
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"TrainerConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        self.compute = Compute.coerce(self.compute)
         if self.micro_batch_tokens < 1:
             raise ValueError(f"TrainerConfig.micro_batch_tokens must be >= 1, got "
                              f"{self.micro_batch_tokens}")
@@ -95,8 +89,3 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.tp must be >= 1, got {self.tp}")
         if self.pp < 1:
             raise ValueError(f"TrainerConfig.pp must be >= 1, got {self.pp}")
-        if self.temperature <= 0:
-            raise ValueError(f"TrainerConfig.temperature must be > 0, got {self.temperature}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"TrainerConfig.device must be 'auto', 'cpu' or 'cuda', got "
-                             f"{self.device!r}")

@@ -74,8 +74,8 @@ def own_gpu(rank: int, visible: int) -> int:
         ValueError: no GPU visible, or fewer visible GPUs than ranks.
     """
     if visible < 1:
-        raise ValueError(f"TrainerConfig.device='cuda' but trainer rank {rank} sees no GPU; "
-                         "use device='cpu' or make a GPU visible (CUDA_VISIBLE_DEVICES)")
+        raise ValueError(f"TrainerConfig.compute.device='cuda' but trainer rank {rank} sees no "
+                         "GPU; use device='cpu' or make a GPU visible (CUDA_VISIBLE_DEVICES)")
     if visible == 1:
         return 0
     if rank >= visible:

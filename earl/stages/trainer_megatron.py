@@ -200,7 +200,7 @@ class MegatronTrainer(TorchTrainer):
         check_tp(self.shape, self.tp)
         check_pp(self.shape, self.pp)
         init_megatron_parallel(self.rank, self.world_size, self.config.dist_url, self.device,
-                               self.config.seed, tp=self.tp, pp=self.pp)
+                               self.config.compute.seed, tp=self.tp, pp=self.pp)
         if self.pp > 1:  # the (dp * pp, tp) mesh's groups are not the DP groups: megatron's are
             self.dp_group = parallel_state.get_data_parallel_group() if self.dp_size > 1 else None
             self.pp_group = parallel_state.get_pipeline_model_parallel_group()

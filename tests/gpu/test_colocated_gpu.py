@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from earl.models.tiny import default_model_dir
+from earl.stages.compute import Compute
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -27,8 +28,8 @@ async def test_vllm_sleeps_wakes_and_loads_weights_while_asleep() -> None:
 
     a, b = default_model_dir(init_std=0.2, seed=0), default_model_dir(init_std=0.2, seed=1)
     prompt, greedy = [1, 50, 51, 52], SamplingParams(max_tokens=16, temperature=0.0)
-    eng = VLLMEngine(EngineConfig(model=str(a), dtype="float32", max_model_len=512,
-                                  device="cuda", gpu_memory_mib=4096, sleep_mode=True))
+    eng = VLLMEngine(EngineConfig(model=str(a), compute=Compute(dtype="float32", device="cuda"),
+                                  max_model_len=512, gpu_memory_mib=4096, sleep_mode=True))
     await eng.start()
     try:
         before = await eng.generate(prompt, greedy)

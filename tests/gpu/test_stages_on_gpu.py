@@ -15,6 +15,7 @@ import torch
 
 from earl.models.tiny import default_model_dir
 from earl.stages import trainer_dist as tdist
+from earl.stages.compute import Compute
 from earl.stages.reference import ReferenceConfig, ReferenceModel
 from earl.stages.trainer_batch import TrainBatch
 from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
@@ -40,7 +41,8 @@ def make_batch() -> TrainBatch:
 
 
 def test_a_trainer_rank_takes_its_own_gpu_and_makes_it_current(model_dir: Path) -> None:
-    t = TorchTrainer(TrainerConfig(model=str(model_dir), device="cuda"), rank=0, world_size=1)
+    t = TorchTrainer(TrainerConfig(model=str(model_dir), compute=Compute(device="cuda")), rank=0,
+                     world_size=1)
     assert t.device == tdist.cuda_device(0) == torch.device("cuda", 0)
     assert torch.cuda.current_device() == 0
     assert next(t.module.parameters()).device == t.device
@@ -51,7 +53,8 @@ def test_reference_on_cuda_matches_cpu(model_dir: Path, dtype: str, tol: float) 
     rng = np.random.default_rng(0)
     samples = [rng.integers(7, 263, n) for n in (5, 40, 17)]
     cpu = ReferenceModel(ReferenceConfig(model=str(model_dir))).logprobs(samples)
-    gpu_ref = ReferenceModel(ReferenceConfig(model=str(model_dir), device="cuda", dtype=dtype))
+    gpu_ref = ReferenceModel(ReferenceConfig(model=str(model_dir),
+                                             compute=Compute(device="cuda", dtype=dtype)))
     assert next(gpu_ref.model.parameters()).is_cuda
     for a, b in zip(gpu_ref.logprobs(samples), cpu, strict=True):
         assert a.dtype == np.float32 and a.shape == b.shape
@@ -81,8 +84,8 @@ async def test_vllm_on_cuda_serves_the_slot_budget_and_reloads_tied_weights() ->
     b = default_model_dir(init_std=0.2, seed=1)
     prompt = [1, 50, 51, 52]
     greedy = SamplingParams(max_tokens=16, temperature=0.0)
-    eng = VLLMEngine(EngineConfig(model=str(a), dtype="float32", max_model_len=512,
-                                  device="cuda", gpu_memory_mib=4096))
+    eng = VLLMEngine(EngineConfig(model=str(a), compute=Compute(dtype="float32", device="cuda"),
+                                  max_model_len=512, gpu_memory_mib=4096))
     await eng.start()
     try:
         free, total = torch.cuda.mem_get_info()
@@ -137,7 +140,8 @@ async def test_two_trainer_ranks_train_over_nccl_each_on_its_own_gpu(model_dir: 
     from earl.runtime.slots import SlotPool
     from earl.stages.trainer import TrainerActor, free_dist_url
 
-    cfg = TrainerConfig(model=str(model_dir), device="cuda", dist_url=free_dist_url())
+    cfg = TrainerConfig(model=str(model_dir), compute=Compute(device="cuda"),
+                        dist_url=free_dist_url())
     with SlotPool(use_cgroups=False) as pool:
         slots = [pool.create(f"trainer{r}", gpus=(r,)) for r in range(2)]
         async with Runtime() as rt:

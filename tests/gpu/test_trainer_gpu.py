@@ -9,6 +9,7 @@ import pytest
 import torch
 from process_groups import tear_down
 
+from earl.stages.compute import Compute
 from earl.stages.trainer_batch import TrainBatch
 from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
 
@@ -29,8 +30,9 @@ def make_batch() -> TrainBatch:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_torch_trainer_cuda_matches_cpu(model_dir: Path, dtype: str) -> None:
     batch = make_batch()
-    cpu = TorchTrainer(TrainerConfig(model=str(model_dir), device="cpu"))
-    gpu = TorchTrainer(TrainerConfig(model=str(model_dir), device="cuda", dtype=dtype))  # type: ignore[arg-type]
+    cpu = TorchTrainer(TrainerConfig(model=str(model_dir), compute=Compute(device="cpu")))
+    gpu = TorchTrainer(TrainerConfig(model=str(model_dir),
+                                     compute=Compute(device="cuda", dtype=dtype)))
     assert next(gpu.module.parameters()).is_cuda
     tol = 1e-4 if dtype == "float32" else 0.15
     torch.testing.assert_close(gpu.compute_logprobs(batch), cpu.compute_logprobs(batch),
@@ -54,8 +56,8 @@ def test_megatron_trainer_cuda_matches_torch(model_dir: Path, megatron_process_g
     from earl.stages.trainer_megatron import MegatronTrainer
 
     batch = make_batch()
-    ref = TorchTrainer(TrainerConfig(model=str(model_dir), device="cuda"))
-    mt = MegatronTrainer(TrainerConfig(model=str(model_dir), device="cuda"))
+    ref = TorchTrainer(TrainerConfig(model=str(model_dir), compute=Compute(device="cuda")))
+    mt = MegatronTrainer(TrainerConfig(model=str(model_dir), compute=Compute(device="cuda")))
     torch.testing.assert_close(mt.compute_logprobs(batch), ref.compute_logprobs(batch),
                                atol=1e-4, rtol=1e-4)
     a, b = mt.train_step(batch), ref.train_step(batch)

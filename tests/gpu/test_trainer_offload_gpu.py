@@ -15,6 +15,7 @@ from test_stages_on_gpu import make_batch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from earl.stages.compute import Compute
 from earl.stages.trainer_offload import offload, onload, resident_bytes
 from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
 
@@ -24,7 +25,8 @@ TIMING = {"step_time_s", "tokens_per_s"}
 
 
 def cuda_trainer(model_dir: Path) -> TorchTrainer:
-    return TorchTrainer(TrainerConfig(model=str(model_dir), device="cuda"), rank=0, world_size=1)
+    return TorchTrainer(TrainerConfig(model=str(model_dir), compute=Compute(device="cuda")),
+                        rank=0, world_size=1)
 
 
 def state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:

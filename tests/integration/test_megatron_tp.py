@@ -16,6 +16,7 @@ import torch
 
 from earl.algorithms import LossConfig
 from earl.models.tiny import build_tiny_model
+from earl.stages.compute import Compute
 from earl.stages.optim import OptimConfig
 from earl.stages.trainer_dist import free_dist_url
 from earl.stages.trainer_torch import TrainerConfig
@@ -32,7 +33,8 @@ def _batch():  # type: ignore[no-untyped-def]
 
 def _config(model: str, **kw: object) -> TrainerConfig:
     return TrainerConfig(model=model, micro_batch_tokens=80, loss=LossConfig(**LOSS),  # type: ignore[arg-type]
-                         optim=OptimConfig(**OPTIM), threads=1, **kw)  # type: ignore[arg-type]
+                         optim=OptimConfig(**OPTIM), compute=Compute(threads=1),
+                         **kw)  # type: ignore[arg-type]
 
 
 def _worker(rank: int, world: int, model: str, url: str, out: str) -> None:

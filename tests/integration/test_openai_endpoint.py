@@ -30,6 +30,7 @@ from earl.engine import SamplingParams, SimConfig, SimEngine
 from earl.envs.arithmetic import calculator as calc
 from earl.models.tiny import build_tokenizer, default_model_dir
 from earl.runtime.types import Trajectory
+from earl.stages.compute import Compute
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -408,7 +409,8 @@ async def rollout_engine() -> AsyncIterator[object]:
     from earl.stages.rollout import RolloutActor, RolloutClient
     from earl.stages.vllm_engine import EngineConfig
 
-    cfg = asdict(EngineConfig(model=str(default_model_dir()), dtype="float32", max_model_len=1024))
+    cfg = asdict(EngineConfig(model=str(default_model_dir()), compute=Compute(dtype="float32"),
+                              max_model_len=1024))
     async with Runtime() as rt:
         group = await rt.spawn("rollout", RolloutActor, cfg, env={"OMP_NUM_THREADS": "1"})
         yield RolloutClient(group)

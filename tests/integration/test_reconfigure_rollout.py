@@ -13,6 +13,7 @@ import pytest
 
 from earl.engine import SamplingParams
 from earl.models.tiny import default_model_dir
+from earl.stages.compute import Compute
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.asyncio, pytest.mark.timeout(300)]
 
@@ -33,9 +34,11 @@ async def _spawn(rt: Any, max_model_len: int, kv_cache_gb: float,
                                                                                  seed=1)
     return await asyncio.gather(
         rt.spawn("rollout", RolloutActor,
-                 EngineConfig(model=str(served), dtype="float32", max_model_len=max_model_len,
-                              kv_cache_gb=kv_cache_gb), n=1, env=ENV, restart=restart),
-        rt.spawn("trainer", TrainerActor, TrainerConfig(model=str(trained), threads=1),
+                 EngineConfig(model=str(served), compute=Compute(dtype="float32"),
+                              max_model_len=max_model_len, kv_cache_gb=kv_cache_gb),
+                 n=1, env=ENV, restart=restart),
+        rt.spawn("trainer", TrainerActor,
+                 TrainerConfig(model=str(trained), compute=Compute(threads=1)),
                  env=ENV))
 
 

@@ -15,6 +15,7 @@ import pytest_asyncio
 
 from earl.engine import ContextLengthError, SamplingParams
 from earl.models.tiny import default_model_dir
+from earl.stages.compute import Compute
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module"),
               pytest.mark.timeout(300)]
@@ -39,7 +40,7 @@ async def group(rt) -> object:
     from earl.stages.rollout import RolloutActor
     from earl.stages.vllm_engine import EngineConfig
 
-    cfg = EngineConfig(model=str(default_model_dir(**MODEL_A)), dtype="float32",
+    cfg = EngineConfig(model=str(default_model_dir(**MODEL_A)), compute=Compute(dtype="float32"),
                        max_model_len=256, kv_cache_gb=0.125)
     g = await rt.spawn("rollout", RolloutActor, cfg, n=REPLICAS, env={"OMP_NUM_THREADS": "1"})
     assert await g[0].engine_config.call_one() == cfg  # a typed record both ways

@@ -12,6 +12,7 @@ import torch
 from earl.algorithms import LossConfig
 from earl.models.tiny import build_tiny_model
 from earl.runtime import Actor, ActorError, Runtime, endpoint
+from earl.stages.compute import Compute
 from earl.stages.optim import OptimConfig
 from earl.stages.trainer import TrainBatch, TrainerActor, free_dist_url
 from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
@@ -89,7 +90,8 @@ async def test_trainer_actor_fsdp_group(model_dir: Path, tmp_path: Path) -> None
 
 async def _exercise(rt: Runtime, model_dir: Path, tmp_path: Path) -> None:
     cfg = TrainerConfig(model=str(model_dir), parallel="fsdp", dist_url=free_dist_url(),
-                        threads=1, optim=OptimConfig(lr=1e-3), loss=LossConfig(entropy_coef=0.01))
+                        compute=Compute(threads=1), optim=OptimConfig(lr=1e-3),
+                        loss=LossConfig(entropy_coef=0.01))
     env = {"OMP_NUM_THREADS": "1"}
     trainers, sink = await asyncio.gather(
         rt.spawn("trainer", TrainerActor, cfg, n=2, env=env),
@@ -116,7 +118,7 @@ async def _exercise(rt: Runtime, model_dir: Path, tmp_path: Path) -> None:
 
     out, _ = await trainers.save_hf.call(str(tmp_path / "hf"))  # FSDP: every rank gathers
     lp = await asyncio.gather(*(trainers[r].compute_logprobs.call_one(shards[r]) for r in range(2)))
-    local = TorchTrainer(TrainerConfig(model=out, threads=1))
+    local = TorchTrainer(TrainerConfig(model=out, compute=Compute(threads=1)))
     torch.testing.assert_close(torch.cat(lp), local.compute_logprobs(batch), atol=1e-5, rtol=1e-5)
 
     await trainers.close.call()

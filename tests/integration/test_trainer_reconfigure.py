@@ -20,6 +20,7 @@ from earl.models.tiny import build_tiny_model
 from earl.runtime import Runtime
 from earl.runtime.dock import Dock, IndexActor, WarehouseActor
 from earl.runtime.layout import Layout
+from earl.stages.compute import Compute
 from earl.stages.optim import OptimConfig
 from earl.stages.reconfigure import reconfigure_trainer
 from earl.stages.trainer import TrainBatch, TrainerActor, free_dist_url
@@ -50,8 +51,9 @@ def batch_of(step: int) -> TrainBatch:
 
 
 def config(model: Path, **kw: object) -> TrainerConfig:
-    return TrainerConfig(model=str(model), threads=1, optim=OptimConfig(lr=1e-3), micro_batch_tokens=64,
-                         loss=LossConfig(entropy_coef=0.01), **kw)  # type: ignore[arg-type]
+    return TrainerConfig(model=str(model), compute=Compute(threads=1), optim=OptimConfig(lr=1e-3),
+                         micro_batch_tokens=64, loss=LossConfig(entropy_coef=0.01),
+                         **kw)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")

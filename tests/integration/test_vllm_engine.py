@@ -11,6 +11,7 @@ import pytest_asyncio
 
 from earl.engine import ContextLengthError, SamplingParams
 from earl.models.tiny import default_model_dir
+from earl.stages.compute import Compute
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
@@ -37,7 +38,8 @@ def hf(paths: tuple[Path, Path]):
 async def engine(paths: tuple[Path, Path]) -> AsyncIterator[object]:
     from earl.stages.vllm_engine import EngineConfig, VLLMEngine
 
-    eng = VLLMEngine(EngineConfig(model=str(paths[0]), dtype="float32", max_model_len=512))
+    eng = VLLMEngine(EngineConfig(model=str(paths[0]), compute=Compute(dtype="float32"),
+                                  max_model_len=512))
     await eng.start()
     yield eng
     await eng.close()

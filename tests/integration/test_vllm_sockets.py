@@ -18,6 +18,7 @@ import pytest_asyncio
 
 from earl.engine import SamplingParams
 from earl.models.tiny import default_model_dir
+from earl.stages.compute import Compute
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module"),
               pytest.mark.timeout(300)]
@@ -71,7 +72,7 @@ async def spawn(rt, name: str, tp: int) -> tuple[object, int]:
     from earl.stages.rollout import RolloutActor
     from earl.stages.vllm_engine import EngineConfig
 
-    cfg = EngineConfig(model=str(default_model_dir(**MODEL)), dtype="float32",
+    cfg = EngineConfig(model=str(default_model_dir(**MODEL)), compute=Compute(dtype="float32"),
                        max_model_len=256, kv_cache_gb=0.125, tensor_parallel_size=tp)
     g = await rt.spawn(name, RolloutActor, cfg, env={"OMP_NUM_THREADS": "1"})
     return g, (await rt.dir_call("lookup", name)).pids[0]

@@ -8,6 +8,7 @@ import pytest
 
 from earl.engine import SamplingParams
 from earl.models.tiny import default_model_dir
+from earl.stages.compute import Compute
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio, pytest.mark.timeout(300)]
 
@@ -23,8 +24,8 @@ async def _greedy(tp: int, weights: str | None = None) -> tuple[list[list[int]],
     from earl.stages.vllm_engine import EngineConfig, VLLMEngine
 
     a, b = default_model_dir(**MODEL_A), default_model_dir(**MODEL_B)
-    cfg = EngineConfig(model=str(a), dtype="float32", max_model_len=256, kv_cache_gb=0.125,
-                       tensor_parallel_size=tp)
+    cfg = EngineConfig(model=str(a), compute=Compute(dtype="float32"), max_model_len=256,
+                       kv_cache_gb=0.125, tensor_parallel_size=tp)
     async with VLLMEngine(cfg) as eng:
         before = [(await eng.generate(p, GREEDY)).token_ids for p in PROMPTS]
         await eng.update_weights(load_file(str(b / "model.safetensors")), version=1,
@@ -47,7 +48,7 @@ async def test_kv_cache_budget_bounds_the_context_vllm_will_serve() -> None:
     from earl.stages.vllm_engine import EngineConfig, VLLMEngine
 
     # tiny model: 4 layers x (K, V) x 2 KV heads x 32 dims x 4 bytes = 2 KiB per token
-    cfg = EngineConfig(model=str(default_model_dir(**MODEL_A)), dtype="float32",
+    cfg = EngineConfig(model=str(default_model_dir(**MODEL_A)), compute=Compute(dtype="float32"),
                        max_model_len=2048, kv_cache_gb=2**-10)  # 1 MiB: 512 tokens of KV
     with pytest.raises(ValueError, match="estimated maximum model length is 384"):
         await VLLMEngine(cfg).start()

@@ -17,6 +17,7 @@ from earl.models.tiny import default_model_dir
 from earl.runtime import Runtime, RuntimeConfig
 from earl.runtime.locality import ENV_HOST_ID
 from earl.runtime.transport import available
+from earl.stages.compute import Compute
 from earl.stages.weights import WeightPublisher
 
 NET = "ucx" if available("ucx") else "zmq"
@@ -69,7 +70,7 @@ async def test_remote_rollout_replica_loads_weights_over_the_network() -> None:
     from earl.stages.rollout import RolloutActor
     from earl.stages.vllm_engine import EngineConfig
 
-    cfg = EngineConfig(model=str(default_model_dir(**MODEL_A)), dtype="float32",
+    cfg = EngineConfig(model=str(default_model_dir(**MODEL_A)), compute=Compute(dtype="float32"),
                        max_model_len=256, kv_cache_gb=0.125)
     prompt = [1, 50, 51, 52]
     async with Runtime(RuntimeConfig(tcp=True)) as rt:

@@ -16,6 +16,7 @@ from earl.config import PlacementConfig, RunConfig, from_dict, load_config, pars
 from earl.loop.devices import gpu_slots, plan_gpus
 from earl.runtime.slots import Slot, SlotPool
 from earl.stages import trainer_dist as tdist
+from earl.stages.compute import Compute
 from earl.stages.reference import ReferenceConfig
 from earl.stages.vllm_build import EngineConfig, engine_args, gpu_memory_utilization, reload_worker
 
@@ -205,14 +206,16 @@ async def test_earl_train_on_cuda_puts_every_stage_on_its_own_gpus(tmp_path: Pat
                           "--algorithm.kl_coef=0.01"])
     spawned = await _spawn_all(job)
     (tcfg, _), tkw = spawned["trainer"]
-    assert (tcfg.device, tcfg.dtype, tcfg.tp, tcfg.parallel) == ("cuda", "bfloat16", 2, "ddp")
+    assert (tcfg.compute.device, tcfg.compute.dtype, tcfg.tp, tcfg.parallel) == \
+        ("cuda", "bfloat16", 2, "ddp")
     assert [s.env(parent={})["CUDA_VISIBLE_DEVICES"] for s in tkw["slot"]] == ["4", "5"]
     (rcfg,), rkw = spawned["reference"]
     assert isinstance(rcfg, ReferenceConfig)
-    assert (rcfg.device, rcfg.dtype) == ("cuda", "bfloat16")
+    assert (rcfg.compute.device, rcfg.compute.dtype) == ("cuda", "bfloat16")
     assert [s.env(parent={})["CUDA_VISIBLE_DEVICES"] for s in rkw["slot"]] == ["6"]
     (ecfg, _version), ekw = spawned["rollout"]
-    assert (ecfg.device, ecfg.dtype, ecfg.tensor_parallel_size) == ("cuda", "bfloat16", 2)
+    assert (ecfg.compute.device, ecfg.compute.dtype, ecfg.tensor_parallel_size) == \
+        ("cuda", "bfloat16", 2)
     assert ecfg.gpu_memory_mib == 30000
     assert [s.env(parent={})["CUDA_VISIBLE_DEVICES"] for s in ekw["slot"]] == ["0,1", "2,3"]
     assert engine_args(ecfg, gpu_total_mib=80000)["gpu_memory_utilization"] == 0.375
@@ -225,7 +228,7 @@ async def test_tensor_parallel_trainer_with_data_parallel_replicas_uses_fsdp(
     job = _job(tmp_path, ["--placement.trainer=4", "--placement.trainer_tp=2",
                           "--algorithm.kl_coef=0"])
     (tcfg, _), _ = (await _spawn_all(job))["trainer"]
-    assert (tcfg.tp, tcfg.parallel, tcfg.device) == (2, "fsdp", "cpu")
+    assert (tcfg.tp, tcfg.parallel, tcfg.compute.device) == (2, "fsdp", "cpu")
 
 
 @pytest.mark.timeout(30)
@@ -233,12 +236,12 @@ async def test_a_cpu_run_builds_the_stage_configs_it_always_did(tmp_path: Path) 
     job = _job(tmp_path, ["--algorithm.kl_coef=0.01"])
     spawned = await _spawn_all(job)
     (tcfg, _), tkw = spawned["trainer"]
-    assert (tcfg.device, tcfg.dtype, tcfg.tp, tcfg.parallel, tkw["slot"]) == \
+    assert (tcfg.compute.device, tcfg.compute.dtype, tcfg.tp, tcfg.parallel, tkw["slot"]) == \
         ("cpu", "float32", 1, "ddp", None)
     (rcfg,), rkw = spawned["reference"]
-    assert (rcfg.device, rcfg.dtype, rkw["slot"]) == ("cpu", "float32", None)
+    assert (rcfg.compute.device, rcfg.compute.dtype, rkw["slot"]) == ("cpu", "float32", None)
     (ecfg, _), ekw = spawned["rollout"]
-    assert (ecfg.device, ecfg.dtype, ecfg.tensor_parallel_size, ecfg.gpu_memory_mib,
+    assert (ecfg.compute.device, ecfg.compute.dtype, ecfg.tensor_parallel_size, ecfg.gpu_memory_mib,
             ekw["slot"]) == ("cpu", "float32", 1, 0, None)
 
 
@@ -277,7 +280,8 @@ def test_the_trainer_asks_for_its_ranks_device(tmp_path: Path,
 
     monkeypatch.setattr(tdist, "cuda_device", fake)
     model = build_tiny_model(tmp_path / "m", hidden=32, layers=1, max_positions=64)
-    TorchTrainer(TrainerConfig(model=str(model), device="cuda"), rank=0, world_size=1)
+    TorchTrainer(TrainerConfig(model=str(model), compute=Compute(device="cuda")), rank=0,
+                 world_size=1)
     assert asked == [0]
 
 
@@ -285,7 +289,8 @@ def test_the_trainer_asks_for_its_ranks_device(tmp_path: Path,
 
 
 def test_cpu_engine_args_are_unchanged() -> None:
-    cfg = EngineConfig(model="m", max_model_len=512, kv_cache_gb=0.25, dtype="float32")
+    cfg = EngineConfig(model="m", max_model_len=512, kv_cache_gb=0.25,
+                       compute=Compute(dtype="float32"))
     assert engine_args(cfg) == {
         "model": "m", "dtype": "float32", "max_model_len": 512, "enforce_eager": True, "seed": 0,
         "max_num_seqs": 256, "logprobs_mode": "processed_logprobs", "enable_prefix_caching": True,
@@ -295,19 +300,20 @@ def test_cpu_engine_args_are_unchanged() -> None:
 
 
 def test_on_cuda_vllm_takes_the_slots_share_of_each_gpu() -> None:
-    cfg = EngineConfig(model="m", device="cuda", gpu_memory_mib=40_000, tensor_parallel_size=2)
+    cfg = EngineConfig(model="m", compute=Compute(device="cuda"), gpu_memory_mib=40_000,
+                       tensor_parallel_size=2)
     args = engine_args(cfg, gpu_total_mib=80_000)
     assert args["gpu_memory_utilization"] == 0.5
     assert args["kv_cache_memory_bytes"] is None  # it would override the utilization
     assert args["distributed_executor_backend"] == "mp"
-    assert engine_args(EngineConfig(model="m", device="cuda"),
+    assert engine_args(EngineConfig(model="m", compute=Compute(device="cuda")),
                        gpu_total_mib=80_000)["gpu_memory_utilization"] == 0.9
     assert gpu_memory_utilization(81_559, 81_559) == 1.0
     with pytest.raises(ValueError, match="gpu_memory_mib=90000 exceeds this GPU's 80000 MiB"):
-        engine_args(EngineConfig(model="m", device="cuda", gpu_memory_mib=90_000),
+        engine_args(EngineConfig(model="m", compute=Compute(device="cuda"), gpu_memory_mib=90_000),
                     gpu_total_mib=80_000)
-    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda'"):
-        EngineConfig(model="m", device="tpu")
+    with pytest.raises(ValueError, match="device: 'tpu' unknown"):
+        EngineConfig(model="m", compute=Compute(device="tpu"))
 
 
 class _Worker:

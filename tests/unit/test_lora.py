@@ -11,6 +11,7 @@ from earl.algorithms import LossConfig
 from earl.config import load_config
 from earl.models.tiny import build_tiny_model
 from earl.packing import pack, packed_forward
+from earl.stages.compute import Compute
 from earl.stages.lora import LoraConfig, adapter_disabled
 from earl.stages.optim import OptimConfig
 from earl.stages.trainer_batch import TrainBatch
@@ -36,7 +37,7 @@ def make_batch(lengths: tuple[int, ...] = (12, 40, 7, 25)) -> TrainBatch:
 
 
 def lora_trainer(model_dir: Path, kl_coef: float = 0.0) -> TorchTrainer:
-    return TorchTrainer(TrainerConfig(model=str(model_dir), threads=1,
+    return TorchTrainer(TrainerConfig(model=str(model_dir), compute=Compute(threads=1),
                                       optim=OptimConfig(lr=5e-2),
                                       loss=LossConfig(kl_coef=kl_coef),
                                       lora=LoraConfig(rank=4, alpha=8.0)))

@@ -12,6 +12,7 @@ from earl.algorithms import LossConfig
 from earl.models.tiny import build_tiny_model
 from earl.packing import pack, scored_positions
 from earl.packing_prefix import share_prefixes
+from earl.stages.compute import Compute
 from earl.stages.lora import LoraConfig
 from earl.stages.trainer_batch import TrainBatch
 from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
@@ -62,7 +63,7 @@ def test_shared_prefix_gives_the_same_gradients(model_dir: Path, lora: int) -> N
     batch = group_batch()
 
     def build(shared: bool) -> TorchTrainer:
-        t = TorchTrainer(TrainerConfig(model=str(model_dir), threads=1, loss=loss,
+        t = TorchTrainer(TrainerConfig(model=str(model_dir), compute=Compute(threads=1), loss=loss,
                                        shared_prefix=shared, lora=LoraConfig(rank=lora)))
         with torch.no_grad():  # adapters that compute something (B = 0 would hide errors)
             for name, p in t.module.named_parameters():

@@ -9,6 +9,7 @@ import torch
 
 from earl.algorithms import LossConfig
 from earl.models.tiny import build_tiny_model
+from earl.stages.compute import Compute
 from earl.stages.optim import OptimConfig
 from earl.stages.trainer_batch import TrainBatch
 from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
@@ -39,7 +40,7 @@ def grads(trainer: TorchTrainer) -> list[torch.Tensor]:
 
 
 def trainer(model_dir: Path, **kw: object) -> TorchTrainer:
-    kw.setdefault("threads", 1)
+    kw.setdefault("compute", Compute(threads=1))
     optim = OptimConfig(**{k: kw.pop(k) for k in ("lr", "warmup_steps", "grad_clip")  # type: ignore[arg-type]
                            if k in kw})
     return TorchTrainer(TrainerConfig(model=str(model_dir), optim=optim, **kw))  # type: ignore[arg-type]
@@ -64,7 +65,7 @@ def test_compute_logprobs_matches_plain_forward(model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     batch = make_batch(lengths=(5, 30, 11))
-    t = trainer(model_dir, micro_batch_tokens=32, temperature=0.7)
+    t = trainer(model_dir, micro_batch_tokens=32, loss=LossConfig(temperature=0.7))
     lp = t.compute_logprobs(batch)
     ref = AutoModelForCausalLM.from_pretrained(model_dir)
     cu = batch.cu_seqlens.tolist()
@@ -103,7 +104,7 @@ def test_lr_scale_scales_one_step_and_leaves_the_schedule(model_dir: Path) -> No
 def test_bf16_autocast_close_to_fp32(model_dir: Path) -> None:
     batch = make_batch(lengths=(20, 9))
     lp32 = trainer(model_dir).compute_logprobs(batch)
-    t16 = trainer(model_dir, dtype="bfloat16")
+    t16 = trainer(model_dir, compute=Compute(threads=1, dtype="bfloat16"))
     lp16 = t16.compute_logprobs(batch)
     assert lp16.dtype == torch.float32
     torch.testing.assert_close(lp16, lp32, atol=0.15, rtol=0.05)
@@ -182,8 +183,8 @@ def test_trainbatch_building_and_errors() -> None:
 
 
 def test_config_bad_input(model_dir: Path, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="TrainerConfig.dtype"):
-        TrainerConfig(model=str(model_dir), dtype="float16")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="dtype: 'float16' unknown"):
+        TrainerConfig(model=str(model_dir), compute=Compute(dtype="float16"))
     with pytest.raises(ValueError, match="lr"):
         TrainerConfig(model=str(model_dir), optim=OptimConfig(lr=0))
     with pytest.raises(ValueError, match="agg"):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from earl.models.tiny import build_tiny_model
+from earl.stages.compute import Compute
 from earl.stages.trainer_megatron_convert import (
     QwenShape,
     check_pp,
@@ -42,7 +43,8 @@ def megatron(model_dir: Path) -> Iterator[object]:
 
     from earl.stages.trainer_megatron import MegatronTrainer
 
-    trainer = MegatronTrainer(TrainerConfig(model=str(model_dir), threads=1, micro_batch_tokens=64))
+    trainer = MegatronTrainer(TrainerConfig(model=str(model_dir), compute=Compute(threads=1),
+                                            micro_batch_tokens=64))
     yield trainer
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
@@ -146,7 +148,7 @@ def test_parallel_state_over_gloo(megatron: object) -> None:
 def test_megatron_matches_torch_trainer(megatron: object, model_dir: Path) -> None:
     m = megatron
     batch = _batch()
-    t = TorchTrainer(TrainerConfig(model=str(model_dir), threads=1))
+    t = TorchTrainer(TrainerConfig(model=str(model_dir), compute=Compute(threads=1)))
     torch.testing.assert_close(m.compute_logprobs(batch), t.compute_logprobs(batch),  # type: ignore[attr-defined]
                                atol=1e-5, rtol=1e-5)
     mm = m.accumulate(batch)  # type: ignore[attr-defined]
@@ -168,7 +170,7 @@ def test_megatron_export_and_checkpoint(megatron: object, tmp_path: Path) -> Non
     names = [n for n, _ in m.named_weights()]  # type: ignore[attr-defined]
     assert "model.layers.0.self_attn.q_proj.bias" in names and "lm_head.weight" not in names
     out = m.save_hf(tmp_path / "hf")  # type: ignore[attr-defined]
-    reloaded = TorchTrainer(TrainerConfig(model=str(out), threads=1))
+    reloaded = TorchTrainer(TrainerConfig(model=str(out), compute=Compute(threads=1)))
     torch.testing.assert_close(reloaded.compute_logprobs(batch), m.compute_logprobs(batch),  # type: ignore[attr-defined]
                                atol=1e-5, rtol=1e-5)
     m.save_checkpoint(tmp_path / "ck")  # type: ignore[attr-defined]

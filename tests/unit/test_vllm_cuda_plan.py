@@ -16,6 +16,7 @@ from earl.commands.train import main as train_main
 from earl.config import load_config
 from earl.loop.stage_configs import engine_config
 from earl.plan import Machine, machine, plan
+from earl.stages.compute import Compute
 from earl.stages.vllm_build import ENGINE_ENV, EngineConfig, engine_args
 
 H100 = 81_920  # MiB, as `--gpu-memory-gib 80` states it
@@ -54,7 +55,7 @@ def test_every_cpu_workaround_stays_on_cpu_only() -> None:
             cpu["async_scheduling"], cpu["max_num_batched_tokens"]) == \
         ("float32", True, False, False, 2048)
     assert "gpu_memory_utilization" not in cpu
-    cuda = engine_args(EngineConfig(model="m", device="cuda", dtype="float32"),
+    cuda = engine_args(EngineConfig(model="m", compute=Compute(device="cuda", dtype="float32")),
                        gpu_total_mib=H100)
     assert cuda["enforce_eager"] is False and cuda["enable_chunked_prefill"] is True
 
@@ -139,10 +140,10 @@ async def test_the_plan_is_what_the_run_spawns(tmp_path: Path) -> None:
     assert p.rollout.engine_args[0]["gpu_memory_utilization"] == 0.5
     (tcfg, backend), tkw = spawned["trainer"]
     assert gpus(tkw) == p.trainer.devices == [[4], [5]]
-    assert (backend, tcfg.parallel, tcfg.dtype) == (p.trainer.backend, p.trainer.parallel,
-                                                    p.trainer.dtype)
+    assert (backend, tcfg.parallel, tcfg.compute.dtype) == (p.trainer.backend, p.trainer.parallel,
+                                                            p.trainer.dtype)
     (rcfg,), rkw = spawned["reference"]
-    assert gpus(rkw) == p.reference.devices == [[6]] and rcfg.dtype == p.reference.dtype
+    assert gpus(rkw) == p.reference.devices == [[6]] and rcfg.compute.dtype == p.reference.dtype
 
 
 def test_a_colocated_plan_gives_vllm_half_of_each_stated_gpu() -> None:

@@ -1,0 +1,161 @@
+"""A config field is declared once: the run's config tree (`RunConfig` and its sections) and the
+stage configs built from it (`TrainerConfig`, `ReferenceConfig`, `EngineConfig`,
+`ProducerConfig`) never declare the same leaf name twice, except the names in `SAME_NAME`.
+
+A section shared by several configs (`earl.stages.compute.Compute`, `LossConfig`) is one
+declaration however many configs reference it, and so is a field a config inherits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections import defaultdict
+
+import pytest
+
+from earl.config import RunConfig
+from earl.stages.producer import ProducerConfig
+from earl.stages.reference import ReferenceConfig
+from earl.stages.trainer_config import TrainerConfig
+from earl.stages.vllm_engine import EngineConfig
+
+ROOTS = (RunConfig, TrainerConfig, ReferenceConfig, EngineConfig, ProducerConfig)
+
+# Leaf names declared by more than one config: the classes that declare each, and why.
+# "different": they mean different things. "copy": the same setting, still copied by hand into
+# a stage config (issue 51); its entry goes once the copy does (the test fails while an entry
+# names other classes than declare the name, so the table only shrinks).
+SAME_NAME: dict[str, tuple[str, frozenset[str], str]] = {
+    "steps": ("different", frozenset({"WarmStartConfig", "RunConfig"}),
+              "warm_start.steps: supervised steps before RL; steps: RL steps"),
+    "batch_size": ("different", frozenset({"WarmStartConfig", "RunConfig"}),
+                   "transcripts per supervised warm-start step; trajectories per RL step"),
+    "lr": ("different", frozenset({"WarmStartConfig", "OptimConfig"}),
+           "the supervised warm start's learning rate; RL's"),
+    "seed": ("different", frozenset({"ModelConfig", "Seeded"}),
+             "the built-in tiny model's initial weights; the run's (each Compute's) seed"),
+    "max_model_len": ("different", frozenset({"ModelConfig", "EngineConfig"}),
+                      "the longest context the model serves; one replica's window"),
+    "model": ("different", frozenset({"TrainerConfig", "ReferenceConfig", "EngineConfig",
+                                      "ProducerConfig"}),
+              "each stage's input: trainer start, KL anchor, served weights, tokenizer"),
+    "critic": ("different", frozenset({"AlgorithmConfig", "ProducerConfig"}),
+               "'recipe' or 'none'; the critic factory's import reference"),
+    "rollout": ("different", frozenset({"PlacementConfig", "ProducerConfig"}),
+                "how many rollout replicas; the name of their actor group"),
+    "micro_batch_tokens": ("copy", frozenset({"PlacementConfig", "TrainerConfig"}),
+                           "earl.loop.stage_configs.trainer_config copies it"),
+    "shared_prefix": ("copy", frozenset({"PlacementConfig", "TrainerConfig"}),
+                      "earl.loop.stage_configs.trainer_config copies it"),
+    "kv_cache_gb": ("copy", frozenset({"PlacementConfig", "EngineConfig"}),
+                    "earl.loop.stage_configs.engine_config copies it"),
+    "agent": ("copy", frozenset({"RunConfig", "ProducerConfig"}),
+              "earl.loop builds ProducerConfig with it resolved (the recipe's when empty)"),
+    "reward": ("copy", frozenset({"RunConfig", "ProducerConfig"}),
+               "earl.loop builds ProducerConfig with it as an absolute reference"),
+    "max_tokens": ("copy", frozenset({"RunConfig", "ProducerConfig"}),
+                   "earl.loop builds ProducerConfig with it resolved (the recipe's when 0)"),
+    "context_window": ("copy", frozenset({"PlacementConfig", "ProducerConfig"}),
+                       "earl.loop builds ProducerConfig with it resolved (the model's when 0)"),
+    "dump_share": ("copy", frozenset({"RunConfig", "ProducerConfig"}),
+                   "earl.loop builds ProducerConfig with a copy"),
+    "tool_timeout_s": ("copy", frozenset({"RunConfig", "ProducerConfig"}),
+                       "earl.loop builds ProducerConfig with a copy"),
+}
+
+
+def _sections(tp: object) -> list[type]:
+    """The config classes an annotation holds (a dataclass, or one inside `X | None`)."""
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return [tp]
+    if typing.get_origin(tp) in (types.UnionType, typing.Union):
+        return [c for a in typing.get_args(tp) for c in _sections(a)]
+    return []
+
+
+def _owner(cls: type, name: str) -> type:
+    """The class of `cls`'s MRO that declares field `name` (a subclass inherits it)."""
+    return next(k for k in cls.__mro__ if name in vars(k).get("__annotations__", {}))
+
+
+def declarations(roots: tuple[type, ...] = ROOTS) -> dict[str, set[str]]:
+    """Leaf name -> the config classes that declare it, over `roots` and every section under
+    them (nested configs are walked, not counted as leaves)."""
+    out: dict[str, set[str]] = defaultdict(set)
+    seen: set[type] = set()
+    todo = list(roots)
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            inner = _sections(hints[f.name])
+            if inner:
+                todo.extend(inner)
+            else:
+                out[f.name].add(_owner(cls, f.name).__name__)
+    return out
+
+
+def twice(roots: tuple[type, ...] = ROOTS) -> dict[str, list[str]]:
+    """Names declared by more than one config class, with the classes."""
+    return {n: sorted(cs) for n, cs in sorted(declarations(roots).items()) if len(cs) > 1}
+
+
+def test_a_leaf_is_declared_once_or_listed_with_why() -> None:
+    unlisted = {n: cs for n, cs in twice().items()
+                if n not in SAME_NAME or set(cs) - SAME_NAME[n][1]}
+    assert not unlisted, ("declared in more than one config (reference one section instead, "
+                          f"or list the name and classes in SAME_NAME with why): {unlisted}")
+
+
+def test_the_table_lists_only_what_is_still_declared_twice() -> None:
+    found = twice()
+    stale = {n: sorted(cs) for n, (_, cs, _) in SAME_NAME.items()
+             if set(found.get(n, ())) != cs}
+    assert not stale, f"no longer declared by exactly these: update SAME_NAME for {stale}"
+    assert all(kind in ("different", "copy") and why for kind, _, why in SAME_NAME.values())
+
+
+def test_what_every_stage_computes_with_is_one_section() -> None:
+    """device, dtype, threads, seed and the log-prob temperature: declared once each."""
+    decl = declarations()
+    assert decl["device"] == decl["dtype"] == decl["threads"] == {"Hardware"}
+    assert decl["temperature"] == {"LossConfig"}
+    assert "Seeded" in decl["seed"]
+    for cfg in (TrainerConfig, ReferenceConfig, EngineConfig):
+        names = {f.name for f in dataclasses.fields(cfg)}
+        assert "compute" in names and not names & {"device", "dtype", "threads", "seed",
+                                                   "temperature"}, cfg.__name__
+
+
+def test_the_walk_finds_a_copied_field() -> None:
+    """The check can fail: a stage config that copies a run field is caught."""
+
+    @dataclasses.dataclass
+    class Copying:
+        device: str = "cpu"
+        temperature: float = 1.0
+
+    found = twice((RunConfig, Copying))
+    assert found["device"] == ["Copying", "Hardware"]
+    assert found["temperature"] == ["Copying", "LossConfig"]
+
+
+@pytest.mark.parametrize("old, new, value", [
+    ("placement.threads_per_actor", "placement.threads", 3),
+])
+def test_a_moved_key_still_reads_with_a_deprecation_warning(old: str, new: str,
+                                                            value: object) -> None:
+    from earl.config import load_config, to_dict
+
+    with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
+        cfg = load_config(None, [f"--{old}={value}"])
+    section, leaf = new.split(".")
+    assert to_dict(cfg)[section][leaf] == value
+    with pytest.raises(ValueError, match="both set"):
+        load_config(None, [f"--{old}={value}", f"--{new}={value}"])
