@@ -21,6 +21,8 @@ from earl.stages.trainer_batch import TrainBatch
 from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
 from earl.stages.vllm_build import reload_worker
 
+FP32_GPU = Compute(device="cuda", dtype="float32")  # not "auto" (bf16 on CUDA)
+
 pytestmark = pytest.mark.gpu
 
 
@@ -41,7 +43,7 @@ def make_batch() -> TrainBatch:
 
 
 def test_a_trainer_rank_takes_its_own_gpu_and_makes_it_current(model_dir: Path) -> None:
-    t = TorchTrainer(TrainerConfig(model=str(model_dir), compute=Compute(device="cuda")), rank=0,
+    t = TorchTrainer(TrainerConfig(model=str(model_dir), compute=FP32_GPU), rank=0,
                      world_size=1)
     assert t.device == tdist.cuda_device(0) == torch.device("cuda", 0)
     assert torch.cuda.current_device() == 0
@@ -140,7 +142,7 @@ async def test_two_trainer_ranks_train_over_nccl_each_on_its_own_gpu(model_dir: 
     from earl.runtime.slots import SlotPool
     from earl.stages.trainer import TrainerActor, free_dist_url
 
-    cfg = TrainerConfig(model=str(model_dir), compute=Compute(device="cuda"),
+    cfg = TrainerConfig(model=str(model_dir), compute=FP32_GPU,
                         dist_url=free_dist_url())
     with SlotPool(use_cgroups=False) as pool:
         slots = [pool.create(f"trainer{r}", gpus=(r,)) for r in range(2)]

@@ -13,6 +13,8 @@ from earl.stages.compute import Compute
 from earl.stages.trainer_batch import TrainBatch
 from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
 
+FP32_GPU = Compute(device="cuda", dtype="float32")  # not "auto" (bf16 on CUDA)
+
 pytestmark = pytest.mark.gpu
 
 
@@ -56,8 +58,8 @@ def test_megatron_trainer_cuda_matches_torch(model_dir: Path, megatron_process_g
     from earl.stages.trainer_megatron import MegatronTrainer
 
     batch = make_batch()
-    ref = TorchTrainer(TrainerConfig(model=str(model_dir), compute=Compute(device="cuda")))
-    mt = MegatronTrainer(TrainerConfig(model=str(model_dir), compute=Compute(device="cuda")))
+    ref = TorchTrainer(TrainerConfig(model=str(model_dir), compute=FP32_GPU))
+    mt = MegatronTrainer(TrainerConfig(model=str(model_dir), compute=FP32_GPU))
     torch.testing.assert_close(mt.compute_logprobs(batch), ref.compute_logprobs(batch),
                                atol=1e-4, rtol=1e-4)
     a, b = mt.train_step(batch), ref.train_step(batch)

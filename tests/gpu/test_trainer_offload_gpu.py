@@ -19,13 +19,15 @@ from earl.stages.compute import Compute
 from earl.stages.trainer_offload import offload, onload, resident_bytes
 from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
 
+FP32_GPU = Compute(device="cuda", dtype="float32")  # not "auto" (bf16 on CUDA)
+
 pytestmark = pytest.mark.gpu
 
 TIMING = {"step_time_s", "tokens_per_s"}
 
 
 def cuda_trainer(model_dir: Path) -> TorchTrainer:
-    return TorchTrainer(TrainerConfig(model=str(model_dir), compute=Compute(device="cuda")),
+    return TorchTrainer(TrainerConfig(model=str(model_dir), compute=FP32_GPU),
                         rank=0, world_size=1)
 
 
