@@ -104,25 +104,31 @@ class ActorProduction:
                      need: int | None) -> BatchResult:
         """Producer `r`'s share of `batch`, played again whole if it dies playing it (the
         groups of a share still playing are not re-played by `reproduce_lost`)."""
+        p = self.producers[r]
+        return await self._played(r, batch, lambda tag: tag, "replay_share", lambda tag: (
+            p.replay.call_one(batch, share, tag, snapshot, need) if tag
+            else p.play.call_one(batch, share, snapshot, need)))
+
+    async def _played(self, r: int, batch: int, ids: Callable[[str], str], event: str,
+                      call: Callable[[str], Awaitable[BatchResult]]) -> BatchResult:
+        """`call(tag)` on producer `r`, called again under a fresh tag when `r` died during it
+        (once the supervisor healed it). Its plays (`ids(tag)`: the rows' ids less the row)
+        are in `playing` while it runs; the rows it put go to the ledger."""
         tag, plays = "", set()
         try:
             while True:
-                plays.add(sample_id(batch, 0, tag, r).rsplit("-", 1)[0])
+                plays.add(sample_id(batch, 0, ids(tag), r).rsplit("-", 1)[0])
                 self.playing |= plays
-                producer = self.producers[r]
                 try:
-                    if not tag:
-                        res = await producer.play.call_one(batch, share, snapshot, need)
-                    else:
-                        res = await producer.replay.call_one(batch, share, tag, snapshot, need)
+                    res = await call(tag)
                 except Exception as exc:
                     if died_actor(exc) != ("producer", r) or self.supervisor.stopping:
                         raise
-                    self.supervisor.note("replay_share", "producer", rank=r, step=batch + 1)
+                    self.supervisor.note(event, "producer", rank=r, step=batch + 1)
                     await self.supervisor.wait_healed("producer", r)
                     tag = f"x{next(self._tags)}"
                     continue
-                self._record(batch, res, tag, r)
+                self._record(batch, res, ids(tag), r)
                 return res
         finally:
             self.playing -= plays
@@ -150,25 +156,10 @@ class ActorProduction:
         """Group `g`, played again if its producer dies playing it. Only the groups still
         playing are in `playing`: a group is in the dock as soon as it is done, so one lost
         with a shard is re-played by `reproduce_lost` while the rest of its batch plays on."""
-        r, tag, plays = g % len(self.producers), "", set()
-        try:
-            while True:
-                ids = f"{tag}-g{g}" if tag else f"g{g}"
-                plays.add(sample_id(batch, 0, ids, r).rsplit("-", 1)[0])
-                self.playing |= plays
-                try:
-                    res = await self.producers[r].play_group.call_one(batch, task, g, tag)
-                except Exception as exc:
-                    if died_actor(exc) != ("producer", r) or self.supervisor.stopping:
-                        raise
-                    self.supervisor.note("replay_group", "producer", rank=r, step=batch + 1)
-                    await self.supervisor.wait_healed("producer", r)
-                    tag = f"x{next(self._tags)}"
-                    continue
-                self._record(batch, res, ids, r)
-                return res
-        finally:
-            self.playing -= plays
+        r = g % len(self.producers)
+        return await self._played(
+            r, batch, lambda tag: f"{tag}-g{g}" if tag else f"g{g}", "replay_group",
+            lambda tag: self.producers[r].play_group.call_one(batch, task, g, tag))
 
     def _record(self, batch: int, res: BatchResult, tag: str, rank: int) -> None:
         """The rows `res` put, in the ledger (their ids as the producer made them)."""

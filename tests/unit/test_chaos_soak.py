@@ -1,0 +1,41 @@
+"""`earl chaos --soak`: its fault schedule and the summary of its samples (RSS growth after
+warm-up per actor, the folder's size, steps/s per window), on made-up samples."""
+
+from __future__ import annotations
+
+from earl.commands.chaos_draw import DRAWN
+from earl.commands.chaos_soak import WARMUP_S, WINDOW_S, schedule, summarize
+
+
+def test_a_soak_draws_a_fault_per_slot_from_its_seed() -> None:
+    faults, due = schedule(121, 300, seed=1)
+    assert len(faults) == len(due) == 23  # 24 slots of 5 min, none in the last
+    assert set(faults) <= set(DRAWN) and len(set(faults)) > 5  # drawn with replacement
+    assert all(300 * (i + 1) * 0.8 - 1e-9 <= d <= 300 * (i + 1) + 60 for i, d in enumerate(due))
+    assert due == sorted(due)
+    assert schedule(121, 300, seed=1) == (faults, due)  # replayed by its seed
+    assert schedule(121, 300, seed=2) != (faults, due)
+
+
+def _rows(rss: dict[str, list[float]], seconds: float, step_s: float = 30.0) -> list[dict]:
+    n = int(seconds / step_s) + 1
+    return [{"t": i * step_s, "step": 2 * i,
+             "rss_mib": {k: v[min(i * len(v) // n, len(v) - 1)] for k, v in rss.items()},
+             "folder_mib": {"metrics.jsonl": 0.01 * i, "checkpoint": 3.0}} for i in range(n)]
+
+
+def test_rss_growth_compares_the_last_window_with_the_one_after_warm_up() -> None:
+    end = WARMUP_S + 4 * WINDOW_S
+    rows = _rows({"producer[0]": [400.0] * 10 + [500.0] * 10,  # grew by a quarter
+                  "trainer[0]": [600.0] * 20}, end)
+    s = summarize(rows)
+    assert s["rss"]["trainer[0]"]["growth"] == 0.0
+    assert s["rss"]["producer[0]"]["growth"] == 0.25 and s["max_rss_growth"] == 0.25
+    assert s["folder_mib_end"] > s["folder_mib_after_warmup"] >= 3.0
+    assert {w["steps_per_s"] for w in s["steps_per_s"]} == {round(2 / 30, 3)}
+
+
+def test_a_short_soak_reports_no_growth_rather_than_a_made_up_one() -> None:
+    s = summarize(_rows({"rollout[0]": [900.0]}, 300))
+    assert s["rss"]["rollout[0]"]["growth"] is None and s["max_rss_growth"] is None
+    assert summarize([]) == {"samples": 0}
