@@ -202,6 +202,8 @@ class Schedule:
         """Train until a stop rule fires; returns why ("steps", "time_limit", "target")."""
         c = self.config
         loop = asyncio.get_running_loop()
+        # the batches started and not yet trained (whole batches) or still playing (partial
+        # rollouts): a batch's result, its episodes included, is let go once it is used
         played: dict[int, asyncio.Future[BatchResult]] = {}
 
         def future(b: int) -> asyncio.Future[BatchResult]:
@@ -224,6 +226,8 @@ class Schedule:
                     if self.watchdog is not None:  # a batch played: progress
                         self.watchdog.beat()
                 future(b).set_result(res)
+                if self.partial:  # its groups went to the pool as each finished
+                    played.pop(b)
             except BaseException as exc:
                 # The task group raises `exc` itself; the future only wakes a step waiting
                 # for this batch, and may have none: mark it retrieved (no stray traceback).
@@ -254,6 +258,7 @@ class Schedule:
             t0 = time.perf_counter()
             with self._waiting(f"batch {b}'s rollout for step {b + 1} (producers)"):
                 res = await future(b)
+            played.pop(b)
             return res, straggler_wait(res, self._began.pop(b, t0), t0), 0
 
         last = self.clock()

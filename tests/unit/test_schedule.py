@@ -241,3 +241,47 @@ async def test_a_batch_with_nothing_to_train_is_a_clear_error() -> None:
     for words in ("--model.max_model_len", "at least 751", "context_window", "--max_tokens"):
         assert words in str(err), (words, str(err))
     assert "resume" not in str(err)
+
+
+async def test_a_trained_batch_is_let_go() -> None:
+    """A long run's driver holds no batch it trained: each batch's episodes are freed once its
+    step is done (the driver's memory grew by every batch's episodes until the run ended)."""
+    import dataclasses
+    import gc
+    import weakref
+
+    from earl.stages.batch_types import Episode
+
+    class Ep(Episode):  # an Episode that can be watched for its release
+        pass
+
+    refs: dict[int, weakref.ref[Ep]] = {}
+
+    class Watched(SimProduction):
+        async def play(self, batch: int, snapshot: bool) -> BatchResult:
+            res = await super().play(batch, snapshot)
+            eps = [Ep(**{f.name: getattr(e, f.name) for f in dataclasses.fields(e)})
+                   for e in res.episodes]
+            refs[batch] = weakref.ref(eps[0])
+            return dataclasses.replace(res, episodes=eps)
+
+    held: list[int] = []
+
+    class Checking(FakeTraining):
+        async def train(self, batch: int, samples: int, lr_scale: float,
+                        groups: object = None) -> dict[str, float]:
+            gc.collect()
+            held.extend(b for b, r in refs.items() if b < batch - 1 and r() is not None)
+            return await super().train(batch, samples, lr_scale, groups)
+
+    prod = Watched(0)
+    train = Checking(prod)
+    sched = Schedule(schedule_config(steps=10, max_policy_lag=1, checkpoint_every=100),
+                     production=prod, training=train, evaluation=FakeEval({}),
+                     checkpoints=FakeCheckpoints(), state=LoopState())
+    ref = asyncio.create_task(prod.reference())
+    try:
+        assert await sched.run() == "steps"
+    finally:
+        ref.cancel()
+    assert len(refs) == 10 and not held, f"batches still held at a later step: {held}"
