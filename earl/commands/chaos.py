@@ -82,8 +82,9 @@ SMALL = ["--warm_start.steps=0", "--batch_size=8", "--group_size=4", "--eval_gam
          "--eval_every=0", "--checkpoint_every=2", "--time_limit_minutes=30",
          "--record_trained=true",  # the trainers' records: what the oracle reads
          "--stall_s=60"]  # a stuck run ends, naming its stage, long before --deadline
-# a soak trains batches of the recipe's size and keeps a checkpoint every 10 steps
-SOAK = ["--batch_size=64", "--group_size=8", "--checkpoint_every=10"]
+# a soak trains batches of the recipe's size and keeps a checkpoint every 10 steps; it tests
+# healing, not the restart limit (a lifetime budget per run: 3 would end it at its 4th rewind)
+SOAK = ["--batch_size=64", "--group_size=8", "--checkpoint_every=10", "--max_restarts=1000"]
 
 
 def main(argv: list[str]) -> int:
