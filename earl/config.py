@@ -27,6 +27,7 @@ from earl.runtime.selector.policy import PolicyConfig
 from earl.stages.compute import Seeded
 from earl.stages.lora import LoraConfig
 from earl.stages.optim import OptimConfig
+from earl.stages.producer_settings import ProducerSettings
 
 __all__ = ["AlgorithmConfig", "ModelConfig", "PlacementConfig", "RunConfig", "SelectorConfig",
            "WarmStartConfig", "from_dict", "load_config", "parse_overrides", "read_yaml",
@@ -189,27 +190,26 @@ class SelectorConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class RunConfig(Seeded):
+class RunConfig(Seeded, ProducerSettings):
     """One training run. `batch_size` counts trajectories per step (whole groups). `seed`: the
-    run's seed (`earl.stages.compute.Seeded`; each stage's `Compute` carries it).
+    run's seed (`earl.stages.compute.Seeded`; each stage's `Compute` carries it). `agent`,
+    `reward`, `max_tokens`, `tool_timeout_s` and `dump_share` are what every producer plays
+    and keeps (`earl.stages.producer_settings.ProducerSettings`, documented there).
 
     What to train: `recipe` (a shipped one by name), or `agent` ("PATH.py:NAME") with `tasks`
-    (a JSONL file) and optional `eval_tasks`. `reward`: a rule "PATH.py:NAME",
-    `reward(sample, response) -> float`, that scores the final assistant text instead of the
-    agent's own return. `target`: stop once a validation eval's
-    recipe metric (e.g. `win_draw_rate`, `accuracy`) reaches it (0 = off). `select_best`: the
-    final policy is the one with the best validation eval. `max_tokens`: per-turn cap (0 = the
-    recipe's). `time_limit_minutes` bounds the training loop; start-up and the final eval add to
-    the wall time reported. `eval_games`: episodes per evaluation (0 = 64 generated tasks, or
-    every line of `eval_tasks`; with `eval_tasks`, its first `eval_games` lines). `max_restarts`: how often each rollout, producer and reference
+    (a JSONL file) and optional `eval_tasks`. `target`: stop once a validation eval's recipe
+    metric (e.g. `win_draw_rate`, `accuracy`) reaches it (0 = off). `select_best`: the final
+    policy is the one with the best validation eval. `time_limit_minutes` bounds the training
+    loop; start-up and the final eval add to the wall time reported. `eval_games`: episodes per
+    evaluation (0 = 64 generated tasks, or every line of `eval_tasks`; with `eval_tasks`, its
+    first `eval_games` lines). `max_restarts`: how often each rollout, producer and reference
     actor is restarted, and the run rewound to its checkpoint after a trainer or dock death
     (`earl.loop.healing`), before a death stops the run. `stall_s`, `stall_steps`: a run that
     trains no step and heals nothing for `stall_steps` times its longest step so far (evals and
     checkpoints between steps included), and at least `stall_s` seconds, has stalled: it is
     rewound to its checkpoint like a trainer's death (counted by `max_restarts`), and past
     that it stops with an error naming what it waited for (`earl.loop.watchdog`; `stall_s`
-    0 = never). `tool_timeout_s`: per tool call of
-    an agent; a call taking longer comes back to the agent as an error and the session goes on.
+    0 = never).
     `over_sample_groups`: extra groups started per batch; the batch trains the first
     `batch_size / group_size` groups to finish and cuts the rest (their tasks are skipped, their
     tokens dropped): generation spent against the tail latency of heavy-tailed multi-turn
@@ -228,11 +228,11 @@ class RunConfig(Seeded):
     group_size`, what whole batches allow). It sets the rollout's concurrency apart from the
     staleness bound: a long bound for heavy-tailed episodes need not flood the engine.
     `dump_trajectories`: write trajectories for `earl inspect` (`trajectories*.jsonl` in the
-    run folder), bounded by default: `dump_share` of the groups (whole groups; failed episodes
-    always), rotated into gzip segments and capped at `dump_max_mb` over all producers (oldest
-    segments deleted). A full dump: `--dump_share=1 --dump_max_mb=0`. `record_trained`: each
-    trainer replica writes the sample ids every step trained to `trained/trained.<rank>.jsonl`
-    before the step is acked (what `earl chaos` checks for lost and duplicated samples).
+    run folder), bounded by default: `dump_share` of the groups, rotated into gzip segments
+    and capped at `dump_max_mb` over all producers (oldest segments deleted). A full dump:
+    `--dump_share=1 --dump_max_mb=0`. `record_trained`: each trainer replica writes the sample
+    ids every step trained to `trained/trained.<rank>.jsonl` before the step is acked (what
+    `earl chaos` checks for lost and duplicated samples).
     `lora`: low-rank adapters (`earl.stages.lora.LoraConfig`; rank 0 = full fine-tuning) for
     the warm start and the trainer; the rollout serves the merged weights, and a KL term reads
     the trainer's own base model (adapter off) instead of reference actors.
@@ -240,10 +240,8 @@ class RunConfig(Seeded):
 
     DEFAULT_EVAL_GAMES: ClassVar[int] = 64
     recipe: str = "tictactoe"
-    agent: str = ""
     tasks: str = ""
     eval_tasks: str = ""
-    reward: str = ""
     steps: int = 200
     batch_size: int = 32
     group_size: int = 8
@@ -251,7 +249,6 @@ class RunConfig(Seeded):
     over_sample_groups: int = 0
     partial_rollouts: str = ""
     max_concurrent_groups: int = 0
-    max_tokens: int = 0
     time_limit_minutes: float = 9.0
     target: float = 0.0
     eval_games: int = 0
@@ -261,9 +258,7 @@ class RunConfig(Seeded):
     max_restarts: int = 3
     stall_s: float = 300.0
     stall_steps: float = 20.0
-    tool_timeout_s: float = 30.0
     dump_trajectories: bool = True
-    dump_share: float = 0.1
     dump_max_mb: float = 16.0
     record_trained: bool = False
     output_dir: str = "runs/latest"
@@ -276,6 +271,7 @@ class RunConfig(Seeded):
     selector: SelectorConfig = field(default_factory=SelectorConfig)
 
     def __post_init__(self) -> None:
+        ProducerSettings.__post_init__(self)
         need(not self.agent or bool(self.tasks), "tasks",
              "an --agent needs --tasks FILE.jsonl (one JSON sample per line)")
         need(not self.tasks or bool(self.agent), "agent",
@@ -313,7 +309,6 @@ class RunConfig(Seeded):
         need(self.partial_rollouts == "off" or not self.placement.colocate, "partial_rollouts",
              "colocated stages take the devices in turn, a whole batch's rollout then its step: "
              "use --partial_rollouts=off with placement.colocate")
-        need(self.max_tokens >= 0, "max_tokens", "must be >= 0 (0 = the recipe's per-turn cap)")
         need(self.eval_games >= 0, "eval_games", "must be >= 0 (0 = the default: "
              f"{self.DEFAULT_EVAL_GAMES} generated tasks, or every line of --eval-tasks)")
         need(self.eval_games % 2 == 0 or bool(self.agent or self.eval_tasks), "eval_games",
@@ -321,8 +316,6 @@ class RunConfig(Seeded):
              "second move)")
         need(self.eval_every >= 0, "eval_every", "must be >= 0 (0 = no validation evals)")
         need(self.time_limit_minutes > 0, "time_limit_minutes", "must be > 0")
-        need(0 < self.dump_share <= 1, "dump_share",
-             "must be in (0, 1] (the share of groups dumped; 1 = all)")
         need(self.dump_max_mb == 0 or self.dump_max_mb >= 1, "dump_max_mb",
              "must be 0 (no cap) or >= 1 (MB over all the run's dump files)")
         need(self.target >= 0, "target", "must be >= 0 (0 = off)")
@@ -333,9 +326,6 @@ class RunConfig(Seeded):
              "stalled)")
         need(self.stall_steps >= 1, "stall_steps", "must be >= 1 (the stall limit in longest "
              "steps so far)")
-        need(self.tool_timeout_s > 0, "tool_timeout_s",
-             "must be > 0 seconds (a tool call taking longer comes back to the agent as an "
-             "error)")
         need(self.output_dir.strip() != "", "output_dir", "must name a folder, e.g. runs/latest")
         pl, m = self.placement, self.model
         need(pl.reference >= 1 or self.algorithm.kl_coef == 0 or self.lora.on,

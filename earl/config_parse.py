@@ -4,7 +4,8 @@ overrides, and back to plain dicts.
 `from_dict` checks every value against its field's annotation (CLI strings are parsed: numbers,
 bools, lists) and names the dotted field and the fix when one does not fit, or when a key is
 unknown (with the new place of a key that moved, `MOVED`). A key that moved within the last
-release (`ALIASES`) still reads, at its new place, with a DeprecationWarning naming it.
+release (`ALIASES`) still reads, at its new place, with a `MovedKeyWarning` (a
+DeprecationWarning, which the `earl` command shows) naming it.
 `read_yaml` reads a run file, `parse_overrides` the command line's `--a.b=c` list. Nothing here
 knows what a run is: the config classes live in `earl.config` and `earl.placement`.
 """
@@ -23,8 +24,8 @@ import yaml
 
 from earl.runtime.errors import FieldError
 
-__all__ = ["ALIASES", "MOVED", "from_dict", "parse_overrides", "read_yaml", "renamed",
-           "to_dict"]
+__all__ = ["ALIASES", "MOVED", "MovedKeyWarning", "from_dict", "parse_overrides", "read_yaml",
+           "renamed", "to_dict"]
 
 # keys of earlier versions: where they went (an unknown-key error names the new place)
 MOVED = {"algorithm.lr": "optim.lr", "algorithm.max_grad_norm": "optim.grad_clip",
@@ -36,6 +37,10 @@ MOVED = {"algorithm.lr": "optim.lr", "algorithm.max_grad_norm": "optim.grad_clip
 # the keys of MOVED that still read (at their new place, in the same section or below it,
 # with a DeprecationWarning), for one release after they moved
 ALIASES = frozenset({"placement.threads_per_actor"})
+
+
+class MovedKeyWarning(DeprecationWarning):
+    """A key of `ALIASES` was read at its old place (the `earl` command shows these)."""
 
 
 def _fields(cls: type) -> dict[str, typing.Any]:
@@ -150,7 +155,7 @@ def _renamed(data: dict[str, object], known: dict[str, typing.Any], prefix: str
         old, new = prefix + k, MOVED[prefix + k]
         assert new.startswith(prefix), f"alias {old} must move within its section"
         warnings.warn(f"config key {old!r} is deprecated: it is {new!r} now (the old spelling "
-                      "reads for one more release)", DeprecationWarning, stacklevel=2)
+                      "reads for one more release)", MovedKeyWarning, stacklevel=2)
         out = dict(out)
         value = out.pop(k)
         *path, leaf = new[len(prefix):].split(".")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from earl.runtime.errors import need
-from earl.stages.compute import DEVICES, DTYPES, Hardware
+from earl.stages.compute import DEVICES, DTYPES, Hardware, KvCache, Packing
 
 __all__ = ["BACKENDS", "DEVICES", "DTYPES", "LAUNCHERS", "STAGE_GROUPS", "TRANSPORTS", "WEIGHT_TRANSPORTS",
            "PlacementConfig"]
@@ -25,10 +25,11 @@ BACKENDS = ("torch", "megatron")  # placement.backend: the trainer's engine
 
 
 @dataclass(kw_only=True, slots=True)
-class PlacementConfig(Hardware):
+class PlacementConfig(Hardware, Packing, KvCache):
     """Where actors run and how many of each; the recipe never depends on it. Its `device`,
     `dtype` and `threads` are `earl.stages.compute.Hardware`'s: every stage's `Compute` is them
-    (and the run's seed).
+    (and the run's seed). Its `micro_batch_tokens` and `shared_prefix` are the trainer's
+    (`earl.stages.compute.Packing`), its `kv_cache_gb` each rollout replica's (`KvCache`).
 
     `rollout`: vLLM rollout replicas; `reference`: reference actors (started only when
     `algorithm.kl_coef` > 0); `producers`: producer actors running agent coroutines
@@ -47,10 +48,9 @@ class PlacementConfig(Hardware):
     devices no rank holds at the start are the selector's to hand out, and it moves devices
     between the rollout and the trainer as it re-plans (the reference keeps its own). On CUDA a
     device is a GPU: the run uses the first N visible ones.
-    `micro_batch_tokens`: the trainer's micro-batch token budget; `kv_cache_gb`: each rollout
-    replica's KV-cache budget; `context_window`: the rollout's max_model_len at the start (0 =
-    model.max_model_len; longer trajectories are truncated). With the selector on it re-sets
-    these three as contexts grow.
+    `context_window`: the rollout's max_model_len at the start (0 = model.max_model_len; longer
+    trajectories are truncated). With the selector on it re-sets it, `micro_batch_tokens` and
+    `kv_cache_gb` as contexts grow.
 
     `device`: "cuda" places every stage on GPUs: each rollout replica, trainer rank and
     reference actor gets its own GPU(s) in a device slot (`earl.loop.devices.plan_gpus`);
@@ -61,9 +61,6 @@ class PlacementConfig(Hardware):
     (or CPU workers) per rollout replica (vLLM tensor parallel); `trainer_tp`: the trainer's
     tensor-parallel degree, `trainer_pp` its pipeline stages (backend=megatron), its `trainer`
     ranks forming trainer / (trainer_tp x trainer_pp) data-parallel replicas.
-    `shared_prefix`: the trainer runs a prompt that several samples of a micro-batch share (a
-    GRPO group's) once per forward (`earl.packing_prefix`: exact; fewer tokens when the prompt
-    is most of a sample).
 
     `hosts` (launcher=ray): where each stage goes, as "rollout=earl_host_b,trainer=earl_host_a"
     — per actor group (`STAGE_GROUPS`), a Ray custom resource that the nodes meant for it were
@@ -101,13 +98,10 @@ class PlacementConfig(Hardware):
     slot_memory_mib: int = 0
     devices: int = 0
     rollout_slot_memory_mib: int = 0
-    micro_batch_tokens: int = 65536
-    kv_cache_gb: float = 0.25
     context_window: int = 0
     rollout_tp: int = 1
     trainer_tp: int = 1
     trainer_pp: int = 1
-    shared_prefix: bool = False
     hosts: str = ""
     transport: str = ""
     colocate: bool = False
@@ -190,12 +184,6 @@ class PlacementConfig(Hardware):
             need(self.reference <= self.trainer, "colocate",
                  f"placement.reference={self.reference} actors need one trainer GPU each: "
                  f"lower it to at most placement.trainer={self.trainer}")
-
-    @property
-    def threads_per_actor(self) -> int:
-        """Deprecated spelling of `threads` (the key `placement.threads_per_actor` still reads,
-        with a DeprecationWarning); kept one release for readers not yet moved."""
-        return self.threads
 
     def devices_per_replica(self) -> int:
         """Devices one rollout replica takes: its `rollout_tp` GPUs, or CPU devices (joined

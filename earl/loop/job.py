@@ -88,7 +88,7 @@ class Job:
         self.start = start or self.out / "weights_start"  # the warm start: KL anchor
         self.weights = self.out / "weights"       # the trained policy, written at the end
         self.best_dir = self.out / "weights_best"
-        self.env = {"OMP_NUM_THREADS": str(cfg.placement.threads_per_actor),
+        self.env = {"OMP_NUM_THREADS": str(cfg.placement.threads),
                     "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
                     "TRANSFORMERS_VERBOSITY": "error", **self.hooks.env}
         # placement.transport forces one data-plane transport for every pair ("": by locality)

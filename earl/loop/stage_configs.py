@@ -1,8 +1,10 @@
 """Each stage's actor config, built from a run's config sections: the trainer's `TrainerConfig`,
 the reference's `ReferenceConfig`, a rollout replica's `EngineConfig`, and how many reference
 actors run. What every stage computes with is one `earl.stages.compute.Compute` (`compute`: the
-placement's hardware and the run's seed, "auto" resolved), and the log-prob temperature is the
-algorithm's (`LossConfig.temperature`): no builder copies them field by field.
+placement's hardware and the run's seed, "auto" resolved), the log-prob temperature is the
+algorithm's (`LossConfig.temperature`), and the trainer's packing and the rollout's KV budget are
+the placement's sections (`earl.stages.compute.Packing`, `KvCache`): no builder copies a field
+by hand.
 
 Pure functions of the run config and of the few facts only a live run has (the starting
 policy's folder, the context window, the trainer's rendezvous address), passed in: the run's
@@ -16,9 +18,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from earl.stages.compute import Compute, KvCache, Packing, fields_of
+
 if TYPE_CHECKING:
     from earl.config import RunConfig
-    from earl.stages.compute import Compute
     from earl.stages.reference import ReferenceConfig
     from earl.stages.trainer_config import TrainerConfig
     from earl.stages.vllm_build import EngineConfig
@@ -29,8 +32,6 @@ __all__ = ["compute", "engine_config", "reference_actors", "reference_config", "
 def compute(cfg: RunConfig) -> Compute:
     """What every stage of the run computes with: the placement's hardware (device, dtype
     resolved, threads) and the run's seed."""
-    from earl.stages.compute import Compute
-
     return Compute.of(cfg.placement, cfg.seed)
 
 
@@ -50,9 +51,8 @@ def trainer_config(cfg: RunConfig, *, model: str, dist_url: str | None = None,
 
     pl = cfg.placement
     return TrainerConfig(model=model, optim=cfg.optim, loss=cfg.algorithm.loss(),
-                         compute=compute(cfg), micro_batch_tokens=pl.micro_batch_tokens,
-                         dist_url=dist_url, lora=cfg.lora, shared_prefix=pl.shared_prefix,
-                         record_dir=record_dir, tp=pl.trainer_tp, pp=pl.trainer_pp,
+                         compute=compute(cfg), **fields_of(Packing, pl), dist_url=dist_url,
+                         lora=cfg.lora, record_dir=record_dir, tp=pl.trainer_tp, pp=pl.trainer_pp,
                          # DDP does not compose with DTensor tensor parallel; FSDP2 does
                          # (megatron's tensor parallel composes with DDP)
                          parallel="fsdp" if 1 < pl.trainer_tp < pl.trainer
@@ -74,6 +74,6 @@ def engine_config(cfg: RunConfig, *, model: str, max_model_len: int) -> EngineCo
 
     pl = cfg.placement
     return EngineConfig(model=model, max_model_len=pl.context_window or max_model_len,
-                        compute=compute(cfg), kv_cache_gb=pl.kv_cache_gb,
+                        compute=compute(cfg), **fields_of(KvCache, pl),
                         tensor_parallel_size=pl.rollout_tp,
                         sleep_mode=pl.colocate and pl.device == "cuda")

@@ -259,20 +259,20 @@ async def spawn_producers(job: Job, version: int, *, restart: Any = None
                           ) -> ActorGroup[ProducerActor]:
     from earl.recipe import critic_ref
     from earl.resolve import absolute_ref
+    from earl.stages.compute import fields_of
     from earl.stages.producer import ProducerActor, ProducerConfig
+    from earl.stages.producer_settings import ProducerSettings
 
     cfg, recipe = job.cfg, job.recipe
     critic = recipe.critic if cfg.algorithm.critic == "recipe" else None  # resolve checked
-    pcfg = ProducerConfig(agent=job.agent, critic=critic_ref(critic) if critic else "",
-                          model=str(job.start), rollout="rollout",
-                          max_tokens=recipe.max_tokens, max_total_tokens=recipe.max_total_tokens,
+    settings = fields_of(ProducerSettings, cfg) | {  # resolved: the recipe's agent and cap
+        "agent": job.agent, "max_tokens": recipe.max_tokens,
+        "reward": absolute_ref(cfg.reward) if cfg.reward else ""}
+    pcfg = ProducerConfig(**settings, critic=critic_ref(critic) if critic else "",
+                          model=str(job.start), max_total_tokens=recipe.max_total_tokens,
                           context_window=cfg.placement.context_window or job.max_model_len,
-                          reward=absolute_ref(cfg.reward) if cfg.reward else "",
-                          tool_timeout_s=cfg.tool_timeout_s,
-                          dump=str(job.out / "trajectories.jsonl")
-                          if cfg.dump_trajectories else "", dump_share=cfg.dump_share,
-                          dump_max_bytes=int(cfg.dump_max_mb * 2**20 / cfg.placement.producers),
-                          algorithm=cfg.algorithm,
-                          failed_reward=recipe.failed_reward)
+                          dump=str(job.out / "trajectories.jsonl") if cfg.dump_trajectories
+                          else "", algorithm=cfg.algorithm, failed_reward=recipe.failed_reward,
+                          dump_max_bytes=int(cfg.dump_max_mb * 2**20 / cfg.placement.producers))
     return await job.rt.spawn("producer", ProducerActor, pcfg, version,
                               n=cfg.placement.producers, env=job.env, restart=restart)

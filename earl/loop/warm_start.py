@@ -43,7 +43,7 @@ async def warm_start(job: Job, base: str) -> None:
             ids, tgts = await source(codec, max(4 * w.batch_size, 512), cfg.seed)
         # the Learner runs on CPU, also in a CUDA run: placement.dtype "auto" is float32 there
         learner = await job.rt.spawn("warmstart", Learner, base, seed=cfg.seed,
-                                     threads=cfg.placement.threads_per_actor, lora=cfg.lora,
+                                     threads=cfg.placement.threads, lora=cfg.lora,
                                      dtype=cfg.placement.compute_dtype("cpu"),
                                      shared_prefix=cfg.placement.shared_prefix, env=job.env)
         losses = await learner[0].warm_start.call_one(ids, tgts, w.steps, w.batch_size, w.lr)

@@ -7,17 +7,23 @@ config reference one (`TrainerConfig.compute`, `ReferenceConfig.compute`,
 `EngineConfig.compute`), built by `earl.loop.stage_configs` from the run's config with "auto"
 resolved; none of them declares these fields again.
 
-Not here: where each rank runs (`earl.loop.devices`), or anything stage-specific.
+Two stage settings that the run's placement also holds (the selector re-sets them) are sections
+declared here once and inherited by both: the trainer's `Packing` (`TrainerConfig`) and a
+rollout replica's `KvCache` (`EngineConfig`). A stage config takes a section of the run's whole
+with `fields_of`, never field by field.
+
+Not here: where each rank runs (`earl.loop.devices`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from earl.runtime.errors import need
 
-__all__ = ["DEVICES", "DTYPES", "Compute", "Hardware", "Seeded"]
+__all__ = ["DEVICES", "DTYPES", "Compute", "Hardware", "KvCache", "Packing", "Seeded", "fields_of"]
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16")  # "auto": Hardware.compute_dtype
@@ -79,8 +85,7 @@ class Compute(Hardware, Seeded):
     @classmethod
     def of(cls, hardware: Hardware, seed: int) -> Compute:
         """The section for `hardware` (a run's placement) and the run's `seed`, resolved."""
-        own = {f.name: getattr(hardware, f.name) for f in dataclasses.fields(Hardware)}
-        return cls(**own, seed=seed).resolved()
+        return cls(**fields_of(Hardware, hardware), seed=seed).resolved()
 
     def resolved(self) -> Compute:
         """This section with "auto" replaced by the dtype it means on this device."""
@@ -91,3 +96,44 @@ class Compute(Hardware, Seeded):
         """`value` as a resolved `Compute` (a dict: its fields, as `dataclasses.asdict` gave)."""
         out = cls(**value) if isinstance(value, dict) else value  # type: ignore[arg-type]
         return out.resolved()
+
+
+@dataclass(kw_only=True)
+class Packing:
+    """How the trainer packs a step's samples into forward/backward passes: `TrainerConfig`
+    and the run's placement (`placement.micro_batch_tokens`, `placement.shared_prefix`) are
+    each one. Without slots, like `Seeded`, so that a slotted config can join it.
+
+    Attributes:
+        micro_batch_tokens: token budget of one packed forward/backward.
+        shared_prefix: run a prefix that several samples of a micro-batch share (a GRPO
+            group's prompt) once per forward (`earl.packing_prefix`: exact; fewer tokens when
+            the prompt is most of a sample).
+    """
+
+    micro_batch_tokens: int = 65536
+    shared_prefix: bool = False
+
+
+@dataclass(kw_only=True)
+class KvCache:
+    """A rollout replica's KV-cache budget: `EngineConfig` and the run's placement
+    (`placement.kv_cache_gb`) are each one.
+
+    Attributes:
+        kv_cache_gb: KV-cache budget per tensor-parallel worker, in GiB (fractions allowed;
+            on CUDA vLLM fills its GPU budget instead and this is not used).
+    """
+
+    kv_cache_gb: float = 0.25
+
+
+def fields_of(section: type, config: object) -> dict[str, Any]:
+    """The fields of `section` as `config` (a config that is one, e.g. the run's placement)
+    holds them: the keyword arguments that give a stage config, also one, the run's values.
+
+    Example:
+        >>> fields_of(Packing, Packing(micro_batch_tokens=4096))
+        {'micro_batch_tokens': 4096, 'shared_prefix': False}
+    """
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(section)}

@@ -32,6 +32,7 @@ from earl.stages.advantages import Estimator
 from earl.stages.batch_types import BatchResult, Episode, GroupTask, episode_of, sample_id
 from earl.stages.dump import TrajectoryDump
 from earl.stages.healing_engine import HealingEngine
+from earl.stages.producer_settings import ProducerSettings
 
 T = TypeVar("T")
 
@@ -66,45 +67,35 @@ message(AlgorithmConfig)
 
 @message
 @dataclass(kw_only=True, slots=True)
-class ProducerConfig:
-    """What a producer needs (all plain data: it crosses the process boundary).
+class ProducerConfig(ProducerSettings):
+    """What a producer needs (all plain data: it crosses the process boundary): the run's
+    `ProducerSettings` (`agent`, `reward`, `max_tokens`, `tool_timeout_s`, `dump_share`, the
+    agent and per-turn cap resolved), and:
 
     Attributes:
-        agent: the agent's reference, "module:name" or "/path/file.py:name".
         model: HF folder whose tokenizer the chat codec uses.
         rollout: name of the rollout actor group.
         index: name of the dock's index actor.
-        max_tokens: per-turn generation cap.
         max_total_tokens: per-trajectory cap (None: the engine's context length).
         context_window: the rollout's context length at spawn (0: unknown), what the OpenAI
             endpoint serves a client's `max_tokens` up to.
-        reward: a reward rule's reference ("" = the agent's own reward): `reward(sample,
-            response)` scores the final assistant text and replaces the agent's return.
-        dump_share: the share of groups dumped (1.0: all; failed episodes always are).
         dump_max_bytes: the most a rank's dump files take, rotated segments included (0: no
             cap; `earl.stages.dump`).
         dump: file rank 0 appends trajectories to ("" = none), for `earl inspect`; rank r
             writes "<stem>.r.jsonl" beside it.
-        tool_timeout_s: per tool call; a call that takes longer comes back to the agent as
-            an error (a hung sync tool is left on its thread, see `run_local`).
         critic: the reference of the recipe's critic factory (`Recipe.critic`, "" = none):
             called once here, the critic then scores and learns from every batch.
         algorithm: the run's algorithm: advantages and the sampling temperature.
         failed_reward: what a failed trajectory scores (the recipe's).
     """
 
-    agent: str
     model: str
     rollout: str = "rollout"
     index: str = "dock"
-    max_tokens: int = 64
     max_total_tokens: int | None = None
     context_window: int = 0
     dump: str = ""
-    dump_share: float = 1.0
     dump_max_bytes: int = 0
-    reward: str = ""
-    tool_timeout_s: float = 30.0
     critic: str = ""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     failed_reward: float = 0.0

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from earl.algorithms.objective import LossConfig
 from earl.packing import AttnMode
 from earl.stages import trainer_dist as tdist
-from earl.stages.compute import Compute
+from earl.stages.compute import Compute, Packing
 from earl.stages.lora import LoraConfig
 from earl.stages.optim import OptimConfig
 
@@ -16,8 +16,10 @@ __all__ = ["TrainerConfig"]
 
 
 @dataclass(kw_only=True, slots=True)
-class TrainerConfig:
+class TrainerConfig(Packing):
     """The torch trainer's recipe (placement — how many ranks — is the caller's business).
+    Its `micro_batch_tokens` and `shared_prefix` are `earl.stages.compute.Packing`'s, which
+    the run's placement holds too.
 
     Attributes:
         model: HF model folder (config.json + safetensors).
@@ -25,7 +27,6 @@ class TrainerConfig:
         compute: device (on CUDA each rank takes its local GPU), dtype (``"bfloat16"``: bf16
             autocast over fp32 master weights; "auto" resolved here), torch intra-op threads,
             and the torch seed (`earl.stages.compute.Compute`).
-        micro_batch_tokens: token budget of one packed forward/backward.
         attention: ``"varlen"`` (per-sample causal SDPA) or ``"mask"`` (block-diagonal mask).
         parallel: ``"ddp"`` or ``"fsdp"`` (FSDP2) across data-parallel replicas.
         tp: tensor-parallel degree (DTensor plans on every decoder layer); the ranks form
@@ -40,8 +41,6 @@ class TrainerConfig:
             With adapters the optimizer holds only them, `named_weights` gives the merged
             weights, and a KL term reads the base policy (the adapter switched off) computed
             here when the batch carries no reference log-probs.
-        shared_prefix: in training steps, run a prefix that several samples of a micro-batch
-            share (a GRPO group's prompt) once (`earl.packing_prefix`; exact, fewer tokens).
         recompute: recompute activations in the backward (HF gradient checkpointing,
             non-reentrant): less memory per token for ~1/3 more compute; `set_recompute`
             switches it between steps.
@@ -54,7 +53,6 @@ class TrainerConfig:
     model: str
     optim: OptimConfig = field(default_factory=OptimConfig)
     compute: Compute = field(default_factory=Compute)
-    micro_batch_tokens: int = 4096
     attention: AttnMode = "varlen"
     parallel: tdist.Parallel = "ddp"
     tp: int = 1
@@ -63,7 +61,6 @@ class TrainerConfig:
     log_entropy: bool = True
     loss: LossConfig = field(default_factory=LossConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
-    shared_prefix: bool = False
     recompute: bool = False
     record_dir: str = ""
 

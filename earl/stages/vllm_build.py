@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from earl.runtime.slots import SHARE_ENV
-from earl.stages.compute import Compute
+from earl.stages.compute import Compute, KvCache
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +46,7 @@ ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the core in-process: bui
 
 
 @dataclass(kw_only=True, slots=True)
-class EngineConfig:
+class EngineConfig(KvCache):
     """What vLLM serves and how big it may get.
 
     Args:
@@ -59,9 +59,10 @@ class EngineConfig:
             (`earl.stages.compute.Compute`). Its "auto" dtype is resolved here as for every
             stage (bfloat16 on CUDA, float32 on CPU), not by vLLM (which picks bfloat16 on CPU
             even for a float32 checkpoint, against the trainer's float32).
-        kv_cache_gb: KV-cache budget per tensor-parallel worker, in GiB (fractions allowed;
-            vLLM's ``kv_cache_memory_bytes``, which the legacy ``VLLM_CPU_KVCACHE_SPACE``
-            variable would override, so it is cleared). vLLM refuses requests beyond it.
+        kv_cache_gb: KV-cache budget per tensor-parallel worker, in GiB (`KvCache`'s, which
+            the run's placement holds too): vLLM's ``kv_cache_memory_bytes`` (the legacy
+            ``VLLM_CPU_KVCACHE_SPACE`` variable would override it, so it is cleared). vLLM
+            refuses requests beyond it.
         max_num_seqs: most sequences decoded together (continuous batching width).
         logprobs_mode: "processed_logprobs" = log-probs of the distribution actually sampled
             (after temperature/top-k/top-p); "raw_logprobs" = of the model's plain softmax.
@@ -83,7 +84,6 @@ class EngineConfig:
     model: str
     max_model_len: int = 2048
     compute: Compute = field(default_factory=Compute)
-    kv_cache_gb: float = 1.0
     max_num_seqs: int = 256
     logprobs_mode: str = "processed_logprobs"
     enable_prefix_caching: bool = True

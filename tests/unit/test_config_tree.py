@@ -24,9 +24,11 @@ from earl.stages.vllm_engine import EngineConfig
 ROOTS = (RunConfig, TrainerConfig, ReferenceConfig, EngineConfig, ProducerConfig)
 
 # Leaf names declared by more than one config: the classes that declare each, and why.
-# "different": they mean different things. "copy": the same setting, still copied by hand into
-# a stage config (issue 51); its entry goes once the copy does (the test fails while an entry
-# names other classes than declare the name, so the table only shrinks).
+# "different": they mean different things. "resolved": the stage's value is computed when the
+# stage is spawned, from the run's setting (whose 0 or "recipe" means "look it up") or from a
+# fact only the live run has; the stage's is not the setting itself. No entry is a copy made
+# by hand (issue 51): a setting a stage shares with the run is a section both are (`Packing`,
+# `KvCache`, `ProducerSettings`) or reference (`Compute`, `LossConfig`).
 SAME_NAME: dict[str, tuple[str, frozenset[str], str]] = {
     "steps": ("different", frozenset({"WarmStartConfig", "RunConfig"}),
               "warm_start.steps: supervised steps before RL; steps: RL steps"),
@@ -36,33 +38,17 @@ SAME_NAME: dict[str, tuple[str, frozenset[str], str]] = {
            "the supervised warm start's learning rate; RL's"),
     "seed": ("different", frozenset({"ModelConfig", "Seeded"}),
              "the built-in tiny model's initial weights; the run's (each Compute's) seed"),
-    "max_model_len": ("different", frozenset({"ModelConfig", "EngineConfig"}),
-                      "the longest context the model serves; one replica's window"),
-    "model": ("different", frozenset({"TrainerConfig", "ReferenceConfig", "EngineConfig",
-                                      "ProducerConfig"}),
-              "each stage's input: trainer start, KL anchor, served weights, tokenizer"),
-    "critic": ("different", frozenset({"AlgorithmConfig", "ProducerConfig"}),
-               "'recipe' or 'none'; the critic factory's import reference"),
+    "max_model_len": ("resolved", frozenset({"ModelConfig", "EngineConfig"}),
+                      "the model's context (0: its positions); a replica's window, resolved"),
+    "model": ("resolved", frozenset({"TrainerConfig", "ReferenceConfig", "EngineConfig",
+                                     "ProducerConfig"}),
+              "the live run's starting policy (each stage's input), which no run field holds"),
+    "critic": ("resolved", frozenset({"AlgorithmConfig", "ProducerConfig"}),
+               "'recipe' or 'none'; with 'recipe', the recipe's factory as an import reference"),
     "rollout": ("different", frozenset({"PlacementConfig", "ProducerConfig"}),
                 "how many rollout replicas; the name of their actor group"),
-    "micro_batch_tokens": ("copy", frozenset({"PlacementConfig", "TrainerConfig"}),
-                           "earl.loop.stage_configs.trainer_config copies it"),
-    "shared_prefix": ("copy", frozenset({"PlacementConfig", "TrainerConfig"}),
-                      "earl.loop.stage_configs.trainer_config copies it"),
-    "kv_cache_gb": ("copy", frozenset({"PlacementConfig", "EngineConfig"}),
-                    "earl.loop.stage_configs.engine_config copies it"),
-    "agent": ("copy", frozenset({"RunConfig", "ProducerConfig"}),
-              "earl.loop builds ProducerConfig with it resolved (the recipe's when empty)"),
-    "reward": ("copy", frozenset({"RunConfig", "ProducerConfig"}),
-               "earl.loop builds ProducerConfig with it as an absolute reference"),
-    "max_tokens": ("copy", frozenset({"RunConfig", "ProducerConfig"}),
-                   "earl.loop builds ProducerConfig with it resolved (the recipe's when 0)"),
-    "context_window": ("copy", frozenset({"PlacementConfig", "ProducerConfig"}),
-                       "earl.loop builds ProducerConfig with it resolved (the model's when 0)"),
-    "dump_share": ("copy", frozenset({"RunConfig", "ProducerConfig"}),
-                   "earl.loop builds ProducerConfig with a copy"),
-    "tool_timeout_s": ("copy", frozenset({"RunConfig", "ProducerConfig"}),
-                       "earl.loop builds ProducerConfig with a copy"),
+    "context_window": ("resolved", frozenset({"PlacementConfig", "ProducerConfig"}),
+                       "the rollout's window as spawned: the placement's, the model's when 0"),
 }
 
 
@@ -118,7 +104,7 @@ def test_the_table_lists_only_what_is_still_declared_twice() -> None:
     stale = {n: sorted(cs) for n, (_, cs, _) in SAME_NAME.items()
              if set(found.get(n, ())) != cs}
     assert not stale, f"no longer declared by exactly these: update SAME_NAME for {stale}"
-    assert all(kind in ("different", "copy") and why for kind, _, why in SAME_NAME.values())
+    assert all(kind in ("different", "resolved") and why for kind, _, why in SAME_NAME.values())
 
 
 def test_what_every_stage_computes_with_is_one_section() -> None:
@@ -131,6 +117,31 @@ def test_what_every_stage_computes_with_is_one_section() -> None:
         names = {f.name for f in dataclasses.fields(cfg)}
         assert "compute" in names and not names & {"device", "dtype", "threads", "seed",
                                                    "temperature"}, cfg.__name__
+
+
+def test_a_setting_a_stage_shares_with_the_run_is_one_section_taken_whole() -> None:
+    """The trainer's packing, a replica's KV budget and what producers play are declared once;
+    the stage configs built from a run hold the run's values (CLI names unchanged)."""
+    from earl.config import load_config
+    from earl.loop.stage_configs import engine_config, trainer_config
+    from earl.stages.compute import fields_of
+    from earl.stages.producer_settings import ProducerSettings
+
+    decl = declarations()
+    assert decl["micro_batch_tokens"] == decl["shared_prefix"] == {"Packing"}
+    assert decl["kv_cache_gb"] == {"KvCache"}
+    for f in dataclasses.fields(ProducerSettings):
+        assert decl[f.name] == {"ProducerSettings"}, f.name
+    cfg = load_config(None, ["--placement.micro_batch_tokens=1024", "--placement.shared_prefix",
+                             "true", "--placement.kv_cache_gb=0.5", "--tool_timeout_s=7",
+                             "--dump_share=0.5", "--max_tokens=12"])
+    t = trainer_config(cfg, model="m")
+    assert (t.micro_batch_tokens, t.shared_prefix) == (1024, True)
+    assert engine_config(cfg, model="m", max_model_len=256).kv_cache_gb == 0.5
+    got = ProducerConfig(**fields_of(ProducerSettings, cfg), model="m")
+    assert (got.tool_timeout_s, got.dump_share, got.max_tokens) == (7.0, 0.5, 12)
+    with pytest.raises(ValueError, match="tool_timeout_s"):  # a section checks its own values
+        load_config(None, ["--tool_timeout_s=0"])
 
 
 def test_the_walk_finds_a_copied_field() -> None:
@@ -159,3 +170,24 @@ def test_a_moved_key_still_reads_with_a_deprecation_warning(old: str, new: str,
     assert to_dict(cfg)[section][leaf] == value
     with pytest.raises(ValueError, match="both set"):
         load_config(None, [f"--{old}={value}", f"--{new}={value}"])
+
+
+def test_the_cli_shows_a_moved_key_as_one_line_and_no_other_deprecation(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import warnings
+
+    from earl import cli
+    from earl.config import load_config
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)
+    monkeypatch.setattr("sys.warnoptions", [])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("ignore", DeprecationWarning)  # Python's default off __main__
+        cli._show_moved_keys()
+        load_config(None, ["--placement.threads_per_actor=2"])
+        warnings.warn("a library's own", DeprecationWarning)
+    assert len(seen) == 1
+    w = seen[0]
+    line = warnings.formatwarning(w.message, w.category, w.filename, w.lineno)
+    assert line.startswith("earl: ") and "'placement.threads'" in line
+    assert line.count("\n") == 1
