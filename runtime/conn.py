@@ -3,8 +3,9 @@
 A `Connection` matches replies to requests by id and resolves futures straight from the
 protocol callback (no task per call). When the socket closes, every pending call and open
 stream fails at once with `ActorDied` (cause "connection_lost", or what the pool's owner was told:
-an exit code, a signal, a stop); later calls on a dead address fail immediately too, until the
-pool learns a new address for that actor (a restart). An ERR reply becomes an `ActorError` with
+an exit code, a signal, a stop); later calls on a dead address (its connection lost, or nothing
+listening there) fail immediately too, until the pool learns a new address for that actor (a
+restart). An ERR reply becomes an `ActorError` with
 the failure's data (`earl.runtime.errors.error_from_wire`). This module knows nothing about
 endpoints, groups or processes.
 """
@@ -267,6 +268,14 @@ class Pool:
             conn.on_lost = lambda c: self._lost(address, c)
             fut.set_result(conn)
             return conn
+        except ActorDied as e:
+            # Nothing listens there: dead, as after a lost connection, so a handle taken
+            # while its actor restarted looks it up again (`Runtime.resolve`) instead of
+            # trying the old address forever.
+            self.dead[address] = e
+            fut.set_exception(e)
+            fut.exception()  # mark retrieved
+            raise
         except BaseException as e:
             fut.set_exception(e)
             fut.exception()  # mark retrieved

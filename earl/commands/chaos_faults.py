@@ -1,7 +1,7 @@
 """The fault primitives of `earl chaos` and its after-run checks.
 
 Faults: random bytes and a length lie on an actor's socket (`corrupt`), delayed driver control
-messages (`delay_requests`), a small tmpfs of its own under a folder (`mount_tmpfs`, `umount`)
+messages (`delay_requests`), a driver connection cut with a call in flight (`cut_when_busy`), a small tmpfs of its own under a folder (`mount_tmpfs`, `umount`)
 filled up (`fill`); `until` polls a condition. Checks: processes, shm segments and folders a
 run left (`orphans`), policy versions of the trajectories that never go back past the staleness
 bound (`versions_monotone`). Not here: when to inject, and the report (`earl.commands.chaos`).
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["corrupt", "delay_requests", "fill", "mount_tmpfs", "orphans", "umount", "until",
+__all__ = ["corrupt", "cut_when_busy", "delay_requests", "fill", "mount_tmpfs", "orphans", "umount", "until",
            "versions_monotone"]
 
 
@@ -82,6 +82,39 @@ async def delay_requests(seconds: float, rng: Any) -> int:
     finally:
         Connection.request = orig  # type: ignore[method-assign]
     return count
+
+
+def cut_when_busy(conn: Any) -> asyncio.Future[int]:
+    """Abort the driver's connection `conn` (`earl.runtime.conn.Connection`) with a call in
+    flight: now if it has one, else right after its next call is sent (a poll would miss a
+    short call, answered within a millisecond). The future gives the calls and streams in
+    flight when it was cut; cancel it to leave the connection alone."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[int] = loop.create_future()
+
+    def busy() -> int:
+        return len(conn.pending) + len(conn.streams)
+
+    def cut() -> None:
+        if done.done() or not busy():  # answered already: wait for the next call
+            return
+        if conn.transport is None or conn.dead is not None:
+            done.set_exception(ConnectionError(f"{conn.label}: the connection is gone"))
+            return
+        n = busy()
+        conn.transport.abort()
+        done.set_result(n)
+
+    def request(kind: int, body: bytes, bufs: list[Any]) -> Any:
+        fut = orig(kind, body, bufs)
+        loop.call_soon(cut)  # once the call is on the wire
+        return fut
+
+    orig = conn.request
+    conn.request = request
+    done.add_done_callback(lambda _: vars(conn).pop("request", None))
+    cut()
+    return done
 
 
 def mount_tmpfs(folder: Path, size: int) -> str:

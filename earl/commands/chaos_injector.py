@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from earl.commands.chaos_attacks import http_status, open_files_limit, plant_shm_names, slowloris
-from earl.commands.chaos_faults import corrupt, delay_requests, fill, until
+from earl.commands.chaos_faults import corrupt, cut_when_busy, delay_requests, fill, until
 from earl.commands.chaos_oracle import lose_a_sample
 
 if TYPE_CHECKING:
@@ -63,6 +63,8 @@ class Injector:
             assert len(due_s) == len(faults)
             self.plan = [2**62] * len(faults)  # set to the step after which each came due
         self.fired = [asyncio.Event() for _ in faults]
+        # ready to fire: a drop waits for the run's next call from then on (others: fired)
+        self.armed = [asyncio.Event() for _ in faults]
         self.settled = [asyncio.Event() for _ in faults]  # one fault at a time
         self.tasks: list[asyncio.Task[None]] = []
         self._last, self._dt, self._next = 0.0, 0.2, 0
@@ -82,11 +84,12 @@ class Injector:
             raise OSError(errno.ENOSPC, "No space left on device (injected)", folder)
 
     async def after_step(self, record: Any) -> None:
-        """After each trained step is logged: fire what is due, hold the run until it is.
+        """After each trained step is logged: fire what is due, hold the run until it is
+        (a drop: until it is armed, since it fires on the run's next call to its actor; once
+        fired, until its actor is back).
 
-        The run is not held for a fault still waiting for the one before it to heal when that
-        healing needs the run to go on (`NEEDS_RUN`: a rewind is seen by the next step's call
-        to the dead trainer or dock; a dropped connection needs calls in flight)."""
+        The run is not held for a fault whose firing waits, through the faults before it, for
+        what only the run going on brings (`waits_on_run`)."""
         step = int(record.version)
         self._running = int(getattr(record, "groups_running", 0))
         if self._last:  # the step's own time, without the holds (the previous call's waits)
@@ -106,15 +109,33 @@ class Injector:
                 self.at[i] * max(self._dt, 0.05)
             self.tasks.append(asyncio.ensure_future(self._fire(i, step, delay)))
         for i in range(self._next):
-            gated = i > 0 and not self.overlap[i] and not self.settled[i - 1].is_set() \
-                and self.faults[i - 1] in NEEDS_RUN
-            if not self.faults[i].startswith("drop:"):
-                if self.plan[i] < step and not gated:
-                    await self.fired[i].wait()
-            elif self.plan[i] + 1 < step and self.fired[i].is_set():  # a drop needs calls in
-                await self.settled[i].wait()  # flight: the run goes on until it is fired, then
-                # waits for the actor to be back
+            if self.plan[i] < step and not self.waits_on_run(i):
+                await (self.armed if self.faults[i].startswith("drop:") else self.fired)[i].wait()
+            if self.faults[i].startswith("drop:") and self.plan[i] + 1 < step \
+                    and self.fired[i].is_set():
+                await self.settled[i].wait()
         self._last = time.perf_counter()
+
+    def waits_on_run(self, i: int) -> bool:
+        """Whether fault `i` cannot fire before the run goes on: it waits for fault i - 1 to
+        heal and that healing needs the run (`NEEDS_RUN`: a rewind is seen by the next step's
+        call to the dead trainer or dock; a dropped actor's rebuild re-plays into the dock),
+        or (overlapping) for fault i - 1 to fire and that is a drop (it fires on the run's
+        next call to its actor), or fault i - 1 cannot fire yet for the same reasons."""
+        if i == 0:
+            return False
+        prev = self.faults[i - 1]
+        if self.overlap[i]:
+            if self.fired[i - 1].is_set():
+                return False
+            if prev.startswith("drop:"):
+                return True
+        else:
+            if self.settled[i - 1].is_set():
+                return False
+            if prev in NEEDS_RUN:
+                return True
+        return self.waits_on_run(i - 1)
 
     async def _requests_in_flight(self, timeout: float = 60.0) -> int:
         """Wait (up to `timeout` s) until the rollout has generations in flight, right after a
@@ -144,6 +165,7 @@ class Injector:
         except Exception as exc:  # noqa: BLE001 - a fault that could not be injected
             rec.update(recovered=False, note=f"not injected: {exc}")
         finally:
+            self.armed[i].set()
             self.fired[i].set()
             self.settled[i].set()
         rec["seconds"] = round(time.perf_counter() - t, 2)
@@ -151,7 +173,7 @@ class Injector:
 
     async def wait(self, timeout: float) -> None:
         """Let the recovery checks of fired faults finish (at most `timeout` s)."""
-        for ev in self.fired + self.settled:
+        for ev in self.armed + self.fired + self.settled:
             ev.set()  # a fault not fired by now never will be
         if self.tasks:
             _, pending = await asyncio.wait(self.tasks, timeout=timeout)
@@ -192,7 +214,7 @@ class Injector:
                         "recovered": ok and in_flight > 0}
             return {"pid": pid, "recovered": ok}
         if fault.startswith("drop:"):
-            return await self._drop(fault[5:], fired)
+            return await self._drop(i, fault[5:])
         if fault.startswith("hang:"):
             return await self._hang(fault[5:], fired)
         if fault == "corrupt_frame":
@@ -247,25 +269,25 @@ class Injector:
                 "tool_timeout_s": timeout,
                 "recovered": ok and all(e == "timeout" for _, e in stalled)}
 
-    async def _drop(self, name: str, fired: asyncio.Event) -> dict[str, Any]:
-        """Cut the driver's connection to `name[0]` once calls to it are in flight (waits up
-        to 30 s for one): the runtime must kill and restart the live process, and the supervisor
-        rebuild it, as after a SIGKILL."""
-        sup = self.job.supervisor
+    async def _drop(self, i: int, name: str) -> dict[str, Any]:
+        """Cut the driver's connection to `name[0]` with a call in flight (`cut_when_busy`:
+        the one in flight now, or the run's next call to it; armed from then on, waits up to
+        60 s): the runtime must kill and restart the live process, and the supervisor rebuild it,
+        as after a SIGKILL."""
+        sup, fired = self.job.supervisor, self.fired[i]
         rec = await self.rt.dir_call("lookup", name)
         pid, addr = rec.pids[0], rec.addresses[0]
         before = sup.restarts.get(name, 0)
-        deadline = time.monotonic() + 30.0  # the schedule goes on for a step (see `_gate`)
-        while True:
-            conn = self.rt.pool.conns.get(addr)
-            busy = 0 if conn is None else len(conn.pending) + len(conn.streams)
-            if (busy and conn.transport is not None) or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.005)
-        if not busy:
+        self.armed[i].set()  # the run may go on: the next call to `name[0]` is cut
+        try:
+            async with asyncio.timeout(60.0):
+                # a restarted actor's connection opens with the run's first call to it
+                while (conn := self.rt.pool.get_nowait(addr)) is None:
+                    await asyncio.sleep(0.005)
+                busy = await cut_when_busy(conn)
+        except TimeoutError:
             return {"pid": pid, "calls_in_flight": 0, "recovered": False,
-                    "note": "no call in flight within 30 s"}
-        conn.transport.abort()
+                    "note": f"no call to {name}[0] within 60 s"}
         fired.set()
         ok = await until(lambda: sup.restarts.get(name, 0) > before and any(
             e["event"] == "restart" and e["actor"] == name for e in sup.events), 300)

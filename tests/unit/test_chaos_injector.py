@@ -1,0 +1,146 @@
+"""When `earl chaos`'s injector holds the run (`Injector.after_step`), and how a drop cuts a
+connection with a call in flight (`cut_when_busy`).
+
+A drop fires on the run's own calls, so the run must not be held for a fault that waits for
+the drop to fire (seed 247 of `--draw 3 --steps 8`: a kill overlapping a drop held the run,
+the drop saw no call for 30 s), and must be held until the drop is armed, or a fast run ends
+before the drop (seed 38: 8 steps in a second while a squat before the drop lasted 4 s). A
+poll for calls in flight misses short calls; the cut comes right after the next call is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from earl.commands.chaos_draw import Drawn
+from earl.commands.chaos_faults import cut_when_busy
+from earl.commands.chaos_injector import Injector
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def injector(faults: list[str], after: list[int], overlap: list[bool]) -> Injector:
+    """An injector whose faults fire only when a test sets their events."""
+    job = SimpleNamespace(cfg=SimpleNamespace(steps=8, checkpoint_every=2), supervisor=None)
+    drawn = Drawn(faults=tuple(faults), after_step=tuple(after), at=(0.0,) * len(faults),
+                  overlap=tuple(overlap))
+    inj = Injector(job, None, faults, seed=0, disk="", drawn=drawn)
+
+    async def fire(i: int, step: int, delay: float) -> None:
+        await asyncio.Event().wait()
+
+    async def no_pids() -> None:
+        return None
+
+    inj._fire = fire  # type: ignore[method-assign]
+    inj._collect_pids = no_pids  # type: ignore[method-assign]
+    return inj
+
+
+async def held(inj: Injector, step: int) -> bool:
+    """Whether `after_step(step)` holds the run (still waiting after 0.2 s)."""
+    task = asyncio.ensure_future(inj.after_step(SimpleNamespace(version=step)))
+    done, _ = await asyncio.wait({task}, timeout=0.2)
+    if not done:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return True
+    task.result()
+    return False
+
+
+def done(inj: Injector, i: int) -> None:
+    for ev in (inj.armed[i], inj.fired[i], inj.settled[i]):
+        ev.set()
+
+
+async def test_a_kill_overlapping_a_drop_does_not_hold_the_run_before_the_drop_fired() -> None:
+    inj = injector(["corrupt_frame", "drop:producer", "kill:producer"], [1, 3, 4],
+                   [False, False, True])
+    for step in (1, 2, 3):
+        done(inj, 0) if step == 2 else None
+        assert not await held(inj, step)
+    assert await held(inj, 4)  # the drop is due and not armed yet
+    inj.armed[1].set()
+    assert not await held(inj, 4)
+    assert inj.waits_on_run(2)
+    assert not await held(inj, 5)  # the kill waits for the drop, which needs the run's calls
+    inj.fired[1].set()
+    assert not inj.waits_on_run(2)
+    inj.settled[1].set()
+    assert await held(inj, 6)  # the drop fired: the kill comes next, the run waits for it
+    inj.fired[2].set()
+    assert not await held(inj, 6)
+
+
+async def test_the_run_waits_until_a_drop_is_armed_so_it_cannot_outrun_it() -> None:
+    inj = injector(["squat:shm", "drop:reference", "kill:resave"], [1, 1, 6],
+                   [False, False, False])
+    assert not await held(inj, 1)
+    inj.fired[0].set()  # the squat goes on; the drop waits for it to end
+    assert await held(inj, 2)
+    inj.settled[0].set()
+    inj.armed[1].set()
+    assert not await held(inj, 2)
+    assert inj.waits_on_run(2)  # kill:resave waits for the drop's healing: not held for it
+    assert not await held(inj, 7)
+
+
+class FakeConnection:
+    """What `cut_when_busy` reads of `earl.runtime.conn.Connection`."""
+
+    def __init__(self) -> None:
+        self.label, self.dead = "producer[0]", None
+        self.pending: dict[int, Any] = {}
+        self.streams: dict[int, Any] = {}
+        self.transport = SimpleNamespace(abort=self.abort)
+        self.aborted = 0
+
+    def abort(self) -> None:
+        self.aborted += 1
+
+    def request(self, kind: int, body: bytes, bufs: list[Any]) -> asyncio.Future[Any]:
+        fut = asyncio.get_running_loop().create_future()
+        self.pending[len(self.pending) + 1] = fut
+        return fut
+
+
+async def test_a_drop_cuts_right_after_the_next_call_is_sent() -> None:
+    conn = FakeConnection()
+    cut = cut_when_busy(conn)
+    await asyncio.sleep(0.05)
+    assert not cut.done() and conn.aborted == 0  # nothing in flight: wait for a call
+    conn.request(1, b"", [])
+    assert await asyncio.wait_for(cut, 1.0) == 1
+    assert conn.aborted == 1
+    assert "request" not in vars(conn)  # the connection is left as it was
+
+
+async def test_a_call_answered_before_the_cut_waits_for_the_next_one() -> None:
+    conn = FakeConnection()
+    cut = cut_when_busy(conn)
+    conn.request(1, b"", [])
+    conn.pending.clear()  # answered within the same turn of the loop
+    await asyncio.sleep(0.05)
+    assert not cut.done() and conn.aborted == 0
+    conn.request(1, b"", [])
+    assert await asyncio.wait_for(cut, 1.0) == 1
+
+
+async def test_a_drop_with_a_call_in_flight_cuts_at_once_and_can_be_called_off() -> None:
+    conn = FakeConnection()
+    conn.pending[7] = object()
+    cut = cut_when_busy(conn)
+    assert cut.done() and cut.result() == 1 and conn.aborted == 1
+    idle = FakeConnection()
+    off = cut_when_busy(idle)
+    off.cancel()
+    await asyncio.sleep(0)
+    assert "request" not in vars(idle)
+    idle.request(1, b"", [])
+    await asyncio.sleep(0.05)
+    assert idle.aborted == 0
