@@ -310,6 +310,30 @@ def _weights_gpu(r: Result) -> str:
             f"device copy {r['d2d_copy']['seconds_median'] * 1e3:.2f} ms")
 
 
+def _soak(r: Result) -> str:
+    s = r.get("soak", {})
+    kinds = len({f["fault"] for f in r.get("faults", [])})
+    growth = s.get("max_rss_growth")
+    worst = max(s.get("rss", {}).items(), key=lambda kv: kv[1].get("growth") or -1,
+                default=("-", {}))[0]
+    rates = [w["steps_per_s"] for w in s.get("steps_per_s", [])]
+    return (f"{s.get('seconds', 0) / 3600:.1f} h, {r.get('faults_injected', 0)} faults of "
+            f"{kinds} kinds ({'all' if r.get('recovered') else 'not all'} recovered), "
+            f"{r.get('rewinds', 0)} rewinds: **{r.get('samples_lost')}** lost, "
+            f"**{r.get('samples_duplicated')}** duplicated of {r.get('samples_produced', 0):,} "
+            f"samples; RSS growth after warm-up at most "
+            + (f"**{growth:.1%}** ({worst})" if growth is not None else "-")
+            + f"; run folder {s.get('folder_mib_after_warmup', 0):.0f} -> "
+            f"{s.get('folder_mib_end', 0):.0f} MB; steps/s per 10 min "
+            f"{min(rates, default=0):.2f}-{max(rates, default=0):.2f}")
+
+
+def _chaos_sweep(r: Result) -> str:
+    return (f"{r['runs']} drawn schedules of {r['draw']} faults: {r['passed']} passed, "
+            f"**{r['lost']}** samples lost, **{r['duplicated']}** duplicated; each failing "
+            f"schedule kept as a regression case ({r['regression_cases']})")
+
+
 # (result name, what is measured, figure); the table's rows, in order
 ROWS: list[tuple[str, str, Callable[[Result], str]]] = [
     ("main_job", "the main job: `earl train`, Tic-Tac-Toe, tiny model, held-out games", _main_job),
@@ -335,6 +359,8 @@ ROWS: list[tuple[str, str, Callable[[Result], str]]] = [
     ("async_vs_sync", "async vs sync pipeline, Tic-Tac-Toe", _async),
     ("async_vs_sync_agentic", "async vs sync, agentic (tools that wait)", _async),
     ("peers", "peer: TRL at its best (GRPOTrainer or AsyncGRPOTrainer), same agentic task and budget", _peers),
+    ("soak", "soak: a live run with a fault drawn every ~5 min (`earl chaos --soak`)", _soak),
+    ("chaos_sweep", "fault schedules drawn from seeds (`earl chaos --draw`)", _chaos_sweep),
     ("parallel", "tensor parallelism on CPU", _parallel),
     ("selector", "parallelism selector in `earl train`, gauntlet (contexts grow as it learns), device slots", _selector),
     ("selector_bound", ("the selector's ceiling on this machine: free, clairvoyant switching "
