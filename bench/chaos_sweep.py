@@ -11,6 +11,9 @@ the slow tier) until a run of it passes again (`--prune`).
     .venv/bin/python bench/chaos_sweep.py --seeds 100-109 --draw 5 --steps 10
     .venv/bin/python bench/chaos_sweep.py --seeds 7 --draw 3 --prune   # replay one, and
                                                                         # forget it if it passes
+    .venv/bin/python bench/chaos_sweep.py --faults kill:producer,kill:reference,kill:rollout \
+        --steps 6 --seeds 0-9 --save     # a named schedule at each seed (where in a step each
+                                         # fault lands); not kept as regression cases
 """
 
 from __future__ import annotations
@@ -37,12 +40,14 @@ def seeds_of(text: str) -> list[int]:
     return out
 
 
-def run_one(seed: int, draw: int, steps: int, deadline: float) -> dict[str, object]:
+def run_one(seed: int, draw: int, steps: int, deadline: float, faults: str = ""
+            ) -> dict[str, object]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     with tempfile.TemporaryDirectory(prefix="earl-sweep-") as tmp:
         t0 = time.perf_counter()
-        p = subprocess.run([sys.executable, "-m", "earl.cli", "chaos", "--json", "--draw",
-                            str(draw), "--seed", str(seed), "--steps", str(steps),
+        which = ["--faults", faults] if faults else ["--draw", str(draw)]
+        p = subprocess.run([sys.executable, "-m", "earl.cli", "chaos", "--json", *which,
+                            "--seed", str(seed), "--steps", str(steps),
                             "--deadline", str(deadline), "--output-dir", f"{tmp}/run"],
                            capture_output=True, text=True, timeout=deadline + 300, env=env,
                            check=False, cwd=_results.REPO)
@@ -50,7 +55,7 @@ def run_one(seed: int, draw: int, steps: int, deadline: float) -> dict[str, obje
         rep = json.loads(lines[-1]) if lines else {}
     row: dict[str, object] = {
         "seed": seed, "exit": p.returncode, "ok": bool(rep.get("ok")),
-        "faults": rep.get("drawn", {}).get("faults", []),
+        "faults": faults.split(",") if faults else rep.get("drawn", {}).get("faults", []),
         "drawn": rep.get("drawn"), "recovered": rep.get("recovered"),
         "samples_lost": rep.get("samples_lost"),
         "samples_duplicated": rep.get("samples_duplicated"),
@@ -85,6 +90,8 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="0-9", help="seeds, e.g. 0-49 or 3,7,11")
     ap.add_argument("--draw", type=int, default=3, help="faults drawn per run")
+    ap.add_argument("--faults", default="",
+                    help="a named fault list instead of drawn ones (earl chaos --faults)")
     ap.add_argument("--steps", type=int, default=8, help="training steps per run")
     ap.add_argument("--deadline", type=float, default=600.0,
                     help="seconds after which a run counts as hung (earl chaos --deadline)")
@@ -95,20 +102,23 @@ def main() -> None:
     begun = _results.start()
     rows = []
     for seed in seeds_of(args.seeds):
-        row = run_one(seed, args.draw, args.steps, args.deadline)
+        row = run_one(seed, args.draw, args.steps, args.deadline, args.faults)
         rows.append(row)
         print(json.dumps({k: row[k] for k in ("seed", "ok", "faults", "samples_lost",
                                               "steps_reached", "wall_s", "error")}),
               file=sys.stderr, flush=True)
-    cases = keep(rows, args.draw, args.prune)
-    res = {"draw": args.draw, "steps": args.steps, "runs": len(rows),
+    cases = json.loads(REGRESSIONS.read_text()) if args.faults else \
+        keep(rows, args.draw, args.prune)
+    res = {"draw": 0 if args.faults else args.draw, "faults": args.faults,
+           "steps": args.steps, "runs": len(rows),
            "passed": sum(bool(r["ok"]) for r in rows),
            "lost": sum(int(r["samples_lost"] or 0) for r in rows),
            "duplicated": sum(int(r["samples_duplicated"] or 0) for r in rows),
            "regression_cases": len(cases), "rows": rows}
     print(json.dumps(res), flush=True)
     if args.save:
-        _results.save("chaos_sweep", res, quick=False, begun=begun)
+        _results.save("chaos_named" if args.faults else "chaos_sweep", res, quick=False,
+                      begun=begun)
 
 
 if __name__ == "__main__":
