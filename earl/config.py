@@ -204,7 +204,9 @@ class RunConfig(Seeded, ProducerSettings):
     evaluation (0 = 64 generated tasks, or every line of `eval_tasks`; with `eval_tasks`, its
     first `eval_games` lines). `max_restarts`: how often each rollout, producer and reference
     actor is restarted, and the run rewound to its checkpoint after a trainer or dock death
-    (`earl.loop.healing`), before a death stops the run. `stall_s`, `stall_steps`: a run that
+    (`earl.loop.supervisor`), within any `restart_window_minutes` (0 = over the whole run),
+    before a death stops the run: a long run survives faults that come now and then, a run
+    that crash-loops stops. `stall_s`, `stall_steps`: a run that
     trains no step and heals nothing for `stall_steps` times its longest step so far (evals and
     checkpoints between steps included), and at least `stall_s` seconds, has stalled: it is
     rewound to its checkpoint like a trainer's death (counted by `max_restarts`), and past
@@ -256,6 +258,7 @@ class RunConfig(Seeded, ProducerSettings):
     select_best: bool = False
     checkpoint_every: int = 25
     max_restarts: int = 3
+    restart_window_minutes: float = 60.0
     stall_s: float = 300.0
     stall_steps: float = 20.0
     dump_trajectories: bool = True
@@ -322,6 +325,8 @@ class RunConfig(Seeded, ProducerSettings):
         need(self.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
         need(self.max_restarts >= 0, "max_restarts",
              "must be >= 0 (0 = any actor death stops the run)")
+        need(self.restart_window_minutes >= 0, "restart_window_minutes",
+             "must be >= 0 minutes (0 = max_restarts counts over the whole run)")
         need(self.stall_s >= 0, "stall_s", "must be >= 0 seconds (0 = a run never counts as "
              "stalled)")
         need(self.stall_steps >= 1, "stall_steps", "must be >= 1 (the stall limit in longest "

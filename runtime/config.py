@@ -17,20 +17,29 @@ class RestartPolicy:
     """What a supervisor does when an actor process dies.
 
     Args:
-        max_restarts: restarts allowed per rank over the group's life (0 = never restart).
-        backoff_s: delay before the first restart; doubles for each further restart of a rank,
-            capped at `max_backoff_s`.
+        max_restarts: restarts allowed per rank within `window_s` (0 = never restart).
+        window_s: the span the restarts count over, as an Erlang supervisor's intensity over
+            its period: a rank dies for good at a death that finds `max_restarts` restarts
+            within the last `window_s` seconds; older ones no longer count (0 = the group's
+            life: every restart counts).
+        backoff_s: delay before the first restart; doubles for each further restart of a rank
+            within the window, capped at `max_backoff_s`.
     """
 
     max_restarts: int = 0
+    window_s: float = 0.0
     backoff_s: float = 0.2
     max_backoff_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
             raise ValueError(f"RestartPolicy.max_restarts must be >= 0, got {self.max_restarts}")
-        if self.backoff_s < 0 or self.max_backoff_s < 0:
-            raise ValueError("RestartPolicy.backoff_s and max_backoff_s must be >= 0")
+        if self.backoff_s < 0 or self.max_backoff_s < 0 or self.window_s < 0:
+            raise ValueError("RestartPolicy.backoff_s, max_backoff_s and window_s must be >= 0")
+
+    def recent(self, times: list[float], now: float) -> list[float]:
+        """The restart times (`time.monotonic()`) that still count at `now`."""
+        return [t for t in times if not self.window_s or now - t < self.window_s]
 
     def delay(self, restarts_so_far: int) -> float:
         return min(self.backoff_s * (2 ** restarts_so_far), self.max_backoff_s)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from typing import TYPE_CHECKING, Any
 
 from earl.runtime.config import RestartPolicy
@@ -38,7 +39,8 @@ class GroupSupervisor:
         self.env = env
         self.policy = policy
         self.handles: list[ProcessHandle | None] = [None] * len(specs)
-        self.restarts = [0] * len(specs)
+        self.restarts = [0] * len(specs)  # per rank, over its life (what the directory shows)
+        self._times: list[list[float]] = [[] for _ in specs]  # per rank: when it restarted
         self.stopping = False
         self._watchers: list[asyncio.Task[None]] = []
         self._exited: set[int] = set()  # pids whose exit the watchers have seen
@@ -61,12 +63,14 @@ class GroupSupervisor:
         self.specs += specs
         self.handles += [None] * len(specs)
         self.restarts += [0] * len(specs)
+        self._times += [[] for _ in specs]
         ranks = range(first, len(self.specs))
         results = await asyncio.gather(*(self._launch(r) for r in ranks), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             await self._reap([h for h in self.handles[first:] if h is not None])
             del self.specs[first:], self.handles[first:], self.restarts[first:]
+            del self._times[first:]
             raise errors[0]
         self._watchers += [self.rt.task(self._watch(r)) for r in ranks]
 
@@ -79,6 +83,7 @@ class GroupSupervisor:
         await self._reap([h for _, h in gone], grace_s)
         self._dead_stopped(gone)
         del self.specs[n:], self.handles[n:], self.restarts[n:], self._watchers[n:]
+        del self._times[n:]
 
     async def _launch(self, rank: int) -> ProcessHandle:
         spec = self.specs[rank]
@@ -119,14 +124,17 @@ class GroupSupervisor:
                 return
             reason = f"pid {handle.pid} {reason}"
             self.rt.pool.mark_dead(handle.address, self._death(rank, handle, reason))
-            if self.restarts[rank] >= self.policy.max_restarts:
+            now = time.monotonic()
+            recent = self._times[rank] = self.policy.recent(self._times[rank], now)
+            if len(recent) >= self.policy.max_restarts:
                 log.warning("actor %s died (%s); no restarts left", self.label(rank), reason)
                 await self.rt.dir_call("update", self.name, rank, DEAD, reason=reason)
                 return
-            delay = self.policy.delay(self.restarts[rank])
+            delay = self.policy.delay(len(recent))
+            recent.append(now)
             self.restarts[rank] += 1
             log.warning("actor %s died (%s); restart %d/%d in %.2fs", self.label(rank), reason,
-                        self.restarts[rank], self.policy.max_restarts, delay)
+                        len(recent), self.policy.max_restarts, delay)
             await self.rt.dir_call("update", self.name, rank, RESTARTING,
                                    reason=f"restarting after: {reason}")
             await asyncio.sleep(delay)

@@ -99,7 +99,8 @@ class Job:
         self.trace = trace
         self.tracer = Tracer(trace)
         self.supervisor = Supervisor(
-            max_restarts=cfg.max_restarts, log=self.log, tracer=self.tracer, rt=rt,
+            max_restarts=cfg.max_restarts, window_s=cfg.restart_window_minutes * 60,
+            log=self.log, tracer=self.tracer, rt=rt,
             ledger=self.out / "trained" / "ledger.jsonl" if cfg.record_trained else None)
         self.slots: SlotPool | None = None
         # each stage's device slots at the start (and with placement.devices the free ones)

@@ -12,7 +12,9 @@ rebuild it).
 
 The loop's parts never count or assign any of this: a call that failed with a death waits
 for the group to be healed (`wait_healed`) and is retried, or sees a typed `HealingError`.
-Each restart and rewind counts against `max_restarts`, appears in the metrics
+Each restart and rewind counts against `max_restarts` within `window_s` (an Erlang supervisor's
+intensity over its period: a long run survives faults that come now and then, one that
+crash-loops stops), appears in the metrics
 (`restarts/<group>`, `rewinds`), in the trace and in `events`. Which actor died is read from
 the failure's fields (`died_actor`), never from error messages.
 
@@ -83,7 +85,9 @@ class Supervisor:
     checkpoint).
 
     Args:
-        max_restarts: restarts per rank, and rewinds per run.
+        max_restarts: restarts per rank, and rewinds per run, within `window_s`.
+        window_s: the span restarts and rewinds count over (0: the run's life).
+        clock: seconds, monotonic (a test's fake; the runtime's restarts keep their own).
         log: one line per healing event, for the person running it.
         tracer: where events are traced (None: not traced).
         ledger: the file of the sample ledger (None: none kept; `earl.loop.ledger`).
@@ -91,19 +95,20 @@ class Supervisor:
     """
 
     def __init__(self, config: HealingConfig | None = None, *,
-                 max_restarts: int = 3, log: Callable[[str], None],
+                 max_restarts: int = 3, window_s: float = 0.0, log: Callable[[str], None],
                  tracer: Tracer | None = None, ledger: Path | None = None,
-                 rt: Any = None) -> None:
+                 rt: Any = None, clock: Callable[[], float] = time.monotonic) -> None:
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
         self.config, self.log, self.tracer = config or HealingConfig(), log, tracer
         self._heals: dict[str, str] = {}  # stage -> "in_place" | "rewind" (`adopt`)
-        self.max_restarts = max_restarts
+        self.max_restarts, self.window_s, self.clock = max_restarts, window_s, clock
         self.rt = rt
         self.ledger = Ledger(ledger)  # written only where a run is judged (`earl chaos`)
         self.version = 0  # the policy version the rollout serves (`set_version`)
         self._restarts: dict[str, int] = {}
         self._rewinds = 0
+        self._rewound_at: list[float] = []  # time.monotonic() of each rewind
         self._events: list[dict[str, object]] = []
         self._rebuilding: dict[str, str] = {}  # "group[rank]" -> its rebuild's step now
         self._rebuilt: dict[tuple[str, int], int] = {}  # (group, rank) -> restarts rebuilt
@@ -166,7 +171,12 @@ class Supervisor:
     def policy(self, stage: str) -> RestartPolicy:
         """The runtime's restart policy for `stage`'s ranks (a rewound stage: no restart)."""
         n = self.max_restarts if self._heals.get(stage) == "in_place" else 0
-        return RestartPolicy(max_restarts=n, backoff_s=self.config.backoff_s)
+        return RestartPolicy(max_restarts=n, window_s=self.window_s,
+                             backoff_s=self.config.backoff_s)
+
+    def _limit(self) -> str:
+        per = f" per {self.window_s / 60:g} min" if self.window_s else ""
+        return f"limit {self.max_restarts}{per}"
 
     def _in_place(self, stage: str) -> bool:
         return self._heals.get(stage) == "in_place"
@@ -272,7 +282,7 @@ class Supervisor:
             self._active_at = time.monotonic()
             t0 = time.perf_counter()
             self.log(f"healing: {name}[{rank}] restarted ({rec.reasons[rank] or 'died'}); "
-                     f"restart {seen}/{self.max_restarts}, rebuilding its state")
+                     f"restart {seen} ({self._limit()}), rebuilding its state")
             try:
                 assert self._rebuild is not None
                 await self._rebuild(name, rank)
@@ -301,7 +311,7 @@ class Supervisor:
             if rec.status[rank] == "dead":
                 raise HealingError(
                     f"{name}[{rank}] died and was not restarted ({rec.reasons[rank]}; restart "
-                    f"limit {self.max_restarts})")
+                    f"{self._limit()})")
             if rec.status[rank] == "up" and rec.restarts[rank] > 0 \
                     and self._rebuilt.get((name, rank), 0) >= rec.restarts[rank]:
                 return
@@ -372,10 +382,14 @@ class Supervisor:
                     f"{who[0]}[{who[1]}] died" + (" while the attempt started" if starting
                                                   else "")
                 self.close()
-                if self._rewinds >= self.max_restarts:
+                now = self.clock()
+                self._rewound_at = [t for t in self._rewound_at
+                                    if not self.window_s or now - t < self.window_s]
+                if len(self._rewound_at) >= self.max_restarts:
                     raise HealingError(f"{what}, and the run was already rewound "
-                                       f"{self._rewinds} time(s) (limit "
-                                       f"{self.max_restarts})") from exc
+                                       f"{len(self._rewound_at)} time(s) "
+                                       f"({self._limit()})") from exc
+                self._rewound_at.append(now)
                 self._rewinds += 1
                 if who is not None:
                     self._restarts[who[0]] = self._restarts.get(who[0], 0) + 1
@@ -392,7 +406,7 @@ class Supervisor:
                 self.note("rewind", who[0] if who is not None else "driver",
                           rank=who[1] if who is not None else 0, to_step=step)
                 self.log(f"healing: {what}; restarting the run's actors from the checkpoint "
-                         f"of step {step} (rewind {self._rewinds}/{self.max_restarts})")
+                         f"of step {step} (rewind {self._rewinds}, {self._limit()})")
                 self._reopen()
 
     def _reopen(self) -> None:

@@ -253,6 +253,23 @@ async def test_restart_policy_brings_the_actor_back(rt):
         await g.incr.call_one(1)
 
 
+async def test_restarts_count_within_their_window(rt):
+    """One restart allowed per 1.5 s: a death after the window has passed is restarted again
+    (a long run survives faults that come now and then), two within it are not (a crash loop
+    stops)."""
+    g = await rt.spawn("window", Counter, 7, restart=RestartPolicy(max_restarts=1,
+                                                                   window_s=1.5, backoff_s=0.0))
+    for n in (1, 2):
+        os.kill((await g.whoami.call_one())[3], signal.SIGKILL)
+        await rt.wait_status(g, "up", min_restarts=n, timeout=30)
+        assert await g.incr.call_one(1) == 8
+        if n == 1:
+            await asyncio.sleep(1.6)  # the first restart leaves the window
+    os.kill((await g.whoami.call_one())[3], signal.SIGKILL)  # the second is still in it
+    await rt.wait_status("window", "dead", timeout=30)
+    assert (await rt.dir_call("lookup", "window")).restarts[0] == 2
+
+
 async def test_a_connection_lost_with_calls_in_flight_counts_as_a_death(rt):
     g = await rt.spawn("cut", Counter, 3, restart=RestartPolicy(max_restarts=1, backoff_s=0.05))
     pid = (await g.whoami.call_one())[3]

@@ -99,3 +99,31 @@ async def test_a_stall_rewinds_and_past_the_limit_stops_naming_the_stage(
     assert job.supervisor.rewinds == 1
     (event,) = [e for e in job.supervisor.events if e["event"] == "stall"]
     assert event["stage"] == "step 3's training"
+
+
+async def test_rewinds_count_within_their_window(monkeypatch, tmp_path) -> None:
+    """One rewind allowed per 10 minutes: a stall 11 minutes after the first rewind is rewound
+    again; one within the window stops the run, naming the limit."""
+    now = [1000.0]
+
+    def job_of() -> FakeJob:
+        job = FakeJob(tmp_path, max_restarts=1)
+        job.supervisor.window_s, job.supervisor.clock = 600.0, lambda: now[0]
+        return job
+
+    job = job_of()
+    stall = Stalled("step 3's training", 61.0, 60.0, {})
+
+    def later(minutes: float):  # the attempt ran for `minutes`, then stalled
+        def run(j: FakeJob) -> BaseException:
+            now[0] += minutes * 60
+            return ExceptionGroup("tg", [stall])
+        return run
+
+    attempts(monkeypatch, later(1), later(11))
+    assert await run_job(job, False) == "done"  # type: ignore[arg-type]
+    assert job.supervisor.rewinds == 2
+    job = job_of()
+    attempts(monkeypatch, later(1), later(5))
+    with pytest.raises(HealingError, match=r"limit 1 per 10 min"):
+        await run_job(job, False)  # type: ignore[arg-type]
