@@ -129,6 +129,8 @@ import _agentic_workload
 import _peers_task
 import _results
 
+from earl.observe import tree_rss_mib
+
 RECIPE: dict[str, Any] = {"batch_size": 32, "group_size": 8, "max_tokens": 8,
                           "temperature": 1.0, "clip": 0.2, "lr": 1e-3, "seed": 0}
 MAX_MODEL_LEN = 1024  # positions: 12 turns of prompt, answer and observation fit
@@ -158,24 +160,6 @@ class TrlConfig:
                 f"_{self.queue_maxsize}_{int(self.gradient_checkpointing)}_{self.generation}")
 
 
-def tree_rss_mb(pid: int) -> float:
-    """Summed RSS (MiB) of process `pid` and all its descendants; 0 once it is gone."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    total = 0
-    for p in procs:
-        try:
-            total += p.memory_info().rss
-        except psutil.NoSuchProcess:
-            continue
-    return total / 2**20
-
-
 def run_tree(cmd: list[str], env: dict[str, str], timeout: float
              ) -> tuple[str, str, float, float]:
     """Runs `cmd`, sampling its tree's RSS; returns stdout, stderr, the peak RSS in MiB and the
@@ -188,7 +172,7 @@ def run_tree(cmd: list[str], env: dict[str, str], timeout: float
 
     def sample() -> None:
         while not done.wait(0.25):
-            peak[0] = max(peak[0], tree_rss_mb(proc.pid))
+            peak[0] = max(peak[0], tree_rss_mib(proc.pid))
 
     t = threading.Thread(target=sample, daemon=True)
     t.start()

@@ -6,6 +6,7 @@
   Chrome/Perfetto trace (`trace.json`, open in ui.perfetto.dev or chrome://tracing).
 - `progress_line` formats the one-line status printed every step.
 - `write_plots` draws the reward/win-rate curve and context lengths to PNG.
+- `tree_rss_mib` is a process' resident memory with its children's (a soak, a benchmark).
 
 Nothing here decides anything about training; all of it is optional output.
 """
@@ -49,6 +50,24 @@ class Metrics:
         self._f.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def tree_rss_mib(pid: int) -> float:
+    """Summed RSS (MiB) of process `pid` and all its descendants; 0 once it is gone."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:  # gone meanwhile
+            continue
+    return total / 2**20
 
 
 def read_metrics(path: Path) -> list[dict[str, float | int | str]]:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from earl.commands.chaos_draw import DRAWN
+from earl.observe import tree_rss_mib
 
 __all__ = ["GROUPS", "Sampler", "schedule", "summarize"]
 
@@ -37,24 +38,6 @@ def schedule(minutes: float, every_s: float, seed: int) -> tuple[list[str], list
     faults = [rng.choice(DRAWN) for _ in range(n)]
     due = [round(every_s * (i + 1 + rng.uniform(-0.2, 0.2)), 1) for i in range(n)]
     return faults, due
-
-
-def _rss_mib(pid: int) -> float:
-    """RSS of `pid` and its children (an actor's engine and tool workers), in MiB."""
-    import psutil
-
-    try:
-        p = psutil.Process(pid)
-        procs = [p, *p.children(recursive=True)]
-    except psutil.Error:
-        return 0.0
-    total = 0
-    for q in procs:
-        try:
-            total += q.memory_info().rss
-        except psutil.Error:
-            pass
-    return round(total / 2**20, 1)
 
 
 def _folder_mib(root: Path) -> dict[str, float]:
@@ -92,7 +75,7 @@ class Sampler:
             rec = await self.rt.dir_call("lookup", name)
             for rank, pid in enumerate(rec.pids if rec is not None else []):
                 if pid:
-                    rss[f"{name}[{rank}]"] = _rss_mib(pid)
+                    rss[f"{name}[{rank}]"] = round(tree_rss_mib(pid), 1)
         folder = await asyncio.to_thread(_folder_mib, self.out)
         self.rows.append({"t": round(time.perf_counter() - self.t0, 1),
                           "step": self.job.state.step if self.job.started else 0,
