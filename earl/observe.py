@@ -75,14 +75,20 @@ def read_metrics(path: Path) -> list[dict[str, float | int | str]]:
 
 
 class Tracer:
-    """Chrome trace events ("X" complete events); disabled tracers cost one branch per span."""
+    """Chrome trace events ("X" complete events); disabled tracers cost one branch per span.
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
+    With `spool` each event is appended to that file as it comes (a JSON line), so a long run
+    holds none of them in memory; `write` assembles the trace from it. Without, they are kept
+    in `events`."""
+
+    def __init__(self, enabled: bool, *, spool: Path | None = None) -> None:
+        self.enabled, self.spool = enabled, spool
         self.events: list[dict[str, object]] = []
         self._t0 = time.perf_counter()
         self._lock = threading.Lock()
         self._tids: dict[str, int] = {}
+        if enabled and spool is not None:
+            spool.write_text("")  # a fresh trace: an earlier run's events are not this one's
 
     @contextlib.contextmanager
     def span(self, name: str, *, actor: str, **args: object) -> Iterator[None]:
@@ -100,15 +106,29 @@ class Tracer:
             return
         with self._lock:
             tid = self._tids.setdefault(actor, len(self._tids) + 1)
-            self.events.append({"name": name, "ph": "X", "pid": 1, "tid": tid,
-                                "ts": (start - self._t0) * 1e6, "dur": (end - start) * 1e6,
-                                "args": args})
+            event = {"name": name, "ph": "X", "pid": 1, "tid": tid,
+                     "ts": (start - self._t0) * 1e6, "dur": (end - start) * 1e6, "args": args}
+            if self.spool is None:
+                self.events.append(event)
+            else:
+                with self.spool.open("a") as f:
+                    f.write(json.dumps(event, default=str) + "\n")
 
     def write(self, path: Path) -> Path:
+        """The trace so far as `path` (Chrome's JSON object format), written line by line."""
         meta = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": a}}
                 for a, tid in self._tids.items()]
-        path.write_text(json.dumps({"traceEvents": meta + self.events,
-                                    "displayTimeUnit": "ms"}))
+        with path.open("w") as out:
+            out.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
+            out.write(",\n".join(json.dumps(e) for e in meta + self.events))
+            first = not (meta or self.events)
+            if self.spool is not None and self.spool.is_file():
+                with self.spool.open() as f:
+                    for line in f:
+                        if line.strip():
+                            out.write(("" if first else ",\n") + line.rstrip("\n"))
+                            first = False
+            out.write("\n]}\n")
         return path
 
 

@@ -97,7 +97,7 @@ class Job:
 
             self.env[ENV_PREFER] = prefer
         self.trace = trace
-        self.tracer = Tracer(trace)
+        self.tracer = Tracer(trace, spool=self.out / ".trace.jsonl")  # none held in memory
         self.supervisor = Supervisor(
             max_restarts=cfg.max_restarts, window_s=cfg.restart_window_minutes * 60,
             log=self.log, tracer=self.tracer, rt=rt,

@@ -63,6 +63,8 @@ def write_result(job: Job, state: LoopState, final: dict[str, float], stopped: s
         files["trajectories"] = str(out / "trajectories.jsonl")
     if job.trace:
         files["trace"] = str(job.tracer.write(out / "trace.json"))
+        if job.tracer.spool is not None:  # all of it is in trace.json now
+            job.tracer.spool.unlink(missing_ok=True)
     if job.cfg.select_best and state.best[0] >= 0:
         files["weights_selected"] = str(job.best_dir)
     result = RunResult(eval=final, eval_start=state.eval_start, recipe=recipe.name,

@@ -357,3 +357,22 @@ async def test_an_error_inside_a_phase_releases_it() -> None:
             await asyncio.sleep(60)
     async with asyncio.timeout(5), c.train(1, None):  # type: ignore[arg-type]
         assert c.phase == "train"
+
+
+def test_a_spooled_trace_holds_no_event_in_memory(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A long traced run's driver holds none of its trace: each event goes to the spool file
+    as it comes, and the trace is assembled from it (valid Chrome JSON, names, order)."""
+    import json
+
+    tracer = Tracer(enabled=True, spool=tmp_path / ".trace.jsonl")
+    for i in range(1000):
+        with tracer.span("step", actor="trainer", step=i):
+            pass
+    tracer.add("restart", actor="producer", start=0.0, end=0.0, rank=0)
+    assert tracer.events == [] and len((tmp_path / ".trace.jsonl").read_text().splitlines()) == 1001
+    trace = json.loads(tracer.write(tmp_path / "trace.json").read_text())["traceEvents"]
+    assert [e["args"]["name"] for e in trace if e["ph"] == "M"] == ["trainer", "producer"]
+    spans = [e for e in trace if e["ph"] == "X"]
+    assert [e["args"].get("step") for e in spans[:3]] == [0, 1, 2] and len(spans) == 1001
+    empty = Tracer(enabled=True, spool=tmp_path / "empty.jsonl")
+    assert json.loads(empty.write(tmp_path / "e.json").read_text())["traceEvents"] == []
