@@ -6,7 +6,9 @@ is ~8 s); its spec's `env` (the slot's and the caller's variables) is applied wh
 Reads its `ActorSpec` from the bootstrap socket FD, arms parent-death protection
 (PR_SET_PDEATHSIG=SIGKILL, plus EOF on FD), builds the actor inside a uvloop event loop with its
 own `Runtime` (so the actor can `context().lookup()` and `spawn()`), serves its endpoints, says
-READY, and exits when FD closes or on SIGTERM. If `__init__` or `setup` raises, the traceback
+READY, and exits when FD closes or on SIGTERM. Started with `PYTHONTRACEMALLOC` set, it writes
+a tracemalloc snapshot to `/tmp/earl-tracemalloc-<pid>-<n>.snap` on each SIGUSR2 (a leak hunt:
+compare two with `tracemalloc.Snapshot.load(a).compare_to(...)`). If `__init__` or `setup` raises, the traceback
 goes back to the spawner as FAILED. Not imported by anything else.
 """
 
@@ -87,6 +89,21 @@ def _send(sock: socket.socket, msg: Any) -> None:
     sock.setblocking(False)
 
 
+def _snapshots_on_sigusr2(loop: asyncio.AbstractEventLoop) -> None:
+    """With tracemalloc tracing (`PYTHONTRACEMALLOC`), SIGUSR2 dumps a snapshot."""
+    import itertools
+    import tracemalloc
+
+    if not tracemalloc.is_tracing():
+        return
+    count = itertools.count(1)
+
+    def dump() -> None:
+        tracemalloc.take_snapshot().dump(f"/tmp/earl-tracemalloc-{os.getpid()}-{next(count)}.snap")
+
+    loop.add_signal_handler(signal.SIGUSR2, dump)
+
+
 async def _serve(spec: Any, sock: socket.socket) -> int:
     from earl.runtime import registry
     from earl.runtime.actor import Actor
@@ -99,6 +116,7 @@ async def _serve(spec: Any, sock: socket.socket) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
+    _snapshots_on_sigusr2(loop)
     config = RuntimeConfig(host=spec.host, tcp=spec.tcp, secret=spec.secret,
                            max_message_bytes=spec.max_message_bytes, run_dir=spec.run_dir)
     label = f"{spec.name}[{spec.rank}]"

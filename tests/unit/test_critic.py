@@ -93,3 +93,20 @@ def test_the_recipe_supplies_its_critic_by_reference() -> None:
     assert (built.alpha, built.lam, built.q_weight) == (0.2, 0.5, 2.0)
     with pytest.raises(TypeError, match="module level"):
         critic_ref(lambda: TabularCritic())
+
+
+def test_a_long_run_of_new_observations_keeps_the_table_bounded() -> None:
+    """A policy that still plays junk makes a new observation every game: the table forgets
+    the least recently updated past `max_states` (it is checkpointed with the producer); one
+    every game updates stays, with its running value."""
+    c = TabularCritic(max_states=100, q_weight=1.0)
+    games = [traj([[1000 + i], [2]]) for i in range(500)]
+    for g in games:
+        c.update([g], [[0.0, 1.0]])
+    assert len(c.values) == 100 and len(c.q) == 100
+    newest, oldest = observation_keys(games[-1])[0], observation_keys(games[0])[0]
+    assert newest in c.values and oldest not in c.values
+    shared = observation_keys(traj([[2]]))[0]  # every game's second observation
+    assert list(c.values).index(shared) == 99 and c.values[shared] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="max_states"):
+        TabularCritic(max_states=0)

@@ -63,16 +63,23 @@ class TabularCritic:
         lam: 0 = one-step TD advantages, 1 = Monte-Carlo return minus value.
         q_weight: how many earlier visits of an (observation, reply) pair count as much as this
             game's return; 0 turns Q(s, a) off (pure lambda-return advantages).
+        max_states: observations kept (the least recently updated forgotten first): a policy
+            that still plays
+            junk makes new observations every game, and a long run's table (checkpointed with
+            the producer) would grow without end. Tic-Tac-Toe has 5,478 legal positions.
     """
 
-    def __init__(self, *, alpha: float = 0.2, lam: float = 0.5, q_weight: float = 0.0) -> None:
+    def __init__(self, *, alpha: float = 0.2, lam: float = 0.5, q_weight: float = 0.0,
+                 max_states: int = 50_000) -> None:
         if not 0 < alpha <= 1:
             raise ValueError(f"critic alpha={alpha} must be in (0, 1]")
         if not 0 <= lam <= 1:
             raise ValueError(f"critic lam={lam} must be in [0, 1]")
         if q_weight < 0:
             raise ValueError(f"critic q_weight={q_weight} must be >= 0")
-        self.alpha, self.lam, self.q_weight = alpha, lam, q_weight
+        if max_states < 1:
+            raise ValueError(f"critic max_states={max_states} must be >= 1")
+        self.alpha, self.lam, self.q_weight, self.max_states = alpha, lam, q_weight, max_states
         self.values: dict[bytes, float] = {}
         self.turn_means: dict[int, float] = {}
         # Q(s, a): observation key -> reply tokens -> (running mean return, visits)
@@ -107,13 +114,18 @@ class TabularCritic:
         for t, rewards in zip(trajs, turn_rewards, strict=True):
             keys, rets = observation_keys(t), returns_to_go(rewards)
             for i, (key, ret) in enumerate(zip(keys, rets, strict=False)):
-                v = self.values.get(key)
+                v = self.values.pop(key, None)  # re-inserted last: the most recent
+                if v is None and len(self.values) >= self.max_states:
+                    self.values.pop(next(iter(self.values)))  # the least recent
                 self.values[key] = ret if v is None else v + self.alpha * (ret - v)
                 m = self.turn_means.get(i)
                 self.turn_means[i] = ret if m is None else m + 0.05 * (ret - m)
             if self.q_weight > 0:
                 for okey, act, ret in zip(keys, turn_actions(t), rets, strict=False):
-                    row = self.q.setdefault(okey, {})
+                    row = self.q.pop(okey, None)
+                    if row is None and len(self.q) >= self.max_states:
+                        self.q.pop(next(iter(self.q)))
+                    row = self.q[okey] = row or {}
                     q, visits = row.get(act, (ret, 0))
                     row[act] = (q + max(self.alpha, 1 / (visits + 1)) * (ret - q), visits + 1)
 
