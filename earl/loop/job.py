@@ -116,7 +116,10 @@ class Job:
             visible = torch.cuda.device_count()
             self.slots = gpu_slots(cfg.placement, reference=self.n_reference,
                                    gpus=min(visible, cfg.placement.devices or visible))
-        self.wall_before = 0.0  # wall seconds of earlier (resumed-from) segments
+        # wall seconds of earlier (resumed-from) processes' segments: read from the checkpoint
+        # by this process' first attempt; a rewind keeps it (this process' clock never stopped)
+        self.wall_before = 0.0
+        self._begun = False
         self._origin = _clock_origin()  # process_seconds() when this run's clock started
         self.metrics: Metrics | None = None
         self._attempt: Attempt | None = None
@@ -187,7 +190,8 @@ class Job:
         from earl.config import to_dict
 
         self._state = state
-        self.wall_before = state.wall_before
+        if not self._begun:  # a rewind's checkpoint counts time this process' clock counts
+            self.wall_before, self._begun = state.wall_before, True
         self.supervisor.set_version(state.step)
         (self.out / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=2))
         if self.metrics is not None:

@@ -127,3 +127,23 @@ async def test_rewinds_count_within_their_window(monkeypatch, tmp_path) -> None:
     attempts(monkeypatch, later(1), later(5))
     with pytest.raises(HealingError, match=r"limit 1 per 10 min"):
         await run_job(job, False)  # type: ignore[arg-type]
+
+
+def test_a_rewind_does_not_count_the_time_before_its_checkpoint_twice(tmp_path) -> None:
+    """The run's clock (what `time_limit_minutes` bounds) is the time of earlier processes
+    (from the checkpoint, on a resume) plus this process' age. A rewind in the same process
+    starts from a checkpoint whose saved time this process' age already counts: the soak's
+    run stopped at its 2-hour limit after 38 minutes and three rewinds."""
+    from types import SimpleNamespace
+
+    from earl.config import RunConfig
+    from earl.loop.job import Job
+    from earl.loop.schedule import LoopState
+
+    cfg = RunConfig(output_dir=str(tmp_path))
+    job = Job(cfg, SimpleNamespace(), "agent:x", None)  # type: ignore[arg-type]
+    job.begin(LoopState(step=10, wall_before=100.0), resume=True)  # a resumed process
+    first = job.elapsed()
+    assert first >= 100.0
+    job.begin(LoopState(step=20, wall_before=first + 50.0), resume=True)  # rewound
+    assert job.elapsed() - first < 5.0  # not +150 s
