@@ -323,6 +323,8 @@ def _soak(r: Result) -> str:
             f"**{r.get('samples_duplicated')}** duplicated of {r.get('samples_produced', 0):,} "
             f"samples; RSS growth after warm-up at most "
             + (f"**{growth:.1%}** ({worst})" if growth is not None else "-")
+            + (f", private pages (USS) {s['max_uss_growth']:.1%}"
+               if s.get("max_uss_growth") is not None else "")
             + f"; run folder {s.get('folder_mib_after_warmup', 0):.0f} -> "
             f"{s.get('folder_mib_end', 0):.0f} MB; steps/s per 10 min "
             f"{min(rates, default=0):.2f}-{max(rates, default=0):.2f}")

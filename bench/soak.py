@@ -37,6 +37,9 @@ def targets(rep: dict, minutes: float) -> dict[str, dict[str, object]]:
         "duplicated_0": {"value": rep.get("samples_duplicated"),
                          "ok": rep.get("samples_duplicated") == 0},
         "rss_growth_le_10pct": {"value": growth, "ok": growth is not None and growth <= 0.10},
+        # the private pages alone (no shm arena pages): what a leak grows
+        "uss_growth_le_10pct": {"value": soak.get("max_uss_growth"),
+                                "ok": (soak.get("max_uss_growth") or 1.0) <= 0.10},
     }
 
 

@@ -52,8 +52,10 @@ class Metrics:
             self._tb.close()
 
 
-def tree_rss_mib(pid: int) -> float:
-    """Summed RSS (MiB) of process `pid` and all its descendants; 0 once it is gone."""
+def tree_rss_mib(pid: int, *, private: bool = False) -> float:
+    """Summed RSS (MiB) of process `pid` and all its descendants; 0 once it is gone. With
+    `private`, their USS instead: the pages only each process maps (no shared memory, such as
+    the dock's shm arenas a consumer maps too; slower: it reads smaps)."""
     import psutil
 
     try:
@@ -64,7 +66,7 @@ def tree_rss_mib(pid: int) -> float:
     total = 0
     for p in procs:
         try:
-            total += p.memory_info().rss
+            total += p.memory_full_info().uss if private else p.memory_info().rss
         except psutil.Error:  # gone meanwhile
             continue
     return total / 2**20

@@ -1,10 +1,12 @@
 """`earl chaos --soak MINUTES`: a long run with a fault every `--every-s` seconds, each drawn
 (with replacement) from the faults `--draw` draws from, and the run's resources sampled over
-time: each actor's resident memory, the run folder's size by part, the steps trained.
+time: each actor's resident memory (RSS, and USS: its private pages, without the shared memory
+of the dock's arenas, whose pages a 64 MiB segment touches one by one as it fills), the run
+folder's size by part, the steps trained.
 
-What it reports (the chaos report's `soak`): per actor, RSS growth after warm-up (the median
-of the samples in the last 10 minutes over the median in the 10 minutes after warm-up, an
-actor's restarts included: the same name and rank is one actor); the run folder's size at
+What it reports (the chaos report's `soak`): per actor, RSS and USS growth after warm-up (the
+median of the samples in the last 10 minutes over the median in the 10 minutes after warm-up,
+an actor's restarts included: the same name and rank is one actor); the run folder's size at
 warm-up and at the end, by top-level part; steps/s per 10-minute window. Not here: firing the
 faults (`earl.commands.chaos_injector`) and the oracle (`earl.commands.chaos_oracle`).
 """
@@ -69,21 +71,24 @@ class Sampler:
     async def sample(self) -> None:
         import psutil
 
-        rss: dict[str, float] = {"driver": round(
-            psutil.Process(os.getpid()).memory_info().rss / 2**20, 1)}
+        me = psutil.Process(os.getpid()).memory_full_info()
+        rss = {"driver": round(me.rss / 2**20, 1)}
+        uss = {"driver": round(me.uss / 2**20, 1)}
         for name in GROUPS:
             rec = await self.rt.dir_call("lookup", name)
             for rank, pid in enumerate(rec.pids if rec is not None else []):
                 if pid:
                     rss[f"{name}[{rank}]"] = round(tree_rss_mib(pid), 1)
+                    uss[f"{name}[{rank}]"] = round(
+                        await asyncio.to_thread(tree_rss_mib, pid, private=True), 1)
         folder = await asyncio.to_thread(_folder_mib, self.out)
         self.rows.append({"t": round(time.perf_counter() - self.t0, 1),
                           "step": self.job.state.step if self.job.started else 0,
-                          "rss_mib": rss, "folder_mib": folder})
+                          "rss_mib": rss, "uss_mib": uss, "folder_mib": folder})
 
 
-def _median(rows: list[dict[str, Any]], key: str) -> float | None:
-    vals = [r["rss_mib"][key] for r in rows if r["rss_mib"].get(key)]
+def _median(rows: list[dict[str, Any]], key: str, kind: str = "rss_mib") -> float | None:
+    vals = [r[kind][key] for r in rows if r.get(kind, {}).get(key)]
     return statistics.median(vals) if vals else None
 
 
@@ -98,8 +103,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     growth: dict[str, Any] = {}
     for key in sorted({k for r in rows for k in r["rss_mib"]}):
         a, b = _median(early, key), _median(late, key)
+        pa, pb = _median(early, key, "uss_mib"), _median(late, key, "uss_mib")
         growth[key] = {"after_warmup_mib": a, "end_mib": b,
-                       "growth": round(b / a - 1, 4) if a and b else None}
+                       "growth": round(b / a - 1, 4) if a and b else None,
+                       "uss_after_warmup_mib": pa, "uss_end_mib": pb,
+                       "uss_growth": round(pb / pa - 1, 4) if pa and pb else None}
     warm = next((r for r in rows if r["t"] >= WARMUP_S), rows[0])
     steps_per_s = []
     t = 0.0
@@ -111,8 +119,10 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         t += WINDOW_S
     total = lambda r: round(sum(r["folder_mib"].values()), 2)
     vals = [g["growth"] for g in growth.values() if g["growth"] is not None]
+    uss = [g["uss_growth"] for g in growth.values() if g["uss_growth"] is not None]
     return {"samples": len(rows), "seconds": end, "warmup_s": WARMUP_S, "window_s": WINDOW_S,
             "rss": growth, "max_rss_growth": max(vals) if vals else None,
+            "max_uss_growth": max(uss) if uss else None,
             "folder_mib_after_warmup": total(warm), "folder_mib_end": total(rows[-1]),
             "folder_mib_end_by_part": rows[-1]["folder_mib"],
             "folder_mib_max": max(total(r) for r in rows), "steps_per_s": steps_per_s}
