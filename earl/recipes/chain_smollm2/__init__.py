@@ -137,7 +137,9 @@ recipe = Recipe(
         "algorithm": {"name": "grpo", "critic": "none", "clip_low": 0.2, "clip_high": 0.2,
                       "kl_coef": 0.0, "entropy_coef": 0.0},
         "optim": {"lr": 3e-4},
+        # 8,192 tokens a micro-batch: at 16,384 (calc_smollm2's) the trainer's logits over ~400-token
+        # samples took 12.8 GB and were OOM-killed beside other work on a 23 GB machine
         "placement": {"reference": 0, "dtype": _cpu_dtype(), "shared_prefix": True,
-                      "micro_batch_tokens": 16384},
+                      "micro_batch_tokens": 8192},
     },
 )
