@@ -68,9 +68,10 @@ def test_recipes_load_by_name_and_their_agents_are_importable() -> None:
 
 
 def test_a_recipe_is_a_folder_found_by_name(tmp_path: Path, monkeypatch) -> None:
-    assert recipe_names() == ("calc", "calc_smollm2", "connect4", "gauntlet", "tictactoe")
+    assert recipe_names() == ("calc", "calc_smollm2", "chain_smollm2", "connect4", "gauntlet",
+                              "tictactoe")
     with pytest.raises(ValueError, match="'nope' unknown; choose one of calc, calc_smollm2, "
-                                         "connect4, gauntlet, tictactoe"):
+                                         "chain_smollm2, connect4, gauntlet, tictactoe"):
         load_recipe("nope")
     with pytest.raises(ValueError, match="'recipe': 'nope' unknown"):
         load_config(None, ["--recipe=nope"], recipe_defaults={})
@@ -84,8 +85,8 @@ def test_a_recipe_is_a_folder_found_by_name(tmp_path: Path, monkeypatch) -> None
     (tmp_path / "loose.py").write_text("")  # a module, not a recipe folder
     monkeypatch.setattr(earl.recipes, "__path__", [*earl.recipes.__path__, str(tmp_path)])
     try:
-        assert recipe_names() == ("calc", "calc_smollm2", "connect4", "gauntlet", "mine",
-                                  "tictactoe")
+        assert recipe_names() == ("calc", "calc_smollm2", "chain_smollm2", "connect4",
+                                  "gauntlet", "mine", "tictactoe")
         assert load_recipe("mine").name == "mine"
         assert load_config(None, ["--recipe=mine"]).steps == 3
     finally:
