@@ -33,6 +33,8 @@ from earl.recipe import IterTasks as IterTasks
 from earl.recipe import ListTasks as ListTasks
 from earl.recipe import Recipe as Recipe
 from earl.recipe import SeedTasks as SeedTasks
+from earl.recipe import native_dtype as native_dtype
+from earl.recipe import turn_targets as turn_targets
 from earl.run import RunResult as RunResult
 from earl.run import train as train
 from earl.runtime import Actor as Actor
@@ -53,5 +55,5 @@ __all__ = [
     "ContextLengthError", "Critic", "Engine", "Episode", "EvalSet", "Generation", "IterTasks",
     "ListTasks", "Recipe", "RestartPolicy", "Rollout", "RolloutConfig", "RunResult", "Runtime",
     "RuntimeConfig", "SamplingParams", "SeedTasks", "SimConfig", "SimEngine", "ToolCall",
-    "Trajectory", "endpoint", "run_agent", "train",
+    "Trajectory", "endpoint", "native_dtype", "run_agent", "train", "turn_targets",
 ]

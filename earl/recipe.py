@@ -37,7 +37,8 @@ if TYPE_CHECKING:
 __all__ = [
     "Critic", "EvalSet", "IterTasks", "ListTasks", "Recipe", "SeedTasks", "TaskSource",
     "agent_ref", "critic_ref", "load_agent", "load_critic", "load_function", "load_jsonl",
-    "load_recipe", "load_reward", "mean_reward", "recipe_names",
+    "load_recipe", "load_reward", "mean_reward", "native_dtype", "recipe_names",
+    "turn_targets",
 ]
 
 Sample = object
@@ -369,3 +370,34 @@ def load_recipe(name: str) -> Recipe:
     recipe = module.recipe
     assert isinstance(recipe, Recipe)
     return recipe
+
+
+def turn_targets(trajectories: Iterable[Trajectory]) -> WarmStartData:
+    """Warm-start data that imitates `trajectories`: each one's token ids, and a target row
+    (position, token, weight 1) for every token of its assistant turns. Failed trajectories
+    and those without a turn are left out."""
+    import numpy as np
+
+    ids_out: list[Any] = []
+    tgt_out: list[Any] = []
+    for t in trajectories:
+        if t.failed or not t.turn_spans:
+            continue
+        rows = [(pos, t.token_ids[pos], 1.0) for start, end in t.turn_spans
+                for pos in range(start, end)]
+        ids_out.append(np.asarray(t.token_ids, dtype=np.int64))
+        tgt_out.append(np.asarray(rows, dtype=np.float64))
+    return ids_out, tgt_out
+
+
+def native_dtype() -> str:
+    """"bfloat16" where this CPU computes it natively (AVX512-BF16 or AMX), else "float32":
+    a recipe's `placement.dtype` for a real model on CPU."""
+    import re
+
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = set(re.findall(r"\w+", f.read()))
+    except OSError:
+        return "float32"
+    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & flags else "float32"

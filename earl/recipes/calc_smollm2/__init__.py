@@ -24,10 +24,6 @@ and `earl.envs`).
 
 from __future__ import annotations
 
-import re
-
-import numpy as np
-
 from earl import (
     ChatCodec,
     EvalSet,
@@ -36,7 +32,9 @@ from earl import (
     SamplingParams,
     SimConfig,
     SimEngine,
+    native_dtype,
     run_agent,
+    turn_targets,
 )
 from earl.agents.calc import solve
 from earl.agents.tools import Tool
@@ -75,32 +73,13 @@ async def warm_start(codec: ChatCodec, n: int, seed: int
     cfg = RolloutConfig(sampling=SamplingParams(max_tokens=MAX_TOKENS,
                                                 stop_token_ids=codec.stop_ids))
     tasks = CalcTasks("train", seed=seed + 17)
-    ids_out: list[object] = []
-    tgt_out: list[object] = []
-    for k in range(n):
-        t = await run_agent(agent, tasks.sample(k), engine=engine, codec=codec, config=cfg)
-        if t.failed or not t.turn_spans:
-            continue
-        rows = [(pos, t.token_ids[pos], 1.0) for start, end in t.turn_spans
-                for pos in range(start, end)]
-        ids_out.append(np.asarray(t.token_ids, dtype=np.int64))
-        tgt_out.append(np.asarray(rows, dtype=np.float64))
-    return ids_out, tgt_out
+    return turn_targets([await run_agent(agent, tasks.sample(k), engine=engine, codec=codec,
+                                         config=cfg) for k in range(n)])
 
 
 def _eval_tasks(split: str, step: int, n: int) -> list[object]:
     # "start" and "final" score the same held-out tasks; "validation" (model selection) others.
     return list(CalcTasks("eval", seed=1 if split == "validation" else 0).take(n))
-
-
-def _cpu_dtype() -> str:
-    """bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX), else float32."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            flags = set(re.findall(r"\w+", f.read()))
-    except OSError:
-        return "float32"
-    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & flags else "float32"
 
 
 recipe = Recipe(
@@ -123,7 +102,7 @@ recipe = Recipe(
         "algorithm": {"name": "grpo", "critic": "none", "clip_low": 0.2, "clip_high": 0.2,
                       "kl_coef": 0.0, "entropy_coef": 0.0},
         "optim": {"lr": 3e-4},
-        "placement": {"reference": 0, "dtype": _cpu_dtype(), "shared_prefix": True,
+        "placement": {"reference": 0, "dtype": native_dtype(), "shared_prefix": True,
                       "micro_batch_tokens": 16384},
     },
 )

@@ -25,8 +25,6 @@ import json
 import random
 import re
 
-import numpy as np
-
 from earl import (
     ChatCodec,
     EvalSet,
@@ -35,7 +33,9 @@ from earl import (
     SamplingParams,
     SimConfig,
     SimEngine,
+    native_dtype,
     run_agent,
+    turn_targets,
 )
 from earl.agents.calc import solve
 from earl.agents.tools import Tool
@@ -89,32 +89,13 @@ async def warm_start(codec: ChatCodec, n: int, seed: int
     # The script's turns are never cut: ~30 SmolLM2 tokens a call, ~75 for a char tokenizer.
     cfg = RolloutConfig(sampling=SamplingParams(max_tokens=128, stop_token_ids=codec.stop_ids))
     tasks = SymbolicTasks(seed=seed + 17)
-    ids_out: list[object] = []
-    tgt_out: list[object] = []
-    for k in range(n):
-        t = await run_agent(agent, tasks.sample(k), engine=engine, codec=codec, config=cfg)
-        if t.failed or not t.turn_spans:
-            continue
-        rows = [(pos, t.token_ids[pos], 1.0) for start, end in t.turn_spans
-                for pos in range(start, end)]
-        ids_out.append(np.asarray(t.token_ids, dtype=np.int64))
-        tgt_out.append(np.asarray(rows, dtype=np.float64))
-    return ids_out, tgt_out
+    return turn_targets([await run_agent(agent, tasks.sample(k), engine=engine, codec=codec,
+                                         config=cfg) for k in range(n)])
 
 
 def _eval_tasks(split: str, step: int, n: int) -> list[object]:
     # "start" and "final" score the same held-out tasks; "validation" (model selection) others.
     return list(ChainTasks("eval", seed=1 if split == "validation" else 0).take(n))
-
-
-def _cpu_dtype() -> str:
-    """bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX), else float32."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            flags = set(re.findall(r"\w+", f.read()))
-    except OSError:
-        return "float32"
-    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & flags else "float32"
 
 
 recipe = Recipe(
@@ -139,7 +120,7 @@ recipe = Recipe(
         "optim": {"lr": 3e-4},
         # 8,192 tokens a micro-batch: at 16,384 (calc_smollm2's) the trainer's logits over ~400-token
         # samples took 12.8 GB and were OOM-killed beside other work on a 23 GB machine
-        "placement": {"reference": 0, "dtype": _cpu_dtype(), "shared_prefix": True,
+        "placement": {"reference": 0, "dtype": native_dtype(), "shared_prefix": True,
                       "micro_batch_tokens": 8192},
     },
 )
