@@ -196,7 +196,10 @@ async def run_chaos(cfg: Any, faults: list[str], *, seed: int = 0, log: Any = pr
 
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    disk = mount_tmpfs(out / "checkpoint", 24 << 20) if "disk_full" in faults else ""
+    # room for two checkpoints of a long run (the one in force and the one being staged: the
+    # soak's grew to 12 MiB each and a 24 MiB tmpfs failed every save after); the fault fills
+    # whatever is free
+    disk = mount_tmpfs(out / "checkpoint", 256 << 20) if "disk_full" in faults else ""
     recipe, ref = resolve_recipe(cfg)
     stall = out / ".tool-stall"
     env: dict[str, str] = {}
