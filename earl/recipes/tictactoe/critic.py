@@ -70,7 +70,7 @@ class TabularCritic:
     """
 
     def __init__(self, *, alpha: float = 0.2, lam: float = 0.5, q_weight: float = 0.0,
-                 max_states: int = 50_000) -> None:
+                 max_states: int = 20_000) -> None:
         if not 0 < alpha <= 1:
             raise ValueError(f"critic alpha={alpha} must be in (0, 1]")
         if not 0 <= lam <= 1:
