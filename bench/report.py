@@ -331,9 +331,7 @@ def _soak(r: Result) -> str:
 
 
 def _chaos_sweep(r: Result) -> str:
-    what = f"`{r['faults']}` at {r['runs']} seeds" if r.get("faults") else \
-        f"{r['runs']} drawn schedules of {r['draw']} faults"
-    return (f"{what}: {r['passed']} passed, "
+    return (f"{r['runs']} drawn schedules of {r['draw']} faults: {r['passed']} passed, "
             f"**{r['lost']}** samples lost, **{r['duplicated']}** duplicated; each failing "
             f"schedule kept as a regression case ({r['regression_cases']})")
 
@@ -365,8 +363,6 @@ ROWS: list[tuple[str, str, Callable[[Result], str]]] = [
     ("peers", "peer: TRL at its best (GRPOTrainer or AsyncGRPOTrainer), same agentic task and budget", _peers),
     ("soak", "soak: a live run with a fault drawn every ~5 min (`earl chaos --soak`)", _soak),
     ("chaos_sweep", "fault schedules drawn from seeds (`earl chaos --draw`)", _chaos_sweep),
-    ("chaos_named", "the three kills of issue 49 at ten seeds (`earl chaos --faults`)",
-     _chaos_sweep),
     ("parallel", "tensor parallelism on CPU", _parallel),
     ("selector", "parallelism selector in `earl train`, gauntlet (contexts grow as it learns), device slots", _selector),
     ("selector_bound", ("the selector's ceiling on this machine: free, clairvoyant switching "
