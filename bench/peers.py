@@ -122,14 +122,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from earl.observe import tree_rss_mib
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import _agentic_workload
 import _peers_task
 import _results
-
-from earl.observe import tree_rss_mib
 
 RECIPE: dict[str, Any] = {"batch_size": 32, "group_size": 8, "max_tokens": 8,
                           "temperature": 1.0, "clip": 0.2, "lr": 1e-3, "seed": 0}
