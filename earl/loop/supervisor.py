@@ -170,7 +170,7 @@ class Supervisor:
 
     def policy(self, stage: str) -> RestartPolicy:
         """The runtime's restart policy for `stage`'s ranks (a rewound stage: no restart)."""
-        n = self.max_restarts if self._heals.get(stage) == "in_place" else 0
+        n = self.max_restarts if self._in_place(stage) else 0
         return RestartPolicy(max_restarts=n, window_s=self.window_s,
                              backoff_s=self.config.backoff_s)
 
