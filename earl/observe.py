@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 
 class Metrics:
@@ -89,6 +90,7 @@ class Tracer:
         self._t0 = time.perf_counter()
         self._lock = threading.Lock()
         self._tids: dict[str, int] = {}
+        self._spooled: IO[str] | None = None  # the spool's handle, opened at the first event
         if enabled and spool is not None:
             spool.write_text("")  # a fresh trace: an earlier run's events are not this one's
 
@@ -113,8 +115,9 @@ class Tracer:
             if self.spool is None:
                 self.events.append(event)
             else:
-                with self.spool.open("a") as f:
-                    f.write(json.dumps(event, default=str) + "\n")
+                if self._spooled is None:
+                    self._spooled = self.spool.open("a", buffering=1)  # a line at a time
+                self._spooled.write(json.dumps(event, default=str) + "\n")
 
     def write(self, path: Path) -> Path:
         """The trace so far as `path` (Chrome's JSON object format), written line by line."""
