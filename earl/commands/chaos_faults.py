@@ -192,6 +192,12 @@ def versions_monotone(out: Path, lag: int, partial: bool = False) -> bool:
     return True
 
 
+def healed_count(events: list[dict[str, Any]], what: str, actor: str | None = None) -> int:
+    """How many of the supervisor's `events` are `what` ("restart", "rewind", "stall"), of
+    `actor` when given: a fault healed when its count went up after it fired."""
+    return sum(e["event"] == what and (actor is None or e["actor"] == actor) for e in events)
+
+
 async def until(pred: Any, timeout: float) -> bool:
     """Wait until `pred()` holds, polling every 0.1 s; False after `timeout` seconds."""
     deadline = time.monotonic() + timeout

@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from earl.commands.chaos_attacks import http_status, open_files_limit, plant_shm_names, slowloris
-from earl.commands.chaos_faults import corrupt, cut_when_busy, delay_requests, fill, until
+from earl.commands.chaos_faults import (
+    corrupt,
+    cut_when_busy,
+    delay_requests,
+    fill,
+    healed_count,
+    until,
+)
 from earl.commands.chaos_oracle import lose_a_sample
 
 if TYPE_CHECKING:
@@ -199,16 +206,16 @@ class Injector:
             in_flight = await self._requests_in_flight() if fault == "kill:rollout_span" else 0
             rec = await self.rt.dir_call("lookup", name)
             pid = rec.pids[0]
-            before = (sup.restarts.get(name, 0), sup.rewinds)
+            # counted in the supervisor's events: a restart event's own `restarts` is the
+            # runtime's count for the actor, which starts again at 0 with each rewind's actors
+            before = (healed_count(sup.events, "restart", name),
+                      healed_count(sup.events, "rewind"))
             os.kill(pid, 9)
             fired.set()
             # healed: rebuilt in place, or (the trainer, the dock, any actor while an attempt
             # starts) rewound and the new attempt's supervisor watching (its actors up)
-            ok = await until(lambda: any(
-                e["event"] == "restart" and e["actor"] == name
-                and e.get("restarts", 0) > before[0] for e in sup.events) or (
-                sum(e["event"] == "rewind" for e in sup.events) > before[1]
-                and sup.watched), 300)
+            ok = await until(lambda: healed_count(sup.events, "restart", name) > before[0] or (
+                healed_count(sup.events, "rewind") > before[1] and sup.watched), 300)
             if fault == "kill:rollout_span":  # it must have hit sessions spanning the push
                 return {"pid": pid, "groups_running": running, "requests_in_flight": in_flight,
                         "recovered": ok and in_flight > 0}
@@ -277,7 +284,7 @@ class Injector:
         sup, fired = self.job.supervisor, self.fired[i]
         rec = await self.rt.dir_call("lookup", name)
         pid, addr = rec.pids[0], rec.addresses[0]
-        before = sup.restarts.get(name, 0)
+        before = healed_count(sup.events, "restart", name)
         self.armed[i].set()  # the run may go on: the next call to `name[0]` is cut
         try:
             async with asyncio.timeout(60.0):
@@ -289,8 +296,7 @@ class Injector:
             return {"pid": pid, "calls_in_flight": 0, "recovered": False,
                     "note": f"no call to {name}[0] within 60 s"}
         fired.set()
-        ok = await until(lambda: sup.restarts.get(name, 0) > before and any(
-            e["event"] == "restart" and e["actor"] == name for e in sup.events), 300)
+        ok = await until(lambda: healed_count(sup.events, "restart", name) > before, 300)
         after = await self.rt.dir_call("lookup", name)
         return {"pid": pid, "calls_in_flight": busy, "new_pid": after.pids[0],
                 "recovered": ok and after.pids[0] != pid}
@@ -303,22 +309,18 @@ class Injector:
 
         sup = self.job.supervisor
 
-        def stalls() -> list[dict[str, Any]]:
-            return [e for e in sup.events if e["event"] == "stall"]
-
-        before = len(stalls())
+        before = (healed_count(sup.events, "stall"), healed_count(sup.events, "rewind"))
         pid = (await self.rt.dir_call("lookup", name)).pids[0]
         os.kill(pid, signal.SIGSTOP)
         fired.set()
-        def rewinds() -> int:
-            return sum(e["event"] == "rewind" for e in sup.events)
-
-        rewound = rewinds()  # the rewind's event comes once the frozen process is stopped
-        ok = await until(lambda: len(stalls()) > before and rewinds() > rewound
+        # the rewind's event comes once the frozen process is stopped
+        ok = await until(lambda: healed_count(sup.events, "stall") > before[0]
+                         and healed_count(sup.events, "rewind") > before[1]
                          and sup.watched, 900)
         if not ok:
             os.kill(pid, signal.SIGKILL)
-        return {"pid": pid, "stage": stalls()[-1]["stage"] if ok else "", "recovered": ok}
+        stage = [e for e in sup.events if e["event"] == "stall"][-1]["stage"] if ok else ""
+        return {"pid": pid, "stage": stage, "recovered": ok}
 
     async def _disk_full(self, i: int) -> dict[str, Any]:
         fired, sup = self.fired[i], self.job.supervisor

@@ -144,3 +144,28 @@ async def test_a_drop_with_a_call_in_flight_cuts_at_once_and_can_be_called_off()
     idle.request(1, b"", [])
     await asyncio.sleep(0.05)
     assert idle.aborted == 0
+
+
+async def test_a_kill_after_a_rewind_is_seen_healed_by_its_restart_event() -> None:
+    """A rewind's actors count their restarts from 0 again, while the supervisor's count goes
+    on: a kill of the reference after a rewind was healed but judged not recovered (the
+    second soak's fault 8, `restarts` 1 in the event against 2 counted before)."""
+    import subprocess
+
+    victim = subprocess.Popen(["sleep", "60"])
+    events: list[dict[str, Any]] = [
+        {"event": "restart", "actor": "reference", "restarts": 1},  # the first attempt's
+        {"event": "rewind", "actor": "trainer"}]
+    sup = SimpleNamespace(events=events, restarts={"reference": 2}, rewinds=1, watched=True)
+    rec = SimpleNamespace(pids=[victim.pid], status=["up"])
+
+    async def dir_call(op: str, name: str) -> Any:
+        return rec
+
+    inj = injector(["kill:reference"], [1], [False])
+    inj.job.supervisor, inj.rt = sup, SimpleNamespace(dir_call=dir_call)
+    task = asyncio.ensure_future(inj._inject(0))
+    await inj.fired[0].wait()
+    victim.wait()
+    events.append({"event": "restart", "actor": "reference", "restarts": 1})  # the new actor's
+    assert (await task)["recovered"]
