@@ -265,7 +265,8 @@ async def run_chaos(cfg: Any, faults: list[str], *, seed: int = 0, log: Any = pr
         "error": error, "wall_s": round(time.perf_counter() - t0, 1), "seed": seed,
         **({"drawn": drawn.as_json()} if drawn is not None else {}),
         **({"soak": {"faults_planned": len(faults), "due_s": due_s,
-                     **summarize(sampler.rows), "rows": sampler.rows}}
+                     **summarize(sampler.rows), "rows": sampler.rows,
+                     "driver_rewinds": sampler.rewinds}}
            if sampler is not None else {})}
     report["ok"] = bool(recovered and not report["samples_lost"]
                         and not report["samples_duplicated"] and monotone

@@ -14,10 +14,12 @@ faults (`earl.commands.chaos_injector`) and the oracle (`earl.commands.chaos_ora
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import random
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -54,14 +56,25 @@ def _folder_mib(root: Path) -> dict[str, float]:
     return out
 
 
+def _census() -> Counter[str]:
+    """The driver's live objects (those the collector tracks), by type."""
+    gc.collect()
+    return Counter(type(o).__qualname__ for o in gc.get_objects())
+
+
 class Sampler:
     """Samples the run every `every_s` seconds into `rows`: seconds since start, steps trained,
-    RSS per actor (`name[rank]`, and `driver`: this process alone), the folder's size."""
+    RSS per actor (`name[rank]`, and `driver`: this process alone), the folder's size, the
+    driver's live objects. After each rewind, `rewinds` gets the driver's RSS and the types
+    whose live objects grew most since the one before (what an attempt may leave behind)."""
 
     def __init__(self, rt: Any, job: Any, out: Path, every_s: float = 30.0) -> None:
         self.rt, self.job, self.out, self.every_s = rt, job, out, every_s
         self.rows: list[dict[str, Any]] = []
+        self.rewinds: list[dict[str, Any]] = []
         self.t0 = time.perf_counter()
+        self._seen_rewinds = 0
+        self._census: Counter[str] | None = None
 
     async def run(self) -> None:
         while True:
@@ -82,9 +95,19 @@ class Sampler:
                     uss[f"{name}[{rank}]"] = round(
                         await asyncio.to_thread(tree_rss_mib, pid, private=True), 1)
         folder = await asyncio.to_thread(_folder_mib, self.out)
-        self.rows.append({"t": round(time.perf_counter() - self.t0, 1),
-                          "step": self.job.state.step if self.job.started else 0,
-                          "rss_mib": rss, "uss_mib": uss, "folder_mib": folder})
+        census = _census()
+        t = round(time.perf_counter() - self.t0, 1)
+        self.rows.append({"t": t, "step": self.job.state.step if self.job.started else 0,
+                          "rss_mib": rss, "uss_mib": uss, "folder_mib": folder,
+                          "driver_objects": sum(census.values())})
+        if self._census is None or self.job.supervisor.rewinds > self._seen_rewinds:
+            if self._census is not None:
+                grew = sorted(((k, n - self._census[k]) for k, n in census.items()
+                               if n > self._census[k]), key=lambda kv: -kv[1])
+                self.rewinds.append({"t": t, "rewinds": self.job.supervisor.rewinds,
+                                     "driver_rss_mib": rss["driver"],
+                                     "objects_grew": dict(grew[:15])})
+            self._census, self._seen_rewinds = census, self.job.supervisor.rewinds
 
 
 def _median(rows: list[dict[str, Any]], key: str, kind: str = "rss_mib") -> float | None:
