@@ -24,15 +24,16 @@ Not here: moving devices between stages (the selector, `earl.loop.selection`), s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from earl.config import PlacementConfig
-    from earl.runtime.slots import SlotPool
+    from earl.runtime.slots import Slot, SlotPool
 
 __all__ = ["COLOCATED_SHARE", "STAGES", "GpuPlan", "device_roles", "gpu_memory_mib", "gpu_slots",
-           "plan_gpus", "rollout_memory_mib", "run_slots"]
+           "placed", "plan_gpus", "rollout_memory_mib", "run_slots"]
 
 STAGES = ("rollout", "trainer", "reference")
 COLOCATED_SHARE = 0.5  # vLLM's share of a GPU it shares with a trainer rank (verl's default)
@@ -203,3 +204,13 @@ def run_slots(placement: PlacementConfig, reference: int = 0) -> SlotPool:
         pool.create(name, cores=(cores[i % len(cores)],),
                     memory_mib=mib or placement.slot_memory_mib, cpu_share=share)
     return pool
+
+
+def placed(pool: SlotPool | None, names: Sequence[str], ranks: int, owner: str,
+           per_rank: int = 1) -> list[Slot] | None:
+    """A slot per rank of `owner`, or None without slots (or too few `names`): rank r gets
+    the r-th run of `per_rank` of `names`, joined into one slot when there are several (a
+    tensor-parallel replica and its workers)."""
+    if pool is None or len(names) < ranks * per_rank or ranks == 0:
+        return None
+    return [pool.join(names[r * per_rank:(r + 1) * per_rank], owner) for r in range(ranks)]

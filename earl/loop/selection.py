@@ -431,18 +431,13 @@ class Selection:
                     "selector/reconfigurations": st.reconfigurations,
                     "selector/reconfig_s": times.get("total_s", 0.0),
                     **{f"selector/reconfig/{k}": v for k, v in times.items()},
-                    "selector/applied_max_model_len": self.setting.max_model_len,
-                    "selector/applied_micro_batch_tokens": self.setting.micro_batch_tokens,
+                    **{f"selector/applied_{k}": getattr(self.setting, k) for k in (
+                        "max_model_len", "micro_batch_tokens", "kv_tokens", "trainer_dp",
+                        "trainer_tp", "rollout_replicas", "rollout_tp")},
                     "selector/applied_recompute": int(self.setting.trainer_recompute),
-                    "selector/applied_kv_tokens": self.setting.kv_tokens,
-                    "selector/applied_trainer_dp": self.setting.trainer_dp,
-                    "selector/applied_trainer_tp": self.setting.trainer_tp,
-                    "selector/applied_rollout_replicas": self.setting.rollout_replicas,
-                    "selector/applied_rollout_tp": self.setting.rollout_tp,
                     "selector/applied_reference_ranks": len(self.setting.reference_slots),
-                    "selector/trainer_layout_changes": st.trainer_layout_changes,
-                    "selector/rollout_layout_changes": st.rollout_layout_changes,
-                    "selector/device_moves": st.device_moves,
+                    **{f"selector/{k}": getattr(st, k) for k in (
+                        "trainer_layout_changes", "rollout_layout_changes", "device_moves")},
                     **(self.profile.record_row() if self.profile is not None else {})})
         self.record(row)
 
@@ -450,7 +445,7 @@ class Selection:
         """Apply `new` (re-creating what changed); `decision`: it ends a decision (counted)."""
         old, st = self.setting, self._stats
         times: dict[str, float] = {}
-        if new.changed(old):
+        if changed := new.changed(old):
             # the policy holds the new plan from its decision on: a step that ends while the
             # change waits for the lock or runs ran the old one, and must not count in a trial
             self._unmeasured = self.SETTLE_STEPS
@@ -463,12 +458,7 @@ class Selection:
             moved = moves(old, new)
             self._unsettled |= moved  # their next peak counts their last holder (`_peak`)
             self._unmeasured = self.SETTLE_STEPS
-            self._fresh |= set(new.changed(old))
-            if new.trainer_key() == old.trainer_key():  # the trainer was kept
-                if new.micro_batch_tokens != old.micro_batch_tokens:
-                    await self.reconfigurer.set_micro_batch_tokens(new.micro_batch_tokens)
-                if new.trainer_recompute != old.trainer_recompute:
-                    await self.reconfigurer.set_recompute(new.trainer_recompute)
+            self._fresh |= set(changed)
             total = dict(st.reconfig_seconds)
             for k, v in times.items():
                 total[k] = total.get(k, 0.0) + v
@@ -486,13 +476,15 @@ class Selection:
                      f"{new.max_model_len}"
                      + (f", reference on {list(new.reference_slots)}"
                         if new.reference_slots != old.reference_slots else ""))
-        else:
+        # a kept trainer takes a new budget or recompute live (counted when nothing else
+        # changed); a re-created one started with them
+        if new.trainer_key() == old.trainer_key():
             if new.micro_batch_tokens != old.micro_batch_tokens:
                 await self.reconfigurer.set_micro_batch_tokens(new.micro_batch_tokens)
-                st = replace(st, budget_changes=st.budget_changes + 1)
+                st = replace(st, budget_changes=st.budget_changes + int(not changed))
             if new.trainer_recompute != old.trainer_recompute:
                 await self.reconfigurer.set_recompute(new.trainer_recompute)
-                st = replace(st, recompute_changes=st.recompute_changes + 1)
+                st = replace(st, recompute_changes=st.recompute_changes + int(not changed))
         self._stats = replace(st, decisions=st.decisions + int(decision))
         self.setting = new
         return times

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from earl.loop.actors import Actors
+from earl.loop.devices import placed
 from earl.loop.selection import ReferenceProgress, Selection, Setting
-from earl.runtime.dock import Dock
 from earl.runtime.layout import Layout
 from earl.runtime.selector import (
     CostConfig,
@@ -44,9 +44,10 @@ from earl.runtime.slots import SlotPool
 if TYPE_CHECKING:
     from earl.loop.job import Job
     from earl.loop.supervisor import Supervisor
+    from earl.observe import Tracer
 
-__all__ = ["ActorReconfigurer", "SlotMemory", "build_selection", "cost_model_of", "device_peak",
-           "make_policy", "queue_depths", "selection_for_run", "slot_usage"]
+__all__ = ["ActorReconfigurer", "SlotMemory", "cost_model_of", "device_peak", "make_policy",
+           "selection_for_run", "slot_usage"]
 
 
 class ActorReconfigurer:
@@ -68,8 +69,8 @@ class ActorReconfigurer:
 
     def __init__(self, rt: Any, actors: Actors, *, pool: SlotPool | None,
                  slot_memory: SlotMemory | None = None, env: dict[str, str],
-                 checkpoint_dir: Path, kv_bytes_per_token: float, tracer: Any = None,
-                 supervisor: Supervisor | None = None) -> None:
+                 checkpoint_dir: Path, kv_bytes_per_token: float, tracer: Tracer,
+                 supervisor: Supervisor) -> None:
         self.rt, self.actors, self.pool, self.env, self.tracer = rt, actors, pool, env, tracer
         self.slot_memory, self.supervisor = slot_memory, supervisor
         self.checkpoint_dir, self.kv_bytes = checkpoint_dir, kv_bytes_per_token
@@ -90,23 +91,7 @@ class ActorReconfigurer:
         """KV budget per replica: `kv_tokens` of KV, plus 16 MiB for vLLM's block rounding."""
         return (s.kv_tokens * self.kv_bytes + (16 << 20)) / 2**30
 
-    def _slots(self, names: tuple[str, ...], owner: str) -> Any:
-        if self.pool is None or not names:
-            return None
-        return [self.pool.assign(n, owner) for n in names]
-
-    def _release(self, names: tuple[str, ...]) -> None:
-        if self.pool is not None:
-            for n in names:
-                self.pool.release(n)
-
     async def apply(self, old: Setting, new: Setting) -> dict[str, float]:
-        if self.tracer is None:
-            return await self._apply(old, new)
-        with self.tracer.span("reconfigure", actor="selector"):
-            return await self._apply(old, new)
-
-    async def _apply(self, old: Setting, new: Setting) -> dict[str, float]:
         from earl.stages.reconfigure import (
             reconfigure_reference,
             reconfigure_rollout,
@@ -114,94 +99,77 @@ class ActorReconfigurer:
         )
 
         times: dict[str, float] = {}
-        for actor in _order(new.changed(old), old, new):
-            self._n += 1
-            if actor == "reference":
-                moved = tuple(n for n in old.reference_slots if n not in new.reference_slots)
-                ranks = len(new.reference_slots)
-                group, t = await reconfigure_reference(
-                    self.rt, self.actors.reference, self.actors.dock, ranks=ranks, env=self.env,
-                    slot=self._placed(new.reference_slots, ranks, "reference"),
-                    restart=self._restart("reference"))
-                self._release(moved)
-                self.actors.use_reference(group)
-                self._follow("reference", ranks)
-            elif actor == "trainer":
-                moved = tuple(n for n in old.trainer_slots if n not in new.trainer_slots)
-                # a slot can hold one rank: ranks beyond the slots run unplaced
-                ranks = new.trainer_tp * new.trainer_dp
-                group, t = await reconfigure_trainer(
-                    self.rt, self.actors.trainer, Layout(dp=new.trainer_dp, tp=new.trainer_tp),
-                    checkpoint_dir=self.checkpoint_dir / f"reshard-{self._n}", env=self.env,
-                    slot=self._placed(new.trainer_slots, ranks, "trainer"),
-                    micro_batch_tokens=new.micro_batch_tokens, recompute=new.trainer_recompute)
-                self._release(moved)
-                self.actors.use_trainer(group, new.micro_batch_tokens)
-            else:
-                moved = tuple(n for n in old.rollout_slots if n not in new.rollout_slots)
-                # replicas that stay in their slots with their TP keep their processes: only
-                # the difference starts or stops (and their engines rebuild if the window or
-                # KV budget changed)
-                tp, kept = new.rollout_tp, min(new.rollout_replicas, old.rollout_replicas)
-                in_place = (tp == old.rollout_tp
-                            and new.rollout_slots[:kept * tp] == old.rollout_slots[:kept * tp])
-                start = kept * tp if in_place else 0
-                version = await self.actors.trainer[0].version.call_one()
-                group, t = await reconfigure_rollout(
-                    self.rt, self.actors.rollout, tensor_parallel_size=tp,
-                    replicas=new.rollout_replicas, trainer=self.actors.trainer, version=version,
-                    env=self.env,
-                    slot=self._placed(new.rollout_slots[start:],
-                                      new.rollout_replicas - start // tp, "rollout", tp),
-                    max_model_len=new.max_model_len, kv_cache_gb=self.kv_cache_gb(new),
-                    restart=self._restart("rollout"), in_place=in_place)
-                self._release_joins("rollout", keep=tuple(  # rebuilt in place: kept too
-                    "_".join(new.rollout_slots[r * new.rollout_tp:(r + 1) * new.rollout_tp])
-                    for r in range(new.rollout_replicas)))
-                self._release(moved)
-                await self.actors.use_rollout(group, version)
-                self._follow("rollout", new.rollout_replicas)
-            for k, v in t.as_dict().items():
-                times[f"{actor}/{k}"] = times.get(f"{actor}/{k}", 0.0) + v
+        with self.tracer.span("reconfigure", actor="selector"):
+            for actor in _order(new.changed(old), old, new):
+                self._n += 1
+                if actor == "reference":
+                    ranks = len(new.reference_slots)
+                    group, t = await reconfigure_reference(
+                        self.rt, self.actors.reference, self.actors.dock, ranks=ranks,
+                        env=self.env,
+                        slot=placed(self.pool, new.reference_slots, ranks, "reference"),
+                        restart=self.supervisor.policy("reference"))
+                    self.actors.use_reference(group)
+                    self.supervisor.follow("reference", ranks)
+                elif actor == "trainer":
+                    # a slot can hold one rank: ranks beyond the slots run unplaced
+                    ranks = new.trainer_tp * new.trainer_dp
+                    group, t = await reconfigure_trainer(
+                        self.rt, self.actors.trainer,
+                        Layout(dp=new.trainer_dp, tp=new.trainer_tp),
+                        checkpoint_dir=self.checkpoint_dir / f"reshard-{self._n}", env=self.env,
+                        slot=placed(self.pool, new.trainer_slots, ranks, "trainer"),
+                        micro_batch_tokens=new.micro_batch_tokens,
+                        recompute=new.trainer_recompute)
+                    self.actors.use_trainer(group, new.micro_batch_tokens)
+                else:
+                    # replicas that stay in their slots with their TP keep their processes:
+                    # only the difference starts or stops (and their engines rebuild if the
+                    # window or KV budget changed)
+                    tp, kept = new.rollout_tp, min(new.rollout_replicas, old.rollout_replicas)
+                    in_place = (tp == old.rollout_tp and new.rollout_slots[:kept * tp]
+                                == old.rollout_slots[:kept * tp])
+                    start = kept * tp if in_place else 0
+                    version = await self.actors.trainer[0].version.call_one()
+                    group, t = await reconfigure_rollout(
+                        self.rt, self.actors.rollout, tensor_parallel_size=tp,
+                        replicas=new.rollout_replicas, trainer=self.actors.trainer,
+                        version=version, env=self.env,
+                        slot=placed(self.pool, new.rollout_slots[start:],
+                                    new.rollout_replicas - start // tp, "rollout", tp),
+                        max_model_len=new.max_model_len, kv_cache_gb=self.kv_cache_gb(new),
+                        restart=self.supervisor.policy("rollout"), in_place=in_place)
+                    await self.actors.use_rollout(group, version)
+                    self.supervisor.follow("rollout", new.rollout_replicas)
+                if self.pool is not None:
+                    self._release(actor, old, new)
+                for k, v in t.as_dict().items():
+                    times[f"{actor}/{k}"] = times.get(f"{actor}/{k}", 0.0) + v
         times["total_s"] = sum(v for k, v in times.items() if k.endswith("/total_s"))
         return times
-
-    def _restart(self, group: str) -> Any:
-        """The restart policy of `group`'s re-created ranks: the run's supervisor's."""
-        return self.supervisor.policy(group) if self.supervisor is not None else None
-
-    def _follow(self, group: str, ranks: int) -> None:
-        if self.supervisor is not None:
-            self.supervisor.follow(group, ranks)
 
     def rollout_spawn(self, s: Setting) -> tuple[dict[str, Any], int, Any]:
         """The `EngineConfig` changes, replica count and slots that start the rollout group
         with setting `s` (how `Selection.start`'s first plan is applied at spawn)."""
         changes = {"tensor_parallel_size": s.rollout_tp, "max_model_len": s.max_model_len,
                    "kv_cache_gb": self.kv_cache_gb(s)}
-        return changes, s.rollout_replicas, self._placed(s.rollout_slots, s.rollout_replicas,
-                                                         "rollout", s.rollout_tp)
+        return changes, s.rollout_replicas, placed(self.pool, s.rollout_slots,
+                                                   s.rollout_replicas, "rollout", s.rollout_tp)
 
-    def _placed(self, names: tuple[str, ...], ranks: int, owner: str, per_rank: int = 1
-                ) -> Any:
-        """A slot per rank, or None without slots (or too few): rank r gets `names`'
-        r-th run of `per_rank` devices, joined into one slot when there are several (a
-        tensor-parallel replica and its workers). Slots the actor gains were released by their
-        old owner first (see `apply`)."""
-        if self.pool is None or len(names) < ranks * per_rank or ranks == 0:
-            return None
-        if per_rank == 1:
-            return self._slots(names[:ranks], owner)
-        return [self.pool.join(names[r * per_rank:(r + 1) * per_rank], owner)
-                for r in range(ranks)]
-
-    def _release_joins(self, owner: str, keep: tuple[str, ...]) -> None:
-        """Remove `owner`'s joined slots other than `keep` (their ranks have stopped)."""
-        if self.pool is None:
-            return
+    def _release(self, actor: str, old: Setting, new: Setting) -> None:
+        """Release the slots `actor` gave up: its joined slots (a TP replica's) that no
+        replica of `new` runs in (rebuilt in place: kept), then the devices it no longer
+        holds."""
+        assert self.pool is not None
+        tp, kept = new.rollout_tp, set(getattr(new, f"{actor}_slots"))
+        joins = {"_".join(new.rollout_slots[r * tp:(r + 1) * tp])
+                 for r in range(new.rollout_replicas)}
         for joined in self.pool.joined():
-            if joined not in keep and self.pool.owner(joined) == owner:
+            if joined not in joins and self.pool.owner(joined) == actor:
                 self.pool.release(joined)
+        for n in getattr(old, f"{actor}_slots"):
+            if n not in kept:
+                self.pool.release(n)
 
 
 def _order(actors: list[str], old: Setting, new: Setting) -> list[str]:
@@ -265,13 +233,6 @@ def _param_count(cfg: Mapping[str, Any]) -> int:
     return n_layers * layer + emb + h
 
 
-async def queue_depths(dock: Dock, stages: tuple[str, ...]) -> dict[str, int]:
-    """Samples in the dock not yet consumed by each stage (its backlog), and under "lost" the
-    samples the dock lost (awaiting re-production)."""
-    st = await dock.statistics()
-    return {**{s: max(0, st.samples - st.consumed.get(s, 0)) for s in stages}, "lost": st.lost}
-
-
 def make_policy(factory: str, cost: CostModel, config: PolicyConfig,
                 measured: RunProfile) -> Policy:
     """The run's policy: `factory` ("PATH.py:NAME" or "module:NAME", called with the cost
@@ -291,28 +252,6 @@ def make_policy(factory: str, cost: CostModel, config: PolicyConfig,
                          f"{type(made).__name__}, which has no decide(); return an "
                          "earl.runtime.selector.Policy")
     return made  # type: ignore[no-any-return]
-
-
-def build_selection(*, policy: Policy, setting: Setting, reconfigurer: ActorReconfigurer,
-                    slots: Callable[[], Mapping[str, float]], dock: Dock,
-                    stages: tuple[str, ...], max_context: int, record: Any = None,
-                    trace: Any = None, log: Any = None, initial_context: int | None = None,
-                    profile: RunProfile | None = None, equal_devices: bool = False,
-                    context_steps: int = 5, reference_progress: Any = None,
-                    device_peak: Any = None) -> Selection:
-    """The run's `Selection`: `policy`, reading the dock's queue depths of `stages` and
-    feeding `profile` (the policy's measured profile)."""
-
-    async def queues() -> Mapping[str, int]:
-        return await queue_depths(dock, stages)
-
-    kw: dict[str, Any] = {k: v for k, v in
-                          {"record": record, "trace": trace, "log": log}.items() if v is not None}
-    return Selection(policy, reconfigurer, setting=setting, slots=slots, queues=queues,
-                     max_context=max_context, initial_context=initial_context,
-                     profile=profile, equal_devices=equal_devices,
-                     context_steps=context_steps, reference_progress=reference_progress,
-                     device_peak=device_peak, **kw)
 
 
 def slot_usage(pool: SlotPool | None) -> dict[str, float]:
@@ -371,42 +310,37 @@ class SlotMemory:
                 for n, b in self.pool.budgets().items() if n not in self.kept}
 
 
-def _slot_view(job: Job, rollout: tuple[str, ...], trainer: tuple[str, ...],
-               kept: tuple[str, ...]
-               ) -> tuple[Callable[[], Mapping[str, float]], SlotMemory | None, float]:
-    """What the slots offer the cost model, their `SlotMemory` (None without slots) and the
-    per-process reserve in MiB; `kept` slots are not offered (a reference the selector does
-    not plan). Without slots: one notional slot per actor rank with an even share of the
-    memory available now."""
-    import psutil
-
-    if job.slots is not None:
-        memory = SlotMemory(job.slots, trainer, kept=kept)
-        return memory, memory, memory.reserve
-    share = float(psutil.virtual_memory().available / (len(rollout) + len(trainer)))
-
-    def slots() -> Mapping[str, float]:
-        return {n: share for n in rollout + trainer}
-    return slots, None, job.cfg.selector.reserve_mib
-
-
 def selection_for_run(job: Job, actors: Actors) -> tuple[Selection, ActorReconfigurer]:
     """The `Selection` of a run and its reconfigurer over `actors`, built once the trainer is
     up and before the rollout replicas are (`Selection.start` spawns them with its first
     plan).
 
-    Without slots (placement.slot_memory_mib = 0) the policy plans for one notional slot per
-    actor rank with the memory this machine has available now.
+    What the slots offer the cost model is `SlotMemory`'s; `kept` slots are not offered (a
+    reference the selector does not plan). Without slots (placement.slot_memory_mib = 0) the
+    policy plans for one notional slot per actor rank with an even share of the memory this
+    machine has available now.
     """
     import time
+
+    import psutil
 
     pl, pool, sel = job.cfg.placement, job.slots, job.cfg.selector
     rollout_names, trainer_names = job.roles["rollout"], job.roles["trainer"]
     # the reference is planned (and moved) where it has devices of its own
     reference = job.roles["reference"] if job.n_reference > 0 and pool is not None else ()
-    slots, slot_memory, reserve = _slot_view(
-        job, rollout_names, trainer_names,
-        kept=() if reference else job.roles["reference"])
+    slots: Callable[[], Mapping[str, float]]
+    slot_memory: SlotMemory | None = None
+    if pool is not None:
+        slots = slot_memory = SlotMemory(pool, trainer_names,
+                                         kept=() if reference else job.roles["reference"])
+        reserve = slot_memory.reserve
+    else:
+        share = float(psutil.virtual_memory().available
+                      / (len(rollout_names) + len(trainer_names)))
+
+        def even_share() -> Mapping[str, float]:
+            return dict.fromkeys(rollout_names + trainer_names, share)
+        slots, reserve = even_share, sel.reserve_mib
     model_dir = str(job.start)
     tp_overhead = sel.tp_overhead if sel.tp_overhead >= 0 else (
         GPU_TP_OVERHEAD if pl.device == "cuda" else CPU_TP_OVERHEAD)
@@ -436,6 +370,15 @@ def selection_for_run(job: Job, actors: Actors) -> tuple[Selection, ActorReconfi
             job.metrics.log({**row, **slot_usage(pool)})
 
     stages = ("reference", "train") if job.n_reference > 0 else ("train",)
+    dock = actors.dock
+
+    async def queues() -> Mapping[str, int]:
+        """Samples in the dock not yet consumed by each stage (its backlog), and under "lost"
+        the samples the dock lost (awaiting re-production)."""
+        st = await dock.statistics()
+        return {**{s: max(0, st.samples - st.consumed.get(s, 0)) for s in stages},
+                "lost": st.lost}
+
     job.log(f"selector on: slots {dict(slots())}, reserve {reserve:.0f} MiB/process, model "
             f"positions {positions}, rollout window {window}")
     knobs = dataclasses.replace(  # replicas split whole groups; a batch waiting is balanced;
@@ -447,16 +390,15 @@ def selection_for_run(job: Job, actors: Actors) -> tuple[Selection, ActorReconfi
         **({"actors": {**sel.policy.actors, "reference": "reference"},
             "dp_only": (*sel.policy.dp_only, "reference")} if reference else {}))
     profile = RunProfile(cost)
-    selection = build_selection(policy=make_policy(sel.policy_factory, cost, knobs, profile),
-                                setting=setting, reconfigurer=reconf, slots=slots,
-                                dock=actors.dock, stages=stages, max_context=positions,
-                                record=record, trace=trace, log=job.log,
-                                initial_context=sel.initial_context or positions,
-                                profile=profile, equal_devices=job.cfg.placement.devices > 0,
-                                context_steps=sel.context_steps,
-                                device_peak=device_peak(pool) if pool is not None else None,
-                                reference_progress=_reference_progress(actors) if reference
-                                else None)
+    selection = Selection(make_policy(sel.policy_factory, cost, knobs, profile), reconf,
+                          setting=setting, slots=slots, queues=queues, max_context=positions,
+                          record=record, trace=trace, log=job.log,
+                          initial_context=sel.initial_context or positions,
+                          profile=profile, equal_devices=job.cfg.placement.devices > 0,
+                          context_steps=sel.context_steps,
+                          device_peak=device_peak(pool) if pool is not None else None,
+                          reference_progress=_reference_progress(actors) if reference
+                          else None)
     return selection, reconf
 
 

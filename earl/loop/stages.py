@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from earl.loop.devices import placed
 from earl.loop.ledger import LedgerDock
 from earl.loop.stage_configs import engine_config, reference_config, trainer_config
 
@@ -68,15 +69,6 @@ class Stage:
         return 0
 
 
-def _slots(job: Job, actor: str, n: int, per_rank: int = 1) -> Any:
-    """The device slots of `actor`'s `n` ranks, or None without slots; a rank of
-    `per_rank` devices gets them joined into one slot."""
-    if job.slots is None:
-        return None
-    names = job.roles[actor]
-    return [job.slots.join(names[r * per_rank:(r + 1) * per_rank], actor) for r in range(n)]
-
-
 class Trainer(Stage):
     name, heals = "trainer", "rewind"  # it holds the optimizer: no other process has it
 
@@ -91,8 +83,9 @@ class Trainer(Stage):
             dist_url = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
         tcfg = trainer_config(cfg, model=str(job.start), dist_url=dist_url,
                               record_dir=str(job.out / "trained") if cfg.record_trained else "")
+        slot = placed(job.slots, job.roles["trainer"], pl.trainer, "trainer")
         group = await job.rt.spawn("trainer", TrainerActor, tcfg, pl.backend, n=pl.trainer,
-                                   env=job.env, slot=_slots(job, "trainer", pl.trainer),
+                                   env=job.env, slot=slot,
                                    restart=job.supervisor.adopt(self.name, self.heals))
         b.actors.use_trainer(group, pl.micro_batch_tokens)
 
@@ -134,7 +127,8 @@ class Reference(Stage):
         b.actors.use_reference(await job.rt.spawn(
             "reference", ReferenceActor, rcfg, n=job.n_reference, env=job.env,
             restart=job.supervisor.adopt(self.name, self.heals),
-            slot=_slots(job, "reference", job.n_reference)))
+            slot=placed(job.slots, job.roles["reference"], job.n_reference,
+                        "reference")))
 
     async def rebuild(self, job: Job, rank: int) -> None:
         # its ref_logprobs are forgotten and scored again by the new process (they were added
@@ -240,7 +234,7 @@ async def spawn_replicas(job: Job, version: int) -> ActorGroup[RolloutActor]:
     pl = job.cfg.placement
     ecfg = _engine_config(job, version)
     per = pl.devices_per_replica() if pl.device == "cpu" else 1  # GPU slots: their GPUs
-    n, slot = pl.rollout, _slots(job, "rollout", pl.rollout, per)
+    n, slot = pl.rollout, placed(job.slots, job.roles["rollout"], pl.rollout, "rollout", per)
     if pl.device == "cuda" and slot:  # vLLM's share of each GPU: the slot's budget
         ecfg = replace(ecfg, gpu_memory_mib=slot[0].memory_mib or 0)
     return await job.rt.spawn("rollout", RolloutActor, ecfg, version, n=n, env=job.env,
