@@ -14,14 +14,15 @@ import collections
 import time
 from dataclasses import dataclass
 
-from earl.stages.batch_types import BatchResult, Episode
+from earl.stages.batch_types import BatchResult
 
 __all__ = ["DoneGroup", "GroupPool", "straggler_wait"]
 
 
 @dataclass(frozen=True, slots=True)
 class DoneGroup:
-    """One finished group: its episodes' metadata, its rows in the dock, when it finished."""
+    """One finished group: its `result` (its episodes' metadata, its rows in the dock as
+    `samples`), and when it finished."""
 
     result: BatchResult
     done_at: float  # perf_counter seconds
@@ -29,18 +30,6 @@ class DoneGroup:
     @property
     def group_id(self) -> str:
         return self.result.episodes[0].group_id
-
-    @property
-    def episodes(self) -> list[Episode]:
-        return self.result.episodes
-
-    @property
-    def rows(self) -> int:
-        return self.result.samples
-
-    @property
-    def seconds(self) -> float:
-        return self.result.seconds
 
     @property
     def first_version(self) -> int:
@@ -67,9 +56,7 @@ class GroupPool:
 
     async def wait_take(self) -> DoneGroup:
         """The group that finished first, once there is one."""
-        while not self._done:
-            self._changed.clear()
-            await self._changed.wait()
+        await self.wait_added()
         return self._done.popleft()
 
     async def wait_added(self) -> None:

@@ -183,17 +183,9 @@ class Schedule:
         self.groups_out = GroupGate(config.max_concurrent_groups
                                     or (config.max_policy_lag + 1) * self.groups_per_step)
         self._began: dict[int, float] = {}  # batch -> when its play began
-        # None: no stall limit; else the run ends with `Stalled` (a rewind heals it) when no
-        # step or healing event comes for its limit, naming what `_waiting` says it waits for
-        self.watchdog = watchdog
-
-    def _waiting(self, stage: str) -> contextlib.AbstractContextManager[None]:
-        return self.watchdog.waiting(stage) if self.watchdog is not None \
-            else contextlib.nullcontext()
-
-    def elapsed(self) -> float:
-        """Wall seconds of the run, earlier (resumed-from) segments included."""
-        return self.clock()
+        # the run ends with `Stalled` (a rewind heals it) when no step or healing event comes
+        # for its limit, naming what it waits for (None: a watchdog that never fires)
+        self.watchdog = watchdog or Watchdog(stall_s=0, stall_steps=0)
 
     def _snapshot(self, batch: int) -> bool:
         return (batch + 1) % self.config.checkpoint_every == 0
@@ -211,8 +203,7 @@ class Schedule:
 
         def group_done(res: BatchResult) -> None:  # partial rollouts: progress
             self.pool.add(res)
-            if self.watchdog is not None:
-                self.watchdog.beat()
+            self.watchdog.beat()
 
         async def produce_one(b: int) -> None:
             try:
@@ -223,8 +214,7 @@ class Schedule:
                     async with (self.selection.rollout(b) if self.selection is not None
                                 else contextlib.nullcontext()):
                         res = await self.production.play(b, self._snapshot(b))
-                    if self.watchdog is not None:  # a batch played: progress
-                        self.watchdog.beat()
+                    self.watchdog.beat()  # a batch played: progress
                 future(b).set_result(res)
                 if self.partial:  # its groups went to the pool as each finished
                     played.pop(b)
@@ -253,10 +243,10 @@ class Schedule:
         async def next_batch(b: int) -> tuple[BatchResult, float, int]:
             """Step b's batch, the trainer's straggler wait and the groups dropped stale."""
             if self.partial:
-                with self._waiting(f"step {b + 1}'s groups to finish (producers)"):
+                with self.watchdog.waiting(f"step {b + 1}'s groups to finish (producers)"):
                     return await self._take_groups(b)
             t0 = time.perf_counter()
-            with self._waiting(f"batch {b}'s rollout for step {b + 1} (producers)"):
+            with self.watchdog.waiting(f"batch {b}'s rollout for step {b + 1} (producers)"):
                 res = await future(b)
             played.pop(b)
             return res, straggler_wait(res, self._began.pop(b, t0), t0), 0
@@ -264,8 +254,7 @@ class Schedule:
         last = self.clock()
         async with asyncio.TaskGroup() as tg:
             tg.create_task(producer(tg), name="producer")
-            watch = None if self.watchdog is None else \
-                tg.create_task(self.watchdog.watch(), name="watchdog")
+            watch = tg.create_task(self.watchdog.watch(), name="watchdog")
             b = self.state.step
             while b < c.steps:
                 last = await self._learn(b, *await next_batch(b), last)
@@ -278,7 +267,7 @@ class Schedule:
             await self.gate.close()
             await self.groups_out.close()
             if self.partial:  # the groups still out finish and are dropped, with the reason
-                with self._waiting("the groups still out at the run's end (producers)"):
+                with self.watchdog.waiting("the groups still out at the run's end (producers)"):
                     await self._drain(list(played.values()))
             else:
                 # Batches already started are finished and trained: their experience is in
@@ -287,8 +276,7 @@ class Schedule:
                 while b in played:
                     last = await self._learn(b, *await next_batch(b), last)
                     b += 1
-            if watch is not None:
-                watch.cancel()
+            watch.cancel()
         await self.checkpoints.save(self.state, None)
         return self.stopped
 
@@ -296,7 +284,7 @@ class Schedule:
         """Drop every group still out as it finishes, until every play is done (dropping
         makes room in the dock for the puts of the plays still running)."""
         while True:
-            if rest := [g.group_id for g in self.pool.take_all() if g.rows]:
+            if rest := [g.group_id for g in self.pool.take_all() if g.result.samples]:
                 await self.training.discard(rest, RUN_ENDED)
             pending: set[asyncio.Future[Any]] = {p for p in plays if not p.done()}
             if not pending and not self.pool.size():
@@ -330,49 +318,48 @@ class Schedule:
             else:
                 chosen.append(g)
         if stale:
-            await self.training.discard([g.group_id for g in stale if g.rows], STALE)
+            await self.training.discard([g.group_id for g in stale if g.result.samples], STALE)
         await self.groups_out.done(len(stale))  # the trained ones once their step is out
         first = max(min(g.done_at for g in chosen), t0)
         wait = max(max(g.done_at for g in chosen) - first, 0.0)
-        res = BatchResult(batch=b, episodes=[e for g in chosen for e in g.episodes],
-                          samples=sum(g.rows for g in chosen),
-                          seconds=max(g.seconds for g in chosen),
-                          row_groups=[g.group_id for g in chosen if g.rows])
+        res = BatchResult(batch=b, episodes=[e for g in chosen for e in g.result.episodes],
+                          samples=sum(g.result.samples for g in chosen),
+                          seconds=max(g.result.seconds for g in chosen),
+                          row_groups=[g.group_id for g in chosen if g.result.samples])
         return res, wait, len(stale)
 
     async def _learn(self, b: int, res: BatchResult, wait_s: float, stale: int,
                      last: float) -> float:
         """Train on batch `b`, publish the weights as version b + 1, record the step."""
         s = self.state
-        progress = max(self.elapsed() / self.time_limit_s, (b + 1) / self.config.steps)
+        progress = max(self.clock() / self.time_limit_s, (b + 1) / self.config.steps)
         scale = self.lr_scale(progress)
         new_errors = add_failures(s.failures, res.episodes)
         if res.samples == 0:
             raise NothingToTrain(b, res)
         step = f"step {b + 1}"
-        with self._waiting(f"{step}'s layout (selector)"):
+        with self.watchdog.waiting(f"{step}'s layout (selector)"):
             async with (self.selection.train(b, res) if self.selection is not None
                         else contextlib.nullcontext()):
-                with self._waiting(f"{step}'s training (the trainer's lease on the dock: "
+                with self.watchdog.waiting(f"{step}'s training (the trainer's lease on the dock: "
                                    "scored by the reference; fetch; optimizer step)"):
                     metrics = await self.training.train(
                         b, res.samples, scale, res.row_groups if self.partial else None)
-                with self._waiting(f"{step}'s weight push to the rollout"):
+                with self.watchdog.waiting(f"{step}'s weight push to the rollout"):
                     await self.training.publish(b + 1)
         if self.partial:  # new groups start under the weights this step made
             await self.groups_out.done(self.groups_per_step)
         if self.selection is not None:
             self.selection.trained(b, metrics)
-        with self._waiting(f"{step}'s policy version to the producers"):
+        with self.watchdog.waiting(f"{step}'s policy version to the producers"):
             await self.production.note_version(b + 1)
         await self.gate.advance(b + 1)
         s.step = b + 1
         s.episodes += len(res.episodes)
-        if self.watchdog is not None:
-            self.watchdog.step_done()
+        self.watchdog.step_done()
         now = self.clock()
         if self.observe is not None:
-            with self._waiting(f"{step}'s metrics (the observer)"):
+            with self.watchdog.waiting(f"{step}'s metrics (the observer)"):
                 await self.observe(StepRecord(
                     version=s.step, result=res, train=metrics, step_s=now - last,
                     lr_scale=scale, straggler_wait_s=wait_s, stale_groups=stale,
@@ -381,7 +368,7 @@ class Schedule:
                     else 0))
         if s.step % self.config.checkpoint_every == 0 and s.step < self.config.steps:
             # partial rollouts: the critic has seen groups in the order they finished
-            with self._waiting(f"the checkpoint of step {s.step}"):
+            with self.watchdog.waiting(f"the checkpoint of step {s.step}"):
                 await self.checkpoints.save(s, None if self.partial else b)
         return now
 
@@ -391,9 +378,9 @@ class Schedule:
         if c.eval_every > 0 and self.evaluation is not None and s.step % c.eval_every == 0:
             async with (self.selection.using() if self.selection is not None
                         else contextlib.nullcontext()):
-                with self._waiting(f"the validation eval after step {s.step} (producers)"):
+                with self.watchdog.waiting(f"the validation eval after step {s.step} (producers)"):
                     ev = await self.evaluation.evaluate("validation", s.step)
-            ev.update(step=float(s.step), minutes=self.elapsed() / 60)
+            ev.update(step=float(s.step), minutes=self.clock() / 60)
             s.evals.append(ev)
             value = ev.get(self.target_key, float("-inf"))
             if value > s.best[1]:
@@ -402,6 +389,6 @@ class Schedule:
                 await self.on_eval(ev)
             if c.target and value >= c.target:
                 return "target"
-        if self.elapsed() > self.time_limit_s:
+        if self.clock() > self.time_limit_s:
             return "time_limit"
         return ""
