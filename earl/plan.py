@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 from earl.loop.devices import device_roles, plan_gpus, rollout_memory_mib
 from earl.loop.stage_configs import (
     engine_config,
-    reference_actors,
     reference_config,
     trainer_config,
 )
@@ -173,7 +172,7 @@ def plan(cfg: RunConfig, machine: Machine | None = None) -> Plan:
     if cuda and machine is None:
         raise ValueError("plan: placement.device=cuda needs the machine (Machine(gpus=, "
                          "gpu_memory_mib=); earl train --dry-run --gpus N --gpu-memory-gib G)")
-    n_ref = reference_actors(cfg)
+    n_ref = cfg.reference_actors
     start = str(Path(cfg.output_dir) / "weights_start")  # what the warm start writes
     devices, where = _devices(cfg, n_ref, machine)
     total = machine.gpu_memory_mib if machine is not None and cuda else None

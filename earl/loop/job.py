@@ -21,7 +21,6 @@ from earl.config import RunConfig
 from earl.loop.checkpoint import CheckpointStore
 from earl.loop.devices import device_roles, run_slots
 from earl.loop.hooks import RunHooks
-from earl.loop.stage_configs import reference_actors
 from earl.loop.supervisor import Supervisor
 from earl.observe import Metrics, Tracer, progress_line
 from earl.recipe import Recipe
@@ -37,8 +36,6 @@ __all__ = ["Job", "process_seconds"]
 
 def process_seconds() -> float:
     """Wall seconds since this process started (imports included)."""
-    import time
-
     import psutil
 
     return time.time() - psutil.Process().create_time()
@@ -175,8 +172,8 @@ class Job:
 
     @property
     def n_reference(self) -> int:
-        """Reference actors that run (`earl.loop.stage_configs.reference_actors`)."""
-        return reference_actors(self.cfg)
+        """Reference actors that run (`RunConfig.reference_actors`)."""
+        return self.cfg.reference_actors
 
     def elapsed(self) -> float:
         """Wall seconds of the run, earlier (resumed-from) segments included."""

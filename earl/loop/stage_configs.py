@@ -1,6 +1,6 @@
 """Each stage's actor config, built from a run's config sections: the trainer's `TrainerConfig`,
-the reference's `ReferenceConfig`, a rollout replica's `EngineConfig`, and how many reference
-actors run. What every stage computes with is one `earl.stages.compute.Compute` (`compute`: the
+the reference's `ReferenceConfig` and a rollout replica's `EngineConfig` (how many reference
+actors run is `RunConfig.reference_actors`). What every stage computes with is one `earl.stages.compute.Compute` (`compute`: the
 placement's hardware and the run's seed, "auto" resolved), the log-prob temperature is the
 algorithm's (`LossConfig.temperature`), and the trainer's packing and the rollout's KV budget are
 the placement's sections (`earl.stages.compute.Packing`, `KvCache`): no builder copies a field
@@ -26,21 +26,13 @@ if TYPE_CHECKING:
     from earl.stages.trainer_config import TrainerConfig
     from earl.stages.vllm_build import EngineConfig
 
-__all__ = ["compute", "engine_config", "reference_actors", "reference_config", "trainer_config"]
+__all__ = ["compute", "engine_config", "reference_config", "trainer_config"]
 
 
 def compute(cfg: RunConfig) -> Compute:
     """What every stage of the run computes with: the placement's hardware (device, dtype
     resolved, threads) and the run's seed."""
     return Compute.of(cfg.placement, cfg.seed)
-
-
-def reference_actors(cfg: RunConfig) -> int:
-    """Reference actors that run: only when a KL term reads their log-probs (with LoRA the
-    trainer's own base model, its adapter off, is the reference)."""
-    if cfg.lora.on:
-        return 0
-    return cfg.placement.reference if cfg.algorithm.kl_coef > 0 else 0
 
 
 def trainer_config(cfg: RunConfig, *, model: str, dist_url: str | None = None,
