@@ -38,8 +38,7 @@ class StepLog:
         rec = step_row(r, steps=job.cfg.steps)
         rec.update(job.attempt.training.seconds)
         rec.update(job.attempt.training.flows)  # bytes per transport: experience, weights
-        rec.update(reference_s=await self._reference_busy(), wall_s=job.elapsed())
-        rec.update(await self._reference_flows())
+        rec.update(await self._reference_since(), wall_s=job.elapsed())
         rec.update(job.supervisor.metrics())  # restarts/<actor>, rewinds
         job.metrics.log(rec)
         for text in r.new_errors:
@@ -48,36 +47,27 @@ class StepLog:
         if job.hooks.after_step is not None:
             await job.hooks.after_step(r)
 
-    async def _reference_busy(self) -> float:
-        """The reference actors' busy seconds since the last step."""
+    async def _reference_since(self) -> dict[str, float]:
+        """The reference actors' busy seconds (`reference_s`) and the bytes each transport
+        carried warehouses -> reference, since the last step."""
         reference = self.job.attempt.actors.reference
         if reference is None:
-            return 0.0
+            return {"reference_s": 0.0}
         try:
-            total = sum(await reference.busy_seconds.call())
-        except ActorDied:  # restarting: its counters start again from 0 (the supervisor's job)
-            self._reference_total = 0.0
-            return 0.0
-        last, self._reference_total = self._reference_total, total
-        return total - last
-
-    async def _reference_flows(self) -> dict[str, float]:
-        """Bytes each transport carried warehouses -> reference since the last step."""
-        reference = self.job.attempt.actors.reference
-        if reference is None:
-            return {}
-        total: dict[str, int] = {}
-        try:
+            busy = sum(await reference.busy_seconds.call())
             parts = await reference.fetched_bytes.call()
-        except ActorDied:  # restarting: the next step counts from its new process
-            self._reference_bytes = {}
-            return {}
+        except ActorDied:  # restarting: the next step counts from its new process (from 0)
+            self._reference_total, self._reference_bytes = 0.0, {}
+            return {"reference_s": 0.0}
+        total: dict[str, int] = {}
         for part in parts:
             for kind, n in part.items():
                 total[kind] = total.get(kind, 0) + n
         last, self._reference_bytes = self._reference_bytes, total
-        return {f"transport/reference_bytes/{k}": float(n - last.get(k, 0))
-                for k, n in total.items() if n > last.get(k, 0)}
+        out = {f"transport/reference_bytes/{k}": float(n - last.get(k, 0))
+               for k, n in total.items() if n > last.get(k, 0)}
+        out["reference_s"], self._reference_total = busy - self._reference_total, busy
+        return out
 
 
 def step_row(r: StepRecord, *, steps: int) -> dict[str, Any]:
