@@ -210,9 +210,7 @@ def cost_model_of(model_dir: str, *, reserve_mib: float, dtype_bytes: int = 4,
     growing with the context): its attention keeps the scores (quadratic: `score_bytes` per
     score per layer, "eager"), and the loss several vocabulary-sized fp32 tensors per token
     (`logit_bytes` per vocabulary entry)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    params = _param_count(cfg)
-    shape = ModelShape.from_hf_config(cfg, params)
+    shape = ModelShape.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
     return CostModel(shape, CostConfig(weight_bytes=dtype_bytes, grad_bytes=dtype_bytes,
                                        optimizer_bytes=2 * dtype_bytes, act_bytes=dtype_bytes,
                                        kv_bytes=dtype_bytes, attention="eager",
@@ -221,16 +219,6 @@ def cost_model_of(model_dir: str, *, reserve_mib: float, dtype_bytes: int = 4,
                                        tp_overhead=tp_overhead,
                                        **({"peak_flops": CPU_PEAK_FLOPS, "mem_bw": CPU_MEM_BW}
                                           if cpu else {})))
-
-
-def _param_count(cfg: Mapping[str, Any]) -> int:
-    """Parameters of a Llama/Qwen2-style config (tied embeddings counted once)."""
-    h, n_layers, v = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
-    inter = int(cfg["intermediate_size"])
-    kv = int(cfg["num_key_value_heads"]) * (h // int(cfg["num_attention_heads"]))
-    layer = h * h * 2 + h * kv * 2 + 3 * h * inter + 2 * h + h + 2 * kv
-    emb = v * h * (1 if cfg.get("tie_word_embeddings", True) else 2)
-    return n_layers * layer + emb + h
 
 
 def make_policy(factory: str, cost: CostModel, config: PolicyConfig,

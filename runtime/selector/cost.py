@@ -57,8 +57,10 @@ class ModelShape:
         return self.hidden // self.heads
 
     @classmethod
-    def from_hf_config(cls, config: Mapping[str, object], params: int) -> ModelShape:
-        """The shape of a Hugging Face `config.json` (Llama/Qwen2 keys).
+    def from_hf_config(cls, config: Mapping[str, object], params: int | None = None
+                       ) -> ModelShape:
+        """The shape of a Hugging Face `config.json` (Llama/Qwen2 keys); `params` None: counted
+        from the config (tied embeddings counted once, unless `tie_word_embeddings` is false).
 
         Raises:
             ValueError: a key is missing (named in the message).
@@ -70,7 +72,13 @@ class ModelShape:
         if missing:
             raise ValueError(f"model config lacks {', '.join(missing)}: pass a decoder-only "
                              "Llama/Qwen2-style config.json")
-        return cls(params=params, **{f: int(str(config[k])) for f, k in keys.items()})
+        n = {f: int(str(config[k])) for f, k in keys.items()}
+        if params is None:
+            h, kv = n["hidden"], n["kv_heads"] * (n["hidden"] // n["heads"])
+            layer = h * h * 2 + h * kv * 2 + 3 * h * n["intermediate"] + 2 * h + h + 2 * kv
+            emb = n["vocab"] * h * (1 if config.get("tie_word_embeddings", True) else 2)
+            params = n["layers"] * layer + emb + h
+        return cls(params=params, **n)
 
     @classmethod
     def llama31_70b(cls) -> ModelShape:
