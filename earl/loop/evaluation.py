@@ -7,14 +7,13 @@ Not here: when it runs (`earl.loop.schedule`), `earl eval` (`earl.evaluate`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from earl.loop.supervisor import died_actor
 
 if TYPE_CHECKING:
     from earl.loop.supervisor import Supervisor
-    from earl.recipe import Metric, Recipe
+    from earl.recipe import Recipe
     from earl.runtime import ActorGroup
     from earl.stages.batch_types import Episode
     from earl.stages.producer import ProducerActor
@@ -30,18 +29,9 @@ class ActorEvaluation:
     """
 
     def __init__(self, producers: ActorGroup[ProducerActor], recipe: Recipe, *, size: int,
-                 items: Sequence[object] = (), metric: Metric | None = None,
                  supervisor: Supervisor | None = None) -> None:
         self.producers, self.recipe, self.size = producers, recipe, size
-        self.items = list(items)
-        self.metric = metric or recipe.metric
         self.supervisor = supervisor
-        self.last: list[Episode] = []
-
-    def samples(self, split: str, version: int) -> list[object]:
-        if self.items:
-            return self.items
-        return self.recipe.eval.samples(split, version, self.size)
 
     async def evaluate(self, split: str, version: int) -> dict[str, float]:
         while True:
@@ -54,7 +44,7 @@ class ActorEvaluation:
                 await self.supervisor.wait_healed(*who)
 
     async def _evaluate(self, split: str, version: int) -> dict[str, float]:
-        samples = self.samples(split, version)
+        samples = self.recipe.eval.samples(split, version, self.size)
         n = len(self.producers)
         idx = [list(range(r, len(samples), n)) for r in range(n)]
         parts = await asyncio.gather(*(
@@ -64,5 +54,4 @@ class ActorEvaluation:
         by_index: dict[int, Episode] = {}
         for r, eps in zip([r for r in range(n) if idx[r]], parts, strict=True):
             by_index.update(zip(idx[r], eps, strict=True))
-        self.last = [by_index[i] for i in range(len(samples))]
-        return self.metric(self.last)
+        return self.recipe.metric([by_index[i] for i in range(len(samples))])

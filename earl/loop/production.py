@@ -133,17 +133,13 @@ class ActorProduction:
         finally:
             self.playing -= plays
 
-    async def play_groups(self, batch: int, done: Callable[[BatchResult], None], *,
-                          play: Callable[[int, int, GroupTask], Awaitable[BatchResult]]
-                          | None = None) -> BatchResult:
+    async def play_groups(self, batch: int, done: Callable[[BatchResult], None]) -> BatchResult:
         """Partial rollouts: play batch `batch`'s groups, each on its own (group g on producer
         g mod n), each in the dock as soon as it is done; `done` gets each group's result as it
-        comes. `play(batch, g, task)` plays one group (default: `_play_group`, played again
-        when its producer dies). Returns them all merged."""
-        play = play or self._play_group
+        comes. Returns them all merged."""
 
         async def one(g: int, task: GroupTask) -> BatchResult:
-            res = await play(batch, g, task)
+            res = await self._play_group(batch, g, task)
             done(res)
             return res
 
