@@ -3,7 +3,8 @@
 A `Job` is built once per run (`earl.run.run`, `earl chaos`). It holds the config, the recipe
 and the agent's reference, the runtime, the output paths, the actors' environment, the
 supervisor, the tracer and the device slots. Each attempt of the run (the first, and one per
-rewind) spawns its actors and parts (`earl.loop.spawn`); the attempt in force is
+rewind, `earl.loop.supervisor.Supervisor.supervise`) spawns its actors and the loop's parts
+over them, an `Attempt` (`earl.loop.spawn.spawn_attempt`); the attempt in force is
 `Job.attempt`, and its `Actors` say which trainer and rollout are live.
 
 Not here: the loop (`earl.loop.main`), what is spawned (`earl.loop.stages`), restarts and
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,12 +28,26 @@ from earl.observe import Metrics, Tracer, progress_line
 from earl.recipe import Recipe
 
 if TYPE_CHECKING:
-    from earl.loop.attempt import Attempt
-    from earl.loop.schedule import LoopState
+    from earl.loop.actors import Actors
+    from earl.loop.evaluation import ActorEvaluation
+    from earl.loop.production import ActorProduction
+    from earl.loop.schedule import LoopState, Selection
+    from earl.loop.training import ActorTraining
     from earl.runtime import Runtime
     from earl.runtime.slots import SlotPool
 
-__all__ = ["Job", "process_seconds"]
+__all__ = ["Attempt", "Job", "process_seconds"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Attempt:
+    """An attempt's live actors and the loop's parts over them."""
+
+    actors: Actors
+    production: ActorProduction
+    training: ActorTraining
+    evaluation: ActorEvaluation | None
+    selection: Selection | None  # the selector's, or colocation's turns (earl.loop.colocation)
 
 
 def process_seconds() -> float:

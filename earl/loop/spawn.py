@@ -13,14 +13,13 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from earl.loop.actors import Actors
-from earl.loop.attempt import Attempt
 from earl.loop.evaluation import ActorEvaluation
+from earl.loop.job import Attempt, Job
 from earl.loop.production import ActorProduction
 from earl.loop.stages import STAGES, Building, spawn_dock, spawn_producers, spawn_replicas
 from earl.loop.training import ActorTraining
 
 if TYPE_CHECKING:
-    from earl.loop.job import Job
     from earl.runtime import ActorGroup
     from earl.stages.producer import ProducerActor
 
