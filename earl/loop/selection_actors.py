@@ -2,11 +2,13 @@
 
 `ActorReconfigurer` applies a `Setting` (`earl.loop.selection`) to the run's live actors
 (`earl.loop.actors.Actors`): the trainer's micro-batch token budget (the dispatcher plans the
-next step with it); a new trainer layout or slots with `reconfigure_trainer` (resharded checkpoint: parameters
-and Adam state kept); a new rollout layout, slots or context with `reconfigure_rollout` (new
-vLLM replicas with the new ``max_model_len`` and KV budget, the trainer's weights pushed at the
-current version), after which the producers sample from the new group. The actor that gives
-up slots is re-created first, so a slot is free before its new owner starts in it.
+next step with it); a new trainer layout or slots with `reconfigure_trainer` (resharded
+checkpoint: parameters and Adam state kept); a new rollout layout, slots or context with
+`reconfigure_rollout` (new vLLM replicas with the new ``max_model_len`` and KV budget, the
+trainer's weights pushed at the current version), after which the producers sample from the
+new group; the reference's devices (planned when it has devices of its own) with
+`reconfigure_reference` (its ``ref_logprobs`` in the dock retracted and scored again). The
+actor that gives up slots is re-created first, so a slot is free before its new owner starts.
 
 `selection_for_run` makes the cost model of the run's model, its live profile (`RunProfile`,
 fed by the `Selection` with each step's measured tokens/s and memory), the policy (the run's
