@@ -12,7 +12,7 @@ import pytest
 from earl.agents.chat import ChatCodec
 from earl.agents.openai_calc import SYSTEM, TOOLS, warm_start_transcripts
 from earl.envs.arithmetic import DEMO_KNOWN, CalcTasks, evaluate
-from earl.loop.transcripts import transcript_targets
+from earl.loop.warm_start import transcript_targets
 from earl.models.tiny import build_tokenizer
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from earl.agents.chat import ChatCodec
-from earl.loop.transcripts import transcript_targets
+from earl.loop.warm_start import transcript_targets
 from earl.models.tiny import build_tokenizer
 from earl.recipe import ListTasks, load_agent, load_jsonl, load_reward
 
