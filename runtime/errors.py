@@ -20,6 +20,7 @@ field's type and drops what does not fit, so a garbled or forged record never cr
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from typing import Any, Literal, TypedDict, cast, get_args
 
 Cause = Literal["exited", "killed", "oom", "connection_lost", "unreachable", "unavailable",
@@ -213,22 +214,32 @@ def _name(v: object) -> str | None:
     return v if isinstance(v, str) and 0 < len(v) <= _MAX_NAME else None
 
 
-def deaths_in(exc: BaseException, limit: int | None = None) -> list[ActorDied]:
-    """Every actor death behind `exc`, nearest first (at most `limit`).
-
-    `exc` itself if it is an `ActorDied`, the deaths an `ActorError` carries, the `died` of a
-    `CausedByDeath`; then, breadth first, the same for the members of exception groups and for
-    each exception's `__cause__` and `__context__`.
-    """
-    found: list[ActorDied] = []
+def causes(exc: BaseException) -> Iterator[BaseException]:
+    """`exc`, then breadth first the members of its exception groups and each exception's
+    `__cause__` and `__context__`, each once."""
     seen: set[int] = set()
-    counted: set[int] = set()
     todo: deque[BaseException] = deque([exc])
-    while todo and (limit is None or len(found) < limit):
+    while todo:
         e = todo.popleft()
         if id(e) in seen:
             continue
         seen.add(id(e))
+        yield e
+        if isinstance(e, BaseExceptionGroup):
+            todo.extend(e.exceptions)
+        todo.extend(n for n in (e.__cause__, e.__context__) if n is not None)
+
+
+def deaths_in(exc: BaseException, limit: int | None = None) -> list[ActorDied]:
+    """Every actor death behind `exc` (`causes`), nearest first (at most `limit`): `exc`
+    itself if it is an `ActorDied`, the deaths an `ActorError` carries, the `died` of a
+    `CausedByDeath`; then the same for the exceptions behind it.
+    """
+    found: list[ActorDied] = []
+    counted: set[int] = set()
+    for e in causes(exc):
+        if limit is not None and len(found) >= limit:
+            break
         carried: tuple[ActorDied, ...] = ()
         if isinstance(e, ActorDied):
             carried = (e,)
@@ -240,9 +251,6 @@ def deaths_in(exc: BaseException, limit: int | None = None) -> list[ActorDied]:
             if id(d) not in counted:
                 counted.add(id(d))
                 found.append(d)
-        if isinstance(e, BaseExceptionGroup):
-            todo.extend(e.exceptions)
-        todo.extend(n for n in (e.__cause__, e.__context__) if n is not None)
     return found if limit is None else found[:limit]
 
 

@@ -21,6 +21,8 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 
+from earl.runtime.errors import causes
+
 __all__ = ["Stalled", "Watchdog", "stalled_in"]
 
 
@@ -50,20 +52,8 @@ class Stalled(RuntimeError):
 
 
 def stalled_in(exc: BaseException) -> Stalled | None:
-    """The `Stalled` behind `exc` (itself, in its exception groups or its causes), if any."""
-    todo, seen = [exc], set()
-    while todo:
-        e = todo.pop(0)
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, Stalled):
-            return e
-        if isinstance(e, BaseExceptionGroup):
-            todo.extend(e.exceptions)
-        if e.__cause__ is not None:
-            todo.append(e.__cause__)
-    return None
+    """The `Stalled` behind `exc` (itself, in its exception groups, causes or contexts)."""
+    return next((e for e in causes(exc) if isinstance(e, Stalled)), None)
 
 
 class Watchdog:
