@@ -296,10 +296,8 @@ class Schedule:
 
     @property
     def slots(self) -> int:
-        """Episodes the gate lets run at once."""
-        groups = self.groups_out.limit if self.partial else \
-            (self.config.max_policy_lag + 1) * self.groups_per_step
-        return groups * self.config.group_size
+        """Episodes the gate lets run at once (whole batches: `max_concurrent_groups` is 0)."""
+        return self.groups_out.limit * self.config.group_size
 
     @property
     def groups_per_step(self) -> int:

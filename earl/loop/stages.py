@@ -222,9 +222,8 @@ async def spawn_dock(job: Job, stages: list[str], capacity: int, n: int = 1, *,
     """The dock's index ranks; returns the group."""
     from earl.runtime.dock import IndexActor
 
-    await job.rt.spawn("dock", IndexActor, stages=stages, capacity=capacity, env=job.env,
-                       n=n, restart=restart)
-    return await job.rt.lookup("dock")
+    return await job.rt.spawn("dock", IndexActor, stages=stages, capacity=capacity,
+                              env=job.env, n=n, restart=restart)
 
 
 async def spawn_replicas(job: Job, version: int) -> ActorGroup[RolloutActor]:
