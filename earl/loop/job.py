@@ -212,22 +212,20 @@ class Job:
         self.metrics = Metrics(self.out, append=resume)
 
     def checkpoints(self) -> CheckpointStore:
-        """The run's checkpoint store (`<output_dir>/checkpoint`); a failed save the
-        supervisor accepts (a full disk) is reported and skipped."""
-        return CheckpointStore(self.out / "checkpoint", save_trainer=self.save_trainer,
-                               producer_states=self.producer_states, wall=self.elapsed,
-                               skip_failed=self.supervisor.checkpoint_failed)
+        """The run's checkpoint store (`<output_dir>/checkpoint`) over the attempt in force:
+        the trainer ranks' checkpoint (parameters, optimizer; `hooks.before_checkpoint` first)
+        and the producers' states (their critics); a failed save the supervisor accepts (a
+        full disk) is reported and skipped."""
 
-    async def save_trainer(self, folder: str) -> None:
-        """The trainer ranks' checkpoint (parameters, optimizer) into `folder`."""
-        if self.hooks.before_checkpoint is not None:
-            await self.hooks.before_checkpoint(folder)
-        with self.tracer.span("checkpoint", actor="trainer"):
-            await self.attempt.actors.trainer.save_checkpoint.call(folder)
+        async def save_trainer(folder: str) -> None:
+            if self.hooks.before_checkpoint is not None:
+                await self.hooks.before_checkpoint(folder)
+            with self.tracer.span("checkpoint", actor="trainer"):
+                await self.attempt.actors.trainer.save_checkpoint.call(folder)
 
-    async def producer_states(self, batch: int | None) -> list[dict[str, object]]:
-        """Each producer's state (its critic) after `batch` (None: now)."""
-        return await self.attempt.production.states(batch)
+        return CheckpointStore(self.out / "checkpoint", save_trainer=save_trainer,
+                               producer_states=lambda batch: self.attempt.production.states(batch),
+                               wall=self.elapsed, skip_failed=self.supervisor.checkpoint_failed)
 
     async def stop_actors(self) -> None:
         """Stop every stage's group, the last spawned first (a rewind starts them again)."""
