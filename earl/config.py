@@ -13,7 +13,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,7 @@ from earl.config_parse import _merge, from_dict, parse_overrides, read_yaml, ren
 from earl.placement import PlacementConfig
 from earl.runtime.errors import need
 from earl.runtime.selector.policy import PolicyConfig
-from earl.stages.compute import Seeded
+from earl.stages.compute import Seeded, fields_of
 from earl.stages.lora import LoraConfig
 from earl.stages.optim import OptimConfig
 from earl.stages.producer_settings import ProducerSettings
@@ -94,14 +93,6 @@ class AlgorithmConfig(LossConfig):
 
     def __post_init__(self) -> None:
         LossConfig.__post_init__(self)
-        self._check()
-
-    def loss(self) -> LossConfig:
-        """The loss part of this config, as the trainer takes it (a plain `LossConfig`)."""
-        return LossConfig(**{f.name: getattr(self, f.name)
-                             for f in dataclasses.fields(LossConfig)})
-
-    def _check(self) -> None:
         need(self.name in ALGORITHMS, "name", f"{self.name!r} unknown; choose one of {ALGORITHMS}")
         need(0 < self.gamma <= 1, "gamma", "must be in (0, 1]")
         need(self.critic in CRITICS, "critic", f"{self.critic!r} unknown; choose one of {CRITICS}")
@@ -110,6 +101,10 @@ class AlgorithmConfig(LossConfig):
         need(self.self_imitation >= 0, "self_imitation", "must be >= 0 (0 = off)")
         need(self.self_imitation == 0 or self.critic == "recipe", "self_imitation",
              "needs algorithm.critic=recipe (the critic rates the replies), or set it to 0")
+
+    def loss(self) -> LossConfig:
+        """The loss part of this config, as the trainer takes it (a plain `LossConfig`)."""
+        return LossConfig(**fields_of(LossConfig, self))
 
 
 def _run_policy() -> PolicyConfig:
