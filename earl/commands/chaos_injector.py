@@ -403,16 +403,18 @@ class Injector:
 
         before = len(rewinds())
 
-        async def killed_midway(folder: str) -> None:
-            os.kill(pid, 9)
-            fired.set()
-            await job.save_trainer(folder)
-
         root = Path(job.out) / "checkpoint"
         if not await until(lambda: (root / MANIFEST).is_file(), 300):
             return {"recovered": False, "note": "no checkpoint in force within 300 s"}
+        run_store = job.checkpoints()  # the run's own saves, the trainer killed as it starts
+
+        async def killed_midway(folder: str) -> None:
+            os.kill(pid, 9)
+            fired.set()
+            await run_store.save_trainer(folder)
+
         store = CheckpointStore(root, save_trainer=killed_midway,
-                                producer_states=job.producer_states, wall=job.elapsed)
+                                producer_states=run_store.producer_states, wall=job.elapsed)
         state, _, _ = store.load()
         try:
             await store.save(state, None)
