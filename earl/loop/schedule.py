@@ -187,9 +187,6 @@ class Schedule:
         # for its limit, naming what it waits for (None: a watchdog that never fires)
         self.watchdog = watchdog or Watchdog(stall_s=0, stall_steps=0)
 
-    def _snapshot(self, batch: int) -> bool:
-        return (batch + 1) % self.config.checkpoint_every == 0
-
     async def run(self) -> str:
         """Train until a stop rule fires; returns why ("steps", "time_limit", "target")."""
         c = self.config
@@ -213,7 +210,8 @@ class Schedule:
                     self._began[b] = time.perf_counter()
                     async with (self.selection.rollout(b) if self.selection is not None
                                 else contextlib.nullcontext()):
-                        res = await self.production.play(b, self._snapshot(b))
+                        # a snapshot of the critic after the batches a checkpoint ends at
+                        res = await self.production.play(b, (b + 1) % c.checkpoint_every == 0)
                     self.watchdog.beat()  # a batch played: progress
                 future(b).set_result(res)
                 if self.partial:  # its groups went to the pool as each finished

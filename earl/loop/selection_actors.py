@@ -286,16 +286,13 @@ class SlotMemory:
             self.pool.reset_memory_peak(n)
             self._working[n] = (working_mib, self.pool.owner(n))
 
-    def _follow_peaks(self) -> None:
-        for n, (working, owner) in list(self._working.items()):
+    def __call__(self) -> Mapping[str, float]:
+        for n, (working, owner) in list(self._working.items()):  # the peaks followed
             if self.pool.owner(n) != owner:  # its replica left the slot: the baseline too
                 del self._working[n]
                 self.base.pop(n, None)
             elif (peak := self.pool.memory_peak_mib(n)) is not None:
                 self.base[n] = max(self.base[n], peak - working)
-
-    def __call__(self) -> Mapping[str, float]:
-        self._follow_peaks()
         return {n: b - max(0.0, self.base.get(n, self.reserve) - self.reserve) * 2**20
                 for n, b in self.pool.budgets().items() if n not in self.kept}
 
