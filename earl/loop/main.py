@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from earl.loop.checkpoint import trim_logs
 from earl.loop.schedule import LoopState, Schedule
 from earl.loop.spawn import spawn_attempt
-from earl.loop.stages import STAGES, rebuild
+from earl.loop.stages import STAGES
 from earl.loop.step_log import StepLog
 from earl.loop.watchdog import Watchdog
 from earl.resolve import model_folder
@@ -144,9 +144,10 @@ async def serving(job: Job) -> AsyncIterator[None]:
     async with asyncio.TaskGroup() as tg:
         tg.create_task(serve(), name="reference")
         # the groups as spawned (the selector's first plan may differ from the placement)
-        tg.create_task(sup.watch({s.name: s.ranks(actors) for s in STAGES
-                                  if s.heals == "in_place"},
-                                 functools.partial(rebuild, job)), name="supervisor")
+        healed = {s.name: s for s in STAGES if s.heals == "in_place"}
+        tg.create_task(sup.watch({name: s.ranks(actors) for name, s in healed.items()},
+                                 lambda name, rank: healed[name].rebuild(job, rank)),
+                       name="supervisor")
         try:
             yield
         finally:

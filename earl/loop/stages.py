@@ -33,8 +33,7 @@ if TYPE_CHECKING:
     from earl.stages.rollout import RolloutActor
     from earl.stages.vllm_engine import EngineConfig
 
-__all__ = ["STAGES", "Building", "Stage", "rebuild", "spawn_dock", "spawn_producers",
-           "spawn_replicas"]
+__all__ = ["STAGES", "Building", "Stage", "spawn_dock", "spawn_producers", "spawn_replicas"]
 
 
 @dataclass(slots=True)
@@ -196,12 +195,6 @@ class Producer(Stage):
 
 
 STAGES: tuple[Stage, ...] = (Trainer(), DockIndex(), Reference(), Rollout(), Producer())
-_BY_NAME = {s.name: s for s in STAGES}
-
-
-async def rebuild(job: Job, name: str, rank: int) -> None:
-    """Rebuild restarted rank `rank` of stage `name` (the supervisor's `watch` calls it)."""
-    await _BY_NAME[name].rebuild(job, rank)
 
 
 def _last_producer_state(out: Path, rank: int) -> dict[str, object] | None:
