@@ -3,7 +3,8 @@ own process, one JSON line out.
 
     python bench/_race_trl.py '{"out": DIR, "seconds": 2700, "points": [300, ...],
                                 "arm": {"gradient_checkpointing": false,
-                                        "generation": "transformers"}, "threads": 2}'
+                                        "generation": "transformers"}, "threads": 2,
+                                "micro_batch": 16}'
 
 Everything the two sides share is read from EARL's recipe, not copied: `earl.config.load_config`
 on `--recipe=chain_smollm2` (plus the harness's overrides, the same ones EARL gets) gives the
@@ -19,10 +20,12 @@ transcripts.
 2. RL, written as TRL's docs have it: `GRPOTrainer(model, reward_funcs, args=GRPOConfig(...),
    train_dataset, peft_config=LoraConfig(...), rollout_func=...)`. The multi-turn episodes run
    in the `rollout_func` (`bench/_race_rollout.py`, each episode at its own pace, generation
-   through TRL's own `_generate_single_turn`), `env_mask` 0 on tool output. `steps_per_generation`
-   is EARL's bound plus one (samples at most `max_policy_lag` versions old), `beta` EARL's
-   `kl_coef`, clip `epsilon`/`epsilon_high`, token-mean loss (`dapo`), group-centred rewards
-   (`scale_rewards` "none" unless EARL divides by the std), constant LR, grad clip, AdamW betas.
+   through TRL's own `_generate_single_turn`), `env_mask` 0 on tool output. An optimizer step
+   trains EARL's batch in `micro_batch` pieces (gradient accumulation); one generation feeds
+   EARL's bound plus one optimizer steps (samples at most `max_policy_lag` versions old);
+   `beta` EARL's `kl_coef`, clip `epsilon`/`epsilon_high`, token-mean loss (`dapo`),
+   group-centred rewards (`scale_rewards` "none" unless EARL divides by the std), constant LR,
+   grad clip, AdamW betas.
    The arm chooses TRL's own speed options: `gradient_checkpointing`, and `generation`
    "transformers" (plain `generate`), "continuous_batching"
    (`use_transformers_continuous_batching`) or "vllm_colocate" (`use_vllm`, colocate mode).
@@ -128,11 +131,18 @@ def grpo_args(run: Any, cfg: dict[str, Any], max_tokens: int) -> Any:
     from trl import GRPOConfig
 
     a, o, arm = run.algorithm, run.optim, cfg["arm"]
+    micro = min(int(cfg.get("micro_batch", run.batch_size)), run.batch_size)
+    if run.batch_size % micro or micro % run.group_size:
+        raise ValueError(f"--trl-micro-batch {micro} must divide the batch ({run.batch_size}) "
+                         f"and be a multiple of the group size ({run.group_size})")
     generation = arm.get("generation", "transformers")
     return GRPOConfig(
         output_dir=str(Path(cfg["out"]) / "trl"), use_cpu=True, seed=run.seed,
-        per_device_train_batch_size=run.batch_size, num_generations=run.group_size,
-        steps_per_generation=run.max_policy_lag + 1, num_iterations=1,
+        # an optimizer step trains EARL's batch in micro-batches (TRL's way to fit memory); a
+        # generation feeds lag + 1 optimizer steps
+        per_device_train_batch_size=micro, gradient_accumulation_steps=run.batch_size // micro,
+        generation_batch_size=run.batch_size * (run.max_policy_lag + 1),
+        num_generations=run.group_size, num_iterations=1,
         max_completion_length=max_tokens, temperature=a.temperature, top_p=1.0,
         beta=a.kl_coef, epsilon=a.clip_low, epsilon_high=a.clip_high, loss_type="dapo",
         scale_rewards="group" if a.normalize_std else "none",
@@ -233,7 +243,8 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
             "rollouts": rollouts, "wall_s": round(_age(), 1),
             "loop_s": round(time.perf_counter() - t_loop, 1), "warm_start_s": round(ws_s, 1),
             "warm_start_loss": ws_losses, "batch_size": run.batch_size,
-            "group_size": run.group_size, "steps_per_generation": run.max_policy_lag + 1,
+            "group_size": run.group_size, "optimizer_steps_per_generation": run.max_policy_lag + 1,
+            "micro_batch": trainer.args.per_device_train_batch_size,
             "bf16": run.placement.dtype == "bfloat16", "max_tokens": max_tokens}
 
 

@@ -145,7 +145,10 @@ def run_tree(cmd: list[str], env: dict[str, str], timeout: float, log: Path,
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             tree.stdout, _ = proc.communicate()
-        finally:
+        finally:  # the bench itself stopped (SIGTERM, ^C): its side's tree goes with it
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
             done.set()
             t.join()
     tree.rc = proc.returncode
@@ -219,7 +222,7 @@ def run_trl(work: Path, a: argparse.Namespace, arm: str, points: list[float],
     """One TRL arm in its own process (`bench/_race_trl.py`)."""
     out = work / f"trl_{arm}"
     cfg = {"out": str(out), "seconds": a.minutes * 60, "points": points, "arm": ARMS[arm],
-           "threads": a.trl_threads, "overrides": overrides}
+           "threads": a.trl_threads, "micro_batch": a.trl_micro_batch, "overrides": overrides}
     tree = run_tree([sys.executable, str(HERE / "_race_trl.py"), json.dumps(cfg)],
                     _env(a.trl_threads), a.minutes * 60 + SLACK_S, work / f"trl_{arm}.log")
     lines = tree.stdout.strip().splitlines()
@@ -323,7 +326,8 @@ def summary(side: str, res: dict[str, Any], work: Path, base: Path, a: argparse.
         trl = res["trl"]
         out.update(arm=ARMS[side], warm_start_s=trl["warm_start_s"],
                    warm_start_loss=trl["warm_start_loss"],
-                   steps_per_generation=trl["steps_per_generation"], bf16=trl["bf16"],
+                   optimizer_steps_per_generation=trl["optimizer_steps_per_generation"],
+                   micro_batch=trl["micro_batch"], bf16=trl["bf16"],
                    rollout_calls=len(trl["rollouts"]),
                    turns_mean=round(sum(r["turns"] for r in trl["rollouts"])
                                     / max(sum(r["episodes"] for r in trl["rollouts"]), 1), 2))
@@ -347,6 +351,10 @@ def main() -> None:
     ap.add_argument("--earl", action=argparse.BooleanOptionalAction, default=True,
                     help="run EARL's side")
     ap.add_argument("--trl-threads", type=int, default=2, help="TRL's torch threads")
+    ap.add_argument("--trl-micro-batch", type=int, default=16,
+                    help="TRL's per_device_train_batch_size: a step's batch is trained in pieces "
+                         "of this many trajectories (gradient accumulation), about EARL's "
+                         "8,192-token micro-batches")
     ap.add_argument("--warm-start-steps", type=int, default=None,
                     help="both sides' warm-start steps (default: the recipe's; smoke runs only)")
     ap.add_argument("--batch-size", type=int, default=None,
@@ -358,6 +366,7 @@ def main() -> None:
     if unknown := set(arms) - set(ARMS):
         ap.error(f"--arms: unknown {sorted(unknown)}; choose from {', '.join(ARMS)}")
     begun = _results.start()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds into run_tree's cleanup
     points = eval_points(a.minutes, a.eval_every_min)
     overrides = [*([f"--warm_start.steps={a.warm_start_steps}"]
                    if a.warm_start_steps is not None else []),
@@ -386,7 +395,8 @@ def main() -> None:
                      {k: [(r["t_s"], r["accuracy"]) for r in v["curve"]]
                       for k, v in trl.items() if "curve" in v}),
            "points_s": points, "minutes": a.minutes, "eval_tasks": a.eval_tasks,
-           "threshold": a.threshold, "trl_threads": a.trl_threads, "overrides": overrides,
+           "threshold": a.threshold, "trl_threads": a.trl_threads,
+           "trl_micro_batch": a.trl_micro_batch, "overrides": overrides,
            "recipe": {"batch_size": run.batch_size, "group_size": run.group_size,
                       "max_policy_lag": run.max_policy_lag, "lora_rank": run.lora.rank,
                       "warm_start_steps": run.warm_start.steps, "dtype": run.placement.dtype},
