@@ -125,7 +125,7 @@ def trl_fields(trajectories: Sequence[Trajectory], end_id: int) -> dict[str, lis
     return out
 
 
-def rollout_func(agent: Any, tasks: dict[str, dict[str, object]], codec: Any,
+def rollout_func(agent: Any, tasks: dict[str, object], codec: Any,
                  config: RolloutConfig, log: list[dict[str, float]]
                  ) -> Callable[[list[Any], Any], dict[str, Any]]:
     """TRL's `rollout_func`: each prompt's episode played by `agent` through the trainer's own
@@ -161,7 +161,7 @@ def rollout_func(agent: Any, tasks: dict[str, dict[str, object]], codec: Any,
 
 
 def episode_reward(prompts: list[Any], completions: list[Any], episode_reward: list[float],
-                   **_: Any) -> list[float]:
+                   **_: Any) -> list[float | None]:
     """TRL's reward function: the reward the recipe's agent gave the episode."""
     return list(episode_reward)
 

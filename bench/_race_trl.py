@@ -191,7 +191,8 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     snaps = out / "snapshots"
     points: list[float] = [float(t) for t in cfg["points"]]
 
-    tasks = {str(t["question"]): t for t in (recipe.tasks.sample(k) for k in range(TASKS))}
+    samples: list[Any] = [recipe.tasks.sample(k) for k in range(TASKS)]
+    tasks: dict[str, object] = {str(t["question"]): t for t in samples}
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": q}]} for q in tasks])
     rollouts: list[dict[str, float]] = []
     config = rr.sampling(max_tokens, run.algorithm.temperature, codec.stop_ids,
