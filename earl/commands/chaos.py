@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, Any
 
 from earl.commands.chaos_faults import mount_tmpfs, orphans, umount, versions_monotone
 from earl.commands.chaos_injector import Injector
-from earl.commands.chaos_oracle import read_trained
+from earl.commands.chaos_oracle import judge, read_trained
 
 if TYPE_CHECKING:
     from earl.commands.chaos_draw import Drawn
@@ -245,7 +245,7 @@ async def run_chaos(cfg: Any, faults: list[str], *, seed: int = 0, log: Any = pr
         stall.unlink(missing_ok=True)
         if disk:
             umount(out / "checkpoint")
-    ledger = job.supervisor.ledger.summary(read_trained(out / "trained"), resident)
+    ledger = judge(job.supervisor.ledger.path, read_trained(out / "trained"), resident)
     left_behind = orphans(pids | {os.getpid()})
     monotone = versions_monotone(out, cfg.max_policy_lag, cfg.partial_rollouts != "off")
     # a soak ends by its time limit, with the faults that came due by then

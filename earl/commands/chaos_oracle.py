@@ -1,8 +1,11 @@
 """The evidence `earl chaos` judges a run by, and the fault that tests the judge.
 
-`read_trained` reads what the trainer ranks recorded, before each step's ack, as the sample ids
-their step trained (`trained/trained.<rank>.jsonl`, written with `record_trained`): the oracle
-counts a sample as trained only there, never by the driver's ack (`Ledger.summary`).
+`judge` reads the run's sample ledger back (`earl.loop.ledger.Ledger`: produced, acked,
+dropped with a reason, rewound) and checks it against what the trainer ranks recorded, before
+each step's ack, as the sample ids their step trained (`read_trained`:
+`trained/trained.<rank>.jsonl`, written with `record_trained`): a sample counts as trained
+only there, never by the driver's ack, which says a step was asked to train a sample, not that
+the sample entered its gradient.
 
 `lose_a_sample` is the fault `lose:sample`: it loses one sample on purpose, the way a
 dispatcher bug would: the next step's plan leaves one sample out of a micro-batch, the trainer
@@ -14,12 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from earl.runtime.dispatch import DispatchPlan
+from earl.stages.batch_types import batch_of
 
-__all__ = ["drop_one", "lose_a_sample", "read_trained"]
+__all__ = ["Book", "drop_one", "judge", "lose_a_sample", "read_ledger", "read_trained"]
 
 
 def read_trained(folder: Path) -> list[str]:
@@ -33,6 +39,84 @@ def read_trained(folder: Path) -> list[str]:
                 continue  # the last line, cut by a kill mid-write (its step was never acked)
             ids += rec["sample_ids"]
     return ids
+
+
+@dataclass(slots=True)
+class Book:
+    """The ledger read back: what it holds after replaying its records in order."""
+
+    produced: dict[str, str] = field(default_factory=dict)   # sample id -> group id
+    acked: list[str] = field(default_factory=list)
+    dropped: dict[str, str] = field(default_factory=dict)    # sample id -> reason
+    rewound: int = 0                                         # discarded by rewinds
+
+    def apply(self, rec: dict[str, Any]) -> None:
+        if "produced" in rec:
+            ids, gids = rec["produced"]
+            self.produced.update(zip(ids, gids, strict=True))
+        elif "acked" in rec:
+            self.acked += rec["acked"]
+        elif "dropped" in rec:
+            for sid, gid in rec["dropped"]:
+                self.produced.setdefault(sid, gid)
+                self.dropped[sid] = str(rec["reason"])
+        elif "rewind" in rec:  # batches >= the step: the trainer went back before them
+            step = int(rec["rewind"])
+            keep = {s: g for s, g in self.produced.items() if batch_of(s) < step}
+            self.rewound += len(self.produced) - len(keep)
+            self.produced = keep
+            self.acked = [s for s in self.acked if batch_of(s) < step]
+            self.dropped = {s: r for s, r in self.dropped.items() if batch_of(s) < step}
+
+
+
+def read_ledger(path: Path | None) -> Book:
+    """The ledger's records so far (`earl.loop.ledger.Ledger`), replayed in order (None: a
+    run that kept none)."""
+    book = Book()
+    if path is not None and path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                book.apply(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # the last line, cut by a kill of the driver mid-write
+    return book
+
+
+def judge(ledger: Path | None, trained: Sequence[str], resident: Iterable[str] = ()
+          ) -> dict[str, object]:
+    """The invariants of the run that kept `ledger`, against `trained` (every sample id the
+    trainer ranks recorded as trained, a multiset: `earl.stages.trainer.TrainerActor`) and
+    `resident` (ids still in the dock, not yet trained).
+
+    `samples_lost`: produced, and neither trained, nor dropped with a reason, nor still in
+    the dock. `samples_duplicated`: extra trainings of a sample, or of a group (a group
+    re-played after it was trained: two plays' ids of one group).
+    `samples_acked_untrained`: acked by a step that never trained them (a subset of lost).
+
+    Raises:
+        ValueError: the run kept no ledger (None): there is nothing to judge.
+    """
+    if ledger is None:
+        raise ValueError("this run kept no sample ledger: set record_trained=true")
+    book = read_ledger(ledger)
+    done = set(trained)
+    dup_samples = len(trained) - len(done)
+    plays: dict[str, set[str]] = {}
+    for s in done:
+        if (g := book.produced.get(s)) is not None:
+            plays.setdefault(g, set()).add(s.rsplit("-", 1)[0])
+    dup_groups = sum(len(p) - 1 for p in plays.values())
+    missing = set(book.produced) - done - set(book.dropped) - set(resident)
+    reasons: dict[str, int] = {}
+    for r in book.dropped.values():
+        reasons[r] = reasons.get(r, 0) + 1
+    return {"samples_produced": len(book.produced), "samples_trained": len(trained),
+            "samples_acked": len(book.acked),
+            "samples_acked_untrained": len(set(book.acked) - done),
+            "samples_dropped": reasons, "samples_rewound": book.rewound,
+            "samples_lost": len(missing), "lost_ids": sorted(missing)[:20],
+            "samples_duplicated": dup_samples + dup_groups}
 
 
 def drop_one(plan: DispatchPlan) -> tuple[DispatchPlan, str] | None:

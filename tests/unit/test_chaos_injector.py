@@ -150,9 +150,7 @@ async def test_a_kill_after_a_rewind_is_seen_healed_by_its_restart_event() -> No
     """A rewind's actors count their restarts from 0 again, while the supervisor's count goes
     on: a kill of the reference after a rewind was healed but judged not recovered (the
     second soak's fault 8, `restarts` 1 in the event against 2 counted before)."""
-    import subprocess
-
-    victim = subprocess.Popen(["sleep", "60"])
+    victim = await asyncio.create_subprocess_exec("sleep", "60")
     events: list[dict[str, Any]] = [
         {"event": "restart", "actor": "reference", "restarts": 1},  # the first attempt's
         {"event": "rewind", "actor": "trainer"}]
@@ -166,6 +164,6 @@ async def test_a_kill_after_a_rewind_is_seen_healed_by_its_restart_event() -> No
     inj.job.supervisor, inj.rt = sup, SimpleNamespace(dir_call=dir_call)
     task = asyncio.ensure_future(inj._inject(0))
     await inj.fired[0].wait()
-    victim.wait()
+    await victim.wait()
     events.append({"event": "restart", "actor": "reference", "restarts": 1})  # the new actor's
     assert (await task)["recovered"]

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from earl.commands.chaos_oracle import judge, read_ledger
 from earl.loop.checkpoint import CheckpointStore
 from earl.loop.ledger import Ledger
 from earl.loop.production import ActorProduction
@@ -79,31 +80,31 @@ def test_ledger_judges_by_the_trainers_records_not_the_acks(tmp_path: Path) -> N
     led.add_produced(["b000000-0000", "b000000-0001", "b000001-0000"], ["g0", "g0", "g1"])
     led.add_acked((_loc("b000000-0000", "g0"), _loc("b000000-0001", "g0")))
     # acked both, the trainer recorded one: the other is lost, whatever the ack said
-    s = led.summary(["b000000-0000"], resident=["b000001-0000"])
+    s = judge(led.path, ["b000000-0000"], resident=["b000001-0000"])
     assert s["samples_lost"] == 1 and s["lost_ids"] == ["b000000-0001"]
     assert s["samples_acked"] == 2 and s["samples_acked_untrained"] == 1
     trained = ["b000000-0000", "b000000-0001"]
-    assert led.summary(trained)["samples_lost"] == 1  # b000001-0000: not in the dock now
-    assert led.summary(trained, resident=["b000001-0000"])["samples_lost"] == 0
+    assert judge(led.path, trained)["samples_lost"] == 1  # b000001-0000: not in the dock now
+    assert judge(led.path, trained, resident=["b000001-0000"])["samples_lost"] == 0
     led.add_dropped([LostSample("b000001-0000", "g1", ("input_ids",))], "shard died")
-    assert led.summary(trained)["samples_lost"] == 0
-    assert led.summary(trained)["samples_dropped"] == {"shard died": 1}
+    assert judge(led.path, trained)["samples_lost"] == 0
+    assert judge(led.path, trained)["samples_dropped"] == {"shard died": 1}
     # the same group trained from a second play is a duplicate, as is a sample trained twice
     led.add_produced(["b000001-x1-0000"], ["g1"])
     trained += ["b000001-x1-0000", "b000000-0000"]
-    assert led.summary(trained)["samples_duplicated"] == 1
+    assert judge(led.path, trained)["samples_duplicated"] == 1
     trained += ["b000001-0000"]
-    assert led.summary(trained)["samples_duplicated"] == 2
+    assert judge(led.path, trained)["samples_duplicated"] == 2
     led.rewind(1)  # the trainer went back to step 1: batch 1 is played and trained again
-    assert led.summary([])["samples_rewound"] == 2
-    assert set(led.read().acked) == {"b000000-0000", "b000000-0001"}
+    assert judge(led.path, [])["samples_rewound"] == 2
+    assert set(read_ledger(led.path).acked) == {"b000000-0000", "b000000-0001"}
     # what the driver holds meanwhile: nothing but the file's handle; a run not judged by
     # `earl chaos` keeps no ledger at all
     assert not any(hasattr(led, k) for k in ("produced", "acked", "dropped"))
     off = Ledger()
     off.add_produced(["b000000-0000"], ["g0"])
     with pytest.raises(ValueError, match="record_trained"):
-        off.summary([])
+        judge(off.path, [])
 
 
 def test_the_oracle_reads_what_the_trainers_recorded(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -286,7 +287,7 @@ async def test_a_producer_death_replays_its_share_with_fresh_ids(tmp_path: Path)
     assert res.samples == 4
     assert [c[0] for c in prod.producers.calls] == ["play", "replay"]
     tag = prod.producers.calls[1][2][2]
-    assert sorted(sup.ledger.read().produced) == [f"b000003-p0-{tag}-{j:04d}" for j in range(4)]
+    assert sorted(read_ledger(sup.ledger.path).produced) == [f"b000003-p0-{tag}-{j:04d}" for j in range(4)]
     assert [e["event"] for e in sup.events] == ["replay_share"]
 
 
@@ -303,7 +304,7 @@ async def test_lost_groups_are_replayed_except_a_share_being_replayed(tmp_path: 
     replays = sorted((c[2][0], c[2][1][0].group_id) for c in prod.producers.calls
                      if c[0] == "replay")
     assert replays == [(1, "g2"), (2, "g5")]
-    assert set(sup.ledger.read().dropped) == {x.sample_id for x in lost}
+    assert set(read_ledger(sup.ledger.path).dropped) == {x.sample_id for x in lost}
 
 
 async def test_over_sampled_batches_keep_each_producers_share_and_record_only_it(tmp_path: Path) -> None:
@@ -314,7 +315,7 @@ async def test_over_sampled_batches_keep_each_producers_share_and_record_only_it
     res = await asyncio.wait_for(prod.play(1, False), 5)
     assert res.samples == 4 and sorted(res.cut) == ["g6", "g7"]
     assert [c[2][3] for c in prod.producers.calls] == [1, 1]  # need, per producer
-    assert sorted(sup.ledger.read().produced.values()) == ["g4", "g4", "g5", "g5"]
+    assert sorted(read_ledger(sup.ledger.path).produced.values()) == ["g4", "g4", "g5", "g5"]
     # a lost group maps back to its batch through the stride of 4 groups per batch
     prod.dock.lost = [LostSample("b1", "g6", ())]
     assert await prod.reproduce_lost("shard died") == 1
