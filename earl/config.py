@@ -109,10 +109,9 @@ class AlgorithmConfig(LossConfig):
 
 def _run_policy() -> PolicyConfig:
     """The selector policy of a run: trainer and rollout split the slots, pp 1 (the torch
-    trainer runs dp x tp), 20% of each slot left free (vLLM's and torch's working buffers
-    beyond the cost model's count), a rollout replica's KV budget capped at 128k tokens, and a
-    layout change paying for itself over 50 steps (on the gauntlet a context bucket held ~57
-    steps; over 20, a move measured 35% faster was kept out, priced to save 2.1 s for 5)."""
+    trainer runs dp x tp), 20% of each slot left free (working buffers beyond the cost model's
+    count), a replica's KV budget capped at 128k tokens, a layout change paying for itself over
+    50 steps (docs/design/selector.md says why these)."""
     return PolicyConfig(actors={"rollout": "rollout", "trainer": "train"}, colocated=False,
                         pp_max=1, bucket_base=256, lookahead_steps=2, cooldown_steps=3,
                         headroom=0.2, max_kv_tokens=1 << 17, horizon_steps=50)
@@ -137,17 +136,15 @@ class SelectorConfig:
     ``(cost, config, measured) -> Policy`` (`earl.runtime.selector.Policy`; "" = the built-in
     `SearchPolicy`); `measured` is the run's live profile (`RunProfile`).
     `warm_hosts`: processes kept started per stage (rollout, trainer), their imports done, that
-    a re-layout's new replicas and ranks start in (`Runtime.keep_warm`: a vLLM replica's start
-    13.5 s -> 1.8 s, a trainer rank's 4.5 s -> 0.3 s on the tiny model); each waits at idle
-    CPU priority and holds its imports' memory (~540 MiB for vLLM, ~340 MiB for torch).
-    -1: as many as a stage can hold (`placement.devices` - 1, else 2); 0: none.
+    a re-layout's new replicas and ranks start in (`Runtime.keep_warm`), each at idle CPU
+    priority, holding its imports' memory; -1: as many as a stage can hold
+    (`placement.devices` - 1, else 2); 0: none.
     `context_steps`: the steps whose longest trajectory the plan must hold (and whose maxima
     the context's trend is fitted over): a layout changes back only after that many steps
-    without a context that needs it (on the gauntlet's per-step maxima 8 steps gave 25 bucket
-    changes in 400 steps, 20 gave 7).
+    without a context that needs it.
     `tp_overhead`: throughput lost to communication per doubling of tensor parallelism, which
     prices a TP layout the run has not measured yet (-1: from `placement.device`, 0.06 on
-    cuda, 0.25 on cpu, where `bench/parallel.py` measured a TP-2 replica at 0.77x of two).
+    cuda, 0.25 on cpu).
     """
 
     SHORTHAND: ClassVar[str] = "mode"
