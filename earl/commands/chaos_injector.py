@@ -232,7 +232,7 @@ class Injector:
             await asyncio.sleep(0.5)
             after = await self.rt.dir_call("lookup", "producer")
             group = await self.rt.lookup("producer")
-            answers = isinstance(await group[0].state_dict.call_one(None), dict)
+            answers = await group[0].evaluate.call_one([], "probe") == []
             return {"pid": pid, "answers": answers,
                     "recovered": after.pids[0] == pid and after.status[0] == "up" and answers}
         if fault == "delay":
@@ -381,7 +381,7 @@ class Injector:
         fired.set()
         answered = [await http_status(port, 30.0) for port in ports]
         group = await self.rt.lookup("producer")
-        rpc = isinstance(await group[0].state_dict.call_one(None), dict)
+        rpc = await group[0].evaluate.call_one([], "probe") == []
         res = [await asyncio.to_thread(a.result, 120.0) for a in attacks]
         after = dict(self.job.supervisor.restarts), self.job.supervisor.rewinds
         opened = sum(r.get("opened", 0) for r in res)
@@ -414,7 +414,7 @@ class Injector:
             await run_store.save_trainer(folder)
 
         store = CheckpointStore(root, save_trainer=killed_midway,
-                                producer_states=run_store.producer_states, wall=job.elapsed)
+                                save_producers=run_store.save_producers, wall=job.elapsed)
         state, _, _ = store.load()
         try:
             await store.save(state, None)

@@ -1,14 +1,15 @@
 """Consistent checkpoints: every part of one checkpoint is of the same step, or none is used.
 
 A checkpoint is a folder `checkpoint/step-NNNNNN/` holding the parts (the trainer's own
-folder, the producers' estimator states, the loop state), and `checkpoint/manifest.json`,
+folder, the producers' estimator states, each written by its producer into `producers/`,
+`producers.json` saying they are whole, the loop state), and `checkpoint/manifest.json`,
 written last and atomically, naming the folder and its step. A save writes into a staging
 folder and renames it to an unused name before the manifest switches, so nothing of the
 checkpoint in force is touched until a whole new one is in place: a crash or a full disk anywhere
 in a save (re-saving the step in force included) leaves the previous one in force. `load` verifies each part's step against the manifest, and
 `trim_logs` cuts `metrics.jsonl` and the trajectory dumps back to the checkpoint so a resumed
 run does not count the replayed steps twice. Nothing here talks to actors: the caller hands
-in async callables that save and load the trainer, and says which failed saves the run goes on
+in async callables that save the trainer's and the producers' parts, and says which failed saves the run goes on
 after (`skip_failed`: a full disk, `earl.loop.supervisor.Supervisor.checkpoint_failed`).
 """
 
@@ -35,6 +36,7 @@ class CheckpointError(ValueError):
 
 
 def _write_json(path: Path, obj: object) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         json.dump(obj, f)
@@ -49,18 +51,20 @@ class CheckpointStore:
     Args:
         root: the run's `checkpoint/` folder.
         save_trainer: `async (folder) -> None`, writes the trainer's state into folder.
-        producer_states: `async (critic_batch) -> list of state dicts`, one per producer.
+        save_producers: `async (folder, critic_batch) -> None`, each producer's state after
+            `critic_batch` into `folder/<rank>.json` (written by the producers themselves: the
+            critics, megabytes of JSON, never pass through this process).
         wall: the run's wall seconds so far (saved with the loop state).
         skip_failed: `(step, error) -> bool`: whether the run goes on after a save of `step`
             failed with `error`, the previous checkpoint in force (None: every failure raises).
     """
 
     def __init__(self, root: Path, *, save_trainer: Callable[[str], Awaitable[None]],
-                 producer_states: Callable[[int | None], Awaitable[list[dict[str, object]]]],
+                 save_producers: Callable[[str, int | None], Awaitable[None]],
                  wall: Callable[[], float],
                  skip_failed: Callable[[int, Exception], bool] | None = None) -> None:
         self.root = root
-        self.save_trainer, self.producer_states, self.wall = save_trainer, producer_states, wall
+        self.save_trainer, self.save_producers, self.wall = save_trainer, save_producers, wall
         self.skip_failed = skip_failed
         root.mkdir(parents=True, exist_ok=True)
 
@@ -82,8 +86,8 @@ class CheckpointStore:
         staging.mkdir()
         try:
             await self.save_trainer(str(staging / "trainer"))
-            producers = await self.producer_states(critic_batch)
-            _write_json(staging / "producers.json", {"step": state.step, "states": producers})
+            await self.save_producers(str(staging / "producers"), critic_batch)
+            _write_json(staging / "producers.json", {"step": state.step})
             d = asdict(state)
             d["wall_before"] = self.wall()
             _write_json(staging / "state.json", d)
@@ -93,7 +97,8 @@ class CheckpointStore:
             shutil.rmtree(staging, ignore_errors=True)
             raise
         _write_json(self.root / MANIFEST, {"step": state.step, "folder": folder.name,
-                                           "parts": ["trainer", "producers.json", "state.json"]})
+                                           "parts": ["trainer", "producers", "producers.json",
+                                                     "state.json"]})
         for old in self.root.glob("step-*"):
             if old != folder:
                 shutil.rmtree(old, ignore_errors=True)
@@ -126,9 +131,9 @@ class CheckpointStore:
         path = self.root / MANIFEST
         return int(json.loads(path.read_text())["step"]) if path.is_file() else None
 
-    def load(self) -> tuple[LoopState, str, list[dict[str, object]]]:
-        """The loop state, the trainer's folder and the producer states of the checkpoint in
-        force, after checking every part is of the manifest's step.
+    def load(self) -> tuple[LoopState, str, str]:
+        """The loop state, the trainer's folder and the producers' folder (`<rank>.json` each)
+        of the checkpoint in force, after checking every part is of the manifest's step.
 
         Raises:
             CheckpointError: no manifest, or a part of another step.
@@ -141,9 +146,12 @@ class CheckpointStore:
             if got != step:
                 raise CheckpointError(f"--resume: checkpoint part {name} is of step {got}, the "
                                       f"manifest says {step}; the checkpoint is inconsistent")
+        if "states" in prod:  # saved before the producers wrote their own parts
+            for rank, st in enumerate(prod["states"]):
+                _write_json(folder / "producers" / f"{rank}.json", st)
         raw["best"] = tuple(raw["best"])
         state = LoopState(**raw)
-        return state, str(folder / "trainer"), list(prod["states"])
+        return state, str(folder / "trainer"), str(folder / "producers")
 
 
 def trim_logs(out: Path, step: int) -> None:

@@ -224,7 +224,8 @@ class Job:
                 await self.attempt.actors.trainer.save_checkpoint.call(folder)
 
         return CheckpointStore(self.out / "checkpoint", save_trainer=save_trainer,
-                               producer_states=lambda batch: self.attempt.production.states(batch),
+                               save_producers=lambda folder, batch: self.attempt.production.save_states(
+                                   folder, batch),
                                wall=self.elapsed, skip_failed=self.supervisor.checkpoint_failed)
 
     async def stop_actors(self) -> None:

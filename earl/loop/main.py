@@ -63,7 +63,7 @@ async def train_attempt(job: Job, resume: bool) -> RunResult:
     from earl.loop.warm_start import warm_start
 
     cfg, recipe, store = job.cfg, job.recipe, job.checkpoints()
-    state, trainer_ckpt, producer_states = store.load() if resume else (LoopState(), "", [])
+    state, trainer_ckpt, producers = store.load() if resume else (LoopState(), "", "")
     trim_logs(job.out, state.step)  # the logged steps not kept: all of them on a fresh start
     job.begin(state, resume=resume)
     if not resume:
@@ -71,11 +71,7 @@ async def train_attempt(job: Job, resume: bool) -> RunResult:
     parts = await spawn_attempt(job, state.step)
     job.use_attempt(parts)
     if resume:
-        await restore(job, trainer_ckpt, producer_states)
-        # the producers hold their critics now; this frame lives as long as the attempt, and
-        # kept ~50 MiB of Python objects per 8 MB of producers.json (the soaks' driver grew at
-        # each rewind by the size of the states)
-        del producer_states
+        await restore(job, trainer_ckpt, producers)
     async with serving(job):
         if parts.evaluation is not None and not state.eval_start:
             state.eval_start = await evaluate(job, "start")
@@ -112,8 +108,7 @@ def watchdog(job: Job) -> Watchdog:
                     diagnose=dock_state)
 
 
-async def restore(job: Job, trainer_ckpt: str, producer_states: list[dict[str, object]]
-                  ) -> None:
+async def restore(job: Job, trainer_ckpt: str, producers: str) -> None:
     """A resumed attempt: the trainer's and producers' state, the rollout's weights."""
     from earl.loop.checkpoint import CheckpointError
 
@@ -122,7 +117,7 @@ async def restore(job: Job, trainer_ckpt: str, producer_states: list[dict[str, o
     if any(int(g) != step for g in got):
         raise CheckpointError(f"--resume: the trainer checkpoint is of step {got[0]}, "
                               f"the manifest says {step}")
-    await job.attempt.production.load_states(producer_states)
+    await job.attempt.production.load_states(producers)  # each reads its own file
     await actors.trainer.save_hf.call(str(job.weights))  # every rank: TP/FSDP gather
     await actors.rollout.update_weights_from_path.call(str(job.weights), step, "drain")
     job.log(f"resumed from step {step} ({job.out / 'checkpoint'})")

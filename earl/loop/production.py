@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from earl.loop.supervisor import died_actor
@@ -174,33 +175,29 @@ class ActorProduction:
         """The rollout now serves `version` on purpose (an earlier step's weights)."""
         await self.producers.pin_version.call(version)
 
-    async def states(self, batch: int | None) -> list[dict[str, object]]:
-        """Each producer's critic after `batch` (None: now); a restarted producer (which lost
-        that snapshot) gives its current one."""
-        out = []
-        for r in range(len(self.producers)):
-            p = self.producers[r]
-            try:
-                out.append(await p.state_dict.call_one(batch))
-            except ActorError as exc:
-                if not exc.remote_type.endswith("KeyError"):
-                    raise
-                out.append(await p.state_dict.call_one(None))
-        return out
+    async def save_states(self, folder: str, batch: int | None) -> None:
+        """Each producer writes its critic after `batch` (None: now; a restarted producer,
+        which lost that snapshot: its current one) to `folder/<rank>.json`."""
+        await asyncio.gather(*(self.producers[r].save_state.call_one(f"{folder}/{r}.json", batch)
+                               for r in range(len(self.producers))))
 
-    async def load_states(self, states: Sequence[dict[str, object]]) -> None:
-        await asyncio.gather(*(self.producers[r].load_state_dict.call_one(s)
-                               for r, s in enumerate(states) if r < len(self.producers)))
+    async def load_states(self, folder: str) -> None:
+        """Each producer loads its critic from `folder/<rank>.json` where there is one (a run
+        resumed with more producers than it saved starts the others afresh)."""
+        await asyncio.gather(*(self.producers[r].load_state.call_one(f"{folder}/{r}.json")
+                               for r in range(len(self.producers))
+                               if Path(folder, f"{r}.json").is_file()))
 
     # ---- healing -------------------------------------------------------------------------
-    async def rebuild(self, rank: int, state: dict[str, object] | None) -> None:
-        """A restarted producer: version, critic, its shard's lost groups played again."""
+    async def rebuild(self, rank: int, state: str | None) -> None:
+        """A restarted producer: version, critic (from the file `state`, its part of the
+        checkpoint in force; None: none yet), its shard's lost groups played again."""
         p, sup, who = self.producers[rank], self.supervisor, f"producer[{rank}]"
         with sup.step(who, "note_version"):
             await p.note_version.call_one(sup.version)
         if state is not None:
-            with sup.step(who, "load_state_dict"):
-                await p.load_state_dict.call_one(state)
+            with sup.step(who, "load_state"):
+                await p.load_state.call_one(state)
         await self.drop_shard(f"producer:{rank}", who)
 
     async def drop_shard(self, shard: str, who: str) -> None:

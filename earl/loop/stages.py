@@ -197,16 +197,17 @@ class Producer(Stage):
 STAGES: tuple[Stage, ...] = (Trainer(), DockIndex(), Reference(), Rollout(), Producer())
 
 
-def _last_producer_state(out: Path, rank: int) -> dict[str, object] | None:
-    """Producer `rank`'s critic state in the checkpoint in force (None: no checkpoint yet)."""
+def _last_producer_state(out: Path, rank: int) -> str | None:
+    """The file of producer `rank`'s critic in the checkpoint in force (None: no checkpoint
+    yet, or none of this rank)."""
     from earl.loop.checkpoint import MANIFEST
 
     manifest = out / "checkpoint" / MANIFEST
     if not manifest.is_file():
         return None
     folder = out / "checkpoint" / json.loads(manifest.read_text())["folder"]
-    states = json.loads((folder / "producers.json").read_text())["states"]
-    return states[rank] if rank < len(states) else None
+    path = folder / "producers" / f"{rank}.json"
+    return str(path) if path.is_file() else None
 
 
 # ---- spawning, shared with `earl eval` (`earl.loop.spawn.evaluating`) ---------------------

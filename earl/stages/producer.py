@@ -15,6 +15,8 @@ the loop that drives it.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -186,7 +188,7 @@ class ProducerActor(WarehouseHost, Actor):
         (over-sampling, `RunConfig.over_sample_groups`). Batches are prepared in the order they
         are asked for (a critic learns from each), so a batch whose games finish early waits
         for the previous one before its put. With `snapshot`, the estimator's state right
-        after this batch is kept for `state_dict` (a checkpoint after training this batch must
+        after this batch is kept for `save_state` (a checkpoint after training this batch must
         not see later batches)."""
         t0 = time.perf_counter()
         async with self._order:
@@ -302,22 +304,24 @@ class ProducerActor(WarehouseHost, Actor):
         self.engine.note_version(version)
 
     @endpoint
-    async def state_dict(self, batch: int | None = None) -> dict[str, object]:
-        """The estimator's state (the critic) after `batch` (a snapshot asked for in `play`),
-        or now (None), for checkpoints."""
-        if batch is None:
-            return self.estimator.state_dict()
-        if batch not in self._snapshots:
-            raise KeyError(f"no estimator snapshot after batch {batch}; pass snapshot=True to "
-                           "play() for batches that precede a checkpoint")
-        state = self._snapshots.pop(batch)
-        for b in [b for b in self._snapshots if b < batch]:
+    async def save_state(self, path: str, batch: int | None = None) -> None:
+        """Write the estimator's state (the critic) after `batch` to `path`, as JSON: this
+        producer's part of a checkpoint, which it writes itself (the driver never holds it).
+        `batch`: the snapshot `play(..., snapshot=True)` kept after that batch (earlier ones
+        are forgotten); None, or a snapshot this process never took (it was restarted since):
+        the state now."""
+        state = self._snapshots.pop(batch, None) if batch is not None else None
+        for b in [b for b in self._snapshots if batch is not None and b < batch]:
             del self._snapshots[b]
-        return state
+        if state is None:
+            state = self.estimator.state_dict()
+        await asyncio.to_thread(_write_state, Path(path), state)
 
     @endpoint
-    async def load_state_dict(self, state: dict[str, object]) -> None:
-        self.estimator.load_state_dict(state)
+    async def load_state(self, path: str) -> None:
+        """Load the estimator's state from `path` (written by `save_state`)."""
+        self.estimator.load_state_dict(
+            await asyncio.to_thread(lambda: json.loads(Path(path).read_text())))
 
     def _write_dump(self, step: int, trajs: list[Trajectory], advs: Sequence[np.ndarray]) -> None:
         assert self._dump is not None
@@ -333,3 +337,11 @@ class ProducerActor(WarehouseHost, Actor):
             records.append(d)
         self._dump.write(records)
 
+
+def _write_state(path: Path, state: dict[str, object]) -> None:
+    """`state` as JSON at `path`, flushed to disk (a checkpoint part: a full disk raises)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(state, f)
+        f.flush()
+        os.fsync(f.fileno())

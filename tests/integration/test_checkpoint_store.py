@@ -26,19 +26,36 @@ def _store(root: Path, trainer_bytes: int = 16, *, kill_in: str = "") -> Checkpo
         if kill_in == "trainer":
             os.kill(os.getpid(), signal.SIGKILL)
 
-    async def producer_states(critic_batch: int | None) -> list[dict[str, object]]:
+    async def save_producers(folder: str, critic_batch: int | None) -> None:
+        os.makedirs(folder)
+        Path(folder, "0.json").write_text('{"seen": 1}')
         if kill_in == "producers":
             os.kill(os.getpid(), signal.SIGKILL)
-        return [{"seen": 1}]
 
-    return CheckpointStore(root, save_trainer=save_trainer, producer_states=producer_states,
+    return CheckpointStore(root, save_trainer=save_trainer, save_producers=save_producers,
                            wall=lambda: 1.0)
 
 
 def _in_force(root: Path) -> int:
-    state, trainer, _ = _store(root).load()
+    state, trainer, producers = _store(root).load()
     assert (Path(trainer) / "weights.bin").is_file()
+    assert Path(producers, "0.json").read_text() == '{"seen": 1}'
     return state.step
+
+
+def test_a_checkpoint_of_an_earlier_version_gives_each_producer_its_file(tmp_path: Path
+                                                                         ) -> None:
+    """Before the producers wrote their own parts, producers.json held every state: a resume
+    of such a checkpoint writes each its file."""
+    import json
+
+    store = _store(tmp_path)
+    asyncio.run(store.save(LoopState(step=3), None))
+    folder = tmp_path / str(store.manifest()["folder"])
+    (folder / "producers" / "0.json").unlink()
+    (folder / "producers.json").write_text(json.dumps({"step": 3, "states": [{"seen": 2}]}))
+    _, _, producers = store.load()
+    assert json.loads(Path(producers, "0.json").read_text()) == {"seen": 2}
 
 
 def test_resaving_the_step_in_force_replaces_it(tmp_path: Path) -> None:

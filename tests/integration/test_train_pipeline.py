@@ -32,7 +32,7 @@ def _earl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
 def _critic_state(checkpoint: Path) -> dict:  # type: ignore[type-arg]
     """Producer 0's critic state in the checkpoint in force."""
     folder = json.loads((checkpoint / "manifest.json").read_text())["folder"]
-    return json.loads((checkpoint / folder / "producers.json").read_text())["states"][0]
+    return json.loads((checkpoint / folder / "producers" / "0.json").read_text())
 
 
 def test_train_json_files_inspect_and_resume(tmp_path: Path) -> None:

@@ -182,10 +182,10 @@ async def test_failed_checkpoint_is_skipped(tmp_path: Path) -> None:
     async def save_trainer(folder: str) -> None:
         raise fail[0]
 
-    async def states(batch: int | None) -> list[dict[str, object]]:
-        return []
+    async def save_producers(folder: str, batch: int | None) -> None:
+        return None
 
-    store = CheckpointStore(tmp_path, save_trainer=save_trainer, producer_states=states,
+    store = CheckpointStore(tmp_path, save_trainer=save_trainer, save_producers=save_producers,
                             wall=lambda: 0.0, skip_failed=sup.checkpoint_failed)
     await store.save(LoopState(step=4), None)  # skipped: the run goes on
     assert "No space left" in lines[-1] and store.step_in_force() is None
