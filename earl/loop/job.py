@@ -47,7 +47,7 @@ class Attempt:
     production: ActorProduction
     training: ActorTraining
     evaluation: ActorEvaluation | None
-    selection: Selection | None  # the selector's, or colocation's turns (earl.loop.colocation)
+    selection: Selection  # the selector's, colocation's turns (earl.loop.colocation), or none
 
 
 def process_seconds() -> float:

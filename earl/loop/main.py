@@ -84,8 +84,7 @@ async def train_attempt(job: Job, resume: bool) -> RunResult:
             selection=parts.selection, watchdog=watchdog(job))
         stopped = await schedule.run()
         await parts.actors.trainer.save_hf.call(str(job.weights))  # a collective under TP/FSDP
-        async with (parts.selection.using() if parts.selection is not None
-                    else contextlib.nullcontext()):  # colocated: the rollout's turn
+        async with parts.selection.using():  # colocated: the rollout's turn
             selected = await select_final(job)
             final = await evaluate(job, "final") if parts.evaluation is not None else {}
         await parts.actors.rollout.close.call()

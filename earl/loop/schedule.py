@@ -77,6 +77,24 @@ class Selection(Protocol):
     def using(self) -> contextlib.AbstractAsyncContextManager[None]: ...
 
 
+class AsSpawned:
+    """The `Selection` of a run without the selector or colocation: the layout stays as
+    spawned, and every hook does nothing."""
+
+    def rollout(self, batch: int) -> contextlib.AbstractAsyncContextManager[None]:
+        return contextlib.nullcontext()
+
+    def train(self, batch: int, result: BatchResult
+              ) -> contextlib.AbstractAsyncContextManager[None]:
+        return contextlib.nullcontext()
+
+    def trained(self, batch: int, metrics: Mapping[str, float]) -> None:
+        pass
+
+    def using(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return contextlib.nullcontext()
+
+
 STALE = "stale: its oldest token was over max_policy_lag versions behind its step"
 RUN_ENDED = "the run ended before a step took it"
 
@@ -177,7 +195,7 @@ class Schedule:
         self.clock = clock or (lambda: state.wall_before + time.perf_counter() - t0)
         self.gate = StalenessGate(config.max_policy_lag, state.step)
         self.stopped = ""
-        self.selection = selection  # None: the layout stays as spawned
+        self.selection = selection or AsSpawned()
         self.partial = config.partial_rollouts != "off"
         self.pool = GroupPool()  # partial rollouts: groups done, not yet trained
         self.groups_out = GroupGate(config.max_concurrent_groups
@@ -208,8 +226,7 @@ class Schedule:
                     res = await self.production.play_groups(b, group_done)
                 else:
                     self._began[b] = time.perf_counter()
-                    async with (self.selection.rollout(b) if self.selection is not None
-                                else contextlib.nullcontext()):
+                    async with self.selection.rollout(b):
                         # a snapshot of the critic after the batches a checkpoint ends at
                         res = await self.production.play(b, (b + 1) % c.checkpoint_every == 0)
                     self.watchdog.beat()  # a batch played: progress
@@ -335,8 +352,7 @@ class Schedule:
             raise NothingToTrain(b, res)
         step = f"step {b + 1}"
         with self.watchdog.waiting(f"{step}'s layout (selector)"):
-            async with (self.selection.train(b, res) if self.selection is not None
-                        else contextlib.nullcontext()):
+            async with self.selection.train(b, res):
                 with self.watchdog.waiting(f"{step}'s training (the trainer's lease on the dock: "
                                    "scored by the reference; fetch; optimizer step)"):
                     metrics = await self.training.train(
@@ -345,8 +361,7 @@ class Schedule:
                     await self.training.publish(b + 1)
         if self.partial:  # new groups start under the weights this step made
             await self.groups_out.done(self.groups_per_step)
-        if self.selection is not None:
-            self.selection.trained(b, metrics)
+        self.selection.trained(b, metrics)
         with self.watchdog.waiting(f"{step}'s policy version to the producers"):
             await self.production.note_version(b + 1)
         await self.gate.advance(b + 1)
@@ -372,8 +387,7 @@ class Schedule:
         """Validation eval when due; returns the stop reason, or "" to go on."""
         c, s = self.config, self.state
         if c.eval_every > 0 and self.evaluation is not None and s.step % c.eval_every == 0:
-            async with (self.selection.using() if self.selection is not None
-                        else contextlib.nullcontext()):
+            async with self.selection.using():
                 with self.watchdog.waiting(f"the validation eval after step {s.step} (producers)"):
                     ev = await self.evaluation.evaluate("validation", s.step)
             ev.update(step=float(s.step), minutes=self.clock() / 60)

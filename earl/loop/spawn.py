@@ -16,6 +16,7 @@ from earl.loop.actors import Actors
 from earl.loop.evaluation import ActorEvaluation
 from earl.loop.job import Attempt, Job
 from earl.loop.production import ActorProduction
+from earl.loop.schedule import AsSpawned
 from earl.loop.stages import STAGES, Building, spawn_dock, spawn_producers, spawn_replicas
 from earl.loop.training import ActorTraining
 
@@ -54,7 +55,8 @@ async def spawn_attempt(job: Job, version: int) -> Attempt:
                              tracer=job.tracer,
                              weights_transport=pl.weights_transport or "auto")  # type: ignore[arg-type]
     return Attempt(actors=actors, production=production, training=training,
-                   evaluation=_evaluation(job, actors.producers), selection=b.selection)
+                   evaluation=_evaluation(job, actors.producers),
+                   selection=b.selection or AsSpawned())
 
 
 @contextlib.asynccontextmanager
