@@ -373,8 +373,10 @@ class Supervisor:
             try:
                 return await attempt(resume)
             except Exception as exc:
-                who = died_actor(exc)
-                stall = stalled_in(exc) if who is None else None
+                # a stall first: the deaths in its context were being healed when progress
+                # stopped, so whatever died, the remedy is the rewind
+                stall = stalled_in(exc)
+                who = died_actor(exc) if stall is None else None
                 starting = who is not None and self._in_place(who[0]) and not self._watched
                 if stall is None and not starting and (who is None or not self._rewound(who[0])):
                     raise

@@ -147,3 +147,22 @@ def test_a_rewind_does_not_count_the_time_before_its_checkpoint_twice(tmp_path) 
     assert first >= 100.0
     job.begin(LoopState(step=20, wall_before=first + 50.0), resume=True)  # rewound
     assert job.elapsed() - first < 5.0  # not +150 s
+
+
+async def test_a_stall_after_an_in_place_death_rewinds(monkeypatch, tmp_path) -> None:
+    """The 2-hour soak's end: a producer died, its rebuild re-played into a full dock, the run
+    stalled; the `Stalled` carried the producer's death in its context, was taken for that
+    death (healed in place, not rewound) and ended the run. A stall rewinds, whatever died."""
+    job = FakeJob(tmp_path)
+
+    def died_then_stalled(j: FakeJob) -> BaseException:
+        j.supervisor._watched = True
+        stall = Stalled("step 5043's training", 198.0, 197.0, {"producer[0]": "replay"})
+        stall.__context__ = producer_dies()
+        return ExceptionGroup("tg", [stall])
+
+    resumes = attempts(monkeypatch, died_then_stalled)
+    assert await run_job(job, False) == "done"  # type: ignore[arg-type]
+    assert resumes == [False, False] and job.supervisor.rewinds == 1
+    assert [e["stage"] for e in job.supervisor.events if e["event"] == "stall"] == [
+        "step 5043's training"]
