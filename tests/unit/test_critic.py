@@ -110,3 +110,17 @@ def test_a_long_run_of_new_observations_keeps_the_table_bounded() -> None:
     assert list(c.values).index(shared) == 99 and c.values[shared] == pytest.approx(1.0)
     with pytest.raises(ValueError, match="max_states"):
         TabularCritic(max_states=0)
+
+
+def test_junk_replies_keep_each_observations_row_bounded() -> None:
+    """Replies are token sequences: a policy replying junk makes a new one every game at the
+    same observation (the 2-hour soak's producer grew by them). A row keeps `max_replies`,
+    forgetting the least visited; a reply visited often stays."""
+    c = TabularCritic(q_weight=1.0, max_replies=4)
+    for i in range(200):
+        c.update([traj([[1]], moves=[3])], [[1.0]])  # the good move, every game
+        c.update([traj([[1]], moves=[1000 + i])], [[0.0]])  # a junk reply, new each game
+    (row,) = c.q.values()
+    assert len(row) == 4 and (3, 2) in row and row[(3, 2)][1] == 200
+    with pytest.raises(ValueError, match="max_replies"):
+        TabularCritic(max_replies=0)
