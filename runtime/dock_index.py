@@ -179,6 +179,9 @@ class DockIndex:
         self._holders: dict[int, str] = {}  # lease id -> the shard of the process holding it
         self._lost: list[LostSample] = []
         self._doomed: dict[str, str] = {}  # group id -> its dead shard, while a lease holds it
+        # group id -> samples it lost and has not registered again: their re-play is admitted
+        # past capacity, for the room they left was taken by later batches' puts meanwhile
+        self._owed: dict[str, int] = {}
         self._evictions: dict[str, list[str]] = {}  # shard -> ids lost since `take_evictions`
         self._seq = itertools.count()
         self._lease_ids = itertools.count(1)
@@ -191,7 +194,12 @@ class DockIndex:
         return len(self._samples) < self.capacity
 
     def register(self, info: SampleInfo) -> None:
-        """Record a new sample; raises WouldBlock when the dock is full."""
+        """Record a new sample; raises WouldBlock when the dock is full.
+
+        A sample of a group that lost samples (`take_lost`) is admitted even to a full dock, up
+        to the number it lost: the consumer waits for that earlier group while the puts of
+        later batches fill every room, so refusing it would stall the run for good; the dock
+        holds at most what it held before the loss."""
         if info.sample_id in self._samples:
             raise ValueError(f"sample_id {info.sample_id!r} already registered; ids must be unique")
         self._check_columns(info.columns)
@@ -206,8 +214,13 @@ class DockIndex:
                 f"group {info.group_id!r} already has {len(group)} samples but group_size is "
                 f"{info.group_size}; give every sample of a group the same group_size"
             )
-        if not self.has_room():
+        owed = self._owed.get(info.group_id, 0)
+        if not owed and not self.has_room():
             raise WouldBlock(f"dock full ({self.capacity} samples)")
+        if owed > 1:
+            self._owed[info.group_id] = owed - 1
+        elif owed:
+            del self._owed[info.group_id]
         cols = {c: (info.shard, nb) for c, nb in info.columns.items()}
         self._samples[info.sample_id] = _Entry(info=info, seq=next(self._seq), columns=cols)
         self._groups.setdefault(info.group_id, []).append(info.sample_id)
@@ -427,6 +440,7 @@ class DockIndex:
             e = self._samples[sid]
             missing = tuple(sorted(c for c, (s, _) in e.columns.items() if s == shard))
             self._lost.append(LostSample(sid, gid, missing))
+            self._owed[gid] = self._owed.get(gid, 0) + 1
             for s in self._remove(sid):
                 if s != shard:
                     evict.setdefault(s, []).append(sid)
@@ -472,6 +486,7 @@ class DockIndex:
         for gid in stale_groups:
             for sid in list(self._groups.get(gid, [])):
                 self._lost.append(LostSample(sid, gid, ()))
+                self._owed[gid] = self._owed.get(gid, 0) + 1
                 for s in self._remove(sid):
                     evict.setdefault(s, []).append(sid)
         return evict

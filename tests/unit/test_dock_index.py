@@ -274,3 +274,27 @@ def test_unnamed_added_columns_lose_their_groups_when_the_shard_dies():
     ix.add_columns("a0", "w1", {"ref_logprobs": 16})  # no stage named: cannot be rewritten
     ix.drop_shard("w1")
     assert [x.sample_id for x in ix.take_lost()] == ["a0"]
+
+
+def test_a_lost_groups_replay_is_admitted_to_a_dock_that_later_batches_filled():
+    """The 2-hour soak's end: a producer died, later batches' puts took the room its group
+    left, and the re-play of that group (which the trainer waits for) waited for room that
+    only the trainer could make. The re-play is admitted past capacity, as many samples as
+    were lost; a fresh put still waits."""
+    ix = make(stages=["train"], capacity=4)
+    for sid, gid, shard in [("a0", "A", "w0"), ("a1", "A", "w0"), ("b0", "B", "w1"),
+                            ("b1", "B", "w1")]:
+        ix.register(info(sid, gid, 2, shard=shard))
+    ix.drop_shard("w0")
+    assert {x.group_id for x in ix.take_lost()} == {"A"}
+    ix.register(info("c0", "C", 2, shard="w1"))  # a later batch takes A's room
+    ix.register(info("c1", "C", 2, shard="w1"))
+    with pytest.raises(WouldBlock):
+        ix.register(info("d0", "D", 2, shard="w1"))
+    ix.register(info("a0x", "A", 2, shard="w2"))  # the re-play
+    ix.register(info("a1x", "A", 2, shard="w2"))
+    assert ix.statistics().samples == 6
+    lease = ix.take("train", ["input_ids"], 6)
+    assert {x.group_id for x in lease.samples} == {"A", "B", "C"}
+    with pytest.raises(WouldBlock):  # no more than it lost
+        ix.register(info("a2x", "A", 3, shard="w2"))
