@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-import warnings
-
-from earl.config_parse import MovedKeyWarning
 
 COMMANDS = {
     "train": "Train a policy (default: tiny model on Tic-Tac-Toe, CPU).",
@@ -29,27 +26,8 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-_plain_format = warnings.formatwarning
-
-
-def _format(message: Warning | str, category: type[Warning], filename: str, lineno: int,
-            line: str | None = None) -> str:
-    if issubclass(category, MovedKeyWarning):
-        return f"earl: {message}\n"
-    return _plain_format(message, category, filename, lineno, line)
-
-
-def _show_moved_keys() -> None:
-    """A config key read at its old place is one line on stderr naming its new place (Python
-    hides DeprecationWarnings outside __main__; other libraries' stay hidden). `-W` wins."""
-    if not sys.warnoptions:
-        warnings.simplefilter("default", MovedKeyWarning)
-        warnings.formatwarning = _format
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    _show_moved_keys()
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0

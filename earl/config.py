@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from earl.algorithms.loss_config import LossConfig
-from earl.config_parse import _merge, from_dict, parse_overrides, read_yaml, renamed, to_dict
+from earl.config_parse import _merge, from_dict, parse_overrides, read_yaml, to_dict
 from earl.placement import PlacementConfig
 from earl.runtime.errors import need
 from earl.runtime.selector.policy import PolicyConfig
@@ -394,16 +394,16 @@ def load_config(path: str | os.PathLike[str] | None = None,
         ValueError: unknown keys, bad values, impossible placements (message names the field).
         TypeError: a value of the wrong type.
     """
-    data: dict[str, object] = renamed(RunConfig, read_yaml(path)) if path is not None else {}
+    data = read_yaml(path) if path is not None else {}
     if overrides:
-        data = _merge(data, renamed(RunConfig, parse_overrides(overrides)))
+        data = _merge(data, parse_overrides(overrides))
     if recipe_defaults is None:
         recipe_defaults = {}
         if not data.get("agent"):
             from earl.recipe import load_recipe
 
             recipe_defaults = load_recipe(str(data.get("recipe", "tictactoe"))).config
-    cfg = from_dict(RunConfig, _merge(renamed(RunConfig, dict(recipe_defaults)), data))
+    cfg = from_dict(RunConfig, _merge(recipe_defaults, data))
     validate(cfg, gpus=gpus)
     return cfg
 

@@ -3,9 +3,7 @@ overrides, and back to plain dicts.
 
 `from_dict` checks every value against its field's annotation (CLI strings are parsed: numbers,
 bools, lists) and names the dotted field and the fix when one does not fit, or when a key is
-unknown (with the new place of a key that moved, `MOVED`). A key that moved within the last
-release (`ALIASES`) still reads, at its new place, with a `MovedKeyWarning` (a
-DeprecationWarning, which the `earl` command shows) naming it.
+unknown (with the new place of a key that moved, `MOVED`).
 `read_yaml` reads a run file, `parse_overrides` the command line's `--a.b=c` list. Nothing here
 knows what a run is: the config classes live in `earl.config` and `earl.placement`.
 """
@@ -17,15 +15,13 @@ import math
 import os
 import types
 import typing
-import warnings
 from pathlib import Path
 
 import yaml
 
 from earl.runtime.errors import FieldError
 
-__all__ = ["ALIASES", "MOVED", "MovedKeyWarning", "from_dict", "parse_overrides", "read_yaml",
-           "renamed", "to_dict"]
+__all__ = ["MOVED", "from_dict", "parse_overrides", "read_yaml", "to_dict"]
 
 # keys of earlier versions: where they went (an unknown-key error names the new place)
 MOVED = {"algorithm.lr": "optim.lr", "algorithm.max_grad_norm": "optim.grad_clip",
@@ -34,14 +30,6 @@ MOVED = {"algorithm.lr": "optim.lr", "algorithm.max_grad_norm": "optim.grad_clip
          "algorithm.clip": "algorithm.clip_low and algorithm.clip_high",
          "selector_initial_context": "selector.initial_context",
          "placement.threads_per_actor": "placement.threads"}
-# the keys of MOVED that still read (at their new place, in the same section or below it,
-# with a DeprecationWarning), for one release after they moved
-ALIASES = frozenset({"placement.threads_per_actor"})
-
-
-class MovedKeyWarning(DeprecationWarning):
-    """A key of `ALIASES` was read at its old place (the `earl` command shows these)."""
-
 
 def _fields(cls: type) -> dict[str, typing.Any]:
     hints = typing.get_type_hints(cls)
@@ -121,7 +109,6 @@ def from_dict(cls: type, data: dict[str, object], *, prefix: str = "") -> typing
         TypeError: a value of the wrong type.
     """
     known = _fields(cls)
-    data = _renamed(data, known, prefix)
     unknown = sorted(set(data) - set(known))
     if unknown:
         names = ", ".join(prefix + k + (f" (now {MOVED[prefix + k]})" if prefix + k in MOVED
@@ -133,60 +120,12 @@ def from_dict(cls: type, data: dict[str, object], *, prefix: str = "") -> typing
     kwargs = {}
     for k, v in data.items():
         if isinstance(v, dict) and k in defaults and dataclasses.is_dataclass(known[k]):
-            v = _renamed(v, _fields(known[k]), prefix + k + ".")  # before its defaults join
             v = _merge(to_dict(defaults[k]()), v)  # a section's own defaults, then `v`
         kwargs[k] = _coerce(v, known[k], prefix + k)
     try:
         return cls(**kwargs)
     except FieldError as e:
         raise ValueError(f"config field {prefix + e.field!r}: {e.message}") from None
-
-
-def _renamed(data: dict[str, object], known: dict[str, typing.Any], prefix: str
-             ) -> dict[str, object]:
-    """`data` (one section, at `prefix`) with each of its `ALIASES` keys moved to its new
-    place, with a DeprecationWarning.
-
-    Raises:
-        ValueError: both spellings are set.
-    """
-    out = data
-    for k in [k for k in data if prefix + k in ALIASES and k not in known]:
-        old, new = prefix + k, MOVED[prefix + k]
-        assert new.startswith(prefix), f"alias {old} must move within its section"
-        warnings.warn(f"config key {old!r} is deprecated: it is {new!r} now (the old spelling "
-                      "reads for one more release)", MovedKeyWarning, stacklevel=2)
-        out = dict(out)
-        value = out.pop(k)
-        *path, leaf = new[len(prefix):].split(".")
-        node = out
-        for part in path:
-            sub = node.get(part)
-            node[part] = dict(sub) if isinstance(sub, dict) else {}
-            node = node[part]  # type: ignore[assignment]
-        if leaf in node:
-            raise ValueError(f"config keys {old!r} and {new!r} are both set; {old!r} is the "
-                             f"old spelling of {new!r}: keep {new!r} only")
-        node[leaf] = value
-    return out
-
-
-def renamed(cls: type, data: dict[str, object], *, prefix: str = "") -> dict[str, object]:
-    """`data`, a tree of `cls`'s sections, with every `ALIASES` key at its new place (each
-    with a DeprecationWarning). `from_dict` does this too; merging sources (file, then command
-    line) renames each first, so that a later source's new spelling overrides an earlier
-    source's old one.
-
-    Raises:
-        ValueError: both spellings are set in `data`.
-    """
-    known = _fields(cls)
-    out = _renamed(data, known, prefix)
-    for k, v in out.items():
-        tp = known.get(k)
-        if isinstance(v, dict) and isinstance(tp, type) and dataclasses.is_dataclass(tp):
-            out = {**out, k: renamed(tp, v, prefix=prefix + k + ".")}
-    return out
 
 
 def to_dict(cfg: object) -> dict[str, typing.Any]:

@@ -157,37 +157,8 @@ def test_the_walk_finds_a_copied_field() -> None:
     assert found["temperature"] == ["Copying", "LossConfig"]
 
 
-@pytest.mark.parametrize("old, new, value", [
-    ("placement.threads_per_actor", "placement.threads", 3),
-])
-def test_a_moved_key_still_reads_with_a_deprecation_warning(old: str, new: str,
-                                                            value: object) -> None:
-    from earl.config import load_config, to_dict
-
-    with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
-        cfg = load_config(None, [f"--{old}={value}"])
-    section, leaf = new.split(".")
-    assert to_dict(cfg)[section][leaf] == value
-    with pytest.raises(ValueError, match="both set"):
-        load_config(None, [f"--{old}={value}", f"--{new}={value}"])
-
-
-def test_the_cli_shows_a_moved_key_as_one_line_and_no_other_deprecation(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    import warnings
-
-    from earl import cli
+def test_a_moved_key_is_refused_naming_its_new_place() -> None:
     from earl.config import load_config
 
-    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)
-    monkeypatch.setattr("sys.warnoptions", [])
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("ignore", DeprecationWarning)  # Python's default off __main__
-        cli._show_moved_keys()
+    with pytest.raises(ValueError, match=r"placement\.threads_per_actor \(now placement\.threads\)"):
         load_config(None, ["--placement.threads_per_actor=2"])
-        warnings.warn("a library's own", DeprecationWarning)
-    assert len(seen) == 1
-    w = seen[0]
-    line = warnings.formatwarning(w.message, w.category, w.filename, w.lineno)
-    assert line.startswith("earl: ") and "'placement.threads'" in line
-    assert line.count("\n") == 1
