@@ -4,6 +4,8 @@
     python bench/selector.py --profile [--json]         # profiler: predicted vs measured memory
     python bench/selector.py --from RESULT.json --json  # a saved invocation, summarized again
     python bench/selector.py --runs OUT/A.result.json ... --json  # saved runs, one summary
+    python bench/selector.py --memory-bound --json --save  # where memory binds (issue 50):
+                                                         # bench/_selector_memory_bench.py
 
 Every run trains the `gauntlet` recipe (Tic-Tac-Toe games in one context until the first loss:
 a better policy survives more games, so its contexts grow) with the general loop (`earl train`,
@@ -325,9 +327,41 @@ def main(argv: list[str] | None = None) -> int:
                     help="saved run records (OUT/NAME.result.json): one selector run and the "
                          "static runs to compare it with (say, re-run on the selector's "
                          "machine), summarized as one invocation; runs nothing")
+    ap.add_argument("--memory-bound", action="store_true",
+                    help="the mode where memory binds (issue 50): devices sized by a rule so "
+                         "the step-0 pick OOMs, against restart, conservative, truncating and "
+                         "pinned arms (bench/_selector_memory_bench.py)")
+    ap.add_argument("--replicates", type=int, default=0,
+                    help="--memory-bound: replicates per arm (0: 3, --quick 1)")
+    ap.add_argument("--quality", type=float, default=0.0,
+                    help="--memory-bound: the games_survived threshold of time to quality "
+                         "(0: 6.0, --quick 1.5)")
+    ap.add_argument("--oom-fraction", type=float, default=0.0,
+                    help="--memory-bound: where between the pick's start and its budget (in "
+                         "log tokens) the devices cap it (0: 0.75, --quick 0.3)")
+    ap.add_argument("--eval-every", type=int, default=0,
+                    help="--memory-bound: steps between evals and checkpoints (0: 50, --quick 20)")
+    ap.add_argument("--arms", default="", help="--memory-bound: comma-separated arms to run "
+                    "(default: all)")
     _results.add_flag(ap)
     args = ap.parse_args(argv)
     begun = _results.start()
+    if args.memory_bound:
+        import tempfile
+
+        from _selector_memory import ARMS
+        from _selector_memory_bench import run_memory_bound
+
+        root = args.out or tempfile.mkdtemp(prefix="earl-bench-selector-memory-")
+        res = run_memory_bound(
+            quick=args.quick, root=root, replicates=args.replicates or (1 if args.quick else 3),
+            steps=args.steps, eval_every=args.eval_every, eval_games=args.eval or 64,
+            threshold=args.quality, fraction=args.oom_fraction, kv_gb=args.kv_gb,
+            arms=tuple(a for a in args.arms.split(",") if a) or ARMS)
+        print(json.dumps(res) if args.json else json.dumps(res, indent=1))
+        if args.save:
+            _results.save("selector_memory", res, quick=args.quick, begun=begun)
+        return 0
     if args.runs:
         res = summarize_records(args.runs, args.window)
         print(json.dumps(res) if args.json else json.dumps(res, indent=1))
