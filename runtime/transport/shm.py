@@ -383,6 +383,7 @@ class ShmReceiver:
         key = (name, size)
         mm = self._maps.get(key)
         if mm is None:
+            self._forget_unlinked()
             try:
                 fd = os.open(os.path.join(self._shm_dir, name), os.O_RDONLY | os.O_NOFOLLOW)
             except FileNotFoundError as e:
@@ -400,6 +401,14 @@ class ShmReceiver:
         else:
             self._maps.move_to_end(key)
         return mm
+
+    def _forget_unlinked(self) -> None:
+        """Unmap the cached segments their sender has unlinked (a segment it retired, or all
+        of a process that died): a mapping keeps an unlinked segment's pages alive, so a
+        long-lived receiver would hold every producer's old segments until it mapped 256."""
+        for key in [k for k in self._maps
+                    if not os.path.exists(os.path.join(self._shm_dir, k[0]))]:
+            _close_quietly(self._maps.pop(key))
 
     def close(self) -> None:
         with self._lock:

@@ -85,3 +85,26 @@ def test_close_unlinks_everything(arena):
     arena.close()
     assert not any(os.path.exists(os.path.join(SHM_DIR, n)) for n in names)
     assert arena.statistics().segments == 0
+
+
+def test_a_receiver_unmaps_segments_their_sender_unlinked():
+    """A receiver caches its mappings of senders' segments; one the sender unlinked (retired,
+    or its process died) is unmapped when the receiver maps a new one, or its pages would stay
+    in memory for as long as the receiver lives."""
+    from earl.runtime.transport.shm import ShmReceiver
+
+    a = ShmArena(segment_bytes=256 * KiB, max_spare=0)
+    b = ShmArena(segment_bytes=256 * KiB, max_spare=0)
+    rx = ShmReceiver()
+    try:
+        a.store(np.ones(100, np.float32))
+        (old,) = _names(a)
+        rx._map(old, 256 * KiB)
+        a.close()  # the sender's segments are unlinked
+        b.store(np.ones(100, np.float32))
+        (new,) = _names(b)
+        rx._map(new, 256 * KiB)
+        assert [name for name, _ in rx._maps] == [new]
+    finally:
+        rx.close()
+        b.close()
