@@ -55,7 +55,7 @@ def _settings(quick: bool, steps: int, eval_every: int, threshold: float, fracti
     # cap at 0.3 of the way (in log tokens) to the budget, a long one at 0.75
     return {"steps": steps or (60 if quick else 500),
             "eval_every": eval_every or (20 if quick else 50),
-            "threshold": threshold or (1.5 if quick else 6.0),
+            "threshold": threshold or (2.0 if quick else 6.0),
             "fraction": fraction or (0.3 if quick else 0.75),
             "pilot_steps": 12}
 
@@ -102,7 +102,8 @@ def run_memory_bound(*, quick: bool, root: str, replicates: int, steps: int = 0,
         if rc:
             raise RuntimeError(f"warm start failed: {err.strip().splitlines()[-1:]}")
     model = f"{warm}/weights_start"
-    base = ["--recipe=gauntlet", "--time_limit_minutes=600", "--max_restarts=0",
+    # every group dumped: at a kill, the contexts being trained are read from the dump
+    base = ["--recipe=gauntlet", "--time_limit_minutes=600", "--max_restarts=0", "--dump_share=1",
             f"--placement.kv_cache_gb={kv_gb}", f"--model.path={model}", "--warm_start.steps=0"]
     cores = len(os.sched_getaffinity(0))
     pick = Config(cores, 1, 1, cores - 1, MAX_MODEL_LEN, PICK_BUDGET)
@@ -204,7 +205,8 @@ def run_memory_bound(*, quick: bool, root: str, replicates: int, steps: int = 0,
                           steps=n_steps)
     oom_at = [rep.get("restart_pick", {}).get("oom_at") for rep in reps]
     return {
-        **res, "memory_bound": True, "quick": quick, "sizing": sizing.to_json(),
+        **res, "memory_bound": True, "quick": quick, "step0_pick": pick.name,
+        "sizing": sizing.to_json(),
         "predicted_oom_context": sizing.predicted_oom_context,
         "predicted_oom_step_tokens": sizing.predicted_oom_tokens,
         "measured_oom": oom_at, "device_mib": dm, "devices": cores,

@@ -153,19 +153,33 @@ def spawn(args: list[str], out: str, *, resume: bool, timeout: float, clock0: fl
     last = stdout.strip().splitlines()[-1] if stdout.strip() else "{}"
     res = json.loads(last) if last.startswith("{") else {}
     kills = kernel_oom_kills(p.pid, up0)
-    rows = read_rows(out)
+    rows, sel = read_rows(out)
+    recent = recent_context(out) if kills or "out of memory in slot" in stderr else None
     return {"rc": p.returncode, "spawned_s": round(spawned - clock0, 2),
-            "ended_s": round(ended - clock0, 2), "evals": evals, "rows": rows,
+            "ended_s": round(ended - clock0, 2), "evals": evals, "rows": rows, "sel_rows": sel,
             "kernel_oom_kills": kills, "oom_message": "out of memory in slot" in stderr,
-            "slot_peak_mib": peaks.peaks, "result": res,
+            "slot_peak_mib": peaks.peaks, "result": res, "recent_context_max": recent,
             "error": next((ln for ln in reversed(err) if "Error" in ln), "").strip()[:300]}
 
 
-def read_rows(out: str) -> list[dict[str, object]]:
-    """The step rows of a run's `metrics.jsonl` (those with a `reward`)."""
+def read_rows(out: str) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
+    """The step rows of a run's `metrics.jsonl` (those with a `reward`) and its selector's
+    decision rows (those with a `selector/when`)."""
     path = Path(out) / "metrics.jsonl"
     rows = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
-    return [r for r in rows if "reward" in r]
+    return [r for r in rows if "reward" in r], [r for r in rows if "selector/when" in r]
+
+
+def recent_context(out: str, last: int = 64) -> int | None:
+    """The longest of the run's last `last` trajectories dumped (`--dump_share=1` dumps every
+    group as it finishes): at a kill, the contexts of the step being trained and the one
+    being played."""
+    path = Path(out) / "trajectories.jsonl"
+    if not path.is_file():
+        return None
+    lines = path.read_text().splitlines()[-last:]
+    lens = [len(json.loads(x)["token_ids"]) for x in lines if x.strip()]
+    return max(lens) if lens else None
 
 
 def checkpoint_state(out: str) -> dict[str, object]:
@@ -228,12 +242,13 @@ def arm_record(cfg: Config, segments: list[dict[str, object]]) -> dict[str, obje
     tokens = sum(float(str(r.get("train/tokens", 0))) for r in kept)
     step_s = [float(str(r["step_s"])) for r in measured]
     toks = [float(str(r.get("train/tokens", 0))) for r in measured]
-    evals = sorted((e for s in segments for e in s["evals"]),  # type: ignore[attr-defined]
-                   key=lambda e: float(e["wall_s"]))
+    evals = arm_evals(segments)
     ooms = [s for s in segments if s["kernel_oom_kills"] or s["oom_message"]]
     lost = sum(max(0, int(str(r["episodes"])) - int(float(str(r.get("train/samples", 0)))))
                for r in kept)
-    sel_lost = max((int(str(r.get("selector/queue/lost", 0))) for r in kept), default=0)
+    sel_rows: list[dict[str, object]] = list(last.get("sel_rows", []))  # type: ignore[call-overload]
+    sel_lost = max((int(float(str(r.get("selector/queue/lost", 0)))) for r in sel_rows),
+                   default=0)
     return {
         "config": cfg.name, "segments": len(segments),
         "budgets": [s["budget"] for s in segments],
@@ -250,8 +265,35 @@ def arm_record(cfg: Config, segments: list[dict[str, object]]) -> dict[str, obje
         "slot_peak_mib": [s["slot_peak_mib"] for s in segments],
         "by_context": by_context(measured, toks, step_s),
         "final_eval": last["result"].get("eval", {}) if isinstance(last["result"], dict) else {},
-        "first_plan": first_plan(kept),
+        "first_plan": first_plan(sel_rows),
+        "selector_changes": {k: max((int(float(str(r.get(f"selector/{k}", 0))))
+                                     for r in sel_rows), default=0)
+                             for k in ("reconfigurations", "trainer_layout_changes",
+                                       "rollout_layout_changes", "device_moves")},
+        "layouts": sorted({f"mb{r.get('selector/applied_micro_batch_tokens')}"
+                           f"-w{r.get('selector/applied_max_model_len')}"
+                           f"-rc{r.get('selector/applied_recompute')}" for r in sel_rows}),
     }
+
+
+def arm_evals(segments: list[dict[str, object]]) -> list[dict[str, float]]:
+    """The arm's validation evals on its clock: those of the last segment's result (each on
+    the clock of the segment that ran its step: the one resumed last before it), and, for the
+    steps the result lacks (evaluated in a segment later killed, or at the step of the
+    checkpoint a restart resumed from), the eval lines as they came."""
+    last = segments[-1]
+    res = last["result"] if isinstance(last["result"], dict) else {}
+    out: dict[float, dict[str, float]] = {}
+    for ev in res.get("evals", []) or []:
+        step = float(ev["step"])
+        seg = [s for s in segments if int(str(s["resumed_at"])) < step][-1]
+        wall = float(str(seg["spawned_s"])) + float(ev["minutes"]) * 60 \
+            - float(str(seg["wall_before"]))
+        out[step] = {**{k: float(v) for k, v in ev.items()}, "wall_s": round(wall, 2)}
+    for seg in segments:
+        for ev in seg["evals"]:  # type: ignore[attr-defined]
+            out.setdefault(float(ev["step"]), ev)
+    return sorted(out.values(), key=lambda e: float(e["wall_s"]))
 
 
 def _on_clock(seg: dict[str, object], row: dict[str, object]) -> float:
@@ -271,6 +313,7 @@ def oom_point(seg: dict[str, object]) -> dict[str, object]:
             "ctx_max_so_far": max((float(str(r.get("ctx_max", 0))) for r in rows), default=0),
             "step_tokens_max_so_far": max((float(str(r.get("train/tokens", 0))) for r in rows),
                                           default=0),
+            "recent_context_max": seg.get("recent_context_max"),
             "budget": seg["budget"], "kernel": bool(seg["kernel_oom_kills"])}
 
 

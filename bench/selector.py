@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="--memory-bound: replicates per arm (0: 3, --quick 1)")
     ap.add_argument("--quality", type=float, default=0.0,
                     help="--memory-bound: the games_survived threshold of time to quality "
-                         "(0: 6.0, --quick 1.5)")
+                         "(0: 6.0, --quick 2.0)")
     ap.add_argument("--oom-fraction", type=float, default=0.0,
                     help="--memory-bound: where between the pick's start and its budget (in "
                          "log tokens) the devices cap it (0: 0.75, --quick 0.3)")

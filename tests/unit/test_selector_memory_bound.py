@@ -160,7 +160,13 @@ def test_arm_record_counts_steps_lost_and_the_restart_on_the_arm_clock() -> None
               "resumed_at": 20, "budget": 32768,
               "rows": [_row(s, 30.0 + 10.0 + (s - 20)) for s in range(21, 31)],
               "evals": [], "kernel_oom_kills": [], "oom_message": False,
-              "slot_peak_mib": {}, "result": {"eval": {"q": 2.0}}, "error": ""}
+              "slot_peak_mib": {}, "error": "",
+              "result": {"eval": {"q": 2.0}, "evals": [{"step": 30.0, "minutes": 1.0, "q": 2.0}]},
+              "sel_rows": [{"selector/when": "rollout", "selector/queue/lost": 2.0,
+                            **{f"selector/applied_{k}": v for k, v in (
+                                ("max_model_len", 4096), ("micro_batch_tokens", 8192),
+                                ("trainer_dp", 1), ("trainer_tp", 1), ("rollout_replicas", 1),
+                                ("rollout_tp", 1), ("recompute", 0))}}]}
     rec = runs.arm_record(cfg, [first, second])
     assert rec["ooms"] == 1 and rec["kernel_oom"] is True
     assert rec["steps_lost"] == 5  # reached 25, resumed from 20
@@ -171,6 +177,11 @@ def test_arm_record_counts_steps_lost_and_the_restart_on_the_arm_clock() -> None
     assert rec["steps"] == 10  # the kept rows of the last segment's file
     assert rec["oom_at"][0]["step"] == 26 and rec["oom_at"][0]["kernel"] is True
     assert rec["outcome"] == "finished"
+    # the eval of step 20 from the killed segment's log, step 30's from the result, on the
+    # clock of the segment that ran it: 50 + 60 s - the 30 s before its checkpoint
+    assert [(e["step"], e["wall_s"]) for e in rec["evals"]] == [(20.0, 31.0), (30.0, 80.0)]
+    assert rec["first_plan"]["micro_batch_tokens"] == 8192
+    assert rec["samples_lost"] == 2  # the selector's own count of lost samples
 
 
 def test_parse_eval_line() -> None:
