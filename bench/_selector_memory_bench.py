@@ -50,13 +50,15 @@ PINNED = "_selector_memory_pinned.py:pinned"
 
 def _settings(quick: bool, steps: int, eval_every: int, threshold: float, fraction: float
               ) -> dict[str, float]:
-    # 500 steps: the sweeps' contexts grow 2.4-5.2x by 400 (bench/selector.py); the pick's
-    # steps pass 31k tokens within 20-40 steps of this warm start, so a short run reaches a
-    # cap at 0.3 of the way (in log tokens) to the budget, a long one at 0.75
-    return {"steps": steps or (60 if quick else 500),
-            "eval_every": eval_every or (20 if quick else 50),
-            "threshold": threshold or (2.0 if quick else 6.0),
-            "fraction": fraction or (0.3 if quick else 0.75),
+    # 500 steps: the sweeps' contexts grow 2.4-5.2x by 400 (bench/selector.py) and the pick's
+    # steps fill its 64k budget in their second half, so a long run caps it at 0.75 of the way
+    # (in log tokens) from its start to its budget. Its steps pass 31-35k tokens within 20-40
+    # steps of this warm start and a 12-step pilot's largest is 17-31k: a short run caps it at
+    # 0.2 (at 0.3 and 60 steps one of two smoke runs was never killed)
+    return {"steps": steps or (100 if quick else 500),
+            "eval_every": eval_every or (25 if quick else 50),
+            "threshold": threshold or (2.5 if quick else 6.0),
+            "fraction": fraction or (0.2 if quick else 0.75),
             "pilot_steps": 12}
 
 

@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                          "first plan assumes")
     ap.add_argument("--device-mib", type=int, default=0,
                     help="memory per device (0: a quarter of MemAvailable over the devices)")
-    ap.add_argument("--steps", type=int, default=0, help="step budget (0: 500, --quick 30)")
+    ap.add_argument("--steps", type=int, default=0, help="step budget (0: 500, --quick 30; --memory-bound --quick: 100)")
     ap.add_argument("--eval", type=int, default=0,
                     help="final eval gauntlets of the selector and truncate runs (0: 100, "
                          "--quick 32)")
@@ -335,12 +335,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="--memory-bound: replicates per arm (0: 3, --quick 1)")
     ap.add_argument("--quality", type=float, default=0.0,
                     help="--memory-bound: the games_survived threshold of time to quality "
-                         "(0: 6.0, --quick 2.0)")
+                         "(0: 6.0, --quick 2.5)")
     ap.add_argument("--oom-fraction", type=float, default=0.0,
                     help="--memory-bound: where between the pick's start and its budget (in "
-                         "log tokens) the devices cap it (0: 0.75, --quick 0.3)")
+                         "log tokens) the devices cap it (0: 0.75, --quick 0.2)")
     ap.add_argument("--eval-every", type=int, default=0,
-                    help="--memory-bound: steps between evals and checkpoints (0: 50, --quick 20)")
+                    help="--memory-bound: steps between evals and checkpoints (0: 50, --quick 25)")
     ap.add_argument("--arms", default="", help="--memory-bound: comma-separated arms to run "
                     "(default: all)")
     _results.add_flag(ap)

@@ -188,3 +188,32 @@ def test_parse_eval_line() -> None:
     ev = runs.parse_eval("eval @ step 50: games_survived 1.250 (episodes 64, win_rate 0.500)")
     assert ev == {"step": 50.0, "games_survived": 1.25, "episodes": 64.0, "win_rate": 0.5}
     assert runs.parse_eval("step 50 trained") is None
+
+
+def test_pinned_policy_keeps_its_first_plan() -> None:
+    from earl.runtime.selector import ContextStats, Decision, Plan
+
+    pinned = load("_selector_memory_pinned")
+    plans = iter([Plan(actors=(), context_bucket=1024), Plan(actors=(), context_bucket=4096)])
+
+    class Inner:
+        calls = 0
+
+        def decide(self, **kw: object) -> Decision:
+            Inner.calls += 1
+            return Decision(step=int(str(kw["step"])), when=str(kw["when"]), plan=next(plans),
+                            changed=True, reason="search",
+                            context=kw["contexts"])  # type: ignore[arg-type]
+
+        def statistics(self) -> str:
+            return "inner"
+
+    p = pinned.PinnedPolicy(Inner())
+    ctx = ContextStats(p50=100, p95=200, max=300)
+    first = p.decide(step=0, when="rollout", contexts=ctx, slots={})
+    later = p.decide(step=9, when="prep", contexts=ContextStats(p50=1, p95=2, max=4000),
+                     slots={})
+    assert first.plan.context_bucket == 1024 and first.changed
+    assert later.plan is first.plan and not later.changed and later.step == 9
+    assert Inner.calls == 1  # the search ran once
+    assert p.statistics() == "inner"
