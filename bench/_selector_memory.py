@@ -201,6 +201,7 @@ def oracle_seconds(work: dict[str, list[float]], runs: list[dict[str, list[float
 
 
 ARMS = ("restart_pick", "selector", "conservative", "truncate", "pinned", "pinned_static")
+ORACLE_ARMS = ("restart_pick", "conservative", "pinned_static")
 
 
 def summarize(reps: list[dict[str, dict[str, object]]], *, key: str, threshold: float,
@@ -246,12 +247,14 @@ def summarize(reps: list[dict[str, dict[str, object]]], *, key: str, threshold: 
         wall = float(str(r["wall_s"])) if r.get("wall_s") else None
         return float(str(r["tokens"])) / wall if wall and r.get("tokens") else None
 
-    # oracle: the selector's work at the fastest rate any static arm on its devices measured
+    # oracle: the selector's work at the fastest rate any static arm on its devices that
+    # holds the whole window measured (the pick before its kill and after its restarts, the
+    # conservative layout, the pinned plan's static twin; not truncate, which cuts contexts)
     fractions = []
     for rep in reps:
         s = rep.get("selector")
         statics = [r["by_context"] for a, r in rep.items()
-                   if a in ("restart_pick", "conservative") and r.get("by_context")]
+                   if a in ORACLE_ARMS and r.get("by_context")]
         if s and statics and s.get("loop_s"):
             o = oracle_seconds(s["by_context"], statics)  # type: ignore[arg-type]
             fractions.append(ratio(o, float(str(s["loop_s"]))))

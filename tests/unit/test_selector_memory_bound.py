@@ -217,3 +217,16 @@ def test_pinned_policy_keeps_its_first_plan() -> None:
     assert later.plan is first.plan and not later.changed and later.step == 9
     assert Inner.calls == 1  # the search ran once
     assert p.statistics() == "inner"
+
+
+def test_oracle_prices_at_whole_window_statics_only() -> None:
+    work = {"1024": [1000.0, 1.0]}
+    rep = {"selector": _rec(100.0, 200.0, 1000.0, by_context=work, loop_s=1.0),
+           "conservative": _rec(110.0, 220.0, 1000.0, by_context={"1024": [1000.0, 1.0]}),
+           # truncate cuts contexts: its (faster) rate prices no work of the selector's
+           "truncate": _rec(None, 100.0, 1000.0, by_context={"1024": [10000.0, 1.0]})}
+    assert rules.summarize([rep], key="q", threshold=1.0, steps=10)[
+        "oracle_fraction_same_devices"] == pytest.approx(1.0)
+    rep["pinned_static"] = _rec(None, 100.0, 1000.0, by_context={"1024": [4000.0, 1.0]})
+    assert rules.summarize([rep], key="q", threshold=1.0, steps=10)[
+        "oracle_fraction_same_devices"] == pytest.approx(0.25)
