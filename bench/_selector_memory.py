@@ -230,14 +230,23 @@ def summarize(reps: list[dict[str, dict[str, object]]], *, key: str, threshold: 
     def med(arm: str, k: str) -> float | None:
         return arms.get(arm, {}).get(k, {}).get("median")  # type: ignore[return-value]
 
+    censored: dict[str, list[str]] = {}
+
     def paired(other: str, k: str, invert: bool) -> float | None:
-        """Median over replicates of the per-replicate ratio of the selector to `other`."""
+        """Median over replicates of the per-replicate ratio of the selector to `other`. For
+        time to quality, an arm that never reached it counts its whole run's wall seconds
+        (it would have needed more): the ratio is then a bound, named in `censored`."""
         xs = []
         for rep in reps:
             s, o = rep.get("selector"), rep.get(other)
             if not s or not o:
                 continue
             sv, ov = per_value(s, k), per_value(o, k)
+            if k == "ttq" and (sv is None) != (ov is None):
+                censored.setdefault(other, []).append(
+                    "lower bound" if ov is None else "upper bound")
+                sv = sv if sv is not None else per_value(s, "wall")
+                ov = ov if ov is not None else per_value(o, "wall")
             xs.append(ratio(ov, sv) if invert else ratio(sv, ov))
         return median_spread(xs)["median"]  # type: ignore[return-value]
 
@@ -245,6 +254,8 @@ def summarize(reps: list[dict[str, dict[str, object]]], *, key: str, threshold: 
         if k == "ttq":
             return time_to_quality(r.get("evals", []), key, threshold)  # type: ignore[arg-type]
         wall = float(str(r["wall_s"])) if r.get("wall_s") else None
+        if k == "wall":
+            return wall
         return float(str(r["tokens"])) / wall if wall and r.get("tokens") else None
 
     # oracle: the selector's work at the fastest rate any static arm on its devices that
@@ -268,6 +279,7 @@ def summarize(reps: list[dict[str, dict[str, object]]], *, key: str, threshold: 
         "ratio_vs_conservative": paired("conservative", "ttq", invert=True),
         "tokens_per_s_ratio_vs_restart_pick": paired("restart_pick", "tps", invert=False),
         "tokens_per_s_ratio_vs_conservative": paired("conservative", "tps", invert=False),
+        "ratio_censored": censored,
         "pinned_overhead": None if pin_ratio is None else round(1 - float(str(pin_ratio)), 3),
         "oracle_fraction_same_devices": median_spread(fractions)["median"],
         "step0_pick_oom": bool(reps) and all(bool(rep.get("restart_pick", {}).get("kernel_oom"))
@@ -287,7 +299,34 @@ def summarize(reps: list[dict[str, dict[str, object]]], *, key: str, threshold: 
         "samples_lost==0": out["samples_lost"] == 0, "replicates>=3": len(reps) >= 3,
     }
     out["winners"] = winners(arms, med)
+    out["short_of_goal"] = short_of_goal(out, med)  # type: ignore[arg-type]
     return out
+
+
+GOALS = {"ratio_vs_restart_pick": ("restart_pick", 1.2),
+         "ratio_vs_conservative": ("conservative", 1.05)}
+
+
+def short_of_goal(out: dict[str, object], med: object) -> dict[str, dict[str, object]]:
+    """For each ratio below its goal: which of the two arms reached the quality first (or
+    neither), and each one's medians that say why (tokens/s, final quality, OOMs, steps lost,
+    restart seconds)."""
+    get = med  # type: ignore[assignment]
+    keys = ("time_to_quality_s", "tokens_per_s", "final_quality", "ooms", "steps_lost",
+            "restart_s")
+    res: dict[str, dict[str, object]] = {}
+    for name, (other, goal) in GOALS.items():
+        value = out[name]
+        if value is not None and float(str(value)) >= goal:
+            continue
+        ttq = {a: get(a, "time_to_quality_s") for a in ("selector", other)}  # type: ignore[operator]
+        reached = {a: t for a, t in ttq.items() if t is not None}
+        res[name] = {"value": value, "goal": goal,
+                     "first_to_quality": min(reached, key=reached.__getitem__) if reached
+                     else None,
+                     **{a: {k: get(a, k) for k in keys}  # type: ignore[operator]
+                        for a in ("selector", other)}}
+    return res
 
 
 def _ge(x: object, goal: float) -> bool:

@@ -215,6 +215,10 @@ def run_memory_bound(*, quick: bool, root: str, replicates: int, steps: int = 0,
         "pilot": {"steps": len(rows), "slot_peak_mib": peaks, "context_max": ctx0},
         "layouts": {a: c.name + (" " + " ".join(e) if e else "") for a, (c, e) in layouts.items()},
         "conservative_budget": cons_budget, "truncate_window": window,
+        # what the selector chose (micro-batch budget, window, recomputation), per replicate
+        "selector_layouts": [rep.get("selector", {}).get("layouts") for rep in reps],
+        "selector_changes": [rep.get("selector", {}).get("selector_changes") for rep in reps],
+        "pinned_plan": [rep.get("pinned", {}).get("first_plan") for rep in reps],
         "restart_rule": "on an OOM: the same layout with half the micro-batch budget, resumed "
                         "from the last checkpoint (every eval_every steps), never below one "
                         f"longest sequence ({top} tokens)",

@@ -128,6 +128,7 @@ def test_summary_ratios_oracle_and_pinned_overhead() -> None:
     assert out["goals"]["oracle_fraction_same_devices>=0.9"] is False
     assert out["winners"]["time_to_quality_s"] == "selector"
     assert out["arms"]["truncate"]["time_to_quality_s"]["missing"] == 3
+    assert out["short_of_goal"] == {}  # both ratios reach their goals
 
 
 def test_summary_says_who_won_when_the_selector_loses() -> None:
@@ -136,11 +137,17 @@ def test_summary_says_who_won_when_the_selector_loses() -> None:
            "conservative": _rec(200.0, 300.0, 2000.0)}
     out = rules.summarize([rep], key="q", threshold=1.0, steps=100)
     assert out["ratio_vs_conservative"] == pytest.approx(0.667, abs=1e-3)
-    assert out["ratio_vs_restart_pick"] is None  # it never reached the threshold
+    # restart_pick never reached the threshold: its whole 500 s bound its time from below
+    assert out["ratio_vs_restart_pick"] == pytest.approx(500 / 300, abs=1e-3)
+    assert out["ratio_censored"] == {"restart_pick": ["lower bound"]}
     assert out["winners"]["time_to_quality_s"] == "conservative"
     assert out["oom_selector"] is True
     assert out["step0_pick_oom"] is False  # no kernel verdict recorded
     assert out["goals"]["replicates>=3"] is False
+    short = out["short_of_goal"]
+    assert short["ratio_vs_conservative"]["first_to_quality"] == "conservative"
+    assert short["ratio_vs_conservative"]["conservative"]["time_to_quality_s"] == 200.0
+    assert "ratio_vs_restart_pick" not in short  # 1.67 >= 1.2 (a lower bound)
 
 
 def _row(step: int, wall: float, tokens: float = 100.0) -> dict[str, object]:
