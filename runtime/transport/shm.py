@@ -141,6 +141,7 @@ class ShmSender:
     def send(self, header: bytes, buffers: Sequence[Buffer]) -> None:
         views = [as_bytes_view(b) for b in buffers]
         found = shm_arena.locate(buffers)
+        self._drain_releases(0)  # frames released since: their pool and arena bytes come back
         if any(found):
             self._send_refs(header, views, found)
             return

@@ -123,3 +123,32 @@ def test_forged_descriptors_are_refused(parts):
     finally:
         sock.close(0)
         receiver.close()
+
+
+def test_a_sender_of_arena_only_frames_takes_back_their_releases():
+    """A frame whose buffers all lie in an arena needs no pool segment, and the sender used to
+    read releases only when it acquired one: the frames a consumer released stayed lent, so
+    their segments were never reused and a producer's arena grew a segment every few dozen
+    steps of a plain `earl train`."""
+    from earl.runtime.transport.shm_arena import ShmArena
+
+    arena = ShmArena(segment_bytes=1 << 20)
+    wh = Warehouse("w0", arena=arena)
+    receiver = get_transport("shm").listen()
+    sender = connect(receiver.address)
+    try:
+        for i in range(N):
+            wh.put(f"s{i}", _columns(i), group_id=f"g{i}")
+            sender.send(*wh.pack([f"s{i}"], ["input_ids", "versions"]))
+            frame = receiver.recv(timeout=30)
+            assert frame.parts[0] == b"M"
+            last = len(json.loads(frame.parts[2]))  # the segments this frame lent
+            frame.release()
+            wh.evict([f"s{i}"])
+        assert arena.statistics().lent_frames <= last  # only the last release may be unread
+        assert sender.wait_released(30)
+        assert arena.statistics().lent_frames == 0
+    finally:
+        sender.close()
+        receiver.close()
+        arena.close()
