@@ -115,10 +115,9 @@ class ShmArena:
     Args:
         segment_bytes: size of the segments small arrays share. Every page of a segment in
             use is touched in time, by its producer and by each consumer that reads it, so the
-            arena's footprint is ~(segments in use + spares) x this in every one of them, ~4 x
-            16 MiB for experience put and evicted in order (at 64 MiB, a Tic-Tac-Toe soak's
-            trainer and reference each held 205 MiB of the shards' pages after 20 minutes,
-            still growing ~13 MiB a minute).
+            arena's footprint is ~(segments in use + spares) x this in every one of them: a
+            plain `earl train` (Tic-Tac-Toe) holds 2 segments, its trainer ~43 MiB of the
+            shards' pages, flat after ~100 steps.
         max_spare: empty segments kept warm for reuse (fresh pages cost ~10x a warm copy).
     """
 
