@@ -205,7 +205,6 @@ class ShmSender:
         self._sock.send_multipart([*frame.parts, frame.header])
 
     def _acquire(self, nbytes: int) -> _Segment:
-        self._drain_releases(0)
         deadline = time.monotonic() + self._release_timeout_s
         graced = False
         while True:
