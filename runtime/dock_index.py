@@ -439,8 +439,7 @@ class DockIndex:
         for sid in list(ids):
             e = self._samples[sid]
             missing = tuple(sorted(c for c, (s, _) in e.columns.items() if s == shard))
-            self._lost.append(LostSample(sid, gid, missing))
-            self._owed[gid] = self._owed.get(gid, 0) + 1
+            self._report_lost(LostSample(sid, gid, missing))
             for s in self._remove(sid):
                 if s != shard:
                     evict.setdefault(s, []).append(sid)
@@ -485,11 +484,15 @@ class DockIndex:
         evict: dict[str, list[str]] = {}
         for gid in stale_groups:
             for sid in list(self._groups.get(gid, [])):
-                self._lost.append(LostSample(sid, gid, ()))
-                self._owed[gid] = self._owed.get(gid, 0) + 1
+                self._report_lost(LostSample(sid, gid, ()))
                 for s in self._remove(sid):
                     evict.setdefault(s, []).append(sid)
         return evict
+
+    def _report_lost(self, lost: LostSample) -> None:
+        """`lost` goes to `take_lost`, and its group is owed the room it leaves (`register`)."""
+        self._lost.append(lost)
+        self._owed[lost.group_id] = self._owed.get(lost.group_id, 0) + 1
 
     def take_lost(self) -> list[LostSample]:
         """Samples that must be produced again (shard died, or stale); clears the list."""
