@@ -24,6 +24,7 @@ from typing import Any
 
 from earl.runtime.dispatch import DispatchPlan
 from earl.stages.batch_types import batch_of
+from earl.stages.id_runs import unpack
 
 __all__ = ["Book", "drop_one", "judge", "lose_a_sample", "read_ledger", "read_trained"]
 
@@ -37,7 +38,7 @@ def read_trained(folder: Path) -> list[str]:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue  # the last line, cut by a kill mid-write (its step was never acked)
-            ids += rec["sample_ids"]
+            ids += unpack(rec["sample_ids"])
     return ids
 
 
@@ -53,11 +54,12 @@ class Book:
     def apply(self, rec: dict[str, Any]) -> None:
         if "produced" in rec:
             ids, gids = rec["produced"]
-            self.produced.update(zip(ids, gids, strict=True))
+            self.produced.update(zip(unpack(ids), unpack(gids), strict=True))
         elif "acked" in rec:
-            self.acked += rec["acked"]
+            self.acked += unpack(rec["acked"])
         elif "dropped" in rec:
-            for sid, gid in rec["dropped"]:
+            ids, gids = rec["dropped"]
+            for sid, gid in zip(unpack(ids), unpack(gids), strict=True):
                 self.produced.setdefault(sid, gid)
                 self.dropped[sid] = str(rec["reason"])
         elif "rewind" in rec:  # batches >= the step: the trainer went back before them

@@ -2,7 +2,8 @@
 step, or dropped with its reason, and the rewinds, appended to a file in the run folder as they
 happen (`trained/ledger.jsonl`, beside the trainers' own records), so the driver holds none of
 it in memory however long the run. A run that records nothing (`record_trained` off: every
-`earl train` but the judged ones) keeps no ledger at all.
+`earl train` but the judged ones) keeps no ledger at all. Id lists are written as runs
+(`earl.stages.id_runs`), ~25x smaller than the ids one by one.
 
 Not here: reading it back and judging it against the trainers' records
 (`earl.commands.chaos_oracle`), the records themselves (`earl.stages.trainer`).
@@ -16,6 +17,7 @@ from typing import IO, TYPE_CHECKING
 
 from earl.runtime.dock import Dock
 from earl.runtime.dock_index import LostSample
+from earl.stages.id_runs import pack
 
 if TYPE_CHECKING:
     from earl.runtime import ActorGroup
@@ -40,13 +42,14 @@ class Ledger:
         self._file.write(json.dumps(rec, separators=(",", ":")) + "\n")
 
     def add_produced(self, ids: list[str], group_ids: list[str]) -> None:
-        self._write({"produced": [list(ids), list(group_ids)]})
+        self._write({"produced": [pack(ids), pack(group_ids)]})
 
     def add_acked(self, locations: tuple[Location, ...]) -> None:
-        self._write({"acked": [loc.sample_id for loc in locations]})
+        self._write({"acked": pack(loc.sample_id for loc in locations)})
 
     def add_dropped(self, lost: list[LostSample], reason: str) -> None:
-        self._write({"dropped": [[x.sample_id, x.group_id] for x in lost], "reason": reason})
+        self._write({"dropped": [pack(x.sample_id for x in lost), pack(x.group_id for x in lost)],
+                     "reason": reason})
 
     def rewind(self, step: int) -> None:
         """Forget batches >= `step`: the trainer went back to a checkpoint of that step."""

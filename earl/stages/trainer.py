@@ -36,6 +36,7 @@ from earl.runtime.dispatch import DispatchPlan, FetchOp, ReplicaPlan, receive_re
 from earl.runtime.dispatch import forward as forward_frames
 from earl.runtime.layout import Layout
 from earl.stages.compute import Compute
+from earl.stages.id_runs import pack
 from earl.stages.lora import LoraConfig
 from earl.stages.optim import OptimConfig
 from earl.stages.trainer_batch import TrainBatch
@@ -145,7 +146,7 @@ class TrainerActor(Actor):
         path = Path(self.config.record_dir) / f"trained.{self.rank}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         line = json.dumps({"step": self.trainer.step, "rank": self.rank,
-                           "sample_ids": list(sample_ids)})
+                           "sample_ids": pack(sample_ids)})
         with path.open("a") as f:
             f.write(line + "\n")
 

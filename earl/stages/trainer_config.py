@@ -46,7 +46,8 @@ class TrainerConfig(Packing):
             switches it between steps.
         record_dir: a folder where each replica leader appends, before the step is acked,
             the sample ids its step trained (`trained.<rank>.jsonl`: one line per step,
-            `{"step", "rank", "sample_ids"}`), for an oracle of what entered a gradient
+            `{"step", "rank", "sample_ids"}`, the ids packed as runs: `earl.stages.id_runs`),
+            for an oracle of what entered a gradient
             (`earl chaos`); "" = none.
     """
 
