@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
-from typing import Union
 
 __all__ = ["Packed", "pack", "unpack"]
 
-Packed = list[Union[str, list[Union[str, int]]]]
+Packed = list[str | list[str | int]]
 _TAIL = re.compile(r"^(.*?)(\d+)$")
 
 
