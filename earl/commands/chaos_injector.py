@@ -128,7 +128,14 @@ class Injector:
         heal and that healing needs the run (`NEEDS_RUN`: a rewind is seen by the next step's
         call to the dead trainer or dock; a dropped actor's rebuild re-plays into the dock),
         or (overlapping) for fault i - 1 to fire and that is a drop (it fires on the run's
-        next call to its actor), or fault i - 1 cannot fire yet for the same reasons."""
+        next call to its actor), or fault i - 1 cannot fire yet for the same reasons; or
+        fault i is kill:resave and no checkpoint is in force yet (it re-saves the one in
+        force, and only the run's next checkpoint brings one: seeds 316 and 336 of `--draw 3
+        --steps 8`, a producer killed during the checkpoint of step 2, held the run at step
+        3 until the watchdog rewound it)."""
+        if self.faults[i] == "kill:resave" and not self.fired[i].is_set() \
+                and not self._checkpoint_in_force():
+            return True
         if i == 0:
             return False
         prev = self.faults[i - 1]
@@ -143,6 +150,11 @@ class Injector:
             if prev in NEEDS_RUN:
                 return True
         return self.waits_on_run(i - 1)
+
+    def _checkpoint_in_force(self) -> bool:
+        from earl.loop.checkpoint import MANIFEST
+
+        return (Path(self.job.out) / "checkpoint" / MANIFEST).is_file()
 
     async def _requests_in_flight(self, timeout: float = 60.0) -> int:
         """Wait (up to `timeout` s) until the rollout has generations in flight, right after a
@@ -397,15 +409,19 @@ class Injector:
         from earl.loop.checkpoint import MANIFEST, CheckpointStore
 
         job, sup = self.job, self.job.supervisor
-        pid = (await self.rt.dir_call("lookup", "trainer")).pids[0]
+
         def rewinds() -> list[dict[str, Any]]:
             return [e for e in sup.events if e["event"] == "rewind"]
-
-        before = len(rewinds())
 
         root = Path(job.out) / "checkpoint"
         if not await until(lambda: (root / MANIFEST).is_file(), 300):
             return {"recovered": False, "note": "no checkpoint in force within 300 s"}
+        # the trainer and the rewinds as they are now: a rewind while no checkpoint was in
+        # force replaced the trainer, and is not this fault's
+        if not await self._wait_live("trainer", 300.0):
+            return {"recovered": False, "note": "trainer not up within 300 s"}
+        pid = (await self.rt.dir_call("lookup", "trainer")).pids[0]
+        before = len(rewinds())
         run_store = job.checkpoints()  # the run's own saves, the trainer killed as it starts
 
         async def killed_midway(folder: str) -> None:

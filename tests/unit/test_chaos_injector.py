@@ -11,6 +11,7 @@ poll for calls in flight misses short calls; the cut comes right after the next 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,9 +24,12 @@ from earl.commands.chaos_injector import Injector
 pytestmark = pytest.mark.timeout(60)
 
 
-def injector(faults: list[str], after: list[int], overlap: list[bool]) -> Injector:
-    """An injector whose faults fire only when a test sets their events."""
-    job = SimpleNamespace(cfg=SimpleNamespace(steps=8, checkpoint_every=2), supervisor=None)
+def injector(faults: list[str], after: list[int], overlap: list[bool],
+             out: Path = Path("/nonexistent")) -> Injector:
+    """An injector whose faults fire only when a test sets their events; the run's folder is
+    `out`."""
+    job = SimpleNamespace(cfg=SimpleNamespace(steps=8, checkpoint_every=2), supervisor=None,
+                          out=out)
     drawn = Drawn(faults=tuple(faults), after_step=tuple(after), at=(0.0,) * len(faults),
                   overlap=tuple(overlap))
     inj = Injector(job, None, faults, seed=0, disk="", drawn=drawn)
@@ -88,6 +92,26 @@ async def test_the_run_waits_until_a_drop_is_armed_so_it_cannot_outrun_it() -> N
     assert not await held(inj, 2)
     assert inj.waits_on_run(2)  # kill:resave waits for the drop's healing: not held for it
     assert not await held(inj, 7)
+
+
+async def test_kill_resave_does_not_hold_the_run_until_a_checkpoint_is_in_force(
+        tmp_path: Path) -> None:
+    """Seeds 316 and 336 of `--draw 3 --steps 8`: a producer killed during the checkpoint
+    of step 2 failed that checkpoint; kill:resave, due after step 2, waited for a checkpoint
+    in force while holding the run at step 3, so none came until the watchdog rewound the run
+    (a stall, and the fault judged unrecovered)."""
+    inj = injector(["kill:producer", "kill:resave", "stall:tool"], [1, 2, 3],
+                   [False, False, False], out=tmp_path)
+    assert not await held(inj, 1)
+    done(inj, 0)
+    assert inj.waits_on_run(1) and inj.waits_on_run(2)
+    assert not await held(inj, 3)
+    assert not await held(inj, 4)
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "manifest.json").write_text('{"step": 4}')
+    assert await held(inj, 5)  # a checkpoint in force: the run waits for the kill
+    inj.fired[1].set()
+    assert not await held(inj, 5)
 
 
 class FakeConnection:
