@@ -4,8 +4,9 @@
 no processes: `Production` plays a batch (its experience lands in the dock, metadata comes
 back), `Training` trains on the dock and publishes weights, `Evaluation` scores held-out
 tasks, `Checkpoints` saves consistent state. Production runs ahead of training by up to
-`max_policy_lag` batches (the `StalenessGate`); the trainer's lease on the dock waits for the
-reference's column, so a batch is never trained before it is scored. On a stop (steps, time,
+`max_policy_lag` batches (the `StalenessGate`); step b + 1 leases exactly batch b's groups
+from the dock, and its lease waits for the reference's column, so a batch is never trained
+before it is scored, nor in another batch's step. On a stop (steps, time,
 target metric) the batches already in flight are trained too, so the checkpoint's critic and
 the trainer agree on the step.
 """
@@ -355,8 +356,12 @@ class Schedule:
             async with self.selection.train(b, res):
                 with self.watchdog.waiting(f"{step}'s training (the trainer's lease on the dock: "
                                    "scored by the reference; fetch; optimizer step)"):
+                    # batch b's own groups, never the oldest ready: a group re-played after
+                    # a fault can come back after the next batch's, and a step that trained
+                    # those instead left the checkpoint of step b + 1 without batch b (seed
+                    # 333 of `earl chaos --draw 3`: a rewind to it lost the group)
                     metrics = await self.training.train(
-                        b, res.samples, scale, res.row_groups if self.partial else None)
+                        b, res.samples, scale, list(dict.fromkeys(res.row_groups)))
                 with self.watchdog.waiting(f"{step}'s weight push to the rollout"):
                     await self.training.publish(b + 1)
         if self.partial:  # new groups start under the weights this step made

@@ -64,7 +64,7 @@ async def train_from_dock(trainer: ActorGroup[TrainerActor], dock: Dock, n: int,
         lr_scale: multiplies this step's learning rate.
         timeout_s: how long to wait for `n` samples to be ready.
         layout, micro_batch_tokens: the trainer's, asked from rank 0 when not given.
-        group_ids: train exactly these groups (`n` is then their rows): a partial-rollout step.
+        group_ids: train exactly these groups (`n` is then their rows): a step's batch.
 
     Returns:
         Rank 0's step metrics (global over the replicas), plus ``dispatch_replicas`` and the

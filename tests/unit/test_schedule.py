@@ -70,7 +70,8 @@ class SimProduction:
         for t in trajs:
             self.dock[t.sample_id] = batch
         return BatchResult(batch=batch, episodes=[episode_of(t) for t in trajs],
-                           samples=len(trajs), seconds=0.0)
+                           samples=len(trajs), seconds=0.0,
+                           row_groups=[t.group_id for t in trajs])
 
     async def note_version(self, version: int) -> None:
         self.engine.set_policy_version(version)
@@ -93,7 +94,7 @@ class FakeTraining:
 
     async def train(self, batch: int, samples: int, lr_scale: float,
                     groups: object = None) -> dict[str, float]:
-        assert groups is None  # whole batches
+        assert groups == [g.group_id for g in self.prod.groups(batch)]  # its batch's own
         mine = [sid for sid, b in self.prod.dock.items() if b == batch]
         assert len(mine) == samples
         while not all(s in self.prod.scored for s in mine):  # the dock's lease waits
@@ -220,6 +221,56 @@ def test_trainer_lease_waits_for_reference_column() -> None:
     ix.add_columns("s0", "reference:0", {"ref_logprobs": 16})
     ix.ack(ref.lease_id)
     assert [s.sample_id for s in ix.take("train", cols, 1).samples] == ["s0"]
+
+
+async def test_a_step_trains_its_own_batch_when_a_later_batch_is_ready_first() -> None:
+    """Seed 333 of `earl chaos --draw 3`: a producer's shard died with batches 3 and 4 in
+    the dock; both were re-played, batch 4's came back first, and step 4 took the oldest ready
+    groups (batch 4's), so the checkpoint of step 4 held batch 4 and not batch 3, and the
+    rewind to it lost batch 3. Here batch 1's groups reach the dock after batch 2's."""
+    dock = DockIndex(stages=["train"], capacity=64)
+    late = asyncio.Event()
+
+    class Replayed(SimProduction):
+        async def play(self, batch: int, snapshot: bool) -> BatchResult:
+            res = await super().play(batch, snapshot)
+            if batch == 1:
+                await late.wait()  # batch 1 comes back only once batch 2 is in the dock
+            for j, gid in enumerate(res.row_groups):
+                dock.register(SampleInfo(sample_id=f"b{batch}-{j}", group_id=gid, group_size=G,
+                                         length=1, version=batch, shard="p0",
+                                         columns={"input_ids": 1}))
+            if batch == 2:
+                late.set()
+            return res
+
+    class DockTraining(FakeTraining):
+        def __init__(self, prod: SimProduction) -> None:
+            super().__init__(prod)
+            self.steps: list[list[int]] = []  # the batches of each step's samples
+
+        async def train(self, batch: int, samples: int, lr_scale: float,
+                        groups: object = None) -> dict[str, float]:
+            while True:  # the dock's take, which waits for what it asks
+                try:
+                    lease = dock.take("train", ["input_ids"], samples,
+                                      group_ids=groups)  # type: ignore[arg-type]
+                    break
+                except WouldBlock:
+                    await asyncio.sleep(0.001)
+            dock.ack(lease.lease_id)
+            self.trained.append(batch)
+            self.steps.append(sorted({int(loc.sample_id[1:].split("-")[0])
+                                      for loc in lease.samples}))
+            return {"loss": 1.0}
+
+    prod = Replayed()
+    train = DockTraining(prod)
+    sched = Schedule(schedule_config(steps=4, max_policy_lag=2, checkpoint_every=100),
+                     production=prod, training=train, evaluation=None,
+                     checkpoints=FakeCheckpoints(), state=LoopState())
+    assert await sched.run() == "steps"
+    assert train.steps == [[0], [1], [2], [3]]
 
 
 async def test_a_batch_with_nothing_to_train_is_a_clear_error() -> None:
