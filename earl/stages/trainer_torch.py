@@ -38,6 +38,7 @@ from earl.packing import (
     token_entropy,
     token_logprobs,
 )
+from earl.runtime import heap
 from earl.runtime.selector.profile import peak_bytes, reset_peak
 from earl.stages import trainer_dist as tdist
 from earl.stages.lora import adapter_disabled, apply_lora, base_model, merged_weights
@@ -69,6 +70,7 @@ class TorchTrainer:
         torch.set_num_threads(config.compute.threads)
         self.device = tdist.cuda_device(rank) if config.compute.device == "cuda" \
             else torch.device("cpu")
+        self._trimmer = heap.Trimmer()
         if config.pp > 1 and not self.pipeline:
             raise ValueError(f"TrainerConfig.pp={config.pp}: the torch backend has no pipeline "
                              "parallel; set pp=1, or use the megatron backend")
@@ -315,9 +317,11 @@ class TorchTrainer:
         t0 = time.perf_counter()
         metrics = self.accumulate(batch, micro_batches)
         metrics.update(self.optimizer_step(lr_scale))
+        metrics["peak_rss_mib"] = peak_bytes(self.device) / 2**20
+        if self.device.type == "cpu":  # a heap that crept goes back to the OS
+            metrics["heap_trim_s"] = self._trimmer.after_step()
         dt = time.perf_counter() - t0
-        metrics.update(step=float(self.step), step_time_s=dt, tokens_per_s=metrics["tokens"] / dt,
-                       peak_rss_mib=peak_bytes(self.device) / 2**20)
+        metrics.update(step=float(self.step), step_time_s=dt, tokens_per_s=metrics["tokens"] / dt)
         return metrics
 
     def set_recompute(self, on: bool) -> None:
