@@ -22,6 +22,26 @@ import tempfile
 
 import _results
 
+# what a step appends to (a metrics line, TensorBoard scalars, a log line, trace events, the
+# oracle's records): these grow with the steps by design, by a bounded amount per step
+STEP_LOGS = ("metrics.jsonl", "run.log", "tb", "trained", ".trace.jsonl")
+LOG_KIB_PER_STEP = 8.0
+DUMP_MAX_MIB = 16.0  # the trajectory dump's cap (`dump_max_mb`, its default)
+
+
+def folder_bounded(growth: dict[str, dict[str, float]]) -> dict[str, object]:
+    """The run folder holds only what is bounded: the step logs grow <= `LOG_KIB_PER_STEP`
+    KiB a step together, the trajectory dump stays under its cap (and a segment being
+    written), and every other part (the checkpoint in force, the weights) ends within 10%
+    (+1 MiB) of its size after warm-up: nothing that piles up with time or faults."""
+    logs = round(sum(g["kib_per_step"] for k, g in growth.items() if k in STEP_LOGS), 3)
+    dump = growth.get("trajectories", {}).get("end_mib", 0.0)
+    grew = sorted(k for k, g in growth.items() if k not in STEP_LOGS and k != "trajectories"
+                  and g["end_mib"] > g["after_warmup_mib"] * 1.10 + 1.0)
+    ok = bool(growth) and logs <= LOG_KIB_PER_STEP and dump <= DUMP_MAX_MIB + 1.0 and not grew
+    return {"value": {"step_logs_kib_per_step": logs, "trajectories_mib": round(dump, 2),
+                      "parts_that_grew": grew}, "ok": ok}
+
 
 def targets(rep: dict, minutes: float) -> dict[str, dict[str, object]]:
     """The soak's targets (issue 49) against its report."""
@@ -37,6 +57,7 @@ def targets(rep: dict, minutes: float) -> dict[str, dict[str, object]]:
         "duplicated_0": {"value": rep.get("samples_duplicated"),
                          "ok": rep.get("samples_duplicated") == 0},
         "rss_growth_le_10pct": {"value": growth, "ok": growth is not None and growth <= 0.10},
+        "folder_bounded": folder_bounded(soak.get("folder_growth", {})),
         # the private pages alone (no shm arena pages): what a leak grows
         "uss_growth_le_10pct": {"value": soak.get("max_uss_growth"),
                                 "ok": (soak.get("max_uss_growth") or 1.0) <= 0.10},

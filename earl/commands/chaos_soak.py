@@ -7,7 +7,8 @@ folder's size by part, the steps trained.
 What it reports (the chaos report's `soak`): per actor, RSS and USS growth after warm-up (the
 median of the samples in the last 10 minutes over the median in the 10 minutes after warm-up,
 an actor's restarts included: the same name and rank is one actor); the run folder's size at
-warm-up and at the end, by top-level part; steps/s per 10-minute window. Not here: firing the
+warm-up and at the end, by top-level part (`folder_growth`: each part, the trajectory dump's
+segments as one, with its KiB per step trained since warm-up); steps/s per 10-minute window. Not here: firing the
 faults (`earl.commands.chaos_injector`) and the oracle (`earl.commands.chaos_oracle`).
 """
 
@@ -141,11 +142,20 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 (w[-1]["step"] - w[0]["step"]) / (w[-1]["t"] - w[0]["t"]), 3)})
         t += WINDOW_S
     total = lambda r: round(sum(r["folder_mib"].values()), 2)
+    steps = max(rows[-1]["step"] - warm["step"], 1)
+    parts: dict[str, dict[str, float]] = {}
+    for name in sorted(rows[-1]["folder_mib"]):
+        key = "trajectories" if name.startswith("trajectories") else name
+        part = parts.setdefault(key, {"after_warmup_mib": 0.0, "end_mib": 0.0})
+        part["after_warmup_mib"] += warm["folder_mib"].get(name, 0.0)
+        part["end_mib"] += rows[-1]["folder_mib"][name]
+    for part in parts.values():
+        part["kib_per_step"] = round((part["end_mib"] - part["after_warmup_mib"]) * 1024 / steps, 3)
     vals = [g["growth"] for g in growth.values() if g["growth"] is not None]
     uss = [g["uss_growth"] for g in growth.values() if g["uss_growth"] is not None]
     return {"samples": len(rows), "seconds": end, "warmup_s": WARMUP_S, "window_s": WINDOW_S,
             "rss": growth, "max_rss_growth": max(vals) if vals else None,
             "max_uss_growth": max(uss) if uss else None,
             "folder_mib_after_warmup": total(warm), "folder_mib_end": total(rows[-1]),
-            "folder_mib_end_by_part": rows[-1]["folder_mib"],
+            "folder_mib_end_by_part": rows[-1]["folder_mib"], "folder_growth": parts,
             "folder_mib_max": max(total(r) for r in rows), "steps_per_s": steps_per_s}

@@ -3,6 +3,8 @@ warm-up per actor, the folder's size, steps/s per window), on made-up samples.""
 
 from __future__ import annotations
 
+from bench_scripts import load
+
 from earl.commands.chaos_draw import DRAWN
 from earl.commands.chaos_soak import WARMUP_S, WINDOW_S, schedule, summarize
 
@@ -39,3 +41,20 @@ def test_a_short_soak_reports_no_growth_rather_than_a_made_up_one() -> None:
     s = summarize(_rows({"rollout[0]": [900.0]}, 300))
     assert s["rss"]["rollout[0]"]["growth"] is None and s["max_rss_growth"] is None
     assert summarize([]) == {"samples": 0}
+
+
+def test_the_folder_is_bounded_when_only_step_logs_grow_and_by_little_a_step() -> None:
+    rows = _rows({"trainer[0]": [600.0]}, WARMUP_S + 2 * WINDOW_S)
+    growth = summarize(rows)["folder_growth"]
+    # 0.01 MiB per 30 s sample, 2 steps per sample: 5.12 KiB a step of metrics
+    assert growth["metrics.jsonl"]["kib_per_step"] == 5.12
+    assert growth["checkpoint"] == {"after_warmup_mib": 3.0, "end_mib": 3.0, "kib_per_step": 0.0}
+    soak = load("soak")
+    assert soak.folder_bounded(growth)["ok"]
+    piled = {**growth, "checkpoint": {"after_warmup_mib": 3.0, "end_mib": 9.0, "kib_per_step": 1}}
+    assert soak.folder_bounded(piled) == {"value": {
+        "step_logs_kib_per_step": 5.12, "trajectories_mib": 0.0,
+        "parts_that_grew": ["checkpoint"]}, "ok": False}
+    chatty = {**growth, "tb": {"after_warmup_mib": 0.0, "end_mib": 9.0, "kib_per_step": 4.0}}
+    assert not soak.folder_bounded(chatty)["ok"]  # 9.12 KiB a step of logs
+    assert not soak.folder_bounded({})["ok"]
