@@ -44,7 +44,8 @@ Faults (each at a random point of a step, one at a time):
 
 The JSON line: `faults_injected`, `recovered`, `samples_lost`, `samples_duplicated` (every
 sample produced is trained exactly once or accounted for as dropped with its reason, in
-`samples_dropped`, or still in the dock), `policy_versions_monotone`, `steps_reached`, `orphans`
+`samples_dropped`, or still in the dock), `samples_out_of_step` (trained at a step other
+than their batch's: a rewind can lose or repeat those), `policy_versions_monotone`, `steps_reached`, `orphans`
 (processes, shm segments, folders left), the restarts per actor, and `stalls` (the run made no
 progress for its `stall_s`: rewound, `earl.loop.watchdog`; each names the stage it waited in). "Trained" is what the
 trainer ranks recorded before each ack (`earl.commands.chaos_oracle`), not the driver's acks
@@ -65,7 +66,7 @@ from typing import TYPE_CHECKING, Any
 
 from earl.commands.chaos_faults import mount_tmpfs, orphans, umount, versions_monotone
 from earl.commands.chaos_injector import Injector
-from earl.commands.chaos_oracle import judge, read_trained
+from earl.commands.chaos_oracle import judge, out_of_step, read_trained
 
 if TYPE_CHECKING:
     from earl.commands.chaos_draw import Drawn
@@ -246,6 +247,8 @@ async def run_chaos(cfg: Any, faults: list[str], *, seed: int = 0, log: Any = pr
         if disk:
             umount(out / "checkpoint")
     ledger = judge(job.supervisor.ledger.path, read_trained(out / "trained"), resident)
+    misplaced = out_of_step(out / "trained")
+    ledger["samples_out_of_step"] = len(misplaced)
     left_behind = orphans(pids | {os.getpid()})
     monotone = versions_monotone(out, cfg.max_policy_lag, cfg.partial_rollouts != "off")
     # a soak ends by its time limit, with the faults that came due by then
@@ -270,6 +273,7 @@ async def run_chaos(cfg: Any, faults: list[str], *, seed: int = 0, log: Any = pr
            if sampler is not None else {})}
     report["ok"] = bool(recovered and not report["samples_lost"]
                         and not report["samples_duplicated"] and monotone
+                        and not report["samples_out_of_step"]
                         and not any(left_behind.values()))
     return report
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,20 +26,32 @@ from earl.runtime.dispatch import DispatchPlan
 from earl.stages.batch_types import batch_of
 from earl.stages.id_runs import unpack
 
-__all__ = ["Book", "drop_one", "judge", "lose_a_sample", "read_ledger", "read_trained"]
+__all__ = ["Book", "drop_one", "judge", "lose_a_sample", "out_of_step", "read_ledger",
+           "read_trained"]
 
 
-def read_trained(folder: Path) -> list[str]:
-    """Every sample id the trainer replicas recorded as trained (a multiset)."""
-    ids: list[str] = []
+def _records(folder: Path) -> Iterator[tuple[int, list[str]]]:
+    """Each record the trainer replicas wrote: (step, the sample ids it trained)."""
     for path in sorted(folder.glob("trained.*.jsonl")):
         for line in path.read_text().splitlines():
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue  # the last line, cut by a kill mid-write (its step was never acked)
-            ids += unpack(rec["sample_ids"])
-    return ids
+            yield int(rec["step"]), list(unpack(rec["sample_ids"]))
+
+
+def read_trained(folder: Path) -> list[str]:
+    """Every sample id the trainer replicas recorded as trained (a multiset)."""
+    return [sid for _, ids in _records(folder) for sid in ids]
+
+
+def out_of_step(folder: Path) -> list[str]:
+    """Sample ids a trainer recorded at a step other than their batch's: step b + 1 trains
+    batch b and nothing else (`earl.loop.schedule`), so a checkpoint of step b + 1 holds
+    every batch before b + 1. One trained out of its step can be lost, or trained twice, by
+    a rewind to that checkpoint (seed 333 of `earl chaos --draw 3`, before d3fec97)."""
+    return [sid for step, ids in _records(folder) for sid in ids if batch_of(sid) != step - 1]
 
 
 @dataclass(slots=True)
