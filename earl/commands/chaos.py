@@ -44,8 +44,8 @@ Faults (each at a random point of a step, one at a time):
 
 The JSON line: `faults_injected`, `recovered`, `samples_lost`, `samples_duplicated` (every
 sample produced is trained exactly once or accounted for as dropped with its reason, in
-`samples_dropped`, or still in the dock), `samples_out_of_step` (trained at a step other
-than their batch's: a rewind can lose or repeat those), `policy_versions_monotone`, `steps_reached`, `orphans`
+`samples_dropped`, or still in the dock), `samples_out_of_step` (whole batches: trained at a
+step other than their batch's, which a rewind can lose or repeat), `policy_versions_monotone`, `steps_reached`, `orphans`
 (processes, shm segments, folders left), the restarts per actor, and `stalls` (the run made no
 progress for its `stall_s`: rewound, `earl.loop.watchdog`; each names the stage it waited in). "Trained" is what the
 trainer ranks recorded before each ack (`earl.commands.chaos_oracle`), not the driver's acks
@@ -247,8 +247,10 @@ async def run_chaos(cfg: Any, faults: list[str], *, seed: int = 0, log: Any = pr
         if disk:
             umount(out / "checkpoint")
     ledger = judge(job.supervisor.ledger.path, read_trained(out / "trained"), resident)
-    misplaced = out_of_step(out / "trained")
-    ledger["samples_out_of_step"] = len(misplaced)
+    # whole batches: step b + 1 trains batch b alone (partial rollouts take the first groups
+    # done, whatever batch started them)
+    ledger["samples_out_of_step"] = len(out_of_step(out / "trained")) \
+        if cfg.partial_rollouts == "off" else 0
     left_behind = orphans(pids | {os.getpid()})
     monotone = versions_monotone(out, cfg.max_policy_lag, cfg.partial_rollouts != "off")
     # a soak ends by its time limit, with the faults that came due by then
