@@ -146,7 +146,8 @@ class _Zygote:
         self.root = tempfile.mkdtemp(prefix=f"earl-sandbox-{self.owner}-") if isolated else None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         args = [os.path.realpath(sys.executable), "-I", "-S", _ZYGOTE,
-                "--caller", str(self.owner), "--fd", str(theirs.fileno())]
+                "--caller", str(self.owner), "--fd", str(theirs.fileno()),
+                "--tmp", tempfile.gettempdir()]  # not the runs' TMPDIR (/work in their root)
         if self.root is not None:
             args += ["--root", self.root]
         try:

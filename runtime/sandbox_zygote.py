@@ -83,8 +83,9 @@ class _Setup:
     """What every run of this zygote shares: its cgroup pool, its reaper's pipe, its filter."""
 
     def __init__(self, isolated: bool, pool: sandbox_memory.Pool | None, reaper_fd: int | None,
-                 flt: sandbox_seccomp.Filter | None) -> None:
+                 flt: sandbox_seccomp.Filter | None, tmp: str | None = None) -> None:
         self.isolated, self.pool, self.reaper_fd, self.filter = isolated, pool, reaper_fd, flt
+        self.tmp = tmp  # the caller's temp dir: where its sweep finds a run dir left behind
         self.zygote = os.getpid()
         self.features = "+seccomp" * (flt is not None) + "+memcg" * (pool is not None)
 
@@ -221,7 +222,7 @@ def serve(sock: socket.socket, caller: int, setup: _Setup) -> str | None:
                         raise ValueError("start needs two descriptors (code, output)")
                     limits = _parse_limits(req.get("limits"))
                     work = None if setup.isolated else tempfile.mkdtemp(
-                        prefix=f"earl-sandbox-{caller}-")
+                        prefix=f"earl-sandbox-{caller}-", dir=setup.tmp)
                     group = setup.pool.acquire(limits["memory_mb"]) if setup.pool else None
                     try:
                         pid = os.fork()
@@ -270,6 +271,7 @@ def main() -> str | None:
     args = sys.argv[1:]
     caller = int(args[args.index("--caller") + 1])
     root = args[args.index("--root") + 1] if "--root" in args else None
+    tmp = args[args.index("--tmp") + 1] if "--tmp" in args else None
     sock = socket.socket(fileno=int(args[args.index("--fd") + 1]))
     flt, why = sandbox_seccomp.build()
     if flt is None:
@@ -288,7 +290,7 @@ def main() -> str | None:
             if pool is not None:
                 pool.close()  # the caller's cgroup keeps no group of ours
             raise
-    return serve(sock, caller, _Setup(root is not None, pool, reaper_fd, flt))
+    return serve(sock, caller, _Setup(root is not None, pool, reaper_fd, flt, tmp))
 
 
 def _exit(rc: int) -> None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Callable
@@ -114,6 +117,12 @@ def test_a_dead_zygote_fails_its_runs_cleanly_and_is_replaced(isolated: bool) ->
     assert not r.ok and r.error is not None, r  # reported, not raised
     assert run_python("print(8)", LIMITS, full_isolation=isolated).output == "8\n"
     assert sandbox._zygotes[isolated] is not z
+    if not isolated:  # the killed zygote left its run's dir where the caller's sweep looks
+        # (not under the runs' TMPDIR, /work: a real folder on a machine that has one)
+        left = glob.glob(os.path.join(tempfile.gettempdir(), f"earl-sandbox-{os.getpid()}-*"))
+        assert any(os.path.isfile(os.path.join(d, "main.py")) for d in left), left
+        for d in left:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def test_the_zygote_and_its_runs_die_with_the_caller() -> None:
