@@ -27,6 +27,7 @@ from earl.stages.compute import Seeded, fields_of
 from earl.stages.lora import LoraConfig
 from earl.stages.optim import OptimConfig
 from earl.stages.producer_settings import ProducerSettings
+from earl.stages.vllm_engine import UPDATE_MODES
 
 __all__ = ["AlgorithmConfig", "ModelConfig", "PlacementConfig", "RunConfig", "SelectorConfig",
            "WarmStartConfig", "from_dict", "load_config", "parse_overrides", "read_yaml",
@@ -220,6 +221,13 @@ class RunConfig(Seeded, ProducerSettings):
     (started, not yet trained or dropped; 0 = `(max_policy_lag + 1) * batch_size /
     group_size`, what whole batches allow). It sets the rollout's concurrency apart from the
     staleness bound: a long bound for heavy-tailed episodes need not flood the engine.
+    `weight_update`: what a weight push does to the requests a rollout replica is running
+    (`earl.stages.vllm_engine.VLLMEngine.update_weights`). "inflight" (the default): they are
+    preempted and their KV recomputed under the new weights. "inflight_keep_kv" (PipelineRL's
+    in-flight update; CPU only so far): they keep their KV, computed under older weights, and
+    go on decoding; every token after the switch is sampled by, and tagged with, the new
+    version; the prefix cache is forgotten at each push (`earl.stages.vllm_kv` says why).
+    "drain": the push waits for the running requests to finish and holds new ones meanwhile.
     `dump_trajectories`: write trajectories for `earl inspect` (`trajectories*.jsonl` in the
     run folder), bounded by default: `dump_share` of the groups, rotated into gzip segments
     and capped at `dump_max_mb` over all producers (oldest segments deleted). A full dump:
@@ -242,6 +250,7 @@ class RunConfig(Seeded, ProducerSettings):
     over_sample_groups: int = 0
     partial_rollouts: str = ""
     max_concurrent_groups: int = 0
+    weight_update: str = "inflight"
     time_limit_minutes: float = 9.0
     target: float = 0.0
     eval_games: int = 0
@@ -303,6 +312,11 @@ class RunConfig(Seeded, ProducerSettings):
         need(self.partial_rollouts == "off" or not self.placement.colocate, "partial_rollouts",
              "colocated stages take the devices in turn, a whole batch's rollout then its step: "
              "use --partial_rollouts=off with placement.colocate")
+        need(self.weight_update in UPDATE_MODES, "weight_update",
+             f"must be one of {', '.join(UPDATE_MODES)}, got {self.weight_update!r}")
+        need(self.weight_update != "inflight_keep_kv" or self.placement.device == "cpu",
+             "weight_update", "'inflight_keep_kv' runs on CPU only: on CUDA vLLM's async "
+             "scheduling has a batch in flight across the load; use 'inflight'")
         need(self.eval_games >= 0, "eval_games", "must be >= 0 (0 = the default: "
              f"{self.DEFAULT_EVAL_GAMES} generated tasks, or every line of --eval-tasks)")
         need(self.eval_games % 2 == 0 or bool(self.agent or self.eval_tasks), "eval_games",

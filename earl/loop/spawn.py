@@ -53,7 +53,8 @@ async def spawn_attempt(job: Job, version: int) -> Attempt:
                                  supervisor=sup, dock=actors.dock)
     training = ActorTraining(actors, columns, supervisor=sup, production=production,
                              tracer=job.tracer,
-                             weights_transport=pl.weights_transport or "auto")  # type: ignore[arg-type]
+                             weights_transport=pl.weights_transport or "auto",  # type: ignore[arg-type]
+                             weight_update=cfg.weight_update)  # type: ignore[arg-type]
     return Attempt(actors=actors, production=production, training=training,
                    evaluation=_evaluation(job, actors.producers),
                    selection=b.selection or AsSpawned())

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from earl.loop.actors import Actors
     from earl.loop.production import ActorProduction
     from earl.loop.supervisor import Supervisor
+    from earl.stages.vllm_engine import UpdateMode
     from earl.stages.weights import PushTransport
 
 __all__ = ["ActorTraining"]
@@ -36,14 +37,17 @@ class ActorTraining:
     The groups are read from `actors` at each call (the selector may have re-created them).
     `flows` holds the bytes each transport carried in the last step
     (``transport/experience_bytes/<kind>``: warehouses -> trainer leaders;
-    ``transport/weights_bytes/<kind>``: trainer -> rollout replicas)."""
+    ``transport/weights_bytes/<kind>``: trainer -> rollout replicas). `weight_update`: what
+    a push does to the requests a replica is running (`RunConfig.weight_update`)."""
 
     def __init__(self, actors: Actors, columns: list[str], *, supervisor: Supervisor,
                  production: ActorProduction, tracer: Tracer | None = None,
-                 weights_transport: PushTransport = "auto") -> None:
+                 weights_transport: PushTransport = "auto",
+                 weight_update: UpdateMode = "inflight") -> None:
         self.actors, self.columns = actors, columns
         self.supervisor, self.production = supervisor, production
         self.weights_transport = weights_transport  # placement.weights_transport
+        self.weight_update = weight_update
         self.tracer = tracer or Tracer(False)
         self.seconds = {"train_s": 0.0, "sync_s": 0.0}  # of the last step, for the metrics
         self.flows: dict[str, float] = {}
@@ -107,6 +111,7 @@ class ActorTraining:
         t0 = time.perf_counter()
         with self.tracer.span("push_weights", actor="trainer", version=version):
             synced = await self.actors.trainer.push_weights.call(
-                self.actors.rollout, version, self.weights_transport)
+                self.actors.rollout, version, self.weights_transport,
+                mode=self.weight_update)
         self.seconds["sync_s"] = time.perf_counter() - t0
         self.flows.update({k: v for k, v in synced[0].items() if k.startswith("transport/")})

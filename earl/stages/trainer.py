@@ -50,6 +50,7 @@ __all__ = ["TorchTrainer", "TrainBatch", "TrainerActor", "TrainerConfig", "free_
 if TYPE_CHECKING:
     from earl.runtime.dock import Dock
     from earl.runtime.transport import Frame, Sender
+    from earl.stages.vllm_engine import UpdateMode
     from earl.stages.weights import WeightPublisher
 
 # Typed configs and plans travel to trainer ranks as records (decoded after this import).
@@ -244,14 +245,17 @@ class TrainerActor(Actor):
     @endpoint
     async def push_weights(self, rollout: ActorGroup[Any], version: int | None = None,
                            transport: PushTransport = "auto",
-                           bucket_bytes: int = 64 << 20) -> dict[str, float]:
+                           bucket_bytes: int = 64 << 20,
+                           mode: UpdateMode = "inflight") -> dict[str, float]:
         """Send the current weights to every replica of ``rollout`` (call on all ranks).
 
         Rank 0 sends; other ranks only take part in FSDP's / TP's gathers. Rank 0 keeps one
         `WeightPublisher` (its connections and warm buffers) for as long as it pushes to the
         same rollout group with the same settings. `transport`: see `WeightPublisher` ("auto":
-        each replica's by locality). Returns the `WeightSync` numbers (seconds, bytes, buckets,
-        load_s, version, and ``transport/weights_bytes/<kind>``) on rank 0, ``{}`` elsewhere.
+        each replica's by locality). `mode`: what the replicas do with the requests they are
+        running (`earl.stages.vllm_engine.VLLMEngine.update_weights`). Returns the `WeightSync`
+        numbers (seconds, bytes, buckets, load_s, version, and
+        ``transport/weights_bytes/<kind>``) on rank 0, ``{}`` elsewhere.
         """
         assert self.trainer is not None
         ver = self.trainer.step if version is None else version
@@ -262,7 +266,7 @@ class TrainerActor(Actor):
             return {}
         publisher = self._publisher_for(rollout, transport, bucket_bytes)
         try:
-            sync = await publisher.push(named, version=ver)
+            sync = await publisher.push(named, version=ver, mode=mode)
         except BaseException:
             self._close_publisher()  # reconnect next time (e.g. a replica was restarted)
             raise

@@ -178,7 +178,7 @@ def engine_args(cfg: EngineConfig, *, gpu_total_mib: int | None = None) -> dict[
         # (reset_prefix_cache(reset_running_requests=True)), and vLLM drops the tokens of a
         # batch still in flight for a preempted request ("drop_stale_output"), so every token
         # after the load is sampled, and tagged, with the new weights; "drain" loads with
-        # nothing in flight.
+        # nothing in flight. "inflight_keep_kv" (no preemption) is refused on CUDA for this.
         "async_scheduling": True, "disable_log_stats": True,
         "tensor_parallel_size": tp,
         "distributed_executor_backend": "mp" if tp > 1 else None}

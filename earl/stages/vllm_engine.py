@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar, get_args
 
 from earl.engine import ContextLengthError, Generation, SamplingParams
 from earl.stages.vllm_build import (
@@ -42,14 +42,17 @@ from earl.stages.vllm_build import (
     save_safetensors,
     tmp_root,
 )
+from earl.stages.vllm_kv import reset_for_load
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EngineConfig", "RolloutStatistics", "UpdateMode", "VLLMEngine", "VLLMRollout"]
+__all__ = ["UPDATE_MODES", "EngineConfig", "RolloutStatistics", "UpdateMode", "VLLMEngine",
+           "VLLMRollout"]
 
 T = TypeVar("T")
-UpdateMode = Literal["drain", "inflight"]
+UpdateMode = Literal["inflight", "inflight_keep_kv", "drain"]  # see `VLLMEngine.update_weights`
+UPDATE_MODES: tuple[UpdateMode, ...] = get_args(UpdateMode)
 Weights = Mapping[str, "torch.Tensor"] | Iterable[tuple[str, "torch.Tensor"]]
 
 
@@ -69,6 +72,7 @@ class RolloutStatistics:
     weight_updates: int
     last_weight_sync_s: float
     max_model_len: int
+    preempted_by_updates: int = 0  # running requests whose KV an "inflight" load dropped
 
 
 class _Request:
@@ -112,7 +116,7 @@ class VLLMEngine:
         self._tied = False
         self._dead: BaseException | None = None
         self._n = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "ctx_errors": 0,
-                   "aborted": 0, "steps": 0, "updates": 0}
+                   "aborted": 0, "steps": 0, "updates": 0, "preempted": 0}
         self._busy_s = 0.0
         self._last_sync_s = 0.0
 
@@ -310,10 +314,25 @@ class VLLMEngine:
             mode: "drain" holds new requests and waits for running ones to finish, then loads;
                 "inflight" loads between two decode steps: running requests are preempted and
                 their KV recomputed with the new weights, so every token generated after the
-                switch comes from, and is tagged with, the new version.
+                switch comes from, and is tagged with, the new version;
+                "inflight_keep_kv" loads between two decode steps and keeps the running
+                requests' KV (computed under older weights): they are not preempted, and every
+                token sampled after the switch is sampled by, and tagged with, the new version
+                (its recorded log-prob is the one it was sampled with). No request started
+                after the load reuses a prefix cached before it (`earl.stages.vllm_kv` says
+                why). CPU only: on CUDA vLLM's async scheduling keeps a batch in flight across
+                the load, whose tokens the old weights sampled.
+
+        Raises:
+            ValueError: an unknown `mode`, "inflight_keep_kv" on CUDA, or not exactly one of
+                `weights` and `path`.
         """
-        if mode not in ("drain", "inflight"):
-            raise ValueError(f"update_weights: mode must be 'drain' or 'inflight', got {mode!r}")
+        if mode not in UPDATE_MODES:
+            raise ValueError(f"update_weights: mode must be one of {UPDATE_MODES}, got {mode!r}")
+        if mode == "inflight_keep_kv" and self.config.compute.device != "cpu":
+            raise ValueError("update_weights: mode 'inflight_keep_kv' runs on CPU only: with "
+                             "CUDA, vLLM's async scheduling has a batch in flight across the "
+                             "load that the old weights sampled; use 'inflight'")
         if (weights is None) == (path is None):
             raise ValueError("update_weights: pass exactly one of weights= or path=")
         items = weights.items() if isinstance(weights, Mapping) else weights  # lazy: see doc
@@ -323,8 +342,7 @@ class VLLMEngine:
         try:
             if mode == "drain":
                 await self._idle.wait()
-            secs = await self._call(lambda eng: self._load(eng, items, path, new_version,
-                                                           mode == "inflight"))
+            secs = await self._call(lambda eng: self._load(eng, items, path, new_version, mode))
         finally:
             self._admit.set()
         self._n["updates"] += 1
@@ -333,7 +351,7 @@ class VLLMEngine:
 
     def _load(self, eng: object, items: Iterable[tuple[str, torch.Tensor]] | None,
               path: str | None,
-              version: int, preempt: bool) -> float:
+              version: int, mode: UpdateMode) -> float:
         t0 = time.perf_counter()
         if self.config.sleep_mode and self.config.compute.device == "cuda" and \
                 eng.is_sleeping():  # type: ignore[attr-defined]
@@ -350,7 +368,7 @@ class VLLMEngine:
                     path = tmp
                 eng.collective_rpc(functools.partial(  # type: ignore[attr-defined]
                     reload_worker, items=None, path=path, tied=self._tied))
-        eng.reset_prefix_cache(reset_running_requests=preempt)  # type: ignore[attr-defined]
+        self._n["preempted"] += reset_for_load(eng, mode)
         self._version = version  # steps from now on run the new weights
         return time.perf_counter() - t0
 
@@ -391,7 +409,8 @@ class VLLMEngine:
             generated_tokens=n["generated_tokens"], context_length_errors=n["ctx_errors"],
             aborted=n["aborted"], steps=n["steps"], busy_s=self._busy_s,
             policy_version=self._version, weight_updates=n["updates"],
-            last_weight_sync_s=self._last_sync_s, max_model_len=self.config.max_model_len)
+            last_weight_sync_s=self._last_sync_s, max_model_len=self.config.max_model_len,
+            preempted_by_updates=n["preempted"])
 
     # ---- the engine thread -----------------------------------------------------------------
     def _build(self) -> object:

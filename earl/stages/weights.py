@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     import torch
 
     from earl.runtime import ActorGroup
+    from earl.stages.vllm_engine import UpdateMode
 
 __all__ = ["PushTransport", "WeightPublisher", "WeightSync", "decode_bucket", "encode_bucket",
            "iter_buckets", "plan_buckets"]
@@ -162,8 +163,10 @@ class WeightPublisher:
         return buf
 
     async def push(self, named: Named, *, version: int,
-                   mode: Literal["drain", "inflight"] = "inflight") -> WeightSync:
+                   mode: UpdateMode = "inflight") -> WeightSync:
         """Send all tensors and load them on every replica; returns when all have switched.
+        `mode`: what each replica does with the requests it is running
+        (`earl.stages.vllm_engine.VLLMEngine.update_weights`).
 
         Over frames and IPC (any transport but "rpc") the replicas start loading as the first
         bucket arrives, so transfer and load overlap.

@@ -28,6 +28,7 @@ class WeightSink(Actor):
         self.staged: list[tuple[str, torch.Tensor]] = []
         self.receiver = None
         self.versions: list[int] = []
+        self.modes: list[str] = []
         self.address_calls = 0
 
     @endpoint
@@ -53,6 +54,7 @@ class WeightSink(Actor):
             self.staged += [(n, t.clone()) for n, t in decode_bucket(frame.header, frame.buffers)]
             frame.release()
         self.versions.append(version)
+        self.modes.append(mode)
         return 0.0
 
     @endpoint
@@ -64,6 +66,10 @@ class WeightSink(Actor):
     async def received(self) -> tuple[list[int], list[tuple[str, torch.Tensor]]]:
         out, self.staged = self.staged, []
         return self.versions, out
+
+    @endpoint
+    async def modes_seen(self) -> list[str]:
+        return self.modes
 
 
 def make_batch() -> TrainBatch:
@@ -104,9 +110,10 @@ async def _exercise(rt: Runtime, model_dir: Path, tmp_path: Path) -> None:
     assert await trainers.version.call() == [1, 1]
 
     assert await trainers[1].trainer_config.call_one() == cfg  # a typed record both ways
-    for transport in ("shm", "shm", "rpc"):
+    modes = ("inflight", "inflight_keep_kv", "drain")  # passed through to every replica
+    for transport, mode in zip(("shm", "shm", "rpc"), modes, strict=True):
         syncs = await trainers.push_weights.call(sink, version=7, transport=transport,
-                                                 bucket_bytes=20_000)
+                                                 bucket_bytes=20_000, mode=mode)
         assert syncs[1] == {} and syncs[0]["version"] == 7 and syncs[0]["buckets"] > 1
         versions, got = await sink.received.call_one()
         assert versions[-1] == 7
@@ -115,6 +122,7 @@ async def _exercise(rt: Runtime, model_dir: Path, tmp_path: Path) -> None:
         for name, t in got:
             torch.testing.assert_close(t, ours[name])
     assert await sink.connects.call_one() == 1  # two shm pushes, one publisher
+    assert await sink.modes_seen.call_one() == list(modes)
 
     out, _ = await trainers.save_hf.call(str(tmp_path / "hf"))  # FSDP: every rank gathers
     lp = await asyncio.gather(*(trainers[r].compute_logprobs.call_one(shards[r]) for r in range(2)))

@@ -180,11 +180,55 @@ async def test_inflight_update_tags_tokens_with_new_version(engine, paths, hf) -
     n0 = engine.statistics().generated_tokens
     while engine.statistics().generated_tokens < n0 + 20:
         await asyncio.sleep(0.001)
+    preempted = engine.statistics().preempted_by_updates
     await engine.update_weights(new, mode="inflight")
+    assert engine.statistics().preempted_by_updates == preempted + 1
     g = await task
     assert g.versions == sorted(g.versions) and set(g.versions) == {v0, v0 + 1}
     k = g.versions.index(v0 + 1)
     assert 0 < k < len(g.token_ids)
     # After the switch the KV is recomputed: tokens are the new model's greedy continuation.
     assert_greedy(hf[1], PROMPTS[2] + g.token_ids[:k], g.token_ids[k:])
+    await engine.update_weights(path=str(paths[0]), mode="drain")
+
+
+def _scheduler(eng: object) -> object:
+    return eng.engine_core.engine_core.scheduler  # type: ignore[attr-defined]
+
+
+def _hashed_blocks(eng: object) -> set[tuple[int, object]]:
+    pools = {m.block_pool for m in
+             _scheduler(eng).kv_cache_manager.coordinator.single_type_managers}  # type: ignore[attr-defined]
+    return {(b.block_id, b.block_hash) for p in pools for b in p.blocks
+            if b.block_hash is not None}
+
+
+async def test_keep_kv_update_runs_on_without_preemption(engine, paths) -> None:
+    from safetensors.torch import load_file
+
+    new = load_file(paths[1] / "model.safetensors")
+    prompt = [1] + [20 + i % 60 for i in range(150)]  # a full KV block (128 tokens on CPU)
+    await engine.generate(prompt, GREEDY)  # finished: its first block stays cached
+    v0 = engine.policy_version
+    preempted = engine.statistics().preempted_by_updates
+    task = asyncio.create_task(engine.generate(prompt + [7, 8],
+                                               SamplingParams(max_tokens=300, temperature=0.0)))
+    n0 = engine.statistics().generated_tokens
+    while engine.statistics().generated_tokens < n0 + 20:
+        await asyncio.sleep(0.001)
+    running = await engine._call(lambda eng: list(_scheduler(eng).running))
+    assert len(running) == 1
+    cached = await engine._call(_hashed_blocks)
+    assert cached, "the test needs prefix-cached blocks before the update"
+    await engine.update_weights(new, mode="inflight_keep_kv")
+    after = await engine._call(lambda eng: (list(_scheduler(eng).running), _hashed_blocks(eng)))
+    # the request kept its place and its KV: not preempted, nothing recomputed
+    assert after[0] == running and running[0].num_preemptions == 0
+    assert running[0].num_computed_tokens >= len(prompt) + 2 + 20
+    assert not cached & after[1], "a block hashed before the update can still be hit"
+    assert engine.statistics().preempted_by_updates == preempted
+    g = await task
+    assert running[0].num_preemptions == 0
+    assert g.versions == sorted(g.versions) and set(g.versions) == {v0, v0 + 1}
+    assert 20 <= g.versions.index(v0 + 1) < len(g.token_ids)
     await engine.update_weights(path=str(paths[0]), mode="drain")

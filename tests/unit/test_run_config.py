@@ -95,6 +95,10 @@ def test_a_list_of_any_length_fills_a_variadic_tuple() -> None:
     (["--recipe=chess"], ValueError, ["recipe", "tictactoe", "agent"]),
     (["--algorithm.off_policy=magic"], ValueError, ["algorithm.off_policy", "decoupled"]),
     (["--agent=a.py:agent"], ValueError, ["tasks", "FILE.jsonl"]),
+    (["--weight_update=keep"], ValueError,
+     ["weight_update", "inflight, inflight_keep_kv, drain", "'keep'"]),
+    (["--weight_update=inflight_keep_kv", "--placement.device=cuda"], ValueError,
+     ["weight_update", "CPU only", "'inflight'"]),
     (["--tasks=t.jsonl", "--recipe=calc"], ValueError, ["agent", "PATH.py:NAME"]),
 ])
 def test_bad_input_names_field_and_fix(overrides: list[str], exc: type[Exception],
@@ -103,6 +107,13 @@ def test_bad_input_names_field_and_fix(overrides: list[str], exc: type[Exception
         load_config(None, overrides)
     for w in words:
         assert w in str(info.value), (w, str(info.value))
+
+
+def test_weight_update_mode_is_validated_and_defaults_to_preempting() -> None:
+    assert load_config().weight_update == "inflight"
+    assert load_config(None, ["--weight_update=inflight_keep_kv"]).weight_update == \
+        "inflight_keep_kv"
+    assert load_config(None, ["--weight_update=drain"]).weight_update == "drain"
 
 
 def test_missing_yaml_file_and_model_folder_without_config(tmp_path) -> None:
