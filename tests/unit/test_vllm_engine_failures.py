@@ -51,6 +51,8 @@ async def test_engine_death_fails_waiters_and_later_calls() -> None:
         await eng.generate([1], SamplingParams(max_tokens=1))
     with pytest.raises(RuntimeError, match="engine thread died"):
         await eng.update_weights(path="/nowhere", mode="inflight")
+    assert eng._thread is not None  # on_death runs last in the engine thread: wait for it
+    await asyncio.to_thread(eng._thread.join, 10)
     assert len(died) == 1 and isinstance(died[0], MemoryError)
     assert eng.statistics().in_flight == 0
     await eng.close()
