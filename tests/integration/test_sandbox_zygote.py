@@ -105,6 +105,8 @@ def test_the_zygote_refuses_bad_requests_and_keeps_serving(isolated: bool) -> No
 @pytest.mark.parametrize("isolated", MODES)
 def test_a_dead_zygote_fails_its_runs_cleanly_and_is_replaced(isolated: bool) -> None:
     z = _zygote(isolated)
+    mine = os.path.join(tempfile.gettempdir(), f"earl-sandbox-{os.getpid()}-*")
+    before = set(glob.glob(mine))  # an isolated zygote's root is named so too: not ours to remove
     code = ("import os, time\nif os.fork() == 0:\n    time.sleep(60)\n"  # an escaped child
             "print('started', flush=True)\ntime.sleep(60)")
     with ThreadPoolExecutor(1) as pool:
@@ -119,8 +121,9 @@ def test_a_dead_zygote_fails_its_runs_cleanly_and_is_replaced(isolated: bool) ->
     assert sandbox._zygotes[isolated] is not z
     if not isolated:  # the killed zygote left its run's dir where the caller's sweep looks
         # (not under the runs' TMPDIR, /work: a real folder on a machine that has one)
-        left = glob.glob(os.path.join(tempfile.gettempdir(), f"earl-sandbox-{os.getpid()}-*"))
-        assert any(os.path.isfile(os.path.join(d, "main.py")) for d in left), left
+        left = [d for d in set(glob.glob(mine)) - before
+                if os.path.isfile(os.path.join(d, "main.py"))]
+        assert left, sorted(set(glob.glob(mine)) - before)
         for d in left:
             shutil.rmtree(d, ignore_errors=True)
 
