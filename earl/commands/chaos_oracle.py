@@ -65,13 +65,12 @@ class Book:
 
     def apply(self, rec: dict[str, Any]) -> None:
         if "produced" in rec:
-            ids, gids = rec["produced"]
-            self.produced.update(zip(unpack(ids), unpack(gids), strict=True))
+            for gid, ids in rec["produced"]:
+                self.produced.update(dict.fromkeys(unpack(ids), gid))
         elif "acked" in rec:
             self.acked += unpack(rec["acked"])
         elif "dropped" in rec:
-            ids, gids = rec["dropped"]
-            for sid, gid in zip(unpack(ids), unpack(gids), strict=True):
+            for sid, gid in ((s, g) for g, ids in rec["dropped"] for s in unpack(ids)):
                 self.produced.setdefault(sid, gid)
                 self.dropped[sid] = str(rec["reason"])
         elif "rewind" in rec:  # batches >= the step: the trainer went back before them

@@ -12,6 +12,7 @@ Not here: reading it back and judging it against the trainers' records
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
@@ -42,13 +43,13 @@ class Ledger:
         self._file.write(json.dumps(rec, separators=(",", ":")) + "\n")
 
     def add_produced(self, ids: list[str], group_ids: list[str]) -> None:
-        self._write({"produced": [pack(ids), pack(group_ids)]})
+        self._write({"produced": _by_group(zip(ids, group_ids, strict=True))})
 
     def add_acked(self, locations: tuple[Location, ...]) -> None:
-        self._write({"acked": pack(loc.sample_id for loc in locations)})
+        self._write({"acked": pack(sorted(loc.sample_id for loc in locations))})
 
     def add_dropped(self, lost: list[LostSample], reason: str) -> None:
-        self._write({"dropped": [pack(x.sample_id for x in lost), pack(x.group_id for x in lost)],
+        self._write({"dropped": _by_group((x.sample_id, x.group_id) for x in lost),
                      "reason": reason})
 
     def rewind(self, step: int) -> None:
@@ -65,6 +66,15 @@ class Ledger:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _by_group(pairs: Iterable[tuple[str, str]]) -> list[list[object]]:
+    """(sample id, group id) pairs as `[[group id, packed ids], ...]`: rows are put as their
+    groups finish, so a batch's group ids interleave and pack poorly side by side."""
+    groups: dict[str, list[str]] = {}
+    for sid, gid in pairs:
+        groups.setdefault(gid, []).append(sid)
+    return [[gid, pack(sorted(ids))] for gid, ids in groups.items()]
 
 
 class LedgerDock(Dock):

@@ -147,7 +147,7 @@ class TrainerActor(Actor):
         path = Path(self.config.record_dir) / f"trained.{self.rank}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         line = json.dumps({"step": self.trainer.step, "rank": self.rank,
-                           "sample_ids": pack(sample_ids)})
+                           "sample_ids": pack(sorted(sample_ids))})  # a set: sorted packs
         with path.open("a") as f:
             f.write(line + "\n")
 
