@@ -20,18 +20,24 @@ import ctypes
 import ctypes.util
 import functools
 import time
+from typing import Any
 
-__all__ = ["Trimmer", "anon_bytes", "trim"]
+__all__ = ["Trimmer", "anon_bytes", "libc", "status_kib", "trim"]
 
 
 @functools.cache
-def _malloc_trim() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def libc() -> ctypes.CDLL | None:
+    """The C library (None where it cannot be loaded)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        fn = libc.malloc_trim
-    except (OSError, AttributeError):
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
         return None
-    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+
+
+def _malloc_trim() -> Any:
+    fn = getattr(libc(), "malloc_trim", None)
+    if fn is not None:
+        fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
     return fn
 
 
@@ -46,13 +52,18 @@ def trim() -> float | None:
     return time.perf_counter() - t0
 
 
-def anon_bytes() -> int:
-    """This process's anonymous resident memory (`RssAnon`; Linux), in bytes."""
+def status_kib(key: str) -> int:
+    """A `/proc/self/status` field in KiB (`VmRSS`, `VmHWM`, `RssAnon`, ...; Linux)."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) << 10
-    raise OSError("RssAnon not in /proc/self/status")
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise OSError(f"{key} not in /proc/self/status")
+
+
+def anon_bytes() -> int:
+    """This process's anonymous resident memory (`RssAnon`), in bytes."""
+    return status_kib("RssAnon") << 10
 
 
 class Trimmer:

@@ -25,26 +25,17 @@ Not here: the decision (`policy`).
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from earl.runtime import heap
 from earl.runtime.selector.cost import CostModel, Parallel, Stage
 
 StepFn = Callable[[int, int], int]  # (context, micro_batch_seqs) -> tokens processed
 _M_MMAP_THRESHOLD = -3
-
-
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise OSError(f"{key} not in /proc/self/status")
 
 
 def reset_peak(device: Any = "cpu") -> None:
@@ -65,13 +56,7 @@ def peak_bytes(device: Any = "cpu") -> int:
         import torch
 
         return int(torch.cuda.max_memory_allocated(device))
-    return _status_kib("VmHWM") << 10
-
-
-def _libc() -> ctypes.CDLL | None:
-    with contextlib.suppress(OSError):
-        return ctypes.CDLL("libc.so.6")
-    return None
+    return heap.status_kib("VmHWM") << 10
 
 
 class PeakMeter:
@@ -79,11 +64,11 @@ class PeakMeter:
 
     def __init__(self, device: str = "cpu") -> None:
         self.device = device
-        self._libc = _libc()
-        if device == "cpu" and self._libc is not None:
+        lib = heap.libc()
+        if device == "cpu" and lib is not None:
             # a fixed threshold (the default one grows after frees) returns blocks >= 128 KiB
             # to the OS when freed, so the resident set follows live tensors
-            self._libc.mallopt(_M_MMAP_THRESHOLD, 128 << 10)
+            lib.mallopt(_M_MMAP_THRESHOLD, 128 << 10)
 
     def measure(self, fn: Callable[[], int]) -> tuple[int, float, int]:
         """Run `fn`; return (its result, seconds, peak bytes above the level before it).
@@ -98,9 +83,8 @@ class PeakMeter:
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
         else:
-            if self._libc is not None:
-                self._libc.malloc_trim(0)
-            base = _status_kib("VmRSS") << 10
+            heap.trim()
+            base = heap.status_kib("VmRSS") << 10
         reset_peak(self.device)
         t0 = time.perf_counter()
         out = fn()
