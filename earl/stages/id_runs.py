@@ -26,36 +26,40 @@ def _digits(n: int, width: int) -> str:
 def pack(ids: Iterable[str]) -> Packed:
     """`ids` as runs (see the module's docstring); `unpack(pack(ids)) == list(ids)`."""
     out: Packed = []
-    run: list | None = None          # [prefix, width, start, count, step], the open run
+    run: list | None = None  # [prefix, width, start, count, step], the open run
     for sid in ids:
         m = _TAIL.match(sid)
-        if m is not None and run is not None:
-            prefix, digits = m.groups()
-            n, (rp, width, start, count, step) = int(digits), run
-            if count == 1 and prefix == rp and n - start in (0, 1) \
-                    and _digits(n, width) == digits:
-                run[3], run[4] = 2, n - start
-                continue
-            if count > 1 and prefix == rp and n == start + step * count \
-                    and _digits(n, width) == digits:
-                run[3] += 1
-                continue
+        if m is not None and run is not None and _extends(run, *m.groups()):
+            continue
         if run is not None:
-            out.append(run if run[3] > 1 else _digits_id(run))
+            out.append(_closed(run))
+        run = None if m is None else [m[1], len(m[2]), int(m[2]), 1, 1]
         if m is None:
-            run = None
             out.append(sid)
-        else:
-            prefix, digits = m.groups()
-            run = [prefix, len(digits), int(digits), 1, 1]
     if run is not None:
-        out.append(run if run[3] > 1 else _digits_id(run))
+        out.append(_closed(run))
     return out
 
 
-def _digits_id(run: list) -> str:
-    prefix, width, start = run[0], run[1], run[2]
-    return f"{prefix}{_digits(start, width)}"
+def _extends(run: list, prefix: str, digits: str) -> bool:
+    """Add the id `prefix + digits` to `run` if it is the run's next (a run's second id sets
+    its step, 0 or 1)."""
+    rp, width, start, count, step = run
+    n = int(digits)
+    if prefix != rp or _digits(n, width) != digits:
+        return False
+    if count == 1 and n - start in (0, 1):
+        run[3], run[4] = 2, n - start
+        return True
+    if count > 1 and n == start + step * count:
+        run[3] += 1
+        return True
+    return False
+
+
+def _closed(run: list) -> str | list:
+    """A run as written: the entry, or its one id as a plain string."""
+    return run if run[3] > 1 else f"{run[0]}{_digits(run[2], run[1])}"
 
 
 def unpack(packed: Iterable[str | list]) -> Iterator[str]:
