@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, Any
 
 from earl.commands.chaos_faults import mount_tmpfs, orphans, umount, versions_monotone
 from earl.commands.chaos_injector import Injector
-from earl.commands.chaos_oracle import judge, out_of_step, read_trained
+from earl.commands.chaos_oracle import judge, out_of_step, read_records
 
 if TYPE_CHECKING:
     from earl.commands.chaos_draw import Drawn
@@ -246,10 +246,11 @@ async def run_chaos(cfg: Any, faults: list[str], *, seed: int = 0, log: Any = pr
         stall.unlink(missing_ok=True)
         if disk:
             umount(out / "checkpoint")
-    ledger = judge(job.supervisor.ledger.path, read_trained(out / "trained"), resident)
+    records = list(read_records(out / "trained"))  # read once: a soak's are ~20 MB
+    ledger = judge(job.supervisor.ledger.path, [s for _, ids in records for s in ids], resident)
     # whole batches: step b + 1 trains batch b alone (partial rollouts take the first groups
     # done, whatever batch started them)
-    ledger["samples_out_of_step"] = len(out_of_step(out / "trained")) \
+    ledger["samples_out_of_step"] = len(out_of_step(records)) \
         if cfg.partial_rollouts == "off" else 0
     left_behind = orphans(pids | {os.getpid()})
     monotone = versions_monotone(out, cfg.max_policy_lag, cfg.partial_rollouts != "off")

@@ -27,10 +27,10 @@ from earl.stages.batch_types import batch_of
 from earl.stages.id_runs import unpack
 
 __all__ = ["Book", "drop_one", "judge", "lose_a_sample", "out_of_step", "read_ledger",
-           "read_trained"]
+           "read_records", "read_trained"]
 
 
-def _records(folder: Path) -> Iterator[tuple[int, list[str]]]:
+def read_records(folder: Path) -> Iterator[tuple[int, list[str]]]:
     """Each record the trainer replicas wrote: (step, the sample ids it trained)."""
     for path in sorted(folder.glob("trained.*.jsonl")):
         for line in path.read_text().splitlines():
@@ -43,15 +43,15 @@ def _records(folder: Path) -> Iterator[tuple[int, list[str]]]:
 
 def read_trained(folder: Path) -> list[str]:
     """Every sample id the trainer replicas recorded as trained (a multiset)."""
-    return [sid for _, ids in _records(folder) for sid in ids]
+    return [sid for _, ids in read_records(folder) for sid in ids]
 
 
-def out_of_step(folder: Path) -> list[str]:
-    """Sample ids a trainer recorded at a step other than their batch's: step b + 1 trains
+def out_of_step(records: Iterable[tuple[int, list[str]]]) -> list[str]:
+    """Sample ids trained (`read_records`) at a step other than their batch's: step b + 1 trains
     batch b and nothing else (`earl.loop.schedule`), so a checkpoint of step b + 1 holds
     every batch before b + 1. One trained out of its step can be lost, or trained twice, by
     a rewind to that checkpoint (seed 333 of `earl chaos --draw 3`, before d3fec97)."""
-    return [sid for step, ids in _records(folder) for sid in ids if batch_of(sid) != step - 1]
+    return [sid for step, ids in records for sid in ids if batch_of(sid) != step - 1]
 
 
 @dataclass(slots=True)
@@ -70,9 +70,10 @@ class Book:
         elif "acked" in rec:
             self.acked += unpack(rec["acked"])
         elif "dropped" in rec:
-            for sid, gid in ((s, g) for g, ids in rec["dropped"] for s in unpack(ids)):
-                self.produced.setdefault(sid, gid)
-                self.dropped[sid] = str(rec["reason"])
+            for gid, ids in rec["dropped"]:
+                for sid in unpack(ids):
+                    self.produced.setdefault(sid, gid)
+                    self.dropped[sid] = str(rec["reason"])
         elif "rewind" in rec:  # batches >= the step: the trainer went back before them
             step = int(rec["rewind"])
             keep = {s: g for s, g in self.produced.items() if batch_of(s) < step}

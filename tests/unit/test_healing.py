@@ -118,18 +118,18 @@ def test_the_oracle_reads_what_the_trainers_recorded(tmp_path) -> None:  # type:
 
 
 def test_the_oracle_names_a_sample_trained_at_another_batchs_step(tmp_path: Path) -> None:
-    from earl.commands.chaos_oracle import out_of_step
+    from earl.commands.chaos_oracle import out_of_step, read_records
     from earl.stages.id_runs import pack
 
     ids = lambda b: [f"b{b:06d}-p0-{i:04d}" for i in range(3)]
     lines = [{"step": 1, "rank": 0, "sample_ids": pack(ids(0))},
              {"step": 2, "rank": 0, "sample_ids": pack(ids(1))}]
     (tmp_path / "trained.0.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    assert out_of_step(tmp_path) == []
+    assert out_of_step(read_records(tmp_path)) == []
     # step 3 trained batch 3's re-play, not batch 2 (seed 333's schedule before the fix)
     lines.append({"step": 3, "rank": 0, "sample_ids": pack([*ids(3)[:1], *ids(2)[1:]])})
     (tmp_path / "trained.0.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    assert out_of_step(tmp_path) == ["b000003-p0-0000"]
+    assert out_of_step(read_records(tmp_path)) == ["b000003-p0-0000"]
 
 
 def test_a_lost_sample_leaves_the_plan_and_only_once() -> None:
