@@ -2,10 +2,9 @@
 
 glibc keeps the memory a process frees in its heap for reuse, and a trainer on CPU frees a
 step's activations every step. Reusing them is what makes the next step cheap (trimming after
-every step cost a tiny model's train step +20-40%: its pages fault back in), but fragmentation
-makes the kept heap creep up over hours: the 2-hour soak measured +84% private memory in a
-tiny model's trainer, and `malloc_trim(0)` in that process gave back ~500 of its ~1,170 MiB. A
-memory limit (a cgroup, the selector's plan) counts those pages as used.
+every step costs a train step its pages faulting back in), but fragmentation makes the kept
+heap creep up over hours, and a memory limit (a cgroup, the selector's plan) counts those
+pages as used.
 
 `Trimmer` trims only when the heap has crept: it notes the anonymous resident set one step
 after a trim (the working set: live memory plus what a step reuses) and trims when a later

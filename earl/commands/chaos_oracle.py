@@ -50,7 +50,7 @@ def out_of_step(records: Iterable[tuple[int, list[str]]]) -> list[str]:
     """Sample ids trained (`read_records`) at a step other than their batch's: step b + 1 trains
     batch b and nothing else (`earl.loop.schedule`), so a checkpoint of step b + 1 holds
     every batch before b + 1. One trained out of its step can be lost, or trained twice, by
-    a rewind to that checkpoint (seed 333 of `earl chaos --draw 3`, before d3fec97)."""
+    a rewind to that checkpoint."""
     return [sid for step, ids in records for sid in ids if batch_of(sid) != step - 1]
 
 

@@ -358,8 +358,8 @@ class Schedule:
                                    "scored by the reference; fetch; optimizer step)"):
                     # batch b's own groups, never the oldest ready: a group re-played after
                     # a fault can come back after the next batch's, and a step that trained
-                    # those instead left the checkpoint of step b + 1 without batch b (seed
-                    # 333 of `earl chaos --draw 3`: a rewind to it lost the group)
+                    # those instead would leave the checkpoint of step b + 1 without batch b
+                    # (a rewind to it would lose the group)
                     metrics = await self.training.train(
                         b, res.samples, scale, list(dict.fromkeys(res.row_groups)))
                 with self.watchdog.waiting(f"{step}'s weight push to the rollout"):
