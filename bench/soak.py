@@ -5,7 +5,10 @@ checked against the soak's targets.
 Prints one JSON object: the chaos report (faults, the oracle's lost/duplicated, restarts,
 rewinds) without its raw samples, the soak's summary (`earl.commands.chaos_soak`: RSS growth
 per actor after warm-up, the run folder's size by part, steps/s per 10-minute window) and
-`targets`: each target with the measured value and whether it held.
+`targets`: each target with the measured value and whether it held. RSS is the memory target
+(issue 49); USS (private pages) is reported beside it, not a target: it counts a page of a
+shared library (torch's, mapped by every actor) private once no other live process maps it, so
+it moves when siblings restart (docs/results.md: the soaks).
 
     .venv/bin/python bench/soak.py --minutes 121 --seed 1 --save    # the 2-hour soak
     .venv/bin/python bench/soak.py --minutes 12 --every-s 60          # a short look
@@ -29,15 +32,28 @@ LOG_KIB_PER_STEP = 8.0
 DUMP_MAX_MIB = 16.0  # the trajectory dump's cap (`dump_max_mb`, its default)
 
 
-def folder_bounded(growth: dict[str, dict[str, float]]) -> dict[str, object]:
+def _within(part: dict) -> bool:
+    """A part ends within 10% (+1 MiB) of its size after warm-up; for the checkpoint, its part
+    besides the critic tables does, and the tables are under the size they reach full."""
+    critic = part.get("critic")
+    if critic is None:
+        return part["end_mib"] <= part["after_warmup_mib"] * 1.10 + 1.0
+    early, end = critic["after_warmup"], critic["end"]
+    rest_early, rest_end = part["after_warmup_mib"] - early["mib"], part["end_mib"] - end["mib"]
+    return rest_end <= rest_early * 1.10 + 1.0 and end["mib"] <= end["full_mib"]
+
+
+def folder_bounded(growth: dict[str, dict]) -> dict[str, object]:
     """The run folder holds only what is bounded: the step logs grow <= `LOG_KIB_PER_STEP`
     KiB a step together, the trajectory dump stays under its cap (and a segment being
     written), and every other part (the checkpoint in force, the weights) ends within 10%
-    (+1 MiB) of its size after warm-up: nothing that piles up with time or faults."""
+    (+1 MiB) of its size after warm-up, the checkpoint's critic tables aside: those fill up
+    to their caps (`max_states` observations, `max_replies` replies each), and the bound
+    they reach full is reported. Nothing piles up with time or faults."""
     logs = round(sum(g["kib_per_step"] for k, g in growth.items() if k in STEP_LOGS), 3)
     dump = growth.get("trajectories", {}).get("end_mib", 0.0)
     grew = sorted(k for k, g in growth.items() if k not in STEP_LOGS and k != "trajectories"
-                  and g["end_mib"] > g["after_warmup_mib"] * 1.10 + 1.0)
+                  and not _within(g))
     ok = bool(growth) and logs <= LOG_KIB_PER_STEP and dump <= DUMP_MAX_MIB + 1.0 and not grew
     return {"value": {"step_logs_kib_per_step": logs, "trajectories_mib": round(dump, 2),
                       "parts_that_grew": grew}, "ok": ok}
@@ -58,9 +74,6 @@ def targets(rep: dict, minutes: float) -> dict[str, dict[str, object]]:
                          "ok": rep.get("samples_duplicated") == 0},
         "rss_growth_le_10pct": {"value": growth, "ok": growth is not None and growth <= 0.10},
         "folder_bounded": folder_bounded(soak.get("folder_growth", {})),
-        # the private pages alone (no shm arena pages): what a leak grows
-        "uss_growth_le_10pct": {"value": soak.get("max_uss_growth"),
-                                "ok": (soak.get("max_uss_growth") or 1.0) <= 0.10},
     }
 
 

@@ -54,6 +54,7 @@ from earl.runtime.locality import host_id
 from earl.runtime.transport import Receiver, Sender
 from earl.runtime.transport.base import Frame
 from earl.runtime.transport.route import Inbox, open_sender
+from earl.runtime.transport.senders import SenderCache
 from earl.runtime.transport.shm_arena import ShmArena
 
 for _cls in (SampleInfo, Location, Lease, LostSample, DockStatistics, WarehouseStatistics,
@@ -264,7 +265,7 @@ class WarehouseHost:
     """Mixin: makes an actor a warehouse shard named ``"<group>:<rank>"``."""
 
     _warehouse: Warehouse
-    _senders: dict[str, tuple[Sender, threading.Lock]]
+    _senders: SenderCache
 
     @property
     def warehouse(self) -> Warehouse:
@@ -272,7 +273,7 @@ class WarehouseHost:
             # experience in shared memory: a same-host fetch sends its place, not its bytes
             self._warehouse = Warehouse(shard_name(self.name, self.rank),  # type: ignore[attr-defined]
                                         arena=ShmArena())
-            self._senders = {}
+            self._senders = SenderCache(open_sender)  # a dead consumer's closes in time
         return self._warehouse
 
     @endpoint
@@ -281,9 +282,7 @@ class WarehouseHost:
         """Send the columns to a consumer's receiver, in a frame tagged with the consumer's
         fetch (`dispatch.gather`); returns bytes sent."""
         header, bufs = self.warehouse.pack(sample_ids, columns, tag)
-        if address not in self._senders:
-            self._senders[address] = (open_sender(address), threading.Lock())
-        sender, lock = self._senders[address]
+        sender, lock = self._senders.lease(address)
 
         def send() -> None:
             with lock:  # senders are single-threaded; concurrent fetches take turns

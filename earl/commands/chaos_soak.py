@@ -1,14 +1,15 @@
 """`earl chaos --soak MINUTES`: a long run with a fault every `--every-s` seconds, each drawn
 (with replacement) from the faults `--draw` draws from, and the run's resources sampled over
 time: each actor's resident memory (RSS, and USS: its private pages, without the shared memory
-of the dock's arenas, whose pages a 64 MiB segment touches one by one as it fills), the run
+of the dock's arenas, whose pages a 16 MiB segment touches one by one as it fills), the run
 folder's size by part, the steps trained.
 
 What it reports (the chaos report's `soak`): per actor, RSS and USS growth after warm-up (the
 median of the samples in the last 10 minutes over the median in the 10 minutes after warm-up,
 an actor's restarts included: the same name and rank is one actor); the run folder's size at
 warm-up and at the end, by top-level part (`folder_growth`: each part, the trajectory dump's
-segments as one, with its KiB per step trained since warm-up); steps/s per 10-minute window. Not here: firing the
+segments as one, with its KiB per step trained since warm-up; the checkpoint's with its critic
+tables' fill and the size they reach full, `critic_fill`); steps/s per 10-minute window. Not here: firing the
 faults (`earl.commands.chaos_injector`) and the oracle (`earl.commands.chaos_oracle`).
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import os
 import random
 import statistics
@@ -27,7 +29,7 @@ from typing import Any
 from earl.commands.chaos_draw import DRAWN
 from earl.observe import tree_rss_mib
 
-__all__ = ["GROUPS", "Sampler", "schedule", "summarize"]
+__all__ = ["GROUPS", "Sampler", "critic_fill", "schedule", "summarize"]
 
 GROUPS = ("rollout", "producer", "reference", "dock", "trainer")
 WARMUP_S = 600.0  # RSS growth is measured after this
@@ -55,6 +57,30 @@ def _folder_mib(root: Path) -> dict[str, float]:
         except OSError:  # a file rotated away while summed
             continue
     return out
+
+
+def critic_fill(root: Path) -> dict[str, float] | None:
+    """How full the checkpoint in force's critic tables are (the producers' states that carry
+    their caps: `TabularCritic`), and the size their JSON would reach full: the checkpoint
+    grows while they fill, up to that bound. None without such a checkpoint."""
+    try:
+        folder = json.loads((root / "checkpoint" / "manifest.json").read_text())["folder"]
+        states = [json.loads(p.read_text())
+                  for p in sorted((root / "checkpoint" / folder / "producers").glob("*.json"))]
+    except (OSError, ValueError, KeyError):  # none yet, or replaced while read
+        return None
+    fill = {"mib": 0.0, "full_mib": 0.0, "states": 0, "replies": 0}
+    for d in states:
+        if not isinstance(d, dict) or "max_states" not in d:
+            return None
+        n, r = len(d["values"]), sum(len(row) for _, row in d["q"])
+        values_b, q_b = len(json.dumps(d["values"])), len(json.dumps(d["q"]))
+        fill["mib"] += len(json.dumps(d)) / 2**20
+        fill["full_mib"] += (values_b * d["max_states"] / max(n, 1)
+                             + q_b * d["max_states"] * d["max_replies"] / max(r, 1)) / 2**20
+        fill["states"] += n
+        fill["replies"] += r
+    return {k: round(v, 3) for k, v in fill.items()}
 
 
 def _census() -> Counter[str]:
@@ -98,9 +124,13 @@ class Sampler:
         folder = await asyncio.to_thread(_folder_mib, self.out)
         census = _census()
         t = round(time.perf_counter() - self.t0, 1)
-        self.rows.append({"t": t, "step": self.job.state.step if self.job.started else 0,
-                          "rss_mib": rss, "uss_mib": uss, "folder_mib": folder,
-                          "driver_objects": sum(census.values())})
+        row = {"t": t, "step": self.job.state.step if self.job.started else 0,
+               "rss_mib": rss, "uss_mib": uss, "folder_mib": folder,
+               "driver_objects": sum(census.values())}
+        warm = t >= WARMUP_S and not any(r["t"] >= WARMUP_S for r in self.rows)
+        if warm or len(self.rows) % 10 == 0:  # at warm-up, then every ~10 samples (it parses
+            row["critic"] = await asyncio.to_thread(critic_fill, self.out)  # the critic's JSON)
+        self.rows.append(row)
         if self._census is None or self.job.supervisor.rewinds > self._seen_rewinds:
             if self._census is not None:
                 grew = sorted(((k, n - self._census[k]) for k, n in census.items()
@@ -149,6 +179,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         part = parts.setdefault(key, {"after_warmup_mib": 0.0, "end_mib": 0.0})
         part["after_warmup_mib"] += warm["folder_mib"].get(name, 0.0)
         part["end_mib"] += rows[-1]["folder_mib"][name]
+    critic = [r for r in rows if r.get("critic")]
+    if critic:  # the checkpoint's critic tables: at warm-up, at the end, and their bound
+        early_c = next((r for r in critic if r["t"] >= warm["t"]), critic[0])["critic"]
+        parts.setdefault("checkpoint", {"after_warmup_mib": 0.0, "end_mib": 0.0})["critic"] = {
+            "after_warmup": early_c, "end": critic[-1]["critic"]}
     for part in parts.values():
         part["kib_per_step"] = round((part["end_mib"] - part["after_warmup_mib"]) * 1024 / steps, 3)
     vals = [g["growth"] for g in growth.values() if g["growth"] is not None]

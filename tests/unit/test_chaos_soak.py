@@ -58,3 +58,44 @@ def test_the_folder_is_bounded_when_only_step_logs_grow_and_by_little_a_step() -
     chatty = {**growth, "tb": {"after_warmup_mib": 0.0, "end_mib": 9.0, "kib_per_step": 4.0}}
     assert not soak.folder_bounded(chatty)["ok"]  # 9.12 KiB a step of logs
     assert not soak.folder_bounded({})["ok"]
+
+
+def _critic_checkpoint(root, states: int, replies: int) -> None:
+    """A checkpoint in force whose producer holds a Tic-Tac-Toe critic with `states`
+    observations and `replies` replies for each."""
+    import json
+
+    from earl.recipes.tictactoe.critic import TabularCritic
+
+    c = TabularCritic(q_weight=4.0, max_states=2000, max_replies=4)
+    for s in range(states):
+        key = s.to_bytes(4, "little") * 10
+        c.values[key] = 0.5
+        c.q[key] = {(s, r): (0.5, 1) for r in range(replies)}
+    folder = root / "checkpoint" / "step-000010" / "producers"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "0.json").write_text(json.dumps(c.state_dict()))
+    (root / "checkpoint" / "manifest.json").write_text(json.dumps({"folder": "step-000010"}))
+
+
+def test_the_checkpoint_may_grow_while_its_critic_fills_up_to_its_caps(tmp_path) -> None:
+    from earl.commands.chaos_soak import critic_fill
+
+    assert critic_fill(tmp_path) is None  # no checkpoint yet
+    _critic_checkpoint(tmp_path, states=500, replies=1)
+    early = critic_fill(tmp_path)
+    _critic_checkpoint(tmp_path, states=1000, replies=2)
+    end = critic_fill(tmp_path)
+    assert (early["states"], end["states"], end["replies"]) == (500, 1000, 2000)
+    # full: 2,000 observations with 4 replies each, from each table's size per entry (a row's
+    # key counted with its replies: the bound tightens from above as rows fill)
+    assert early["mib"] < end["mib"] < end["full_mib"] <= early["full_mib"]
+    soak = load("soak")
+    rest = 2.0  # the trainer's part of the checkpoint
+    part = {"after_warmup_mib": rest + early["mib"], "end_mib": rest + end["mib"] + 1.1,
+            "kib_per_step": 1.0, "critic": {"after_warmup": early, "end": end}}
+    assert soak.folder_bounded({"checkpoint": part})["ok"]  # the rest grew 1.1 MiB: within 10% + 1
+    part_grew = {**part, "end_mib": rest + end["mib"] + 2.0}  # the rest grew by 2 MiB
+    assert not soak.folder_bounded({"checkpoint": part_grew})["ok"]
+    over = {**part, "critic": {"after_warmup": early, "end": {**end, "full_mib": 0.001}}}
+    assert not soak.folder_bounded({"checkpoint": over})["ok"]  # a table past its bound

@@ -162,7 +162,10 @@ class TabularCritic:
         return out
 
     def state_dict(self) -> dict[str, object]:
-        return {"values": {k.hex(): v for k, v in self.values.items()},
+        """The tables, and their caps (what a reader needs to bound the checkpoint's size;
+        `load_state_dict` keeps this critic's own)."""
+        return {"max_states": self.max_states, "max_replies": self.max_replies,
+                "values": {k.hex(): v for k, v in self.values.items()},
                 "turn_means": {str(k): v for k, v in self.turn_means.items()},
                 "q": [[k.hex(), [[list(a), q, n] for a, (q, n) in row.items()]]
                       for k, row in self.q.items()]}
