@@ -222,11 +222,13 @@ class RunConfig(Seeded, ProducerSettings):
     group_size`, what whole batches allow). It sets the rollout's concurrency apart from the
     staleness bound: a long bound for heavy-tailed episodes need not flood the engine.
     `weight_update`: what a weight push does to the requests a rollout replica is running
-    (`earl.stages.vllm_engine.VLLMEngine.update_weights`). "inflight" (the default): they are
-    preempted and their KV recomputed under the new weights. "inflight_keep_kv" (PipelineRL's
-    in-flight update; CPU only so far): they keep their KV, computed under older weights, and
-    go on decoding; every token after the switch is sampled by, and tagged with, the new
-    version; the prefix cache is forgotten at each push (`earl.stages.vllm_kv` says why).
+    (`earl.stages.vllm_engine.VLLMEngine.update_weights`). "inflight_keep_kv" (PipelineRL's
+    in-flight update; the default on CPU, refused on CUDA so far): they keep their KV,
+    computed under older weights, and go on decoding; every token after the switch is sampled
+    by, and tagged with, the new version; the prefix cache is forgotten at each push
+    (`earl.stages.vllm_kv` says why). "inflight" (the default on CUDA): they are preempted
+    and their KV recomputed under the new weights: a push every ~0.4 s on the agentic task
+    recomputes ~20x the tokens it then generates.
     "drain": the push waits for the running requests to finish and holds new ones meanwhile.
     `dump_trajectories`: write trajectories for `earl inspect` (`trajectories*.jsonl` in the
     run folder), bounded by default: `dump_share` of the groups, rotated into gzip segments
@@ -250,7 +252,7 @@ class RunConfig(Seeded, ProducerSettings):
     over_sample_groups: int = 0
     partial_rollouts: str = ""
     max_concurrent_groups: int = 0
-    weight_update: str = "inflight"
+    weight_update: str = ""
     time_limit_minutes: float = 9.0
     target: float = 0.0
     eval_games: int = 0
@@ -312,6 +314,9 @@ class RunConfig(Seeded, ProducerSettings):
         need(self.partial_rollouts == "off" or not self.placement.colocate, "partial_rollouts",
              "colocated stages take the devices in turn, a whole batch's rollout then its step: "
              "use --partial_rollouts=off with placement.colocate")
+        if not self.weight_update:  # the default: keep the KV where the engine allows it
+            self.weight_update = "inflight_keep_kv" if self.placement.device == "cpu" \
+                else "inflight"
         need(self.weight_update in UPDATE_MODES, "weight_update",
              f"must be one of {', '.join(UPDATE_MODES)}, got {self.weight_update!r}")
         need(self.weight_update != "inflight_keep_kv" or self.placement.device == "cpu",

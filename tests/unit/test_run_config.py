@@ -109,8 +109,9 @@ def test_bad_input_names_field_and_fix(overrides: list[str], exc: type[Exception
         assert w in str(info.value), (w, str(info.value))
 
 
-def test_weight_update_mode_is_validated_and_defaults_to_preempting() -> None:
-    assert load_config().weight_update == "inflight"
+def test_weight_update_defaults_to_keeping_the_kv_on_cpu_and_preempting_on_cuda() -> None:
+    assert load_config().weight_update == "inflight_keep_kv"
+    assert load_config(None, ["--placement.device=cuda"], gpus=3).weight_update == "inflight"
     assert load_config(None, ["--weight_update=inflight_keep_kv"]).weight_update == \
         "inflight_keep_kv"
     assert load_config(None, ["--weight_update=drain"]).weight_update == "drain"
