@@ -223,12 +223,13 @@ class RunConfig(Seeded, ProducerSettings):
     staleness bound: a long bound for heavy-tailed episodes need not flood the engine.
     `weight_update`: what a weight push does to the requests a rollout replica is running
     (`earl.stages.vllm_engine.VLLMEngine.update_weights`). "inflight_keep_kv" (PipelineRL's
-    in-flight update; the default on CPU, refused on CUDA so far): they keep their KV,
-    computed under older weights, and go on decoding; every token after the switch is sampled
-    by, and tagged with, the new version; the prefix cache is forgotten at each push
-    (`earl.stages.vllm_kv` says why). "inflight" (the default on CUDA): they are preempted
-    and their KV recomputed under the new weights: a push every ~0.4 s on the agentic task
-    recomputes ~20x the tokens it then generates.
+    in-flight update; the default on CPU; on CUDA it turns vLLM's async scheduling off, so no
+    batch is in flight across a push): they keep their KV, computed under older weights, and
+    go on decoding; every token after the switch is sampled by, and tagged with, the new
+    version; the prefix cache is forgotten at each push (`earl.stages.vllm_kv` says why).
+    "inflight" (the default on CUDA, where async scheduling has not yet been weighed against
+    recomputing): they are preempted and their KV recomputed under the new weights: a push
+    every ~0.4 s on the agentic task recomputes ~20x the tokens it then generates.
     "drain": the push waits for the running requests to finish and holds new ones meanwhile.
     `dump_trajectories`: write trajectories for `earl inspect` (`trajectories*.jsonl` in the
     run folder), bounded by default: `dump_share` of the groups, rotated into gzip segments
@@ -319,9 +320,6 @@ class RunConfig(Seeded, ProducerSettings):
                 else "inflight"
         need(self.weight_update in UPDATE_MODES, "weight_update",
              f"must be one of {', '.join(UPDATE_MODES)}, got {self.weight_update!r}")
-        need(self.weight_update != "inflight_keep_kv" or self.placement.device == "cpu",
-             "weight_update", "'inflight_keep_kv' runs on CPU only: on CUDA vLLM's async "
-             "scheduling has a batch in flight across the load; use 'inflight'")
         need(self.eval_games >= 0, "eval_games", "must be >= 0 (0 = the default: "
              f"{self.DEFAULT_EVAL_GAMES} generated tasks, or every line of --eval-tasks)")
         need(self.eval_games % 2 == 0 or bool(self.agent or self.eval_tasks), "eval_games",

@@ -60,12 +60,15 @@ def reference_config(cfg: RunConfig, *, model: str) -> ReferenceConfig:
 
 def engine_config(cfg: RunConfig, *, model: str, max_model_len: int) -> EngineConfig:
     """A rollout replica's vLLM config serving `model`, with the rollout's context window
-    (`placement.context_window`, else `max_model_len`). On CUDA the caller sets
-    ``gpu_memory_mib`` from the replica's slot."""
+    (`placement.context_window`, else `max_model_len`), without async scheduling under
+    "inflight_keep_kv" weight loads. On CUDA the caller sets ``gpu_memory_mib`` from the
+    replica's slot."""
     from earl.stages.vllm_build import EngineConfig
 
     pl = cfg.placement
     return EngineConfig(model=model, max_model_len=pl.context_window or max_model_len,
                         compute=compute(cfg), **fields_of(KvCache, pl),
                         tensor_parallel_size=pl.rollout_tp,
-                        sleep_mode=pl.colocate and pl.device == "cuda")
+                        sleep_mode=pl.colocate and pl.device == "cuda",
+                        # a keep-KV load must find no batch in flight (VLLMEngine.update_weights)
+                        async_scheduling=cfg.weight_update != "inflight_keep_kv")

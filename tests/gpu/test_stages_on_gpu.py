@@ -106,6 +106,47 @@ async def test_vllm_on_cuda_serves_the_slot_budget_and_reloads_tied_weights() ->
         assert float(lp[i, t]) >= float(lp[i].max()) - 1e-3
 
 
+async def test_keep_kv_load_on_cuda_runs_without_async_scheduling() -> None:
+    """An "inflight_keep_kv" load on CUDA: refused while async scheduling is on (a batch would
+    be in flight across it); without it the running request is not preempted and every token
+    after the load carries the new version."""
+    pytest.importorskip("vllm", reason="needs vLLM's CUDA build (.ci/install --cuda)")
+    import asyncio
+
+    from safetensors.torch import load_file
+
+    from earl.engine import SamplingParams
+    from earl.stages.vllm_engine import EngineConfig, VLLMEngine
+
+    a = default_model_dir(init_std=0.2, seed=0)
+    new = load_file(default_model_dir(init_std=0.2, seed=1) / "model.safetensors")
+    cuda = Compute(dtype="float32", device="cuda")
+    eng = VLLMEngine(EngineConfig(model=str(a), compute=cuda, max_model_len=512,
+                                  gpu_memory_mib=4096))
+    await eng.start()
+    try:
+        with pytest.raises(ValueError, match="async_scheduling=False"):
+            await eng.update_weights(new, mode="inflight_keep_kv")
+    finally:
+        await eng.close()
+    eng = VLLMEngine(EngineConfig(model=str(a), compute=cuda, max_model_len=512,
+                                  gpu_memory_mib=4096, async_scheduling=False))
+    await eng.start()
+    try:
+        v0 = eng.policy_version
+        task = asyncio.create_task(eng.generate([1, 50, 51, 52], SamplingParams(
+            max_tokens=400, min_tokens=400, temperature=0.0)))
+        while eng.statistics().generated_tokens < 20:
+            await asyncio.sleep(0.001)
+        await eng.update_weights(new, mode="inflight_keep_kv")
+        g = await task
+        assert eng.statistics().preempted_by_updates == 0
+        assert g.versions == sorted(g.versions) and set(g.versions) == {v0, v0 + 1}
+        assert 20 <= g.versions.index(v0 + 1) < len(g.token_ids)
+    finally:
+        await eng.close()
+
+
 def _probe_cls() -> Any:
     from earl.runtime import Actor, endpoint
 

@@ -97,8 +97,6 @@ def test_a_list_of_any_length_fills_a_variadic_tuple() -> None:
     (["--agent=a.py:agent"], ValueError, ["tasks", "FILE.jsonl"]),
     (["--weight_update=keep"], ValueError,
      ["weight_update", "inflight, inflight_keep_kv, drain", "'keep'"]),
-    (["--weight_update=inflight_keep_kv", "--placement.device=cuda"], ValueError,
-     ["weight_update", "CPU only", "'inflight'"]),
     (["--tasks=t.jsonl", "--recipe=calc"], ValueError, ["agent", "PATH.py:NAME"]),
 ])
 def test_bad_input_names_field_and_fix(overrides: list[str], exc: type[Exception],
@@ -112,9 +110,21 @@ def test_bad_input_names_field_and_fix(overrides: list[str], exc: type[Exception
 def test_weight_update_defaults_to_keeping_the_kv_on_cpu_and_preempting_on_cuda() -> None:
     assert load_config().weight_update == "inflight_keep_kv"
     assert load_config(None, ["--placement.device=cuda"], gpus=3).weight_update == "inflight"
-    assert load_config(None, ["--weight_update=inflight_keep_kv"]).weight_update == \
-        "inflight_keep_kv"
     assert load_config(None, ["--weight_update=drain"]).weight_update == "drain"
+
+
+def test_keep_kv_loads_turn_async_scheduling_off() -> None:
+    from earl.loop.stage_configs import engine_config
+    from earl.stages.vllm_build import engine_args
+
+    for mode, on in (("inflight_keep_kv", False), ("inflight", True), ("drain", True)):
+        cfg = load_config(None, ["--placement.device=cuda", f"--weight_update={mode}"], gpus=3)
+        ec = engine_config(cfg, model="m", max_model_len=256)
+        assert ec.async_scheduling is on
+        assert engine_args(ec, gpu_total_mib=80_000)["async_scheduling"] is on
+        cpu = engine_config(load_config(None, [f"--weight_update={mode}"]), model="m",
+                            max_model_len=256)
+        assert engine_args(cpu)["async_scheduling"] is False  # never on CPU
 
 
 def test_missing_yaml_file_and_model_folder_without_config(tmp_path) -> None:
