@@ -327,7 +327,9 @@ def _soak(r: Result) -> str:
                if s.get("max_uss_growth") is not None else "")
             + f"; run folder {s.get('folder_mib_after_warmup', 0):.0f} -> "
             f"{s.get('folder_mib_end', 0):.0f} MB; steps/s per 10 min "
-            f"{min(rates, default=0):.2f}-{max(rates, default=0):.2f}")
+            f"{min(rates, default=0):.2f}-{max(rates, default=0):.2f}; targets "
+            + ("**all met**" if r.get("ok") else "missed: " + ", ".join(
+                k for k, t in r.get("targets", {}).items() if not t["ok"])))
 
 
 def _chaos_sweep(r: Result) -> str:
