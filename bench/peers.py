@@ -130,6 +130,7 @@ sys.path.insert(0, str(HERE))
 import _agentic_workload
 import _peers_task
 import _results
+from _peers_summary import goals, mean, same_work, versus
 
 RECIPE: dict[str, Any] = {"batch_size": 32, "group_size": 8, "max_tokens": 8,
                           "temperature": 1.0, "clip": 0.2, "lr": 1e-3, "seed": 0}
@@ -314,39 +315,6 @@ def run_trl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: f
             "final_eval": {"reward": round(fe["reward"], 3), "accuracy": round(fe["accuracy"], 3)}}
 
 
-def _mean(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Means of the numeric figures over rounds; spread of trajectories/s; the runs."""
-    def m(key: str) -> float:
-        return round(statistics.fmean(r[key] for r in runs), 2)
-
-    tps = [r["trajectories_per_s"] for r in runs]
-    hits = [r["seconds_to_threshold"] for r in runs]
-    return {"trajectories_per_s": m("trajectories_per_s"), "tokens_per_s": m("tokens_per_s"),
-            "turns_per_s": round(statistics.fmean(r["trajectories_per_s"] * r["turns_mean"]
-                                                  for r in runs), 1),
-            "trajectories_per_s_end_to_end": m("trajectories_per_s_end_to_end"),
-            "cores_used": m("cores_used"), "trajectories_per_cpu_s": m("trajectories_per_cpu_s"),
-            "turns_mean": m("turns_mean"),
-            "seconds_to_threshold": None if None in hits else round(statistics.fmean(hits), 1),
-            "final_eval": {k: round(statistics.fmean(r["final_eval"][k] for r in runs), 3)
-                           for k in ("reward", "accuracy")},
-            "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
-            "spread": round((max(tps) - min(tps)) / statistics.fmean(tps), 3),
-            **{k: round(statistics.fmean(r[k] for r in runs), 3)  # EARL's own
-               for k in ("straggler_wait_share", "slot_idle_share", "trained_turns_mean")
-               if k in runs[0]},
-            "runs": runs}
-
-
-def _versus(side: dict[str, Any], trl: dict[str, Any]) -> dict[str, float]:
-    """`side`'s ratios of the rates to TRL's, and its eval reward minus TRL's."""
-    out = {f"ratio_{k}": round(side[k] / max(trl[k], 1e-9), 2)
-           for k in ("trajectories_per_s", "trajectories_per_cpu_s", "tokens_per_s",
-                     "turns_per_s")}
-    return {**out, "quality_delta": round(side["final_eval"]["reward"]
-                                          - trl["final_eval"]["reward"], 3)}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object (always on)")
@@ -475,23 +443,24 @@ def main() -> None:
     def entry(runs: list[dict[str, Any]]) -> dict[str, Any]:  # budget and trainer's own figures
         return {k: runs[0][k] for k in ("seconds", *ASYNC_KEYS) if k in runs[0]}
 
-    e = _mean(earl_runs)
-    t = {**_mean(trl_runs[best]), "config": asdict(best), **entry(trl_runs[best])}
-    over = {**_mean(over_runs), "over_sample_groups": a.earl_over_sample} if over_runs else None
+    e = mean(earl_runs)
+    t = {**mean(trl_runs[best]), "config": asdict(best), **entry(trl_runs[best])}
+    over = {**mean(over_runs), "over_sample_groups": a.earl_over_sample} if over_runs else None
     out = {
         "earl": e, "trl_best": t,
-        "earl_over_sampled": over and {**over, **_versus(over, t)},
-        "earl_whole_batches": whole_runs and {**_mean(whole_runs), "max_policy_lag": WHOLE_LAG,
-                                              **_versus(_mean(whole_runs), t)},
+        "earl_over_sampled": over and {**over, **versus(over, t)},
+        "earl_whole_batches": whole_runs and {**mean(whole_runs), "max_policy_lag": WHOLE_LAG,
+                                              **versus(mean(whole_runs), t)},
         "trl_runs": [{"config": asdict(c), **entry(r),
-                      **{k: v for k, v in _mean(r).items() if k != "runs"}}
+                      **{k: v for k, v in mean(r).items() if k != "runs"}}
                      for c, r in trl_runs.items() if r]
         + [{"config": asdict(c), "error": err} for c, err in failed.items()],
-        **_versus(e, t), "eval": {"earl": e["final_eval"], "trl_best": t["final_eval"]},
+        **versus(e, t), **same_work(e, t), "eval": {"earl": e["final_eval"], "trl_best": t["final_eval"]},
         "task": a.task, "threshold": a.threshold, "rounds": rounds, "budget_s": seconds,
         "recipe": RECIPE, "earl_max_policy_lag": a.earl_lag, "model": model.name,
         "loadavg_start": round(load0, 2), "loadavg_end": round(os.getloadavg()[0], 2),
         "cpus": os.cpu_count()}
+    out["goals"] = goals(out)
     print(json.dumps(out))
     if a.save:
         _results.save("peers" if a.task == "agentic" else f"peers_{a.task}", out, quick=a.quick,
