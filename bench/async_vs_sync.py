@@ -31,7 +31,11 @@ greedy eval on at least 200 held-out episodes, the same in every run. Prints one
 - ``async`` / ``sync_best``: ``trajectories_per_s`` (mean over repeats), ``in_flight``
   (trajectories played at once at most), ``threads``, the runs, ``spread`` ((max - min) / mean),
   ``cores_used`` (CPU seconds of the process tree per wall second), ``final_quality``.
-- ``sync_runs``: every sync configuration measured (the losers only in the first round).
+- ``sync_sweep``: every sync configuration measured (the losers only in the first round).
+- ``final_quality_delta``: async minus best sync final quality at equal wall clock (the same
+  budget); ``quality_at_equal_updates``: at an equal number of optimizer updates (full mode: an
+  async run per repeat stopped at the steps the best sync run took, its final eval beside
+  the sync run's; a sync step may train several batches, so async then saw fewer samples).
 - ``ratio_steady_state``: async / best sync trajectories/s (means); ``ratios_per_repeat``: the
   same per interleaved repeat; ``core_limit``: cores / the best sync configuration's cores_used.
 """
@@ -202,6 +206,15 @@ def main(argv: list[str] | None = None) -> int:
                 best_c = max(sync_configs, key=lambda c: float(
                     runs[c][0]["trajectories_per_s"]))  # type: ignore[arg-type]
                 configs = [best_c, async_config]
+        # quality at an equal number of optimizer updates: async again, stopped at the steps
+        # the best sync run of each repeat took in its budget (the same final eval)
+        equal: list[dict[str, object]] = []
+        if not a.quick:
+            for rep, sync_run in enumerate(runs[best_c]):
+                steps = int(sync_run["steps"])  # type: ignore[call-overload]
+                equal.append(run_once(a.lag, 1, 1, [*common, f"--steps={steps}",
+                                                     "--time_limit_minutes=120"],
+                                      os.path.join(d, f"equal-{rep}"), quality_key))
     best = summarize(runs[best_c])
     asyn = summarize(runs[async_config])
     cores = os.cpu_count() or 1
@@ -211,7 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     out = {"bench": "async_vs_sync", "workload": a.workload, "quick": a.quick,
            "repeats": a.repeats, "quality_key": quality_key,
            "sync_best": best, "async": asyn,
-           "sync_runs": [summarize(runs[c]) for c in sync_configs],
+           "sync_sweep": [summarize(runs[c]) for c in sync_configs],
+           "quality_at_equal_updates": equal and {
+               "updates": [r["steps"] for r in runs[best_c]],
+               "sync_best": best["final_quality"],
+               "async": round(statistics.fmean(float(r["final_quality"])  # type: ignore[arg-type]
+                                               for r in equal), 4),
+               "async_runs": [r["final_quality"] for r in equal]},
            "ratio_steady_state": round(float(asyn["trajectories_per_s"])  # type: ignore[arg-type]
                                        / float(best["trajectories_per_s"]), 3),  # type: ignore[arg-type]
            "ratios_per_repeat": per_repeat,

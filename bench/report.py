@@ -192,7 +192,7 @@ def _async(r: Result) -> str:
                 f"{s['final_quality']:.2f} ({r['repeats']} repeats)")
     s, per = r["sync_best"], r["ratios_per_repeat"]
     return (f"steady state, async (lag {a['max_policy_lag']}, {a['in_flight']} in flight) "
-            f"{a['trajectories_per_s']:.1f} traj/s vs the best of {len(r['sync_runs'])} sync "
+            f"{a['trajectories_per_s']:.1f} traj/s vs the best of {len(r.get('sync_sweep', r.get('sync_runs', [])))} sync "
             f"settings ({s['in_flight']} in flight, {s['threads']} threads) "
             f"{s['trajectories_per_s']:.1f}: **{r['ratio_steady_state']:.2f}x** (per repeat "
             f"{min(per):.2f}-{max(per):.2f}); final {r['quality_key']} "

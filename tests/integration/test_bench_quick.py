@@ -53,16 +53,16 @@ def check_async_vs_sync(res: dict, repeats: int, sync_threads: list[int]) -> Non
     assert sync["max_policy_lag"] == 0 and lag >= 1
     # every (threads, batches per round) sync setting was tried, including the async run's
     # concurrency: lag + 1 batches in flight
-    tried = {(r["threads"], r["in_flight"]) for r in res["sync_runs"]}
+    tried = {(r["threads"], r["in_flight"]) for r in res["sync_sweep"]}
     batch = asyn["batch_size"]
     assert tried == {(t, batch * m) for t in sync_threads for m in (1, lag + 1)}
     assert asyn["in_flight"] == batch * (lag + 1)
     # the fastest sync setting of the first round is the baseline and gets every repeat
-    assert sync in res["sync_runs"]
-    for other in res["sync_runs"]:
+    assert sync in res["sync_sweep"]
+    for other in res["sync_sweep"]:
         assert other["trajectories_per_s_runs"][0] <= sync["trajectories_per_s_runs"][0]
         assert other["repeats"] == (repeats if other == sync else 1)
-    for mode in (*res["sync_runs"], asyn):
+    for mode in (*res["sync_sweep"], asyn):
         runs = mode["trajectories_per_s_runs"]
         assert len(runs) == mode["repeats"] == len(mode["steps"])
         assert mode["trajectories_per_s"] == pytest.approx(statistics.fmean(runs), abs=0.01)
