@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import itertools
 import secrets
-import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -51,7 +50,7 @@ from earl.runtime.dock_warehouse import Warehouse, WarehouseStatistics
 from earl.runtime.errors import CausedByDeath, actor_label
 from earl.runtime.layout import Layout
 from earl.runtime.locality import host_id
-from earl.runtime.transport import Receiver, Sender
+from earl.runtime.transport import Receiver
 from earl.runtime.transport.base import Frame
 from earl.runtime.transport.route import Inbox, open_sender
 from earl.runtime.transport.senders import SenderCache

@@ -173,7 +173,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         t += WINDOW_S
     total = lambda r: round(sum(r["folder_mib"].values()), 2)
     steps = max(rows[-1]["step"] - warm["step"], 1)
-    parts: dict[str, dict[str, float]] = {}
+    parts: dict[str, dict[str, Any]] = {}
     for name in sorted(rows[-1]["folder_mib"]):
         key = "trajectories" if name.startswith("trajectories") else name
         part = parts.setdefault(key, {"after_warmup_mib": 0.0, "end_mib": 0.0})

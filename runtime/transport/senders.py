@@ -53,12 +53,12 @@ class SenderCache:
         """The sender to `address` and the lock its sends take turns on (senders are
         single-threaded); first closes the senders idle for `idle_s`."""
         now = self._clock()
-        for addr, entry in list(self._entries.items()):
-            if addr != address and now - entry.used > self.idle_s and entry.lock.acquire(False):
+        for addr, idle in list(self._entries.items()):
+            if addr != address and now - idle.used > self.idle_s and idle.lock.acquire(False):
                 try:  # a send still in flight keeps its sender until a later lease
-                    entry.sender.close()
+                    idle.sender.close()
                 finally:
-                    entry.lock.release()
+                    idle.lock.release()
                 del self._entries[addr]
         entry = self._entries.get(address)
         if entry is None:
