@@ -225,12 +225,12 @@ def main(argv: list[str] | None = None) -> int:
            "repeats": a.repeats, "quality_key": quality_key,
            "sync_best": best, "async": asyn,
            "sync_sweep": [summarize(runs[c]) for c in sync_configs],
-           "quality_at_equal_updates": equal and {
+           "quality_at_equal_updates": {
                "updates": [r["steps"] for r in runs[best_c]],
                "sync_best": best["final_quality"],
                "async": round(statistics.fmean(float(r["final_quality"])  # type: ignore[arg-type]
                                                for r in equal), 4),
-               "async_runs": [r["final_quality"] for r in equal]},
+               "async_runs": [r["final_quality"] for r in equal]} if equal else None,
            "ratio_steady_state": round(float(asyn["trajectories_per_s"])  # type: ignore[arg-type]
                                        / float(best["trajectories_per_s"]), 3),  # type: ignore[arg-type]
            "ratios_per_repeat": per_repeat,
