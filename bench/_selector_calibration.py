@@ -1,0 +1,283 @@
+"""Calibration of the selector's cost model against the measured 2-core runs.
+
+Before `selector_simulate` quotes cluster figures, the same `CostModel` the runtime builds for
+a run (`cost_model_of`: the tiny Qwen2 of `bench/selector.py`, fp32, a CPU core's roofs) must
+reproduce what this machine measured:
+
+- **Rates.** Each static run of `bench/selector.py` (`bench/results/selector_runs/*static*`)
+  measured, per context bucket of a step's longest trajectory, trained tokens per second of
+  the whole asynchronous loop (`by_context`: trained tokens over step seconds, end to end).
+  The model predicts each bucket's rate as the policy scores a plan: the slower of the rollout
+  (its replicas' decode roofline) and the trainer (its DP ranks' training roofline), each
+  device holding `cores / devices` of a core. The roofline's absolute level is not a
+  prediction (the runtime rescales it by each stage's measured efficiency), so one factor is
+  fitted per sweep (a sweep: the runs of one commit, on one machine state), on one layout's
+  buckets (`FIT_LAYOUT`); every other run of that sweep is held out. A run's error is its
+  predicted whole-run rate (its own tokens per bucket at the predicted bucket rates) over the
+  measured one, minus 1.
+- **OOM.** The memory-bound runs (`bench/selector.py --memory-bound`: `sizing`, `measured_oom`) sized
+  the trainer's device so that the step-0 pick is killed once a step's micro-batch passes a
+  cap. The model's prediction: the largest micro-batch (tokens, at the step's longest context)
+  whose trainer bytes fit the device (`device_mib`) over the measured per-process base
+  (`base_mib`, the runtime's reserve); compared with the largest micro-batch the trainer
+  survived before the kill. The killed segments' per-step series are not saved (the arm's
+  `metrics.jsonl` holds its last segment), so the OOM step is compared through its tokens.
+
+Not here: the cluster simulation (`selector_simulate`), running anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import re
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from earl.loop.selection_actors import cost_model_of
+from earl.runtime.selector.cost import CostModel, Parallel
+
+ROOT = Path(__file__).resolve().parent / "results"
+RUNS = ROOT / "selector_runs"
+MODEL_DIR = RUNS / "warm" / "weights_start"
+FIT_LAYOUT = "d2/r1-t1/w4096/mb8k"
+CORES = 2
+ROLLOUT_SEQS = 32  # the gauntlet's batch: sequences the rollout decodes at once
+MIN_BUCKET_S = 5.0  # buckets with fewer loop seconds are noise, not a rate
+TOLERANCE = 0.10
+_LAYOUT = re.compile(r"d(\d+)/r(\d+)(?:tp(\d+))?-t(\d+)/w(\d+)/mb(\d+)k")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StaticLayout:
+    """A static arm's layout, from its name "static/dD/rR[tpP]-tT/wW/mbMk"."""
+
+    devices: int
+    replicas: int
+    rollout_tp: int
+    trainer_dp: int
+    window: int
+    micro_batch_tokens: int
+
+    @classmethod
+    def parse(cls, name: str) -> StaticLayout:
+        m = _LAYOUT.search(name)
+        if m is None:
+            raise ValueError(f"layout {name!r} is not 'static/dD/rR[tpP]-tT/wW/mbMk'")
+        d, r, tp, t, w, mb = m.groups()
+        return cls(devices=int(d), replicas=int(r), rollout_tp=int(tp or 1),
+                   trainer_dp=int(t), window=int(w), micro_batch_tokens=int(mb) * 1024)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MeasuredRun:
+    """One measured static run: its sweep, layout, device size and `by_context`."""
+
+    sweep: str
+    name: str
+    layout: StaticLayout
+    device_mib: float
+    by_context: dict[int, tuple[float, float]]  # bucket -> (trained tokens, loop seconds)
+
+
+def cpu_cost(devices: int, reserve_mib: float, *, cores: int = CORES,
+             model_dir: Path = MODEL_DIR) -> CostModel:
+    """The runtime's cost model of the tiny model (`cost_model_of`, cpu=True), each device
+    holding `cores / devices` of a core (both roofs scale alike)."""
+    cost = cost_model_of(str(model_dir), reserve_mib=reserve_mib, cpu=True)
+    share = min(1.0, cores / devices)
+    cfg = dataclasses.replace(cost.config, peak_flops=cost.config.peak_flops * share,
+                              mem_bw=cost.config.mem_bw * share)
+    return CostModel(cost.shape, cfg)
+
+
+def predicted_rate(cost: CostModel, lay: StaticLayout, bucket: int, capacity: float,
+                   *, rollout_seqs: int = ROLLOUT_SEQS) -> float:
+    """Roofline tokens/s of the loop at `bucket`: the slower of rollout and trainer (the
+    policy's `score` of a plan), the trainer at its budget or the largest micro-batch that fits
+    `capacity` bytes, the rollout decoding its share of `rollout_seqs` per replica."""
+    ctx = min(bucket, lay.window)
+    rpar = Parallel(tp=lay.rollout_tp, dp=lay.replicas)
+    busy = -(-rollout_seqs // lay.replicas) * ctx
+    roll = cost.tokens_per_s("rollout", rpar, ctx, batch_tokens=busy)
+    tpar = Parallel(dp=lay.trainer_dp)
+    fit = cost.max_micro_batch_tokens("train", tpar, ctx, capacity)
+    mb = max(ctx, min(lay.micro_batch_tokens, fit or ctx))
+    train = cost.tokens_per_s("train", tpar, ctx, batch_tokens=mb)
+    return min(roll, train)
+
+
+def whole_run_rate(by_context: Mapping[int, tuple[float, float]],
+                   rate: Mapping[int, float]) -> tuple[float, float]:
+    """(measured, predicted) tokens/s of a run over the buckets in `rate`: its tokens over its
+    seconds, and the same tokens at the predicted rate of each bucket."""
+    tokens = sum(by_context[b][0] for b in rate)
+    measured = tokens / sum(by_context[b][1] for b in rate)
+    predicted = tokens / sum(by_context[b][0] / rate[b] for b in rate)
+    return measured, predicted
+
+
+def fit_scale(pairs: Iterable[tuple[float, float]]) -> float:
+    """The factor that maps predicted to measured rates: the geometric mean of measured over
+    predicted of `pairs` (measured, predicted)."""
+    ratios = [m / p for m, p in pairs]
+    if not ratios:
+        raise ValueError("fit_scale: no (measured, predicted) pairs to fit")
+    return statistics.geometric_mean(ratios)
+
+
+def error_summary(errors: Iterable[float], tolerance: float = TOLERANCE) -> dict[str, object]:
+    """Max and median absolute relative error and whether every one is within `tolerance`."""
+    a = [abs(e) for e in errors]
+    return {"n": len(a), "max_abs_error": round(max(a), 3) if a else None,
+            "median_abs_error": round(statistics.median(a), 3) if a else None,
+            "within": bool(a) and max(a) <= tolerance}
+
+
+def load_runs(folder: Path = RUNS) -> list[MeasuredRun]:
+    """The static runs saved by `bench/selector.py` (finished or OOM-killed), by sweep."""
+    out = []
+    for f in sorted(glob.glob(str(folder / "*static*.result.json"))):
+        r = json.loads(Path(f).read_text())["run"]
+        bc = {int(b): (float(t), float(s)) for b, (t, s) in r.get("by_context", {}).items()}
+        out.append(MeasuredRun(sweep=str(r.get("commit", ""))[:7], name=r["config"],
+                               layout=StaticLayout.parse(r["config"]),
+                               device_mib=float(r["device_mib"]), by_context=bc))
+    return out
+
+
+def rate_calibration(runs: list[MeasuredRun], *, reserve_mib: float = 0.0,
+                     fit_layout: str = FIT_LAYOUT) -> dict[str, object]:
+    """Fit one factor per sweep on `fit_layout`'s buckets, predict the other runs (held out).
+
+    Returns:
+        `rule`, per sweep its fitted `scale` and `context_slope` (the fit layout's), per
+        held-out run its measured and predicted tokens/s and `error`, `held_out`
+        (`error_summary` of the runs), `rate_within_10pct`, and `bucket_error_mean` (the mean
+        error per bucket: a trend names a term whose dependence on the context is off).
+    """
+    sweeps: dict[str, list[MeasuredRun]] = {}
+    for r in runs:
+        sweeps.setdefault(r.sweep, []).append(r)
+    rows: list[dict[str, object]] = []
+    scales: dict[str, float] = {}
+    slopes: dict[str, dict[str, float]] = {}
+    bucket_errors: dict[int, list[float]] = {}
+    for sweep, members in sorted(sweeps.items()):
+        fit = [r for r in members if fit_layout in r.name]
+        if not fit or len(members) < 2:
+            continue
+        pred = {r.name: _bucket_rates(r, reserve_mib) for r in members}
+        scale = fit_scale((fit[0].by_context[b][0] / fit[0].by_context[b][1], p)
+                          for b, p in pred[fit[0].name].items())
+        scales[sweep] = round(scale, 4)
+        slopes[sweep] = context_slope(fit[0].by_context, pred[fit[0].name])
+        for r in members:
+            if r is fit[0] or not pred[r.name]:
+                continue
+            rate = {b: p * scale for b, p in pred[r.name].items()}
+            measured, predicted = whole_run_rate(r.by_context, rate)
+            for b, p in rate.items():
+                t, s = r.by_context[b]
+                bucket_errors.setdefault(b, []).append(p / (t / s) - 1)
+            rows.append({"sweep": sweep, "run": r.name, "measured_tokens_per_s": round(measured),
+                         "predicted_tokens_per_s": round(predicted),
+                         "error": round(predicted / measured - 1, 3)})
+    held = error_summary(float(str(r["error"])) for r in rows)
+    return {
+        "what": "trained tokens per loop second of each static run (end to end, async loop), "
+                "per context bucket of a step's longest trajectory (`by_context`)",
+        "rule": f"per sweep (commit), one factor fitted on {fit_layout}'s buckets (geometric "
+                f"mean of measured / roofline); every other run of the sweep held out; buckets "
+                f"of < {MIN_BUCKET_S:g} s left out",
+        "scale_per_sweep": scales, "context_slope": slopes, "held_out_runs": rows, "held_out": held,
+        "rate_within_10pct": held["within"],
+        "bucket_error_mean": {str(b): round(statistics.fmean(e), 3)
+                              for b, e in sorted(bucket_errors.items())},
+    }
+
+
+def context_slope(by_context: Mapping[int, tuple[float, float]],
+                  predicted: Mapping[int, float]) -> dict[str, float]:
+    """How much the rate falls from the shortest to the longest bucket of `predicted`: the
+    measured rate there over the shortest bucket's, and the predicted one (1: flat)."""
+    lo, hi = min(predicted), max(predicted)
+    rate = {b: by_context[b][0] / by_context[b][1] for b in (lo, hi)}
+    return {"from": lo, "to": hi, "measured": round(rate[hi] / rate[lo], 3),
+            "predicted": round(predicted[hi] / predicted[lo], 3)}
+
+
+def _bucket_rates(r: MeasuredRun, reserve_mib: float) -> dict[int, float]:
+    cost = cpu_cost(r.layout.devices, reserve_mib)
+    cap = r.device_mib * 2**20
+    return {b: predicted_rate(cost, r.layout, b, cap)
+            for b, (t, s) in r.by_context.items() if s >= MIN_BUCKET_S and t > 0}
+
+
+def predicted_oom_tokens(cost: CostModel, context: int, device_mib: float) -> int:
+    """The largest trainer micro-batch (tokens of `context`-long sequences, one DP rank) whose
+    bytes fit a `device_mib` device: the step whose micro-batch passes it is the OOM step."""
+    return cost.max_micro_batch_tokens("train", Parallel(), context, device_mib * 2**20)
+
+
+def oom_calibration(results: Mapping[str, Mapping[str, object]], *,
+                    model_dir: Path = MODEL_DIR) -> dict[str, object]:
+    """Per memory-bound result (name -> its `result`) and per kill of its step-0 pick: the
+    micro-batch the trainer survived last before the kill (min(budget, the largest step so
+    far)) against the largest one the runtime's cost model fits on the device, with the
+    measured per-process base (`sizing.base_mib`) as its reserve, at the longest context so
+    far. Beside it, the sweep's own prediction (`predicted_oom_step_tokens`: the cost model's
+    SDPA pricing times the pilot's measured scale) and the cost model's SDPA pricing alone
+    (`attention="flash"`, 8 bytes per logit, as `bench/selector.py --profile` prices the
+    model): the runtime prices the trainer's attention as eager (its scores kept)."""
+    rows: list[dict[str, object]] = []
+    for name, res in sorted(results.items()):
+        sizing = res["sizing"]
+        assert isinstance(sizing, Mapping)
+        base, dev = float(sizing["base_mib"]), float(sizing["device_mib"])
+        cost = cpu_cost(CORES, base, model_dir=model_dir)
+        sdpa = CostModel(cost.shape, dataclasses.replace(cost.config, attention="flash",
+                                                         logit_bytes=8.0))
+        kills = res.get("measured_oom") or []
+        assert isinstance(kills, list)
+        for rep in kills:
+            for k in rep:
+                ctx = int(k["ctx_max_so_far"])
+                survived = min(int(k["budget"]), int(k["step_tokens_max_so_far"]))
+                model = predicted_oom_tokens(cost, ctx, dev)
+                rows.append({
+                    "result": name, "budget": int(k["budget"]), "kill_step": int(k["step"]),
+                    "context": ctx, "device_mib": dev, "base_mib": base,
+                    "measured_step_tokens": survived, "predicted_step_tokens": model,
+                    "error": round(model / survived - 1, 3),
+                    "sweep_predicted_step_tokens": int(res["predicted_oom_step_tokens"]),
+                    "sweep_error": round(int(res["predicted_oom_step_tokens"]) / survived - 1,
+                                         3),
+                    "sdpa_pricing_step_tokens": predicted_oom_tokens(sdpa, ctx, dev),
+                    "sdpa_pricing_error": round(
+                        predicted_oom_tokens(sdpa, ctx, dev) / survived - 1, 3)})
+    errors = [float(str(r["error"])) for r in rows]
+    return {
+        "what": "the OOM step's micro-batch (tokens): the largest one the trainer survived "
+                "before each kill, against the largest the cost model fits the device; the "
+                "killed segments' per-step series are not saved, so the step index itself is "
+                "compared through its tokens",
+        "kills": rows, "summary": error_summary(errors),
+        "oom_step_error": max(errors, key=abs) if errors else None,
+        "sdpa_pricing_summary": error_summary(float(str(r["sdpa_pricing_error"]))
+                                              for r in rows),
+        "sweep_summary": error_summary(float(str(r["sweep_error"])) for r in rows),
+    }
+
+
+def load_memory_results(folder: Path = ROOT) -> dict[str, dict[str, object]]:
+    """The memory-bound results of `bench/selector.py --memory-bound` that recorded a kill."""
+    out = {}
+    for f in sorted(glob.glob(str(folder / "selector_memory-*.json"))):
+        res = json.loads(Path(f).read_text())["result"]
+        if res.get("measured_oom") and res.get("sizing"):
+            out[Path(f).name] = res
+    return out
