@@ -279,7 +279,24 @@ def _simulate(r: Result) -> str:
             f"{big['best_static_tokens_per_s']:,.0f} "
             f"(**{big['throughput_ratio_vs_best_static']:.2f}x**), "
             f"{'OOM' if big['oom_selector'] else 'no OOM'}; "
-            f"{big['static_oom']} of {big['static_layouts']} static layouts OOM")
+            f"{big['static_oom']} of {big['static_layouts']} static layouts OOM"
+            + (f"; vs the step-0 pick restarted on OOM **{big['throughput_ratio_vs_restart_pick']:.2f}x**"
+               if "throughput_ratio_vs_restart_pick" in big else "")
+            + _calibration(r.get("calibration")))
+
+
+def _calibration(c: dict[str, Any] | None) -> str:
+    """The cost model against the 2-core runs, as the simulation's caveat."""
+    if not c:
+        return ""
+    if c.get("passed"):
+        return "; cost model calibrated on the 2-core runs (within 10%)"
+    worst = max((abs(x) for x in (c.get("rates", {}).get("held_out", {}).get("max_abs_error"),
+                                  c.get("oom_step_error")) if isinstance(x, int | float)),
+                default=None)
+    return ("; **the cost model fails its calibration** on the 2-core runs"
+            + (f" (off by up to {worst:.0%})" if worst is not None else "")
+            + ": these figures are not yet earned")
 
 
 def _scale(r: Result) -> str:
