@@ -201,22 +201,22 @@ CPU_PEAK_FLOPS, CPU_MEM_BW = 1.06e11, 2.4e10
 
 
 def cost_model_of(model_dir: str, *, reserve_mib: float, dtype_bytes: int = 4,
-                  logit_bytes: float = 32.0, score_bytes: float = 8.0,
-                  tp_overhead: float = CPU_TP_OVERHEAD, cpu: bool = True) -> CostModel:
+                  logit_bytes: float = 8.0, tp_overhead: float = CPU_TP_OVERHEAD,
+                  cpu: bool = True) -> CostModel:
     """The cost model of the HF model in `model_dir`, fp32, Adam's two moments, with
     `reserve_mib` of per-process baseline (Python, torch, vLLM) that every slot pays before the
     model's bytes; its roofs are a CPU core's (`cpu`) or an H100's.
 
-    Calibrated on this machine's trainer (the tiny model, contexts ~1,250 tokens): OOM-killed in
-    560 MiB at 10,240 and at 4,096 tokens per micro-batch, alive at 2,048 (>= 72 KB per token,
-    growing with the context): its attention keeps the scores (quadratic: `score_bytes` per
-    score per layer, "eager"), and the loss several vocabulary-sized fp32 tensors per token
-    (`logit_bytes` per vocabulary entry)."""
+    Its memory is the trainer's as it runs: SDPA attention (no scores kept: linear in the
+    context, `attention="flash"`) and `logit_bytes` per vocabulary entry per trained token.
+    Checked against the kernel's OOM kills of the memory-bound runs
+    (`bench/selector_simulate.py`'s `calibration.oom`: the largest micro-batch the trainer
+    survived before each kill, within 10%); eager pricing (scores kept) put it 5x lower."""
     shape = ModelShape.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
     return CostModel(shape, CostConfig(weight_bytes=dtype_bytes, grad_bytes=dtype_bytes,
                                        optimizer_bytes=2 * dtype_bytes, act_bytes=dtype_bytes,
-                                       kv_bytes=dtype_bytes, attention="eager",
-                                       score_bytes=score_bytes, logit_bytes=logit_bytes,
+                                       kv_bytes=dtype_bytes, attention="flash",
+                                       logit_bytes=logit_bytes,
                                        reserve_bytes=reserve_mib * 2**20,
                                        tp_overhead=tp_overhead,
                                        **({"peak_flops": CPU_PEAK_FLOPS, "mem_bw": CPU_MEM_BW}
