@@ -29,7 +29,7 @@ from earl.commands.chaos_oracle import lose_a_sample
 if TYPE_CHECKING:
     from earl.commands.chaos_draw import Drawn
 
-__all__ = ["NEEDS_RUN", "Injector"]
+__all__ = ["NEEDS_RUN", "Injector", "resave_recovered"]
 
 # faults whose healing the run must go on for: the next fault must not hold it meanwhile
 NEEDS_RUN = ("kill:trainer", "kill:dock", "kill:resave", "drop:producer", "drop:reference")
@@ -440,4 +440,11 @@ class Injector:
         ok = await until(lambda: len(rewinds()) > before and sup.watched, 300)
         to = rewinds()[-1].get("to_step") if ok else None
         return {"pid": pid, "step_in_force": state.step, "rewound_to": to,
-                "recovered": ok and to == state.step}
+                "recovered": resave_recovered(state.step, to)}
+
+
+def resave_recovered(step_in_force: int, rewound_to: int | None) -> bool:
+    """A kill during a re-save of the checkpoint in force is healed when the run rewound to
+    that checkpoint, or to one the run itself saved while the fault ran (its step-end save
+    races the re-save): never to an older one, which would mean the re-save damaged it."""
+    return rewound_to is not None and rewound_to >= step_in_force

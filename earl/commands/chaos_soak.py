@@ -21,15 +21,17 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from earl.commands import critic_fill as fill
 from earl.commands.chaos_draw import DRAWN
 from earl.observe import tree_rss_mib
 
-__all__ = ["GROUPS", "Sampler", "critic_fill", "schedule", "summarize"]
+__all__ = ["GROUPS", "Sampler", "schedule", "summarize"]
 
 GROUPS = ("rollout", "producer", "reference", "dock", "trainer")
 WARMUP_S = 600.0  # RSS growth is measured after this
@@ -57,30 +59,6 @@ def _folder_mib(root: Path) -> dict[str, float]:
         except OSError:  # a file rotated away while summed
             continue
     return out
-
-
-def critic_fill(root: Path) -> dict[str, float] | None:
-    """How full the checkpoint in force's critic tables are (the producers' states that carry
-    their caps: `TabularCritic`), and the size their JSON would reach full: the checkpoint
-    grows while they fill, up to that bound. None without such a checkpoint."""
-    try:
-        folder = json.loads((root / "checkpoint" / "manifest.json").read_text())["folder"]
-        states = [json.loads(p.read_text())
-                  for p in sorted((root / "checkpoint" / folder / "producers").glob("*.json"))]
-    except (OSError, ValueError, KeyError):  # none yet, or replaced while read
-        return None
-    fill = {"mib": 0.0, "full_mib": 0.0, "states": 0, "replies": 0}
-    for d in states:
-        if not isinstance(d, dict) or "max_states" not in d:
-            return None
-        n, r = len(d["values"]), sum(len(row) for _, row in d["q"])
-        values_b, q_b = len(json.dumps(d["values"])), len(json.dumps(d["q"]))
-        fill["mib"] += len(json.dumps(d)) / 2**20
-        fill["full_mib"] += (values_b * d["max_states"] / max(n, 1)
-                             + q_b * d["max_states"] * d["max_replies"] / max(r, 1)) / 2**20
-        fill["states"] += n
-        fill["replies"] += r
-    return {k: round(v, 3) for k, v in fill.items()}
 
 
 def _census() -> Counter[str]:
@@ -128,8 +106,8 @@ class Sampler:
                "rss_mib": rss, "uss_mib": uss, "folder_mib": folder,
                "driver_objects": sum(census.values())}
         warm = t >= WARMUP_S and not any(r["t"] >= WARMUP_S for r in self.rows)
-        if warm or len(self.rows) % 10 == 0:  # at warm-up, then every ~10 samples (it parses
-            row["critic"] = await asyncio.to_thread(critic_fill, self.out)  # the critic's JSON)
+        if warm or len(self.rows) % 10 == 0:  # at warm-up, then every ~10 samples
+            row["critic"] = await _critic_fill_apart(self.out)
         self.rows.append(row)
         if self._census is None or self.job.supervisor.rewinds > self._seen_rewinds:
             if self._census is not None:
@@ -139,6 +117,21 @@ class Sampler:
                                      "driver_rss_mib": rss["driver"],
                                      "objects_grew": dict(grew[:15])})
             self._census, self._seen_rewinds = census, self.job.supervisor.rewinds
+
+
+async def _critic_fill_apart(root: Path) -> dict[str, float] | None:
+    """`critic_fill` in a child process: parsing the critic's JSON (MBs, growing as its tables
+    fill) in the driver would leave its heap fragmented, and the driver is one of the
+    processes whose memory the soak measures."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-I", fill.__file__, str(root), stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL)
+    out, _ = await proc.communicate()
+    try:
+        got = json.loads(out or b"null")
+    except ValueError:
+        return None
+    return got if isinstance(got, dict) else None
 
 
 def _median(rows: list[dict[str, Any]], key: str, kind: str = "rss_mib") -> float | None:

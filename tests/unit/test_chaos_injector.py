@@ -191,3 +191,14 @@ async def test_a_kill_after_a_rewind_is_seen_healed_by_its_restart_event() -> No
     await victim.wait()
     events.append({"event": "restart", "actor": "reference", "restarts": 1})  # the new actor's
     assert (await task)["recovered"]
+
+
+def test_a_resave_kill_heals_by_a_rewind_to_the_checkpoint_in_force_or_a_newer_one() -> None:
+    """The run's own step-end save can put a newer checkpoint in force while the re-save of
+    the older one is killed (the 2-hour soak of 2026-11-30: in force 2010, rewound to 2020, 0
+    lost): that is healed; a rewind to an older checkpoint, or none, is not."""
+    from earl.commands.chaos_injector import resave_recovered
+
+    assert resave_recovered(2010, 2010) and resave_recovered(2010, 2020)
+    assert not resave_recovered(2010, 2000) and not resave_recovered(2010, 0)
+    assert not resave_recovered(2010, None)

@@ -79,7 +79,7 @@ def _critic_checkpoint(root, states: int, replies: int) -> None:
 
 
 def test_the_checkpoint_may_grow_while_its_critic_fills_up_to_its_caps(tmp_path) -> None:
-    from earl.commands.chaos_soak import critic_fill
+    from earl.commands.critic_fill import critic_fill
 
     assert critic_fill(tmp_path) is None  # no checkpoint yet
     _critic_checkpoint(tmp_path, states=500, replies=1)
@@ -99,3 +99,16 @@ def test_the_checkpoint_may_grow_while_its_critic_fills_up_to_its_caps(tmp_path)
     assert not soak.folder_bounded({"checkpoint": part_grew})["ok"]
     over = {**part, "critic": {"after_warmup": early, "end": {**end, "full_mib": 0.001}}}
     assert not soak.folder_bounded({"checkpoint": over})["ok"]  # a table past its bound
+
+
+def test_the_soak_reads_the_critic_fill_in_a_child_process(tmp_path) -> None:
+    """The driver never parses the critic's JSON itself (its heap is measured): a child does,
+    and its answer is the same."""
+    import asyncio
+
+    from earl.commands.chaos_soak import _critic_fill_apart
+    from earl.commands.critic_fill import critic_fill
+
+    assert asyncio.run(_critic_fill_apart(tmp_path)) is None
+    _critic_checkpoint(tmp_path, states=300, replies=2)
+    assert asyncio.run(_critic_fill_apart(tmp_path)) == critic_fill(tmp_path)
