@@ -9,8 +9,9 @@ median of the samples in the last 10 minutes over the median in the 10 minutes a
 an actor's restarts included: the same name and rank is one actor); the run folder's size at
 warm-up and at the end, by top-level part (`folder_growth`: each part, the trajectory dump's
 segments as one, with its KiB per step trained since warm-up; the checkpoint's with its critic
-tables' fill and the size they reach full, `critic_fill`); steps/s per 10-minute window. Not here: firing the
-faults (`earl.commands.chaos_injector`) and the oracle (`earl.commands.chaos_oracle`).
+tables' fill and the size they reach full, `earl.commands.critic_fill`); steps/s per 10-minute
+window. Not here: firing the faults (`earl.commands.chaos_injector`) and the oracle
+(`earl.commands.chaos_oracle`).
 """
 
 from __future__ import annotations
@@ -105,8 +106,9 @@ class Sampler:
         row = {"t": t, "step": self.job.state.step if self.job.started else 0,
                "rss_mib": rss, "uss_mib": uss, "folder_mib": folder,
                "driver_objects": sum(census.values())}
-        warm = t >= WARMUP_S and not any(r["t"] >= WARMUP_S for r in self.rows)
-        if warm or len(self.rows) % 10 == 0:  # at warm-up, then every ~10 samples
+        # the first sample after warm-up (rows are in time order), then every ~10 samples
+        warm = t >= WARMUP_S > (self.rows[-1]["t"] if self.rows else -1.0)
+        if warm or len(self.rows) % 10 == 0:
             row["critic"] = await _critic_fill_apart(self.out)
         self.rows.append(row)
         if self._census is None or self.job.supervisor.rewinds > self._seen_rewinds:
