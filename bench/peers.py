@@ -33,7 +33,8 @@ groups done and a group still running is carried over, so a 12-turn episode span
 steps of 0.3 s; the bound of 16 keeps it (and TRL gets the same bound, `steps_per_generation`
 17). Its figures add ``straggler_wait_share`` (the trainer's wait from a step's first done
 group to its last, over the steps' time), ``slot_idle_share``, ``stale_groups`` (dropped over
-the bound), ``trained_turns_mean`` and every episode's duration (``episode_s``).
+the bound), ``trained_turns_mean`` and the durations of the episodes in its trajectory dump
+(``episode_s``: a sample, `dump_share` of the groups, failed episodes always in it).
 TRL gets its best configuration, chosen in the same invocation: round 0 runs every TRL
 configuration and the fastest (``trajectories_per_s``) goes on as ``trl_best``. The
 configurations (each one's ``config``: ``trainer``, ``pace``, ``threads``,
@@ -69,10 +70,10 @@ Prints one JSON object: ``earl`` and ``trl_best`` (means over rounds, plus per-r
   to the end of the last (start-up, the first step's warm-up and the final eval not counted);
   ``trajectories_per_s_end_to_end``: all trajectories / the process's whole wall time.
 - ``tokens_per_s``: generated (model) tokens per second over the same span (mean generated
-  length x trajectories/s; EARL's from its trajectory dump's loss mask, GRPOTrainer's from its
+  length x trajectories/s; EARL's from its steps' `generated_mean`, GRPOTrainer's from its
   `completions/mean_length` and AsyncGRPOTrainer's from its `sample/trained_tokens_mean`, which
   count only model tokens); ``turns_mean``: model turns per trajectory (the same work on both
-  sides).
+  sides; EARL's over the trajectories it trained, from its steps' ``turns_mean``).
 - ``seconds_to_threshold``: process seconds (start-up included) until the mean training reward
   of the last 5 steps reaches ``threshold`` (null if never).
 - ``final_eval``: greedy eval with the same rule on both sides (``reward`` mean, ``accuracy``
@@ -213,11 +214,6 @@ def summarize(steps: list[dict[str, float]], batch: int, gen_len: float, wall_s:
             "trajectories_per_cpu_s": round(len(steps) * batch / cpu_s, 2)}
 
 
-def _runs_of_ones(mask: list[int]) -> int:
-    """Model turns in a trajectory: runs of 1s in its loss mask."""
-    return sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1]))
-
-
 def run_earl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: float,
              threshold: float, lag: int, over_sample: int = 0, groups: int = 0,
              whole: bool = False) -> dict[str, Any]:
@@ -255,11 +251,15 @@ def run_earl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: 
     steps = [{"wall_s": float(m["wall_s"]), "reward": float(m["reward"])}
              for m in rows if "reward" in m and "step" in m]
     dump = [json.loads(x) for x in Path(res["trajectories"]).read_text().splitlines()]
-    gen_len = statistics.fmean(sum(d["loss_mask"]) for d in dump) if dump else 0.0
-    turns = statistics.fmean(_runs_of_ones(d["loss_mask"]) for d in dump) if dump else 0.0
+    trained = [m for m in rows if "reward" in m and "step" in m]
+    # the trained trajectories' lengths (the ones trajectories/s counts; TRL trains all it
+    # plays): the dump is a sample of played groups, failed episodes always in it, and a
+    # run's last groups played but never trained
+    n_eps = sum(int(m["episodes"]) for m in trained)
+    gen_len = sum(float(m["generated_mean"]) * int(m["episodes"]) for m in trained) / n_eps
+    turns = sum(float(m["turns_mean"]) * int(m["episodes"]) for m in trained) / n_eps
     s = summarize(steps, RECIPE["batch_size"], gen_len, res["wall_minutes"] * 60, cpu, threshold)
     ev_ = res["eval"]
-    trained = [m for m in rows if "reward" in m and "step" in m]
     step_s = sum(float(m["step_s"]) for m in trained[1:])
     durations = sorted(float(d["info"].get("episode_s", 0.0)) for d in dump)
     return {**s, "peak_rss_mb": round(peak), "stopped": res.get("stopped"),
@@ -271,8 +271,7 @@ def run_earl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: 
             "slot_idle_share": round(statistics.fmean(float(m.get("slot_idle_share", 0.0))
                                                       for m in trained[1:]), 3),
             "stale_groups": sum(int(m.get("stale_groups", 0)) for m in trained),
-            "trained_turns_mean": round(statistics.fmean(float(m["turns_mean"])
-                                                         for m in trained), 2),
+            "trained_turns_mean": round(turns, 2),  # = turns_mean (older files differ)
             "episode_s": {"p50": round(durations[len(durations) // 2], 3),
                           "p95": round(durations[int(len(durations) * 0.95)], 3),
                           "max": round(durations[-1], 3), "n": len(durations)}
