@@ -209,9 +209,10 @@ class RunConfig(Seeded, ProducerSettings):
     tokens dropped): generation spent against the tail latency of heavy-tailed multi-turn
     episodes, at the price of under-training the slowest tasks (slime's over-sampling).
     `partial_rollouts`: how a step meets episodes still running. "continue" (the default):
-    a step trains the first `batch_size / group_size` groups to finish, whatever batch started
-    them; a group still running is carried into a later step (never cut, never waited on) and
-    goes on sampling under the newest weights, each token keeping the version that sampled it
+    a step trains `batch_size / group_size` groups among those done, whatever batch started
+    them (the oldest first: the one whose oldest token is oldest, so a long episode is not
+    left to go stale behind short ones); a group still running is carried into a later step
+    (never cut, never waited on) and goes on sampling under the newest weights, each token keeping the version that sampled it
     (the loss corrects per token). "off": step b trains exactly batch b's groups, waiting for
     its slowest (needed by `over_sample_groups`, the selector and `placement.colocate`: with
     any of them the default is "off"). `max_policy_lag` bounds the oldest token of a trained sample: a

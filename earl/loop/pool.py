@@ -1,10 +1,16 @@
 """Partial rollouts' pool: the groups that finished playing and wait for a training step.
 
 With `RunConfig.partial_rollouts`, each group of a batch reports on its own as it finishes
-(`Production.play_groups`); the schedule takes the first ones done for the next step, whatever
-batch started them, so no step waits for one slow group. The pool keeps them in the order they
-finished, with what the schedule needs to choose and to drop: the oldest token's version (the
-staleness bound) and the row count (what the trainer leases). It knows no actors.
+(`Production.play_groups`); the schedule takes done groups for the next step, whatever batch
+started them, so no step waits for one slow group. The pool keeps them with what the schedule
+needs to choose and to drop: the oldest token's version (the staleness bound) and the row count
+(what the trainer leases). It knows no actors.
+
+Which done group goes first: the one whose oldest token is oldest (ties: the first done). When
+the rollout outruns the trainer, done groups queue here; taken first-done-first, a long episode
+that finished near the staleness bound would wait behind fresh short ones and go stale in the
+queue, so the bound would drop the long tasks (and the trained episodes would be shorter than
+the task's). Oldest first, a group is dropped only if it was already over the bound when done.
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ class DoneGroup:
 
 
 class GroupPool:
-    """Finished groups not yet trained, first done first out."""
+    """Finished groups not yet trained, the oldest first (by their oldest token's version;
+    a group that generated no token first of all, then the first done)."""
 
     def __init__(self) -> None:
         self._done: collections.deque[DoneGroup] = collections.deque()
@@ -55,9 +62,12 @@ class GroupPool:
         return len(self._done)
 
     async def wait_take(self) -> DoneGroup:
-        """The group that finished first, once there is one."""
+        """The oldest group, once there is one."""
         await self.wait_added()
-        return self._done.popleft()
+        oldest = min(range(len(self._done)), key=lambda i: self._done[i].first_version)
+        g = self._done[oldest]
+        del self._done[oldest]
+        return g
 
     async def wait_added(self) -> None:
         """Until a group is waiting."""

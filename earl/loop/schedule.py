@@ -320,7 +320,7 @@ class Schedule:
         return self.config.batch_size // self.config.group_size
 
     async def _take_groups(self, b: int) -> tuple[BatchResult, float, int]:
-        """Partial rollouts: the first groups done, whatever batch started them; a group whose
+        """Partial rollouts: groups done, the oldest first, whatever batch started them; a group whose
         oldest token is over `max_policy_lag` versions older than step `b` is dropped whole."""
         t0 = time.perf_counter()
         chosen: list[DoneGroup] = []

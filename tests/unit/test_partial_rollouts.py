@@ -134,15 +134,33 @@ async def test_a_group_over_the_staleness_bound_is_dropped_whole_and_counted() -
     assert set(trained) | set(train.dropped) | set(train.left) == set(prod.started)
 
 
-async def test_pool_is_first_done_first_out() -> None:
+def _done(pool: GroupPool, gid: str, first_version: int) -> None:
+    pool.add(BatchResult(batch=0, samples=1, seconds=0.0, episodes=[
+        Episode(sample_id=f"{gid}-0", group_id=gid, reward=0.0, first_version=first_version)]))
+
+
+async def test_pool_takes_the_oldest_group_first_then_the_first_done() -> None:
     pool = GroupPool()
     waiter = asyncio.ensure_future(pool.wait_take())
     await asyncio.sleep(0)
     assert not waiter.done()
-    for gid in ("g5", "g2"):
-        pool.add(BatchResult(batch=0, samples=1, seconds=0.0, episodes=[
-            Episode(sample_id=f"{gid}-0", group_id=gid, reward=0.0, first_version=3)]))
-    assert (await waiter).group_id == "g5" and (await pool.wait_take()).group_id == "g2"
+    _done(pool, "g5", 3)
+    assert (await waiter).group_id == "g5"  # a waiting trainer takes what comes
+    for gid, version in (("g6", 4), ("g2", 3), ("g9", 4), ("g0", -1), ("g1", 3)):
+        _done(pool, gid, version)
+    order = [(await pool.wait_take()).group_id for _ in range(5)]
+    # no token (nothing to go stale) first, then the oldest, ties in the order they finished
+    assert order == ["g0", "g2", "g1", "g6", "g9"]
+
+
+async def test_a_long_group_queued_behind_fresh_ones_is_trained_not_dropped() -> None:
+    # group 0 of batch 0 takes 0.1 s (~20 versions at ~0.005 s a step) while 40 short groups
+    # finish and queue: first-done-first it would go stale in the queue at lag 30
+    _, train, _ = await run(
+        config(steps=60, max_policy_lag=30, max_concurrent_groups=40),
+        lambda b, g: 0.1 if (b, g) == (0, 0) else 0.001)
+    assert not train.dropped
+    assert any("g0" in s for s in train.steps)
 
 
 def test_partial_rollouts_default_and_conflicts() -> None:
