@@ -9,12 +9,21 @@ reproduce what this machine measured:
   the whole asynchronous loop (`by_context`: trained tokens over step seconds, end to end).
   The model predicts each bucket's rate as the policy scores a plan: the slower of the rollout
   (its replicas' decode roofline) and the trainer (its DP ranks' training roofline), each
-  device holding `cores / devices` of a core. The roofline's absolute level is not a
+  device holding `cores / devices` of a core. Attention is priced at the tokens' positions,
+  not at the bucket: a step's trajectories lie below its longest, at a token-weighted length
+  of `ATTENTION_SHARE` of it (derived there). The roofline's absolute level is not a
   prediction (the runtime rescales it by each stage's measured efficiency), so one factor is
   fitted per sweep (a sweep: the runs of one commit, on one machine state), on one layout's
-  buckets (`FIT_LAYOUT`); every other run of that sweep is held out. A run's error is its
-  predicted whole-run rate (its own tokens per bucket at the predicted bucket rates) over the
-  measured one, minus 1.
+  buckets (`FIT_LAYOUT`); every other run of that sweep is held out. One more constant is
+  fitted, on the same buckets of every sweep and on nothing else: the rollout's seconds per
+  decode step beyond the roofline (`CostConfig.decode_step_s`; `fit_decode_step`). It is
+  needed because the roofline has no cost per token that does not grow with the context, and
+  a tiny model on a CPU core has a large one: without it the rate falls with the context
+  about twice as fast as measured, and no first-principles count of the engine's per-step
+  Python gives it. A fit on one layout's context slope, it is then checked on layouts that
+  decode 11, 16 or 32 sequences per replica, where it weighs differently. A run's error is
+  its predicted whole-run rate (its own tokens per bucket at the predicted bucket rates) over
+  the measured one, minus 1.
 - **OOM.** The memory-bound runs (`bench/selector.py --memory-bound`: `sizing`, `measured_oom`) sized
   the trainer's device so that the step-0 pick is killed once a step's micro-batch passes a
   cap. The model's prediction: the largest micro-batch (tokens, at the step's longest context)
@@ -31,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import math
 import re
 import statistics
 from collections.abc import Iterable, Mapping
@@ -46,6 +56,15 @@ MODEL_DIR = RUNS / "warm" / "weights_start"
 FIT_LAYOUT = "d2/r1-t1/w4096/mb8k"
 CORES = 2
 ROLLOUT_SEQS = 32  # the gauntlet's batch: sequences the rollout decodes at once
+# A step's token-weighted trajectory length (sum L^2 / sum L, what attention costs) over its
+# longest. The gauntlet plays games until the first loss at a loss rate that changes slowly
+# over the steps, so a step's lengths are about exponential (geometric in games) with some
+# mean m: their token-weighted length is E[L^2] / E[L] = 2m, the longest of n is m x H(n)
+# (the n-th harmonic number), so the share is 2 / H(n): 0.49 for the batch's 32 episodes.
+# Not measured per step: the runs keep no per-step lengths (`by_context` holds tokens and
+# seconds per bucket only).
+ATTENTION_SHARE = 2 / sum(1 / k for k in range(1, ROLLOUT_SEQS + 1))
+DECODE_STEP_MAX_S = 0.02  # the fit's search range for `decode_step_s`, at one core
 MIN_BUCKET_S = 5.0  # buckets with fewer loop seconds are noise, not a rate
 TOLERANCE = 0.10
 _LAYOUT = re.compile(r"d(\d+)/r(\d+)(?:tp(\d+))?-t(\d+)/w(\d+)/mb(\d+)k")
@@ -84,29 +103,38 @@ class MeasuredRun:
 
 
 def cpu_cost(devices: int, reserve_mib: float, *, cores: int = CORES,
-             model_dir: Path = MODEL_DIR) -> CostModel:
+             model_dir: Path = MODEL_DIR, decode_step_s: float = 0.0) -> CostModel:
     """The runtime's cost model of the tiny model (`cost_model_of`, cpu=True), each device
-    holding `cores / devices` of a core (both roofs scale alike)."""
+    holding `cores / devices` of a core (both roofs, and `decode_step_s`, the seconds of a
+    decode step beyond the roofline on one whole core, scale alike)."""
     cost = cost_model_of(str(model_dir), reserve_mib=reserve_mib, cpu=True)
     share = min(1.0, cores / devices)
     cfg = dataclasses.replace(cost.config, peak_flops=cost.config.peak_flops * share,
-                              mem_bw=cost.config.mem_bw * share)
+                              mem_bw=cost.config.mem_bw * share,
+                              decode_step_s=decode_step_s / share)
     return CostModel(cost.shape, cfg)
 
 
 def predicted_rate(cost: CostModel, lay: StaticLayout, bucket: int, capacity: float,
-                   *, rollout_seqs: int = ROLLOUT_SEQS) -> float:
+                   *, rollout_seqs: int = ROLLOUT_SEQS,
+                   attention_share: float = ATTENTION_SHARE) -> float:
     """Roofline tokens/s of the loop at `bucket`: the slower of rollout and trainer (the
     policy's `score` of a plan), the trainer at its budget or the largest micro-batch that fits
-    `capacity` bytes, the rollout decoding its share of `rollout_seqs` per replica."""
+    `capacity` bytes (at the longest context), the rollout decoding its share of
+    `rollout_seqs` per replica; attention at `attention_share` of the context (the tokens'
+    token-weighted length)."""
     ctx = min(bucket, lay.window)
+    att = attention_share * ctx
     rpar = Parallel(tp=lay.rollout_tp, dp=lay.replicas)
-    busy = -(-rollout_seqs // lay.replicas) * ctx
-    roll = cost.tokens_per_s("rollout", rpar, ctx, batch_tokens=busy)
+    # the KV a decode step reads: its sequences at their current positions, on average half
+    # their token-weighted length
+    seqs = -(-rollout_seqs // lay.replicas)
+    roll = cost.tokens_per_s("rollout", rpar, ctx, batch_tokens=seqs * ctx, attention_len=att,
+                             kv_tokens=round(seqs * att / 2))
     tpar = Parallel(dp=lay.trainer_dp)
     fit = cost.max_micro_batch_tokens("train", tpar, ctx, capacity)
     mb = max(ctx, min(lay.micro_batch_tokens, fit or ctx))
-    train = cost.tokens_per_s("train", tpar, ctx, batch_tokens=mb)
+    train = cost.tokens_per_s("train", tpar, ctx, batch_tokens=mb, attention_len=att)
     return min(roll, train)
 
 
@@ -151,32 +179,34 @@ def load_runs(folder: Path = RUNS) -> list[MeasuredRun]:
 
 def rate_calibration(runs: list[MeasuredRun], *, reserve_mib: float = 0.0,
                      fit_layout: str = FIT_LAYOUT) -> dict[str, object]:
-    """Fit one factor per sweep on `fit_layout`'s buckets, predict the other runs (held out).
+    """Fit `decode_step_s` and one factor per sweep on `fit_layout`'s buckets, predict the
+    other runs (held out).
 
     Returns:
-        `rule`, per sweep its fitted `scale` and `context_slope` (the fit layout's), per
-        held-out run its measured and predicted tokens/s and `error`, `held_out`
-        (`error_summary` of the runs), `rate_within_10pct`, and `bucket_error_mean` (the mean
-        error per bucket: a trend names a term whose dependence on the context is off).
+        `rule`, `attention_share`, the fitted `decode_step_s`, per sweep its fitted `scale`
+        and `context_slope` (the fit layout's), per held-out run its measured and predicted
+        tokens/s and `error`, `held_out` (`error_summary` of the runs), `rate_within_10pct`,
+        and `bucket_error_mean` (the mean error per bucket: a trend names a term whose
+        dependence on the context is off).
     """
     sweeps: dict[str, list[MeasuredRun]] = {}
     for r in runs:
         sweeps.setdefault(r.sweep, []).append(r)
+    sweeps = {k: v for k, v in sweeps.items()
+              if len(v) >= 2 and any(fit_layout in r.name for r in v)}
+    fits = [next(r for r in v if fit_layout in r.name) for v in sweeps.values()]
+    step_s = fit_decode_step(fits, reserve_mib=reserve_mib)
     rows: list[dict[str, object]] = []
     scales: dict[str, float] = {}
     slopes: dict[str, dict[str, float]] = {}
     bucket_errors: dict[int, list[float]] = {}
-    for sweep, members in sorted(sweeps.items()):
-        fit = [r for r in members if fit_layout in r.name]
-        if not fit or len(members) < 2:
-            continue
-        pred = {r.name: _bucket_rates(r, reserve_mib) for r in members}
-        scale = fit_scale((fit[0].by_context[b][0] / fit[0].by_context[b][1], p)
-                          for b, p in pred[fit[0].name].items())
+    for (sweep, members), fit in sorted(zip(sweeps.items(), fits, strict=True)):
+        pred = {r.name: _bucket_rates(r, reserve_mib, step_s) for r in members}
+        scale = fit_scale(_pairs(fit, pred[fit.name]))
         scales[sweep] = round(scale, 4)
-        slopes[sweep] = context_slope(fit[0].by_context, pred[fit[0].name])
+        slopes[sweep] = context_slope(fit.by_context, pred[fit.name])
         for r in members:
-            if r is fit[0] or not pred[r.name]:
+            if r is fit or not pred[r.name]:
                 continue
             rate = {b: p * scale for b, p in pred[r.name].items()}
             measured, predicted = whole_run_rate(r.by_context, rate)
@@ -191,13 +221,45 @@ def rate_calibration(runs: list[MeasuredRun], *, reserve_mib: float = 0.0,
         "what": "trained tokens per loop second of each static run (end to end, async loop), "
                 "per context bucket of a step's longest trajectory (`by_context`)",
         "rule": f"per sweep (commit), one factor fitted on {fit_layout}'s buckets (geometric "
-                f"mean of measured / roofline); every other run of the sweep held out; buckets "
-                f"of < {MIN_BUCKET_S:g} s left out",
+                f"mean of measured / roofline), and across sweeps one decode_step_s fitted on "
+                f"the same buckets (least squares of log measured / predicted); every other "
+                f"run of a sweep held out; attention at {ATTENTION_SHARE:.3f} of the bucket "
+                f"(2 / H({ROLLOUT_SEQS}), not fitted); buckets of < {MIN_BUCKET_S:g} s left out",
+        "attention_share": round(ATTENTION_SHARE, 4), "decode_step_s": round(step_s, 6),
         "scale_per_sweep": scales, "context_slope": slopes, "held_out_runs": rows, "held_out": held,
         "rate_within_10pct": held["within"],
         "bucket_error_mean": {str(b): round(statistics.fmean(e), 3)
                               for b, e in sorted(bucket_errors.items())},
     }
+
+
+def fit_decode_step(fits: list[MeasuredRun], *, reserve_mib: float = 0.0,
+                    hi: float = DECODE_STEP_MAX_S) -> float:
+    """The rollout's seconds per decode step beyond the roofline (one core) that best fit
+    `fits` (one run per sweep, each with its own `fit_scale`): least squares of log measured
+    over predicted bucket rates, by golden-section search over [0, `hi`] (to 10 us)."""
+    def loss(step_s: float) -> float:
+        out = 0.0
+        for r in fits:
+            pairs = _pairs(r, _bucket_rates(r, reserve_mib, step_s))
+            scale = fit_scale(pairs)
+            out += sum(math.log(m / (p * scale)) ** 2 for m, p in pairs)
+        return out
+
+    lo, g = 0.0, (math.sqrt(5) - 1) / 2
+    a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+    fa, fb = loss(a), loss(b)
+    while hi - lo > 1e-5:
+        if fa <= fb:
+            hi, b, fb = b, a, fa
+            a = hi - g * (hi - lo)
+            fa = loss(a)
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + g * (hi - lo)
+            fb = loss(b)
+    best = (lo + hi) / 2
+    return 0.0 if loss(0.0) <= loss(best) else best  # the bound itself: no overhead
 
 
 def context_slope(by_context: Mapping[int, tuple[float, float]],
@@ -210,11 +272,16 @@ def context_slope(by_context: Mapping[int, tuple[float, float]],
             "predicted": round(predicted[hi] / predicted[lo], 3)}
 
 
-def _bucket_rates(r: MeasuredRun, reserve_mib: float) -> dict[int, float]:
-    cost = cpu_cost(r.layout.devices, reserve_mib)
+def _bucket_rates(r: MeasuredRun, reserve_mib: float, decode_step_s: float
+                  ) -> dict[int, float]:
+    cost = cpu_cost(r.layout.devices, reserve_mib, decode_step_s=decode_step_s)
     cap = r.device_mib * 2**20
     return {b: predicted_rate(cost, r.layout, b, cap)
             for b, (t, s) in r.by_context.items() if s >= MIN_BUCKET_S and t > 0}
+
+
+def _pairs(r: MeasuredRun, predicted: Mapping[int, float]) -> list[tuple[float, float]]:
+    return [(r.by_context[b][0] / r.by_context[b][1], p) for b, p in predicted.items()]
 
 
 def predicted_oom_tokens(cost: CostModel, context: int, device_mib: float) -> int:

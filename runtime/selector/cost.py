@@ -22,7 +22,7 @@ Not here: choosing a configuration (`policy`), measuring (`profile`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -119,6 +119,12 @@ class CostConfig:
             roofs of `tokens_per_s` (H100 by default). Only their ratio matters to a run (its
             measured rates rescale the roofline): a GPU decodes bandwidth bound up to ~300
             FLOPs per byte, a CPU core is compute bound from ~4.
+        decode_step_s: seconds one decode step of a rollout replica costs on one device beyond
+            its roofline, whatever its batch (the engine's scheduling and sampling, kernel
+            launches): per token it weighs `1 / sequences`, so a replica that decodes fewer
+            sequences at once pays more of it. 0 by default (a GPU's is small beside its
+            roofline at a cluster's batch); a tiny model on a CPU core pays ~1.3 ms, as much
+            as decoding ~200 sequences (`bench/_selector_calibration.py` fits it).
     """
 
     weight_bytes: float = 2.0
@@ -135,8 +141,12 @@ class CostConfig:
     tp_overhead: float = 0.06
     peak_flops: float = 989e12
     mem_bw: float = 3.35e12
+    decode_step_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.decode_step_s < 0:
+            raise ValueError(f"CostConfig.decode_step_s must be >= 0 (seconds per decode "
+                             f"step), got {self.decode_step_s}")
         if not 0 <= self.tp_overhead < 1:
             raise ValueError(f"CostConfig.tp_overhead must be in [0, 1), got {self.tp_overhead}")
         if self.peak_flops <= 0 or self.mem_bw <= 0:
@@ -284,7 +294,8 @@ class CostModel:
 
     # ---- throughput (roofline; profiles override) ---------------------------------------
     def tokens_per_s(self, stage: Stage, par: Parallel, seq_len: int, *, batch_tokens: int,
-                     mfu: float = 0.4, step_tokens: int = 0) -> float:
+                     mfu: float = 0.4, step_tokens: int = 0, attention_len: float = 0.0,
+                     kv_tokens: int = 0) -> float:
         """Tokens/s of the whole layout (all its devices) for one context length, on devices of
         `CostConfig.peak_flops` and `mem_bw`.
 
@@ -293,26 +304,52 @@ class CostModel:
         `batch_tokens` resident tokens once and computes 2 FLOPs per parameter (plus attention)
         for each sequence: it takes the longer of the two (on a GPU the read, on a CPU core the
         compute from a few sequences on, where batching more sequences into one replica no
-        longer amortizes anything). Each doubling of TP costs
+        longer amortizes anything), plus `CostConfig.decode_step_s`. Each doubling of TP costs
         `CostConfig.tp_overhead` of efficiency (communication), PP a bubble of (pp-1)/(micro-batches),
         where a DP replica's micro-batches are `step_tokens / (dp * batch_tokens)` (4 x pp when
         `step_tokens` is 0).
+
+        Attention is priced at the tokens' positions: a token at position p attends to p
+        others (causal), so a sequence of L tokens costs 4 x layers x hidden x L^2 / 2 FLOPs
+        forward, `2 x layers x hidden x attention_len` per token of sequences whose
+        token-weighted length (`token_weighted_length`) is `attention_len`; 0 prices every
+        sequence at `seq_len` (all at the longest: an upper bound). Likewise a decode step
+        reads `kv_tokens` of KV cache, its sequences at their current positions (0: all
+        `batch_tokens`, at the longest). Memory is `memory`'s, at the longest.
         """
         s, c = self.shape, self.config
         eff = (1 - c.tp_overhead) ** (par.tp.bit_length() - 1)
-        attn = 2 * s.layers * s.hidden * seq_len  # QK^T and AV per token (causal: half of 4)
+        attn = 2 * s.layers * s.hidden * (attention_len or seq_len)
         if stage == "rollout":
             seqs = max(1, batch_tokens // seq_len)
-            step_bytes = (self.weight_bytes(par) + self.kv_bytes_per_token(par) * batch_tokens)
+            kv = kv_tokens or batch_tokens
+            step_bytes = self.weight_bytes(par) + self.kv_bytes_per_token(par) * kv
             step_flops = seqs * 2 * (s.params + attn) / (par.tp * par.pp)
             step_s = max(step_bytes / c.mem_bw, step_flops / (c.peak_flops * mfu))
-            return seqs / step_s * eff * par.dp
+            return seqs / (step_s + c.decode_step_s) * eff * par.dp
         flops = (6 if stage == "train" else 2) * (s.params + attn)
         if stage == "train" and (par.recompute or c.recompute):
             flops = flops * 4 // 3  # one more forward
         micro = max(1, step_tokens // (par.dp * batch_tokens)) if step_tokens else 4 * par.pp
         bubble = micro / (micro + par.pp - 1)
         return par.devices * c.peak_flops * mfu * eff * bubble / flops
+
+
+def token_weighted_length(lengths: Iterable[int]) -> float:
+    """sum(L^2) / sum(L) of sequences of `lengths`: the length at which `tokens_per_s` prices
+    their attention exactly (a token's average attended length, times two). Equals the length
+    when all are alike, and lies below the longest otherwise.
+
+    >>> token_weighted_length([1024, 1024])
+    1024.0
+    >>> token_weighted_length([1024, 3072])
+    2560.0
+    """
+    ls = [int(n) for n in lengths]
+    total = sum(ls)
+    if total <= 0:
+        raise ValueError("token_weighted_length: needs at least one sequence of > 0 tokens")
+    return sum(n * n for n in ls) / total
 
 
 def paper_points(model: CostModel | None = None) -> dict[int, float]:

@@ -111,3 +111,30 @@ def test_the_saved_runs_load_with_their_sweeps() -> None:
     runs = cal.load_runs()
     assert runs and all(r.sweep and r.by_context for r in runs)
     assert any(cal.FIT_LAYOUT in r.name for r in runs)
+
+
+def test_the_decode_step_fit_recovers_the_overhead_the_fit_layout_ran_with() -> None:
+    # the fit layout measured with 3 ms per decode step (one core): the fit finds it from its
+    # buckets alone, and a held-out layout run with the same overhead is then predicted exactly
+    buckets = (768, 1024, 2048, 4096)
+
+    def run(name: str) -> object:
+        lay = cal.StaticLayout.parse(name)
+        cost = cal.cpu_cost(lay.devices, 0.0, decode_step_s=0.003)
+        return _run(name, "s1", {b: (2.0 * cal.predicted_rate(cost, lay, b, 2934 * 2**20) * 10,
+                                     10.0) for b in buckets})
+
+    out = cal.rate_calibration([run("static/d2/r1-t1/w4096/mb8k"),
+                                run("static/d4/r1tp2-t2/w4096/mb64k")])
+    assert out["decode_step_s"] == pytest.approx(0.003, abs=2e-5)
+    assert out["held_out"]["max_abs_error"] <= 0.005
+
+
+def test_attention_is_priced_below_the_bucket_at_the_steps_token_weighted_share() -> None:
+    # a step's trajectories lie below its longest: attention at 2 / H(32) of the bucket
+    assert cal.ATTENTION_SHARE == pytest.approx(0.4928, abs=1e-4)
+    lay = cal.StaticLayout.parse("static/d2/r1-t1/w4096/mb8k")
+    cost = cal.cpu_cost(2, 0.0)
+    at_share = cal.predicted_rate(cost, lay, 4096, 2934 * 2**20)
+    at_longest = cal.predicted_rate(cost, lay, 4096, 2934 * 2**20, attention_share=1.0)
+    assert at_share > 1.4 * at_longest

@@ -13,6 +13,7 @@ from earl.runtime.selector.cost import (
     ModelShape,
     Parallel,
     paper_points,
+    token_weighted_length,
 )
 
 _sim = load("selector_simulate")
@@ -117,3 +118,42 @@ def test_a_cpu_core_decodes_compute_bound_so_one_tp2_replica_is_not_priced_above
         assert tp2 / two == pytest.approx(tp2_over_two, rel=0.1)
     with pytest.raises(ValueError, match="peak_flops"):
         CostConfig(peak_flops=0)
+
+
+def test_attention_of_a_mixed_micro_batch_is_priced_by_its_tokens_positions() -> None:
+    # one sequence of 1,024 and one of 3,072 tokens: attention costs sum over positions, the
+    # model's 8 x layers x hidden FLOPs per (token, attended position) pair forward times
+    # (1024^2 + 3072^2) / 2 pairs, below both at 3,072 (the bucket)
+    shape = ModelShape(hidden=64, layers=2, heads=2, kv_heads=2, intermediate=192, vocab=320,
+                       params=127_680)
+    m = CostModel(shape, CostConfig(peak_flops=1e11))
+    lengths = [1024, 3072]
+    att = token_weighted_length(lengths)
+    assert att == pytest.approx((1024**2 + 3072**2) / 4096)
+    tokens = sum(lengths)
+    fwd_flops = 2 * shape.params * tokens + 8 * shape.layers * shape.hidden * sum(
+        n * n for n in lengths) / 2
+    for stage, mult in (("train", 3), ("reference", 1)):
+        mixed = m.tokens_per_s(stage, Parallel(), 3072, batch_tokens=tokens, attention_len=att)
+        longest = m.tokens_per_s(stage, Parallel(), 3072, batch_tokens=tokens)
+        assert mixed == pytest.approx(1e11 * 0.4 * tokens / (mult * fwd_flops))
+        assert mixed > 1.1 * longest
+    with pytest.raises(ValueError, match="token_weighted_length"):
+        token_weighted_length([])
+
+
+def test_a_decode_step_overhead_weighs_more_on_a_replica_of_fewer_sequences() -> None:
+    shape = ModelShape(hidden=64, layers=2, heads=2, kv_heads=2, intermediate=192, vocab=320,
+                       params=127_680)
+    ctx = 1024
+    plain = CostModel(shape, CostConfig(peak_flops=1.06e11, mem_bw=2.4e10, tp_overhead=0.0))
+    slow = CostModel(shape, CostConfig(peak_flops=1.06e11, mem_bw=2.4e10, tp_overhead=0.0,
+                                       decode_step_s=0.002))
+    for seqs in (8, 32):
+        p = plain.tokens_per_s("rollout", Parallel(), ctx, batch_tokens=seqs * ctx)
+        s = slow.tokens_per_s("rollout", Parallel(), ctx, batch_tokens=seqs * ctx)
+        assert 1 / s == pytest.approx(1 / p + 0.002 / seqs)
+    assert slow.tokens_per_s("train", Parallel(), ctx, batch_tokens=ctx) == \
+        plain.tokens_per_s("train", Parallel(), ctx, batch_tokens=ctx)
+    with pytest.raises(ValueError, match="decode_step_s"):
+        CostConfig(decode_step_s=-1.0)
