@@ -381,7 +381,9 @@ def main(argv: list[str] | None = None) -> int:
                                            for g in args.gpus]
     out = {"calibration": cal, "paper_memory": calibration(), "runs": runs}
     if args.save:
-        _results.save("selector_simulate", out, quick=args.calibrate_only, begun=begun)
+        # a calibration alone is its own record: the README's row needs the simulation
+        _results.save("selector_calibration" if args.calibrate_only else "selector_simulate",
+                      out, quick=False, begun=begun)
     if args.json:
         print(json.dumps(out))
         return 0
