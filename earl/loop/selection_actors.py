@@ -198,6 +198,10 @@ CPU_TP_OVERHEAD, GPU_TP_OVERHEAD = 0.25, 0.06
 # ran 106 GFLOP/s, a 4,096^2 fp32 matrix-vector product streamed 24 GB/s. A device's CPU share
 # scales both alike; their ratio puts decode on CPU devices compute bound.
 CPU_PEAK_FLOPS, CPU_MEM_BW = 1.06e11, 2.4e10
+# One decode step's cost beyond the roofline on one CPU core (vLLM's scheduling and sampling),
+# fitted on one layout's measured rates and held out on the others
+# (`bench/_selector_calibration.py`, `fit_decode_step`)
+CPU_DECODE_STEP_S = 1.34e-3
 
 
 def cost_model_of(model_dir: str, *, reserve_mib: float, dtype_bytes: int = 4,
@@ -219,7 +223,8 @@ def cost_model_of(model_dir: str, *, reserve_mib: float, dtype_bytes: int = 4,
                                        logit_bytes=logit_bytes,
                                        reserve_bytes=reserve_mib * 2**20,
                                        tp_overhead=tp_overhead,
-                                       **({"peak_flops": CPU_PEAK_FLOPS, "mem_bw": CPU_MEM_BW}
+                                       **({"peak_flops": CPU_PEAK_FLOPS, "mem_bw": CPU_MEM_BW,
+                                           "decode_step_s": CPU_DECODE_STEP_S}
                                           if cpu else {})))
 
 
