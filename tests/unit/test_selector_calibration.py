@@ -138,3 +138,17 @@ def test_attention_is_priced_below_the_bucket_at_the_steps_token_weighted_share(
     at_share = cal.predicted_rate(cost, lay, 4096, 2934 * 2**20)
     at_longest = cal.predicted_rate(cost, lay, 4096, 2934 * 2**20, attention_share=1.0)
     assert at_share > 1.4 * at_longest
+
+
+def test_a_decode_step_outside_the_slot_does_not_slow_with_the_share() -> None:
+    lay = cal.StaticLayout.parse("static/d4/r2-t2/w4096/mb64k")
+    cap = 2934 * 2**20
+    rate = {in_slot: cal.predicted_rate(cal.cpu_cost(lay.devices, 0.0, decode_step_s=0.002,
+                                                     step_in_slot=in_slot), lay, 768, cap)
+            for in_slot in (True, False)}
+    assert rate[False] > 1.3 * rate[True]  # half a core: the in-slot step costs twice
+    whole = cal.StaticLayout.parse("static/d2/r1-t1/w4096/mb64k")
+    same = {in_slot: cal.predicted_rate(cal.cpu_cost(whole.devices, 0.0, decode_step_s=0.002,
+                                                     step_in_slot=in_slot), whole, 768, cap)
+            for in_slot in (True, False)}
+    assert same[True] == same[False]  # a whole core: the two readings agree
