@@ -216,10 +216,10 @@ def summarize(steps: list[dict[str, float]], batch: int, gen_len: float, wall_s:
 
 def run_earl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: float,
              threshold: float, lag: int, over_sample: int = 0, groups: int = 0,
-             whole: bool = False) -> dict[str, Any]:
+             whole: bool = False, replicas: int = 1) -> dict[str, Any]:
     """One `earl train --agent ... [--reward ...]` run in its own process tree: partial
     rollouts with at most `groups` groups out at once (0: `earl train`'s own), or whole batches
-    with `over_sample` groups cut per batch."""
+    with `over_sample` groups cut per batch; `replicas` vLLM rollout replicas."""
     r = RECIPE
     if task == "agentic":  # the agent returns its own reward; contexts grow over 12 turns
         n_eval = EVAL_TASKS
@@ -242,6 +242,7 @@ def run_earl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: 
            "--algorithm.kl_coef=0.0", "--algorithm.name=grpo", f"--max_policy_lag={lag}",
            f"--over_sample_groups={over_sample}",
            f"--partial_rollouts={'off' if over_sample or whole else 'continue'}",
+           f"--placement.rollout={replicas}",
            *([f"--max_concurrent_groups={groups}"] if groups and not (over_sample or whole)
              else [])]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -331,6 +332,9 @@ def main() -> None:
     ap.add_argument("--earl-groups", type=int, default=None,
                     help="EARL's max_concurrent_groups with partial rollouts (default 20 "
                          "agentic: 160 episodes, what lag 4 allowed; 0 = earl train's own)")
+    ap.add_argument("--earl-rollout", type=int, default=1,
+                    help="EARL's vLLM rollout replicas (placement.rollout) with partial "
+                         "rollouts (default 1)")
     ap.add_argument("--earl-over-sample", type=int, default=None,
                     help="also run EARL with this many over-sampled groups per batch "
                          "(`over_sample_groups`; default 2 agentic, 0 = skip; echo: 0)")
@@ -417,7 +421,8 @@ def main() -> None:
                 if side == "earl":
                     earl_runs.append(run_earl(a.task, model, train, ev, root / f"earl{i}",
                                               seconds, a.threshold, a.earl_lag,
-                                              groups=a.earl_groups))
+                                              groups=a.earl_groups,
+                                              replicas=a.earl_rollout))
                     if a.earl_whole_batches:
                         whole_runs.append(run_earl(a.task, model, train, ev,
                                                    root / f"earl{i}_whole", seconds,
@@ -457,6 +462,7 @@ def main() -> None:
         **versus(e, t), **same_work(e, t), "eval": {"earl": e["final_eval"], "trl_best": t["final_eval"]},
         "task": a.task, "threshold": a.threshold, "rounds": rounds, "budget_s": seconds,
         "recipe": RECIPE, "earl_max_policy_lag": a.earl_lag, "model": model.name,
+        "earl_max_concurrent_groups": a.earl_groups, "earl_rollout_replicas": a.earl_rollout,
         "loadavg_start": round(load0, 2), "loadavg_end": round(os.getloadavg()[0], 2),
         "cpus": os.cpu_count()}
     out["goals"] = goals(out)
