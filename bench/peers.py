@@ -28,8 +28,9 @@ Tasks (`--task`):
 
 EARL runs through its public CLI (`earl train --agent [--reward]`, its default placement: vLLM
 rollout, producer and trainer actors) with `max_policy_lag` `--earl-lag` (16 agentic, 1 echo)
-and partial rollouts (`--earl-groups` groups out at once, 20 agentic): a step trains the first
-groups done and a group still running is carried over, so a 12-turn episode spans up to ~15
+and partial rollouts (`--earl-groups` groups out at once, 32 agentic, over `--earl-rollout`
+vLLM replicas, 2 agentic): a step trains groups already done and a group still running is
+carried over, so a 12-turn episode spans up to ~15
 steps of 0.3 s; the bound of 16 keeps it (and TRL gets the same bound, `steps_per_generation`
 17). Its figures add ``straggler_wait_share`` (the trainer's wait from a step's first done
 group to its last, over the steps' time), ``slot_idle_share``, ``stale_groups`` (dropped over
@@ -330,11 +331,12 @@ def main() -> None:
                     help="EARL's max_policy_lag, the staleness bound of both sides (default 16 "
                          "agentic: heavy-tailed episodes span many 0.3 s steps; 1 echo)")
     ap.add_argument("--earl-groups", type=int, default=None,
-                    help="EARL's max_concurrent_groups with partial rollouts (default 20 "
-                         "agentic: 160 episodes, what lag 4 allowed; 0 = earl train's own)")
-    ap.add_argument("--earl-rollout", type=int, default=1,
+                    help="EARL's max_concurrent_groups with partial rollouts (default 32 "
+                         "agentic: 256 episodes over two replicas; 0 = earl train's own)")
+    ap.add_argument("--earl-rollout", type=int, default=None,
                     help="EARL's vLLM rollout replicas (placement.rollout) with partial "
-                         "rollouts (default 1)")
+                         "rollouts (default 2 agentic: one engine saturates a core while the "
+                         "trainer waits; 1 echo)")
     ap.add_argument("--earl-over-sample", type=int, default=None,
                     help="also run EARL with this many over-sampled groups per batch "
                          "(`over_sample_groups`; default 2 agentic, 0 = skip; echo: 0)")
@@ -366,7 +368,9 @@ def main() -> None:
     if a.earl_lag is None:
         a.earl_lag = 16 if a.task == "agentic" else 1
     if a.earl_groups is None:
-        a.earl_groups = 20 if a.task == "agentic" else 0
+        a.earl_groups = 32 if a.task == "agentic" else 0
+    if a.earl_rollout is None:
+        a.earl_rollout = 2 if a.task == "agentic" else 1
     if a.earl_whole_batches is None:
         a.earl_whole_batches = a.task == "agentic" and not a.quick
     if a.earl_over_sample is None:
