@@ -10,7 +10,8 @@ Which done group goes first: the one whose oldest token is oldest (ties: the fir
 the rollout outruns the trainer, done groups queue here; taken first-done-first, a long episode
 that finished near the staleness bound would wait behind fresh short ones and go stale in the
 queue, so the bound would drop the long tasks (and the trained episodes would be shorter than
-the task's). Oldest first, a group is dropped only if it was already over the bound when done.
+the task's). Oldest first, the groups nearest the bound train first, and what the bound drops
+is mostly what was over it when done.
 """
 
 from __future__ import annotations
