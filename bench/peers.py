@@ -257,7 +257,7 @@ def run_earl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: 
     # the trained trajectories' lengths (the ones trajectories/s counts; TRL trains all it
     # plays): the dump is a sample of played groups, failed episodes always in it, and a
     # run's last groups played but never trained
-    n_eps = sum(int(m["episodes"]) for m in trained)
+    n_eps = max(sum(int(m["episodes"]) for m in trained), 1)  # none: summarize says why
     gen_len = sum(float(m["generated_mean"]) * int(m["episodes"]) for m in trained) / n_eps
     turns = sum(float(m["turns_mean"]) * int(m["episodes"]) for m in trained) / n_eps
     s = summarize(steps, RECIPE["batch_size"], gen_len, res["wall_minutes"] * 60, cpu, threshold)
