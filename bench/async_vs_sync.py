@@ -8,24 +8,28 @@ seed, steps and budget, each mode repeated, runs interleaved so machine drift hi
 `--workload agentic` (bench/_agentic_workload.py) is where asynchrony matters for the reason it
 matters in practice: multi-turn episodes with heavy-tailed turn counts whose every turn waits on
 a tool with real latency (the sandboxed `python` tool, a lognormal-latency lookup). A
-synchronous pipeline idles while its slowest trajectories wait; the async run (`--lag`, 4 by
-default here) keeps several batches in flight. Quality is the agent's mean reward on held-out
-tasks (greedy; the share of turns that answer the task's key, ~0.1 for a guess),
-`final_quality` in both objects.
+synchronous pipeline idles while its slowest trajectories wait; the async run keeps episodes
+going across steps with partial rollouts (`earl train`'s default): `--groups` groups out at once
+(64 of 4 here: 256 episodes, as bench/peers.py), `--rollout` replicas (2), `--lag` 16 (the bound
+bench/peers.py gives both sides). Quality is the agent's mean reward on held-out tasks
+(greedy; the share of turns that answer the task's key, ~0.1 for a guess), `final_quality` in
+both objects; `turns_per_trajectory` and `model_tokens_per_trajectory` (over the trained
+trajectories of the steady state) say whether both modes did the same work.
 
-The sync baseline gets its best configuration, chosen in the same run. Async at lag L has up to
-L+1 batches in flight; on a waiting-bound workload concurrency alone can decide the result, so
-sync is also offered the same concurrency: play L+1 batches as one round (`batch_size` x (L+1)),
-then train them (one step). Its stages do not overlap, so it may use every core: 1 and 2
-threads per actor (`placement.threads`). The first round runs every sync
-configuration (threads x {1, L+1} batches per round) and the fastest is the baseline for the
-remaining repeats, interleaved with async (a configuration 10x slower on a loaded machine would
-otherwise dominate the run time). The async run uses 1 thread per actor (its stages overlap).
+The sync baseline gets its best configuration, chosen in the same run. On a waiting-bound
+workload concurrency alone can decide the result, so sync is offered concurrency too: play
+several batches as one round (`batch_size` x rounds, then one step trains them; tic-tac-toe:
+1 and L+1 rounds, agentic: 1, 5, 10 and 20, i.e. 32 to 640 episodes in flight). Its stages
+do not overlap, so it may use every core: `--sync-threads` per actor (`placement.threads`; 1
+and 2, agentic 1) and `--sync-rollout` replicas (agentic 1 and 2). The first round runs every
+sync configuration and the fastest is the baseline for the remaining repeats, interleaved with
+async (a configuration 10x slower on a loaded machine would otherwise dominate the run time).
+The async run uses 1 thread per actor (its stages overlap).
 
 Throughput is steady state: trajectories per second between the run's own per-step log lines,
-after the pipeline has filled (async: from the end of step L+1, the batches started before the
-first step was trained are not counted; sync: from the end of step 1), so start-up, warm start
-and the final eval are not counted; evals during the loop are off. Quality comes from the final
+after the pipeline has filled (async: from the end of step in_flight / batch_size, L+1 with
+whole batches: the batches started before the first step was trained are not counted; sync:
+from the end of step 1), so start-up, warm start and the final eval are not counted; evals during the loop are off. Quality comes from the final
 greedy eval on at least 200 held-out episodes, the same in every run. Prints one JSON object:
 
 - ``async`` / ``sync_best``: ``trajectories_per_s`` (mean over repeats), ``in_flight``
@@ -70,9 +74,25 @@ def tree_cpu_s() -> float:
     return total
 
 
+def trained_work(metrics: str, fill: int) -> dict[str, float]:
+    """Turns and model tokens per trained trajectory over the steady-state steps (after `fill`),
+    weighted by each step's episodes: the work both modes must do alike."""
+    with open(metrics) as f:
+        rows = [json.loads(x) for x in f if x.strip()]
+    steps = [r for r in rows if "turns_mean" in r and "step" in r][fill + 1:]
+    n = sum(int(r["episodes"]) for r in steps)
+    if not n:
+        return {"turns_per_trajectory": float("nan"), "model_tokens_per_trajectory": float("nan")}
+    return {k: round(sum(float(r[src]) * int(r["episodes"]) for r in steps) / n, 3)
+            for k, src in (("turns_per_trajectory", "turns_mean"),
+                           ("model_tokens_per_trajectory", "generated_mean"))}
+
+
 def run_once(lag: int, threads: int, rounds: int, overrides: list[str], out: str,
-             quality_key: str = "win_draw_rate") -> dict[str, object]:
-    """One `earl train` run (`rounds` batches per step); its steady-state throughput."""
+             quality_key: str = "win_draw_rate", replicas: int = 1,
+             groups: int = 0) -> dict[str, object]:
+    """One `earl train` run (`rounds` batches per step, `replicas` rollout engines; async:
+    `groups` out at once, 0 for the config's default); its steady-state throughput."""
     from earl.config import load_config
     from earl.run import train
 
@@ -80,9 +100,10 @@ def run_once(lag: int, threads: int, rounds: int, overrides: list[str], out: str
     steps = max(3, -(-base.steps // rounds)) if base.steps < 100000 else base.steps
     # sync: whole batches (its stages take turns); async: `earl train`'s default, partial
     # rollouts
-    mode = ["--partial_rollouts=off"] if lag == 0 else []
+    mode = ["--partial_rollouts=off"] if lag == 0 else \
+        [f"--max_concurrent_groups={groups}"] if groups else []
     cfg = load_config(None, [*overrides, *mode, f"--max_policy_lag={lag}", f"--output_dir={out}",
-                             f"--placement.threads={threads}",
+                             f"--placement.threads={threads}", f"--placement.rollout={replicas}",
                              f"--batch_size={base.batch_size * rounds}", f"--steps={steps}"])
     marks: list[tuple[float, float]] = []  # (wall, CPU of the whole process tree) per step
 
@@ -94,20 +115,26 @@ def run_once(lag: int, threads: int, rounds: int, overrides: list[str], out: str
     with redirect_stdout(io.StringIO()):
         res = train(cfg, log=on_log)
     wall = time.perf_counter() - t0
-    fill = lag  # async: the marks of the first lag+1 steps include batches started before
+    in_flight = groups * cfg.group_size if lag and groups else cfg.batch_size * (lag + 1)
+    # async: the marks of the first in_flight / batch_size steps (lag + 1 whole batches)
+    # include batches started before the first step was trained
+    fill = -(-in_flight // cfg.batch_size) - 1
     if len(marks) < fill + 2:
         raise RuntimeError(f"{len(marks)} step lines logged in {wall:.0f} s (steps {res.steps}, "
                            f"stopped by {getattr(res, 'stopped', '?')!r}); the steady state "
                            f"starts after step {fill + 1}: raise --steps or the time limit")
     loop_s = marks[-1][0] - marks[fill][0]
     trajectories = (len(marks) - 1 - fill) * cfg.batch_size
-    return {"max_policy_lag": lag, "threads_per_actor": threads, "steps": len(marks),
-            "batch_size": cfg.batch_size, "in_flight": cfg.batch_size * (lag + 1),
+    return {"max_policy_lag": lag, "threads_per_actor": threads, "rollout_replicas": replicas,
+            "max_concurrent_groups": groups, "steps": len(marks),
+            "batch_size": cfg.batch_size,
+            "in_flight": in_flight,
             "trajectories": trajectories, "loop_seconds": round(loop_s, 2),
             "trajectories_per_s": round(trajectories / loop_s, 2),
             "cores_used": round((marks[-1][1] - marks[fill][1]) / loop_s, 3),
             "final_win_draw": res.eval.get("win_draw_rate", float("nan")),
-            "final_quality": res.eval[quality_key], "wall_s": round(wall, 1)}
+            "final_quality": res.eval[quality_key], "wall_s": round(wall, 1),
+            **trained_work(res.files["metrics"], fill)}
 
 
 def summarize(runs: list[dict[str, object]]) -> dict[str, object]:
@@ -116,6 +143,10 @@ def summarize(runs: list[dict[str, object]]) -> dict[str, object]:
     mean = statistics.fmean(tps)
     return {"max_policy_lag": runs[0]["max_policy_lag"],
             "threads": runs[0]["threads_per_actor"], "in_flight": runs[0]["in_flight"],
+            "rollout_replicas": runs[0]["rollout_replicas"],
+            "max_concurrent_groups": runs[0]["max_concurrent_groups"],
+            **{k: round(statistics.fmean(float(r[k]) for r in runs), 3)  # type: ignore[arg-type]
+               for k in ("turns_per_trajectory", "model_tokens_per_trajectory")},
             "batch_size": runs[0]["batch_size"], "repeats": len(runs),
             "trajectories_per_s": round(mean, 2), "trajectories_per_s_runs": tps,
             "trajectories_per_s_stdev": round(statistics.stdev(tps), 2) if len(tps) > 1 else 0.0,
@@ -140,8 +171,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="async run's max_policy_lag (default 1; 4 for --workload agentic)")
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration (>= 1)")
     p.add_argument("--minutes", type=float, default=4.5, help="loop budget per run (full mode)")
-    p.add_argument("--sync-threads", default="1,2",
-                   help="threads per actor tried for the sync baseline (the best one is used)")
+    p.add_argument("--sync-threads", default=None,
+                   help="threads per actor tried for the sync baseline (the best one is used; "
+                        "default 1,2; agentic 1: 2 threads lost at 32 and 160 in flight, "
+                        "async_vs_sync_agentic-2026-11-26.json, and 2 replicas are tried)")
+    p.add_argument("--rollout", type=int, default=None,
+                   help="the async run's rollout replicas (default 1; 2 for agentic, what "
+                        "bench/peers.py measured best)")
+    p.add_argument("--groups", type=int, default=None,
+                   help="the async run's max_concurrent_groups (default 0, the config's; 64 "
+                        "for agentic: 256 episodes out, as bench/peers.py's 32 groups of 8)")
+    p.add_argument("--sync-rollout", default=None,
+                   help="rollout replicas tried for the sync baseline (default 1; agentic 1,2)")
     p.add_argument("--sync-rounds", default="",
                    help="batches per sync step tried (default: 1 and lag+1, the async run's "
                         "batches in flight; agentic also 5, 10, 20)")
@@ -151,10 +192,16 @@ def main(argv: list[str] | None = None) -> int:
     if a.repeats < 1:
         p.error("--repeats must be >= 1")
     if a.lag is None:
-        a.lag = 4 if a.workload == "agentic" else 1
+        a.lag = 16 if a.workload == "agentic" else 1
     if a.lag < 1:
         p.error("--lag must be >= 1 (the async run)")
+    agentic = a.workload == "agentic"
+    a.sync_threads = a.sync_threads or ("1" if agentic else "1,2")
+    a.sync_rollout = a.sync_rollout or ("1,2" if agentic else "1")
+    a.rollout = a.rollout or (2 if agentic else 1)
+    a.groups = (64 if agentic else 0) if a.groups is None else a.groups
     sync_threads = [int(x) for x in a.sync_threads.split(",")]
+    sync_replicas = [int(x) for x in a.sync_rollout.split(",")]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     # No evals inside the loop (they would pause it), so the target stop never fires and both
@@ -184,22 +231,24 @@ def main(argv: list[str] | None = None) -> int:
         quality_key = "reward"
     # agentic: sync gets 32, 160, 320 and 640 episodes in flight (waiting-bound: concurrency
     # can decide it) besides the async run's own
-    default_rounds = {1, 5, 10, 20} if a.workload == "agentic" else {1}
+    default_rounds = {1, 5, 10, 20} if agentic else {1, a.lag + 1}
     rounds = [int(x) for x in a.sync_rounds.split(",")] if a.sync_rounds else \
-        sorted(default_rounds | {a.lag + 1})
-    Config = tuple[int, int, int]  # (lag, threads, batches per step)
-    sync_configs: list[Config] = [(0, t, m) for t in sync_threads for m in rounds]
-    async_config: Config = (a.lag, 1, 1)
+        sorted(default_rounds)
+    Config = tuple[int, int, int, int]  # (lag, threads, batches per step, rollout replicas)
+    sync_configs: list[Config] = [(0, t, m, n) for n in sync_replicas for t in sync_threads
+                                  for m in rounds]
+    async_config: Config = (a.lag, 1, 1, a.rollout)
     configs = [*sync_configs, async_config]
     runs: dict[Config, list[dict[str, object]]] = {c: [] for c in configs}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
         for rep in range(a.repeats):  # interleaved: every sync setting, async, best sync, ...
-            for lag, threads, m in configs:
+            for lag, threads, m, n in configs:
                 r = run_once(lag, threads, m, common,
-                             os.path.join(d, f"lag{lag}-t{threads}-m{m}-{rep}"), quality_key)
-                runs[(lag, threads, m)].append(r)
-                print(f"lag {lag} threads {threads} rounds {m} rep {rep}: "
+                             os.path.join(d, f"lag{lag}-t{threads}-m{m}-r{n}-{rep}"),
+                             quality_key, replicas=n, groups=a.groups if lag else 0)
+                runs[(lag, threads, m, n)].append(r)
+                print(f"lag {lag} threads {threads} rounds {m} replicas {n} rep {rep}: "
                       f"{r['trajectories_per_s']} traj/s, {r['cores_used']} cores "
                       f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
             if rep == 0:  # the fastest sync configuration of round 0 goes on alone
@@ -214,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
                 steps = int(sync_run["steps"])  # type: ignore[call-overload]
                 equal.append(run_once(a.lag, 1, 1, [*common, f"--steps={steps}",
                                                      "--time_limit_minutes=120"],
-                                      os.path.join(d, f"equal-{rep}"), quality_key))
+                                      os.path.join(d, f"equal-{rep}"), quality_key,
+                                      replicas=a.rollout, groups=a.groups))
     best = summarize(runs[best_c])
     asyn = summarize(runs[async_config])
     cores = os.cpu_count() or 1

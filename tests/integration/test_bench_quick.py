@@ -51,12 +51,15 @@ def check_async_vs_sync(res: dict, repeats: int, sync_threads: list[int]) -> Non
     sync, asyn = res["sync_best"], res["async"]
     lag = asyn["max_policy_lag"]
     assert sync["max_policy_lag"] == 0 and lag >= 1
-    # every (threads, batches per round) sync setting was tried, including the async run's
-    # concurrency: lag + 1 batches in flight
-    tried = {(r["threads"], r["in_flight"]) for r in res["sync_sweep"]}
+    # every (threads, batches per round, replicas) sync setting was tried, including the async
+    # run's concurrency: lag + 1 batches in flight (tic-tac-toe: one replica, whole batches)
+    tried = {(r["threads"], r["in_flight"], r["rollout_replicas"]) for r in res["sync_sweep"]}
     batch = asyn["batch_size"]
-    assert tried == {(t, batch * m) for t in sync_threads for m in (1, lag + 1)}
-    assert asyn["in_flight"] == batch * (lag + 1)
+    assert tried == {(t, batch * m, 1) for t in sync_threads for m in (1, lag + 1)}
+    assert asyn["in_flight"] == batch * (lag + 1) and asyn["rollout_replicas"] == 1
+    # the work per trajectory both modes trained is in the file (tic-tac-toe: one turn)
+    for mode in (sync, asyn):
+        assert mode["turns_per_trajectory"] >= 1 and mode["model_tokens_per_trajectory"] > 0
     # the fastest sync setting of the first round is the baseline and gets every repeat
     assert sync in res["sync_sweep"]
     for other in res["sync_sweep"]:
