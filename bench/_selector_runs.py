@@ -1,6 +1,7 @@
 """One run of `bench/selector.py`'s sweep: its layout (`Config`), the `earl train` child that
 runs it, what its files say (`one`: outcome, tokens/s, contexts, learning, the selector's
-changes, rates per context bucket), the same work at another run's rates (`matched_seconds`),
+changes, rates per context bucket), its slots' CPU time and throttling (`SlotCpuSampler`),
+the same work at another run's rates (`matched_seconds`),
 and the resume by code (`run_or_read_back`, `code_key`, `device_sizes`): a finished run is read back from
 `--out` when the code it executes, the warm start and its arguments are unchanged."""
 
@@ -10,7 +11,9 @@ import json
 import os
 import statistics
 import sys
+import threading
 from dataclasses import dataclass
+from typing import Self
 
 import _results
 
@@ -75,16 +78,107 @@ print(json.dumps(res.to_json()))
 """
 
 
-def run_earl(args: list[str], timeout: float) -> tuple[int, str, str]:
+def run_earl(args: list[str], timeout: float,
+             slot_cpu: dict[str, dict[str, float | None]] | None = None) -> tuple[int, str, str]:
+    """`earl train` with `args` as a child: its exit status, stdout and stderr (124, "",
+    "timeout" past `timeout` s). `slot_cpu`, when given, receives its slots' CPU accounting
+    (`SlotCpuSampler.slot_cpu`), a run cut by the timeout's too."""
+    import contextlib
     import subprocess
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    try:
-        p = subprocess.run([sys.executable, "-c", _CHILD, *args], text=True, capture_output=True,
-                           timeout=timeout, env=env, check=False)
-    except subprocess.TimeoutExpired:
-        return 124, "", "timeout"
-    return p.returncode, p.stdout, p.stderr
+    p = subprocess.Popen([sys.executable, "-c", _CHILD, *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env)
+    sampler = SlotCpuSampler(p.pid) if slot_cpu is not None else None
+    timed_out = False
+    with sampler or contextlib.nullcontext():
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            timed_out = True
+    if sampler is not None and slot_cpu is not None:
+        slot_cpu.update(sampler.slot_cpu())
+    return (124, "", "timeout") if timed_out else (p.returncode, out, err)
+
+
+def _plus(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None:
+        return b if a is None else a
+    return a + b
+
+
+class SlotCpuSampler:
+    """Reads the CPU accounting of child `pid`'s slots (its `SlotPool`'s groups
+    ``earl-<pid>/<slot>``, beside this process's own, which the child inherits) every `every`
+    s while it runs, with `earl.runtime.slots.read_slot_cpu` as `SlotPool.cpu_usage` does: the
+    pool removes its groups at exit, so a slot's last reading stands for the run (the last
+    `every` s of a group may be missed). A group made anew (a joined slot released and joined
+    again) counts from zero: the earlier one's last reading is added to it."""
+
+    def __init__(self, pid: int, every: float = 1.0) -> None:
+        from earl.runtime.cgroups import own_cgroup
+        from earl.runtime.slots import CPU_ROOT, CPUACCT_ROOT
+
+        tag = f"earl-{pid}"
+        self._cpu = os.path.join(CPU_ROOT, own_cgroup("cpu").lstrip("/"), tag)
+        self._acct = os.path.join(CPUACCT_ROOT, own_cgroup("cpuacct").lstrip("/"), tag)
+        self.every = every
+        self._last: dict[str, tuple[int, dict[str, float | None]]] = {}  # group inode, reading
+        self._gone: dict[str, dict[str, float | None]] = {}  # groups of the slot made earlier
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self.read()
+
+    def read(self) -> None:
+        """One reading of every slot group there is now."""
+        from earl.runtime.cgroups import read_int
+        from earl.runtime.slots import read_slot_cpu
+
+        # cpu and cpuacct mounted as one hierarchy: the cpu groups count too (as SlotPool's)
+        acct = self._acct if os.path.isdir(self._acct) else self._cpu
+        try:
+            names = [n for n in os.listdir(acct) if os.path.isdir(os.path.join(acct, n))]
+        except OSError:
+            return
+        for name in names:
+            d, q = os.path.join(acct, name), os.path.join(self._cpu, name)
+            try:
+                quota = q if os.path.isdir(q) and read_int(f"{q}/cpu.cfs_quota_us") > 0 else ""
+                ino, got = os.stat(d).st_ino, read_slot_cpu(d, quota)
+            except (OSError, ValueError, KeyError):  # a group going as the pool closes
+                continue
+            last = self._last.get(name)
+            if last is not None and last[0] != ino:
+                was = self._gone.setdefault(name, {})
+                for k, v in last[1].items():
+                    was[k] = _plus(was.get(k), v)
+            self._last[name] = ino, {"cpu_s": got.cpu_s, "throttled_s": got.throttled_s,
+                                     "nr_throttled": got.nr_throttled}
+
+    def slot_cpu(self) -> dict[str, dict[str, float | None]]:
+        """Slot name -> `cpu_s`, `throttled_s`, `nr_throttled` over the run (the last two None
+        for a slot without a CPU share)."""
+        out: dict[str, dict[str, float | None]] = {}
+        for name, (_, now) in sorted(self._last.items()):
+            was = self._gone.get(name, {})
+            out[name] = {k: _plus(was.get(k), v) for k, v in now.items()}
+            for k in ("cpu_s", "throttled_s"):
+                if (v := out[name][k]) is not None:
+                    out[name][k] = round(v, 3)
+        return out
 
 
 def _rows(out: str) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
@@ -224,7 +318,8 @@ def run_or_read_back(cfg: Config, args: list[str], root: str, code: str | None, 
 
 def one(cfg: Config, args: list[str], root: str, timeout: float) -> dict[str, object]:
     out = f"{root}/{cfg.name.replace('/', '_')}"
-    rc, stdout, stderr = run_earl([*args, f"--output_dir={out}"], timeout)
+    slot_cpu: dict[str, dict[str, float | None]] = {}
+    rc, stdout, stderr = run_earl([*args, f"--output_dir={out}"], timeout, slot_cpu)
     with open(f"{out}.log", "w") as f:  # the run's progress lines and errors, to look at
         f.write(stderr)
     last = stdout.strip().splitlines()[-1] if stdout.strip() else "{}"
@@ -271,7 +366,7 @@ def one(cfg: Config, args: list[str], root: str, timeout: float) -> dict[str, ob
                            f"x{r.get('selector/applied_rollout_tp')}"
                            f"-t{r.get('selector/applied_trainer_dp')}"
                            f"-w{r.get('selector/applied_max_model_len')}" for r in sel}),
-        "by_context": by_context(steps, tokens, step_s),
+        "by_context": by_context(steps, tokens, step_s), "slot_cpu": slot_cpu,
     }
 
 

@@ -45,6 +45,14 @@ killer in a device), `selector_outcome`, `selector_cut_rate` (all its cuts) and
 `selector_cut_rate_below_model` (those by a window it chose), `final_eval` (selector and truncate,
 `--eval` gauntlets each), `goals`. `--quick` gives the same keys on a shorter run.
 
+Each run's record (`static_runs`, `selector_run`) has `slot_cpu`, where the cost model's rate
+and the measured one part: per slot (`device<i>`; a joined slot under its own name,
+`device<i>_device<j>`, its parts without its rank's time) the CPU seconds its processes used
+(`cpu_s`, the whole child's life: start-up and evals too, not only `loop_s`) and, where slots
+share cores (a CPU share, a CFS quota), the seconds the quota throttled it (`throttled_s`) and
+in how many 100 ms periods (`nr_throttled`; both None without a share). It is sampled each
+second while the child runs (`_selector_runs.SlotCpuSampler`): `{}` without writable cgroups.
+
 With `--out DIR` an invocation can be resumed: each finished run is kept in DIR with the code
 it ran (`code`: the git blobs of the packages, the bench and pyproject.toml, from a clean tree;
 a static run's leaves out `SELECTOR_ONLY`, the modules only the selector runs),

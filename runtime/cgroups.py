@@ -7,7 +7,8 @@ from __future__ import annotations
 import contextlib
 import os
 
-__all__ = ["own_cgroup", "pid_alive", "read_int", "remove_cgroup", "sweep_stale", "write"]
+__all__ = ["own_cgroup", "pid_alive", "read_int", "read_keys", "remove_cgroup", "sweep_stale",
+           "write"]
 
 
 def read_int(path: str, key: str | None = None) -> int:
@@ -20,6 +21,13 @@ def read_int(path: str, key: str | None = None) -> int:
         if k == key:
             return int(v)
     return 0
+
+
+def read_keys(path: str) -> dict[str, int]:
+    """A flat keyed file ("nr_throttled 3" a line, as `cpu.stat`) in one read, so its counters
+    are of one instant."""
+    with open(path) as f:
+        return {k: int(v) for k, _, v in (line.partition(" ") for line in f) if v.strip()}
 
 
 def write(path: str, value: str) -> None:

@@ -8,6 +8,8 @@ slot of 0.5 cores is throttled to half a core's time however many threads it run
 over a few cores bind like N small devices); otherwise the fallback is
 `sched_setaffinity` plus `RLIMIT_AS` (allocation fails with MemoryError instead of a kill),
 and a slot says plainly which of them hold (`Slot.memory_enforcement`, `cpu_enforcement`).
+A slot with cores or a share also gets a cpuacct cgroup: `SlotPool.cpu_usage` says the CPU
+time it used and how often its quota throttled it.
 
     pool = SlotPool()                                   # detects what is enforceable
     s = pool.create("roll0", cores=(0,), memory_mib=2048)
@@ -35,6 +37,7 @@ from typing import Literal, Self
 from earl.runtime.cgroups import (
     own_cgroup,
     read_int,
+    read_keys,
     remove_cgroup,
     sweep_stale,
     thread_ids,
@@ -45,6 +48,7 @@ from earl.runtime.wire import message
 MEMORY_ROOT = "/sys/fs/cgroup/memory"
 CPUSET_ROOT = "/sys/fs/cgroup/cpuset"
 CPU_ROOT = "/sys/fs/cgroup/cpu"
+CPUACCT_ROOT = "/sys/fs/cgroup/cpuacct"  # or the cpu hierarchy itself, mounted as cpu,cpuacct
 CFS_PERIOD_US = 100_000
 SHARE_ENV = "EARL_SLOT_CPU_SHARE"  # set in a slot with a CPU share: its cores are time-shared
 MemoryEnforcement = Literal["cgroup", "rlimit", "device", "none"]
@@ -72,6 +76,8 @@ class Slot:
         cpu_share: cores' worth of CPU time the slot may use (0.5: half a core), enforced by
             the cpu cgroup's CFS quota in `cpu_cgroup` (None: no share; "" when the cpu
             controller is not writable: the share is then advisory, `limits_enforced` False).
+        cpuacct_cgroup: the cpuacct cgroup that counts the slot's CPU time (`cpu_cgroup`
+            itself where the two controllers are mounted together; "" when not counted).
     """
 
     name: str
@@ -84,6 +90,7 @@ class Slot:
     cpu_enforcement: CpuEnforcement = "none"
     cpu_share: float | None = None
     cpu_cgroup: str = ""
+    cpuacct_cgroup: str = ""
 
     @property
     def limits_enforced(self) -> bool:
@@ -224,8 +231,9 @@ def bind_process(slot: Slot, pid: int, carried_mib: float = 0.0) -> SlotBinding:
     elif slot.memory_enforcement == "rlimit" and slot.memory_mib is not None:
         limit = slot.memory_mib << 20
         resource.prlimit(pid, resource.RLIMIT_AS, (limit, limit))
-    if slot.cpu_cgroup:
-        write(os.path.join(slot.cpu_cgroup, "cgroup.procs"), str(pid))
+    for d in dict.fromkeys((slot.cpu_cgroup, slot.cpuacct_cgroup)):  # one where co-mounted
+        if d:
+            write(os.path.join(d, "cgroup.procs"), str(pid))
     if slot.cpu_enforcement == "cpuset":
         write(os.path.join(slot.cpuset_cgroup, "cgroup.procs"), str(pid))
     elif slot.cpu_enforcement == "affinity":  # every thread (a warm host has started some)
@@ -233,6 +241,38 @@ def bind_process(slot: Slot, pid: int, carried_mib: float = 0.0) -> SlotBinding:
             with contextlib.suppress(ProcessLookupError):  # a thread that just ended
                 os.sched_setaffinity(tid, slot.cores)
     return SlotBinding(slot, pid)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SlotCpu:
+    """A slot's CPU accounting since its groups were made (`SlotPool.cpu_usage`).
+
+    Attributes:
+        cpu_s: CPU time its processes used (cpuacct.usage), all cores together.
+        nr_periods / nr_throttled / throttled_s: CFS periods with runnable work, those in
+            which the quota ran out, and the time it spent throttled, waiting for the next
+            period (cpu.stat); None for a slot without a CPU share (no quota to throttle it).
+    """
+
+    cpu_s: float
+    nr_periods: int | None = None
+    nr_throttled: int | None = None
+    throttled_s: float | None = None
+
+
+def read_slot_cpu(cpuacct_cgroup: str, cpu_cgroup: str = "") -> SlotCpu:
+    """A slot's `SlotCpu` from its cgroup directories (`cpu_cgroup`: the one with its CFS
+    quota, "" for none); also for reading another process's pool from outside.
+
+    Raises:
+        OSError: a directory is gone (its pool closed) or is not a cgroup.
+    """
+    cpu_s = read_int(os.path.join(cpuacct_cgroup, "cpuacct.usage")) / 1e9
+    if not cpu_cgroup:
+        return SlotCpu(cpu_s=cpu_s)
+    stat = read_keys(os.path.join(cpu_cgroup, "cpu.stat"))
+    return SlotCpu(cpu_s=cpu_s, nr_periods=stat["nr_periods"],
+                   nr_throttled=stat["nr_throttled"], throttled_s=stat["throttled_time"] / 1e9)
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,21 +288,27 @@ class SlotPool:
 
     Args:
         use_cgroups: False forces the fallback (affinity + RLIMIT_AS); None detects.
-        memory_root / cpuset_root: the cgroup v1 mount points.
+        memory_root / cpuset_root / cpu_root / cpuacct_root: the cgroup v1 mount points (cpu
+            and cpuacct may be one hierarchy, "cpu,cpuacct": detected, then one group each).
     """
 
     def __init__(self, *, use_cgroups: bool | None = None, memory_root: str = MEMORY_ROOT,
-                 cpuset_root: str = CPUSET_ROOT, cpu_root: str = CPU_ROOT) -> None:
+                 cpuset_root: str = CPUSET_ROOT, cpu_root: str = CPU_ROOT,
+                 cpuacct_root: str = CPUACCT_ROOT) -> None:
         self._slots: dict[str, Slot] = {}
         self._owner: dict[str, str] = {}
         self._parts: dict[str, tuple[str, ...]] = {}  # joined slot -> the slots it spans
         self._dirs: list[str] = []  # cgroup directories we made, parents first
         tag = f"earl-{os.getpid()}"
-        self._mem_base = self._cpu_base = self._quota_base = ""
+        self._mem_base = self._cpu_base = self._quota_base = self._acct_base = ""
         if use_cgroups is not False:
             self._mem_base = self._make_base(memory_root, "memory", tag)
             self._cpu_base = self._make_base(cpuset_root, "cpuset", tag)
             self._quota_base = self._make_base(cpu_root, "cpu", tag)
+            comounted = bool(self._quota_base) and os.path.isfile(
+                os.path.join(self._quota_base, "cpuacct.usage"))  # kernel's files, not names
+            self._acct_base = (self._quota_base if comounted
+                               else self._make_base(cpuacct_root, "cpuacct", tag))
         self.memory_enforcement: MemoryEnforcement = "cgroup" if self._mem_base else "rlimit"
         self.cpu_enforcement: CpuEnforcement = ("cpuset" if self._cpu_base else
                                                 "affinity" if hasattr(os, "sched_setaffinity")
@@ -346,9 +392,14 @@ class SlotPool:
             quota_dir = self._mkdir(self._quota_base, name)
             write(os.path.join(quota_dir, "cpu.cfs_period_us"), str(CFS_PERIOD_US))
             write(os.path.join(quota_dir, "cpu.cfs_quota_us"), str(round(cpu_share * CFS_PERIOD_US)))
+        acct_dir = ""
+        if (cores or cpu_share is not None) and self._acct_base:
+            acct_dir = (quota_dir if quota_dir and self._acct_base == self._quota_base
+                        else self._mkdir(self._acct_base, name))
         slot = Slot(name=name, cores=cores, memory_mib=memory_mib, gpus=gpus,
                     memory_cgroup=mem_dir, cpuset_cgroup=cpu_dir, memory_enforcement=mem_enf,
-                    cpu_enforcement=cpu_enf, cpu_share=cpu_share, cpu_cgroup=quota_dir)
+                    cpu_enforcement=cpu_enf, cpu_share=cpu_share, cpu_cgroup=quota_dir,
+                    cpuacct_cgroup=acct_dir)
         self._slots[name] = slot
         return slot
 
@@ -432,7 +483,8 @@ class SlotPool:
         self._owner.pop(name, None)
         if self._parts.pop(name, None) is not None:
             slot = self._slots.pop(name)
-            for d in (slot.memory_cgroup, slot.cpuset_cgroup, slot.cpu_cgroup):
+            for d in dict.fromkeys((slot.memory_cgroup, slot.cpuset_cgroup, slot.cpu_cgroup,
+                                    slot.cpuacct_cgroup)):
                 if d:
                     remove_cgroup(d)
                     self._dirs.remove(d)
@@ -443,7 +495,7 @@ class SlotPool:
     def pids(self, name: str) -> list[int]:
         """Processes now in the slot (cgroup slots only; [] otherwise)."""
         slot = self[name]
-        d = slot.memory_cgroup or slot.cpuset_cgroup or slot.cpu_cgroup
+        d = slot.memory_cgroup or slot.cpuset_cgroup or slot.cpu_cgroup or slot.cpuacct_cgroup
         if not d:
             return []
         with open(os.path.join(d, "cgroup.procs")) as f:
@@ -470,6 +522,17 @@ class SlotPool:
         """Start the slot's peak (`memory_peak_mib`) again from what it holds now."""
         if d := self[name].memory_cgroup:
             write(os.path.join(d, "memory.max_usage_in_bytes"), "0")
+
+    def cpu_usage(self, name: str) -> SlotCpu | None:
+        """The slot's CPU time and CFS throttling since it was made (None: no cpuacct group,
+        as in the fallback or for a slot with neither cores nor a share).
+
+        A joined slot has groups of its own, so this is its rank's usage; its parts count
+        only what ran in them directly, never the joined rank's, and nothing is counted twice.
+        Its counts go with it at `release`.
+        """
+        slot = self[name]
+        return read_slot_cpu(slot.cpuacct_cgroup, slot.cpu_cgroup) if slot.cpuacct_cgroup else None
 
     def statistics(self) -> SlotPoolStatistics:
         return SlotPoolStatistics(slots=len(self._slots), assigned=dict(self._owner),

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from earl.placement import PlacementConfig
 from earl.runtime import Actor, ActorDied, Runtime, endpoint
-from earl.runtime.slots import SlotPool
+from earl.runtime.slots import Slot, SlotPool, bind_process
 
 
 class Hog(Actor):
@@ -157,12 +160,48 @@ async def test_a_cpu_share_throttles_the_actor_to_its_quota() -> None:
     assert not os.path.exists(cpu_dir)
 
 
+_BURN = "import time\nend = time.perf_counter() + {s}\nwhile time.perf_counter() < end: pass"
+
+
+def _burn_in(slot: Slot, seconds: float) -> float:
+    """Wall seconds of a child process that spins one thread for `seconds` inside `slot`."""
+    t0 = time.perf_counter()
+    child = subprocess.Popen([sys.executable, "-c", _BURN.format(s=seconds)])
+    bind_process(slot, child.pid)
+    assert child.wait(timeout=30) == 0
+    return time.perf_counter() - t0
+
+
+@pytest.mark.timeout(60)
+def test_a_slots_cpu_usage_counts_its_time_and_its_quotas_throttling() -> None:
+    """A half-core slot's process gets about half of the wall time (the CFS quota caps it at
+    0.5) and is throttled; a slot without a share counts CPU time and has no quota to report."""
+    with _pool() as pool:
+        half = pool.create("half", cores=(0,), cpu_share=0.5)
+        whole = pool.create("whole", cores=(0,))
+        if not half.cpu_cgroup or not half.cpuacct_cgroup or not whole.cpuacct_cgroup:
+            pytest.skip("cgroup v1 cpu/cpuacct controllers not writable here")
+        wall = _burn_in(half, 1.5)
+        got = pool.cpu_usage("half")
+        assert got is not None and 0.3 * wall <= got.cpu_s <= 0.8 * wall, (got, wall)
+        assert got.nr_throttled is not None and got.nr_throttled > 0
+        assert got.nr_periods is not None and got.nr_periods >= got.nr_throttled
+        assert got.throttled_s is not None and got.throttled_s > 0
+        _burn_in(whole, 0.3)
+        free = pool.cpu_usage("whole")
+        assert free is not None and free.cpu_s > 0
+        assert (free.nr_periods, free.nr_throttled, free.throttled_s) == (None, None, None)
+        acct_dir = half.cpuacct_cgroup
+    assert not os.path.exists(acct_dir)  # the accounting group goes with the pool
+
+
 def test_a_cpu_share_beyond_the_slots_cores_is_refused() -> None:
     with SlotPool(use_cgroups=False) as pool:
         with pytest.raises(ValueError, match="cpu_share 1.5 must be in"):
             pool.create("two", cores=(0,), cpu_share=1.5)
         slot = pool.create("half", cores=(0,), cpu_share=0.5)
         assert slot.cpu_share == 0.5 and not slot.limits_enforced  # no cgroup: advisory
+        assert pool.cpu_usage("half") is None  # nothing counts its CPU time
 
 
 @pytest.mark.timeout(60)
