@@ -112,7 +112,7 @@ def _plus(a: float | None, b: float | None) -> float | None:
 class SlotCpuSampler:
     """Reads the CPU accounting of child `pid`'s slots (its `SlotPool`'s groups
     ``earl-<pid>/<slot>``, beside this process's own, which the child inherits) every `every`
-    s while it runs, with `earl.runtime.slots.read_slot_cpu` as `SlotPool.cpu_usage` does: the
+    s while it runs, with `earl.runtime.cgroups.read_slot_cpu` as `SlotPool.cpu_usage` does: the
     pool removes its groups at exit, so a slot's last reading stands for the run (the last
     `every` s of a group may be missed). A group made anew (a joined slot released and joined
     again) counts from zero: the earlier one's last reading is added to it."""
@@ -144,8 +144,7 @@ class SlotCpuSampler:
 
     def read(self) -> None:
         """One reading of every slot group there is now."""
-        from earl.runtime.cgroups import read_int
-        from earl.runtime.slots import read_slot_cpu
+        from earl.runtime.cgroups import read_int, read_slot_cpu
 
         # cpu and cpuacct mounted as one hierarchy: the cpu groups count too (as SlotPool's)
         acct = self._acct if os.path.isdir(self._acct) else self._cpu

@@ -1,14 +1,15 @@
 """cgroup v1 filesystem operations for device slots (`earl.runtime.slots`): read and write
 control files, find this process's group, remove groups (their processes moved to the parent)
-and sweep the groups of pools whose process died."""
+and sweep the groups of pools whose process died; read a slot's CPU accounting (`SlotCpu`)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
 
-__all__ = ["own_cgroup", "pid_alive", "read_int", "read_keys", "remove_cgroup", "sweep_stale",
-           "write"]
+__all__ = ["SlotCpu", "own_cgroup", "pid_alive", "read_int", "read_keys", "read_slot_cpu",
+           "remove_cgroup", "sweep_stale", "write"]
 
 
 def read_int(path: str, key: str | None = None) -> int:
@@ -93,3 +94,35 @@ def normal_priority(pid: int) -> None:
     for tid in thread_ids(pid):
         with contextlib.suppress(OSError, AttributeError):
             os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SlotCpu:
+    """A slot's CPU accounting since its groups were made (`SlotPool.cpu_usage`).
+
+    Attributes:
+        cpu_s: CPU time its processes used (cpuacct.usage), all cores together.
+        nr_periods / nr_throttled / throttled_s: CFS periods with runnable work, those in
+            which the quota ran out, and the time it spent throttled, waiting for the next
+            period (cpu.stat); None for a slot without a CPU share (no quota to throttle it).
+    """
+
+    cpu_s: float
+    nr_periods: int | None = None
+    nr_throttled: int | None = None
+    throttled_s: float | None = None
+
+
+def read_slot_cpu(cpuacct_cgroup: str, cpu_cgroup: str = "") -> SlotCpu:
+    """A slot's `SlotCpu` from its cgroup directories (`cpu_cgroup`: the one with its CFS
+    quota, "" for none); also for reading another process's pool from outside.
+
+    Raises:
+        OSError: a directory is gone (its pool closed) or is not a cgroup.
+    """
+    cpu_s = read_int(os.path.join(cpuacct_cgroup, "cpuacct.usage")) / 1e9
+    if not cpu_cgroup:
+        return SlotCpu(cpu_s=cpu_s)
+    stat = read_keys(os.path.join(cpu_cgroup, "cpu.stat"))
+    return SlotCpu(cpu_s=cpu_s, nr_periods=stat["nr_periods"],
+                   nr_throttled=stat["nr_throttled"], throttled_s=stat["throttled_time"] / 1e9)

@@ -1,5 +1,5 @@
-"""A slot's CPU accounting without a kernel (runtime/slots.py): `read_slot_cpu` over fake
-cgroup files, and where `SlotPool` puts a slot's cpuacct group when cpu and cpuacct are
+"""A slot's CPU accounting without a kernel (runtime/slots.py, runtime/cgroups.py):
+`read_slot_cpu` over fake cgroup files, and where `SlotPool` puts a slot's cpuacct group when cpu and cpuacct are
 separate hierarchies or one (cpu,cpuacct), told apart by the kernel's files, not by names."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from earl.runtime import slots
-from earl.runtime.slots import SlotCpu, SlotPool, read_slot_cpu
+from earl.runtime.cgroups import SlotCpu, read_slot_cpu
+from earl.runtime.slots import SlotPool
 
 pytestmark = pytest.mark.timeout(30)
 
