@@ -24,7 +24,8 @@ Faults (each at a random point of a step, one at a time):
                  process as dead (killed, restarted, its state rebuilt)
   hang:<group>   SIGSTOP of rank 0 of producer | reference: alive and connected, it answers
                  nothing, so no death is seen; the run's watchdog must see the stall (after
-                 --stall_s=60, naming the stage) and rewind the run (not in the default lists)
+                 --stall-s, 60 by default, naming the stage) and rewind the run (not in the
+                 default lists)
   corrupt_frame  random bytes and a length lie sent to a producer's socket
   delay          the driver's control messages delayed 50-300 ms (30% of them) for 2 s
   disk_full      the checkpoint folder (a tmpfs of its own) filled up before a checkpoint
@@ -81,8 +82,7 @@ FULL = QUICK + ["kill:rollout_span", "kill:dock", "kill:trainer", "drop:producer
                 "drop:reference", "squat:shm", "slowloris", "kill:resave", "stall:tool"]
 SMALL = ["--warm_start.steps=0", "--batch_size=8", "--group_size=4", "--eval_games=4",
          "--eval_every=0", "--checkpoint_every=2", "--time_limit_minutes=30",
-         "--record_trained=true",  # the trainers' records: what the oracle reads
-         "--stall_s=60"]  # a stuck run ends, naming its stage, long before --deadline
+         "--record_trained=true"]  # the trainers' records: what the oracle reads
 # a soak trains batches of the recipe's size and keeps a checkpoint every 10 steps; it tests
 # healing, not the restart limit (a lifetime budget per run: 3 would end it at its 4th rewind)
 SOAK = ["--batch_size=64", "--group_size=8", "--checkpoint_every=10", "--max_restarts=1000"]
@@ -111,6 +111,9 @@ def main(argv: list[str]) -> int:
                         "the verdict)")
     p.add_argument("--tool-timeout-s", type=float, default=2.0,
                    help="the run's tool_timeout_s (what a stalled tool call waits)")
+    p.add_argument("--stall-s", type=float, default=60.0,
+                   help="the run's stall_s: a run without progress this long ends its attempt, "
+                        "naming the stage, long before --deadline (a hang: fault waits it out)")
     p.add_argument("--deadline", type=float, default=900.0,
                    help="seconds after which the run counts as hung and is cancelled")
     args = p.parse_args(argv)
@@ -152,6 +155,7 @@ def main(argv: list[str]) -> int:
         mode = "continue" if "kill:rollout_span" in faults else "off"
         cfg = load_config(None, [*SMALL, f"--steps={steps}", f"--output_dir={out}",
                                  f"--tool_timeout_s={args.tool_timeout_s}",
+                                 f"--stall_s={args.stall_s}",
                                  f"--partial_rollouts={mode}",
                                  *(SOAK + [f"--time_limit_minutes={args.soak}"] if args.soak
                                    else [])])

@@ -17,7 +17,9 @@ import pytest
 
 from earl.runtime.slots import SlotPool
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1500)]
+# soak: ~280 s, a tenth of the slow tier, for the invariants of a bench run in full whenever
+# its figures are measured (docs/testing.md)
+pytestmark = [pytest.mark.slow, pytest.mark.soak, pytest.mark.vllm, pytest.mark.timeout(1500)]
 ROOT = Path(__file__).resolve().parents[2]
 STATIC = "static/d2/r1-t1/w4096/mb64k"
 

@@ -23,8 +23,11 @@ SMALL = ["--steps=2", "--warm_start.steps=6", "--batch_size=12", "--group_size=4
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# the OpenAI-client agent's case is soak (~115 s): CI trains that agent on the tiny model
+# (test_train_user_agent.py) and runs it on SmolLM2 (test_openai_endpoint.py)
 @pytest.mark.parametrize("what", [["--recipe", "calc_smollm2"],
-                                  ["--config", "agents/openai_calc_smollm2.yaml"]],
+                                  pytest.param(["--config", "agents/openai_calc_smollm2.yaml"],
+                                               marks=pytest.mark.soak)],
                          ids=["recipe", "openai_client_agent"])
 def test_calc_smollm2_trains_two_steps_with_lora(tmp_path: Path, what: list[str]) -> None:
     from safetensors import safe_open
