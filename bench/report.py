@@ -191,12 +191,20 @@ def _async(r: Result) -> str:
                 f"; final {r['quality_key']} {a['final_quality']:.2f} vs "
                 f"{s['final_quality']:.2f} ({r['repeats']} repeats)")
     s, per = r["sync_best"], r["ratios_per_repeat"]
-    return (f"steady state, async (lag {a['max_policy_lag']}, {a['in_flight']} in flight) "
-            f"{a['trajectories_per_s']:.1f} traj/s vs the best of {len(r.get('sync_sweep', r.get('sync_runs', [])))} sync "
-            f"settings ({s['in_flight']} in flight, {s['threads']} threads) "
-            f"{s['trajectories_per_s']:.1f}: **{r['ratio_steady_state']:.2f}x** (per repeat "
-            f"{min(per):.2f}-{max(per):.2f}); final {r['quality_key']} "
-            f"{a['final_quality']:.2f} vs {s['final_quality']:.2f}")
+    tried = len(r.get("sync_sweep", r.get("sync_runs", [])))
+    reps = (lambda m: f", {m['rollout_replicas']} replicas" if "rollout_replicas" in m else "")
+    out = (f"steady state, async (lag {a['max_policy_lag']}, {a['in_flight']} in flight"
+           f"{reps(a)}) {a['trajectories_per_s']:.1f} traj/s vs the best of {tried} sync "
+           f"settings ({s['in_flight']} in flight, {s['threads']} threads{reps(s)}) "
+           f"{s['trajectories_per_s']:.1f}: **{r['ratio_steady_state']:.2f}x** (per repeat "
+           f"{min(per):.2f}-{max(per):.2f}, cap {r['core_limit']:.2f}x); final "
+           f"{r['quality_key']} {a['final_quality']:.2f} vs {s['final_quality']:.2f}")
+    if "turns_per_trajectory" in a:
+        out += (f"; turns per trajectory {a['turns_per_trajectory']:.2f} vs "
+                f"{s['turns_per_trajectory']:.2f}")
+    if eq := r.get("quality_at_equal_updates"):
+        out += f"; at equal updates {eq['async']:.2f} vs {eq['sync_best']:.2f}"
+    return out
 
 
 def _peers(r: Result) -> str:
