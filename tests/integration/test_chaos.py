@@ -133,6 +133,7 @@ def test_another_users_attacks_and_a_kill_while_resaving(tmp_path: Path) -> None
     assert rep["restarts"] == {"trainer": 1} and rep["rewinds"] == 1
 
 
+@pytest.mark.slow  # ~33 s; the default tier keeps the quick fault list
 @pytest.mark.vllm
 def test_the_oracle_reports_a_sample_lost_on_purpose(tmp_path: Path) -> None:
     """lose:sample leaves one sample out of a step's plan and acks the lease whole: the

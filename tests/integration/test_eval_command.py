@@ -34,6 +34,7 @@ def _earl(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=250, env=env, check=False, cwd=cwd)
 
 
+@pytest.mark.slow  # ~48 s: a training run first
 def test_eval_of_a_run_prints_its_final_eval(tmp_path: Path) -> None:
     (tmp_path / "words.py").write_text(AGENT)
     (tmp_path / "train.jsonl").write_text(_jsonl(["cat", "dog", "sun", "map", "red", "owl"]))

@@ -91,6 +91,7 @@ def test_train_json_files_inspect_and_resume(tmp_path: Path) -> None:
     assert set(critic["values"]) <= set(_critic_state(Path(res2["checkpoint"]))["values"])
 
 
+@pytest.mark.slow  # ~36 s
 def test_two_producers_shard_the_dock_index_and_every_step_trains_its_batch(
         tmp_path: Path) -> None:
     """With 2 producers the dock's index has a rank per producer; a step's groups hash to

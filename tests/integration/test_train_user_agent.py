@@ -148,6 +148,7 @@ SLOW_AGENT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow  # ~29 s: over-sampling is a bench row now, not the default
 def test_over_sampled_groups_cut_the_stragglers(tmp_path: Path) -> None:
     """With `over_sample_groups=1` each batch plays 3 groups, trains the first 2 to finish and
     cuts the third; here the third of every batch never finishes, so the run completes only

@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 SNIPPET = textwrap.dedent('''
     from earl.runtime import Actor, ActorGroup, endpoint
 
@@ -38,6 +40,7 @@ def _source_tree(root: Path) -> Path:
     return root
 
 
+@pytest.mark.slow  # mypy over the whole package without a cache: ~46 s
 def test_ep_is_typed(tmp_path: Path) -> None:
     src = tmp_path / "snippet.py"
     src.write_text(SNIPPET)
