@@ -25,9 +25,8 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Self
 
-from _selector_runs import Config, by_context
+from _selector_runs import Config, Sampler, by_context
 
 # `earl train` as a child: argv[1] "resume" resumes the run in --output_dir from its last
 # checkpoint; the whole exception chain goes to stderr on failure.
@@ -87,35 +86,25 @@ def _uptime() -> float:
         return float(f.read().split()[0])
 
 
-class CgroupPeaks:
+class CgroupPeaks(Sampler):
     """Samples the memory cgroups of run `pid`'s slots every `every` s: the peak bytes of each
     slot (`memory.max_usage_in_bytes`), named by the process in it (``trainer0``, ...)."""
 
     def __init__(self, pid: int, every: float = 1.0) -> None:
-        self.pid, self.every = pid, every
+        super().__init__(every)
+        self.pid = pid
         self.peaks: dict[str, float] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> Self:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every):
-            for d in glob.glob(f"/sys/fs/cgroup/memory/**/earl-{self.pid}/*/", recursive=True):
-                try:
-                    peak = int(Path(d, "memory.max_usage_in_bytes").read_text()) / 2**20
-                    procs = Path(d, "cgroup.procs").read_text().split()
-                    who = Path(f"/proc/{procs[0]}/comm").read_text().strip() if procs else ""
-                except (OSError, ValueError):
-                    continue
-                if who:
-                    self.peaks[who] = max(self.peaks.get(who, 0.0), round(peak, 1))
+    def read(self) -> None:
+        for d in glob.glob(f"/sys/fs/cgroup/memory/**/earl-{self.pid}/*/", recursive=True):
+            try:
+                peak = int(Path(d, "memory.max_usage_in_bytes").read_text()) / 2**20
+                procs = Path(d, "cgroup.procs").read_text().split()
+                who = Path(f"/proc/{procs[0]}/comm").read_text().strip() if procs else ""
+            except (OSError, ValueError):
+                continue
+            if who:
+                self.peaks[who] = max(self.peaks.get(who, 0.0), round(peak, 1))
 
 
 def spawn(args: list[str], out: str, *, resume: bool, timeout: float, clock0: float

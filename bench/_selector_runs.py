@@ -109,24 +109,12 @@ def _plus(a: float | None, b: float | None) -> float | None:
     return a + b
 
 
-class SlotCpuSampler:
-    """Reads the CPU accounting of child `pid`'s slots (its `SlotPool`'s groups
-    ``earl-<pid>/<slot>``, beside this process's own, which the child inherits) every `every`
-    s while it runs, with `earl.runtime.cgroups.read_slot_cpu` as `SlotPool.cpu_usage` does: the
-    pool removes its groups at exit, so a slot's last reading stands for the run (the last
-    `every` s of a group may be missed). A group made anew (a joined slot released and joined
-    again) counts from zero: the earlier one's last reading is added to it."""
+class Sampler:
+    """Calls `read()` every `every` s on a daemon thread while in its `with` block (the slot
+    samplers of a run: `SlotCpuSampler`, `_selector_memory_runs.CgroupPeaks`)."""
 
-    def __init__(self, pid: int, every: float = 1.0) -> None:
-        from earl.runtime.cgroups import own_cgroup
-        from earl.runtime.slots import CPU_ROOT, CPUACCT_ROOT
-
-        tag = f"earl-{pid}"
-        self._cpu = os.path.join(CPU_ROOT, own_cgroup("cpu").lstrip("/"), tag)
-        self._acct = os.path.join(CPUACCT_ROOT, own_cgroup("cpuacct").lstrip("/"), tag)
+    def __init__(self, every: float = 1.0) -> None:
         self.every = every
-        self._last: dict[str, tuple[int, dict[str, float | None]]] = {}  # group inode, reading
-        self._gone: dict[str, dict[str, float | None]] = {}  # groups of the slot made earlier
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -141,6 +129,29 @@ class SlotCpuSampler:
     def _run(self) -> None:
         while not self._stop.wait(self.every):
             self.read()
+
+    def read(self) -> None:
+        raise NotImplementedError
+
+
+class SlotCpuSampler(Sampler):
+    """Reads the CPU accounting of child `pid`'s slots (its `SlotPool`'s groups
+    ``earl-<pid>/<slot>``, beside this process's own, which the child inherits) every `every`
+    s while it runs, with `earl.runtime.cgroups.read_slot_cpu` as `SlotPool.cpu_usage` does: the
+    pool removes its groups at exit, so a slot's last reading stands for the run (the last
+    `every` s of a group may be missed). A group made anew (a joined slot released and joined
+    again) counts from zero: the earlier one's last reading is added to it."""
+
+    def __init__(self, pid: int, every: float = 1.0) -> None:
+        from earl.runtime.cgroups import own_cgroup
+        from earl.runtime.slots import CPU_ROOT, CPUACCT_ROOT
+
+        super().__init__(every)
+        tag = f"earl-{pid}"
+        self._cpu = os.path.join(CPU_ROOT, own_cgroup("cpu").lstrip("/"), tag)
+        self._acct = os.path.join(CPUACCT_ROOT, own_cgroup("cpuacct").lstrip("/"), tag)
+        self._last: dict[str, tuple[int, dict[str, float | None]]] = {}  # group inode, reading
+        self._gone: dict[str, dict[str, float | None]] = {}  # groups of the slot made earlier
 
     def read(self) -> None:
         """One reading of every slot group there is now."""
