@@ -29,8 +29,9 @@ The async run uses 1 thread per actor (its stages overlap).
 Throughput is steady state: trajectories per second between the run's own per-step log lines,
 after the pipeline has filled (async: from the end of step in_flight / batch_size, L+1 with
 whole batches: the batches started before the first step was trained are not counted; sync:
-from the end of step 1), so start-up, warm start and the final eval are not counted; evals during the loop are off. Quality comes from the final
-greedy eval on at least 200 held-out episodes, the same in every run. Prints one JSON object:
+from the end of step 1), so start-up, warm start and the final eval are not counted; evals
+during the loop are off. Quality comes from the final greedy eval on at least 200 held-out
+episodes, the same in every run. Prints one JSON object:
 
 - ``async`` / ``sync_best``: ``trajectories_per_s`` (mean over repeats), ``in_flight``
   (trajectories played at once at most), ``threads``, the runs, ``spread`` ((max - min) / mean),
@@ -92,7 +93,8 @@ def run_once(lag: int, threads: int, rounds: int, overrides: list[str], out: str
              quality_key: str = "win_draw_rate", replicas: int = 1,
              groups: int = 0) -> dict[str, object]:
     """One `earl train` run (`rounds` batches per step, `replicas` rollout engines; async:
-    `groups` out at once, 0 for the config's default); its steady-state throughput."""
+    `groups` out at once, 0 for the config's default; sync ignores it); its steady-state
+    throughput."""
     from earl.config import load_config
     from earl.run import train
 
@@ -115,9 +117,10 @@ def run_once(lag: int, threads: int, rounds: int, overrides: list[str], out: str
     with redirect_stdout(io.StringIO()):
         res = train(cfg, log=on_log)
     wall = time.perf_counter() - t0
-    in_flight = groups * cfg.group_size if lag and groups else cfg.batch_size * (lag + 1)
-    # async: the marks of the first in_flight / batch_size steps (lag + 1 whole batches)
-    # include batches started before the first step was trained
+    # episodes out at once: the groups partial rollouts let out, else lag + 1 whole batches;
+    # async: the marks of the first in_flight / batch_size steps include batches started
+    # before the first step was trained
+    in_flight = cfg.max_concurrent_groups * cfg.group_size or cfg.batch_size * (lag + 1)
     fill = -(-in_flight // cfg.batch_size) - 1
     if len(marks) < fill + 2:
         raise RuntimeError(f"{len(marks)} step lines logged in {wall:.0f} s (steps {res.steps}, "
@@ -126,7 +129,7 @@ def run_once(lag: int, threads: int, rounds: int, overrides: list[str], out: str
     loop_s = marks[-1][0] - marks[fill][0]
     trajectories = (len(marks) - 1 - fill) * cfg.batch_size
     return {"max_policy_lag": lag, "threads_per_actor": threads, "rollout_replicas": replicas,
-            "max_concurrent_groups": groups, "steps": len(marks),
+            "max_concurrent_groups": cfg.max_concurrent_groups, "steps": len(marks),
             "batch_size": cfg.batch_size,
             "in_flight": in_flight,
             "trajectories": trajectories, "loop_seconds": round(loop_s, 2),
@@ -246,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             for lag, threads, m, n in configs:
                 r = run_once(lag, threads, m, common,
                              os.path.join(d, f"lag{lag}-t{threads}-m{m}-r{n}-{rep}"),
-                             quality_key, replicas=n, groups=a.groups if lag else 0)
+                             quality_key, replicas=n, groups=a.groups)
                 runs[(lag, threads, m, n)].append(r)
                 print(f"lag {lag} threads {threads} rounds {m} replicas {n} rep {rep}: "
                       f"{r['trajectories_per_s']} traj/s, {r['cores_used']} cores "
