@@ -251,6 +251,8 @@ class RunProfile:
     slack: dict[Stage, float] = field(default_factory=dict)  # least predicted - measured bytes
     train_tokens: list[int] = field(default_factory=list)  # per training step, the last ones
     switches: list[float] = field(default_factory=list)  # seconds of each layout change
+    # per (stage, layout): the largest longest-sequence and micro-batch (or KV) tokens it ran
+    high_water: dict[tuple[Stage, str], tuple[int, int]] = field(default_factory=dict)
 
     def bucket_of(self, context: int) -> int:
         """The smallest half-octave bucket (base x 1, 1.5, 2, 3, 4, ...) >= `context`."""
@@ -283,10 +285,16 @@ class RunProfile:
             keep = 1 - self.smoothing
             self.rates[key] = _Rate(keep * old.tokens + tokens, keep * old.seconds + seconds,
                                     roof, old.steps + 1)
+        # a peak is a process's high-water mark (its heap keeps what its largest step took):
+        # it is compared with the prediction at the largest shape this layout ran, not this
+        # step's (a short step after a long one read 1.34x its own prediction and shrank the
+        # trainer's micro-batch by a third for the rest of a run)
+        ctx0, bt0 = self.high_water.get((stage, str(par)), (0, 0))
+        ctx_hw, bt_hw = max(ctx0, context), max(bt0, batch_tokens)
+        self.high_water[(stage, str(par))] = (ctx_hw, bt_hw)
         if peak_bytes:
-            kw = {"kv_tokens": batch_tokens} if stage == "rollout" else \
-                {"micro_batch_tokens": batch_tokens}
-            predicted = self.cost.memory(stage, par, seq_len=context, **kw).total
+            kw = {"kv_tokens": bt_hw} if stage == "rollout" else {"micro_batch_tokens": bt_hw}
+            predicted = self.cost.memory(stage, par, seq_len=ctx_hw, **kw).total
             self.memory[stage] = max(self.memory.get(stage, 0.0), peak_bytes / predicted)
             if whole_device:
                 self.slack[stage] = min(self.slack.get(stage, predicted), predicted - peak_bytes)

@@ -99,6 +99,36 @@ def test_the_run_profile_calibrates_the_roofline_and_scales_memory() -> None:
     assert rows["selector/profile/train/memory_scale"] == pytest.approx(1.5)
 
 
+def test_a_peak_is_read_against_the_largest_shape_its_layout_ran() -> None:
+    """A process's peak is its high-water mark: after a long step, a short one that reads the
+    same peak has not used more than predicted (its own prediction is far smaller), so the
+    scale stays where the long step put it; a larger shape raises the bar for later steps."""
+    from earl.runtime.selector import RunProfile
+
+    cost = CostModel(ModelShape(hidden=64, layers=2, heads=2, kv_heads=2, intermediate=192,
+                                vocab=512, params=120_000),
+                     CostConfig(weight_bytes=4, grad_bytes=4, optimizer_bytes=8, act_bytes=4,
+                                reserve_bytes=260 * 2**20))
+    one = Parallel()
+
+    def predicted(ctx: int, mb: int) -> float:
+        return cost.memory("train", one, seq_len=ctx, micro_batch_tokens=mb).total
+
+    profile = RunProfile(cost)
+    peak = 1.1 * predicted(2048, 18_432)
+    profile.record("train", one, 2048, tokens=20_000, seconds=1.0, batch_tokens=18_432,
+                   peak_bytes=peak, whole_device=True)
+    assert profile.memory_scale("train") == pytest.approx(1.1)
+    assert peak / predicted(1536, 6144) > 1.3  # what the short step alone would read
+    profile.record("train", one, 1536, tokens=6_000, seconds=1.0, batch_tokens=6144,
+                   peak_bytes=peak, whole_device=True)
+    assert profile.memory_scale("train") == pytest.approx(1.1)
+    assert profile.high_water[("train", str(one))] == (2048, 18_432)
+    # another layout keeps its own high-water mark
+    profile.record("train", Parallel(dp=2), 1024, tokens=1, seconds=1.0, batch_tokens=4096)
+    assert profile.high_water[("train", str(Parallel(dp=2)))] == (1024, 4096)
+
+
 def test_devices_that_held_less_than_predicted_lower_the_prediction_by_the_least_slack() -> None:
     """A step whose devices were charged less than the model predicted lowers every
     prediction of its stage by the smallest such slack, so a layout the model alone rejects
