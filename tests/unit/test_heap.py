@@ -10,7 +10,6 @@ import pytest
 
 from earl.runtime import heap
 
-
 _MEASURE = """
 import json
 from earl.runtime import heap
