@@ -192,7 +192,9 @@ def _async(r: Result) -> str:
                 f"{s['final_quality']:.2f} ({r['repeats']} repeats)")
     s, per = r["sync_best"], r["ratios_per_repeat"]
     tried = len(r.get("sync_sweep", r.get("sync_runs", [])))
-    reps = (lambda m: f", {m['rollout_replicas']} replicas" if "rollout_replicas" in m else "")
+    def reps(m: dict[str, Any]) -> str:
+        return f", {m['rollout_replicas']} replicas" if "rollout_replicas" in m else ""
+
     out = (f"steady state, async (lag {a['max_policy_lag']}, {a['in_flight']} in flight"
            f"{reps(a)}) {a['trajectories_per_s']:.1f} traj/s vs the best of {tried} sync "
            f"settings ({s['in_flight']} in flight, {s['threads']} threads{reps(s)}) "

@@ -15,8 +15,7 @@ import json
 from earl.runtime import heap
 
 def anon_mib():
-    with open("/proc/self/status") as f:
-        return next(int(x.split()[1]) for x in f if x.startswith("RssAnon:")) / 1024
+    return heap.anon_bytes() / 2**20
 
 before = anon_mib()
 blocks = [bytearray(4000) for _ in range(50_000)]  # ~200 MiB below the mmap threshold
