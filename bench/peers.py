@@ -30,11 +30,12 @@ EARL runs through its public CLI (`earl train --agent [--reward]`, its default p
 rollout, producer and trainer actors) with `max_policy_lag` `--earl-lag` (16 agentic, 1 echo)
 and partial rollouts (`--earl-groups` groups out at once, 32 agentic, over `--earl-rollout`
 vLLM replicas, 2 agentic): a step trains groups already done and a group still running is
-carried over, so a 12-turn episode spans up to ~15
-steps of 0.3 s; the bound of 16 keeps it (and TRL gets the same bound, `steps_per_generation`
-17). Its figures add ``straggler_wait_share`` (the trainer's wait from a step's first done
-group to its last, over the steps' time), ``slot_idle_share``, ``stale_groups`` (dropped over
-the bound), ``trained_turns_mean`` and the durations of the episodes in its trajectory dump
+carried over, so a 12-turn episode spans ~15-17 steps of 0.3 s; a step trains the tokens
+inside the bound of 16 (older turns stay as context, out of the loss) and TRL gets the same
+bound (`steps_per_generation` 17). Its figures add ``straggler_wait_share`` (the trainer's wait
+from a step's first done group to its last, over the steps' time), ``slot_idle_share``,
+``stale_groups`` (no token inside the bound: dropped), ``stale_token_share`` (loss tokens
+masked as over the bound), ``trained_turns_mean`` and the durations of the episodes in its trajectory dump
 (``episode_s``: a sample, `dump_share` of the groups, failed episodes always in it).
 TRL gets its best configuration, chosen in the same invocation: round 0 runs every TRL
 configuration and the fastest (``trajectories_per_s``) goes on as ``trl_best``. The
@@ -273,6 +274,12 @@ def run_earl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: 
             "slot_idle_share": round(statistics.fmean(float(m.get("slot_idle_share", 0.0))
                                                       for m in trained[1:]), 3),
             "stale_groups": sum(int(m.get("stale_groups", 0)) for m in trained),
+            # loss tokens over the staleness bound (early turns of episodes that spanned more
+            # updates), kept as context: their share of the loss tokens
+            "stale_token_share": round(
+                sum(float(m.get("train/stale_tokens", 0.0)) for m in trained)
+                / max(sum(float(m.get("train/stale_tokens", 0.0))
+                          + float(m.get("train/loss_tokens", 0.0)) for m in trained), 1.0), 4),
             "trained_turns_mean": round(turns, 2),  # = turns_mean (older files differ)
             "episode_s": {"p50": round(durations[len(durations) // 2], 3),
                           "p95": round(durations[int(len(durations) * 0.95)], 3),

@@ -215,9 +215,13 @@ class RunConfig(Seeded, ProducerSettings):
     (never cut, never waited on) and goes on sampling under the newest weights, each token keeping the version that sampled it
     (the loss corrects per token). "off": step b trains exactly batch b's groups, waiting for
     its slowest (needed by `over_sample_groups`, the selector and `placement.colocate`: with
-    any of them the default is "off"). `max_policy_lag` bounds the oldest token of a trained sample: a
-    group whose oldest token is more than `max_policy_lag` versions older than the step that
-    would train it is dropped whole, with the reason counted (`stale_groups` in the metrics).
+    any of them the default is "off"). `max_policy_lag` bounds the oldest token the loss
+    trains on: step b trains the tokens sampled by version `b - max_policy_lag` or later; the
+    older tokens of an episode that spanned more updates stay in its context, out of the loss
+    (counted as `train/stale_tokens`; `staleness_max` is the oldest trained token's lag), so a
+    long episode's late turns still train. A group with no token that recent is dropped whole,
+    with the reason counted (`stale_groups` in the metrics). With "off" the gate holds batch b
+    until version `b - max_policy_lag`, so no token is ever masked.
     `max_concurrent_groups`: with partial rollouts, the groups that may be out at once
     (started, not yet trained or dropped; 0 = `(max_policy_lag + 1) * batch_size /
     group_size`, what whole batches allow). It sets the rollout's concurrency apart from the

@@ -44,6 +44,11 @@ class DoneGroup:
         return min((e.first_version for e in self.result.episodes if e.first_version >= 0),
                    default=-1)
 
+    @property
+    def last_version(self) -> int:
+        """The version of the group's newest generated token (-1: it generated none)."""
+        return max((e.last_version for e in self.result.episodes), default=-1)
+
 
 class GroupPool:
     """Finished groups not yet trained, the oldest first (by their oldest token's version;

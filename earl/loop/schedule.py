@@ -96,7 +96,7 @@ class AsSpawned:
         return contextlib.nullcontext()
 
 
-STALE = "stale: its oldest token was over max_policy_lag versions behind its step"
+STALE = "stale: its newest token was over max_policy_lag versions behind its step"
 RUN_ENDED = "the run ended before a step took it"
 
 
@@ -320,14 +320,15 @@ class Schedule:
         return self.config.batch_size // self.config.group_size
 
     async def _take_groups(self, b: int) -> tuple[BatchResult, float, int]:
-        """Partial rollouts: groups done, the oldest first, whatever batch started them; a group whose
-        oldest token is over `max_policy_lag` versions older than step `b` is dropped whole."""
+        """Partial rollouts: groups done, the oldest first, whatever batch started them. Step `b`
+        trains the tokens sampled at `b - max_policy_lag` or later (the trainer masks older ones
+        out of the loss: `ActorTraining`); a group with no token that recent is dropped whole."""
         t0 = time.perf_counter()
         chosen: list[DoneGroup] = []
         stale: list[DoneGroup] = []
         while len(chosen) < self.groups_per_step:
             g = await self.pool.wait_take()
-            if 0 <= g.first_version < b - self.config.max_policy_lag:
+            if 0 <= g.last_version < b - self.config.max_policy_lag:
                 stale.append(g)
             else:
                 chosen.append(g)

@@ -54,7 +54,8 @@ async def spawn_attempt(job: Job, version: int) -> Attempt:
     training = ActorTraining(actors, columns, supervisor=sup, production=production,
                              tracer=job.tracer,
                              weights_transport=pl.weights_transport or "auto",  # type: ignore[arg-type]
-                             weight_update=cfg.weight_update)  # type: ignore[arg-type]
+                             weight_update=cfg.weight_update,  # type: ignore[arg-type]
+                             max_policy_lag=cfg.max_policy_lag)
     return Attempt(actors=actors, production=production, training=training,
                    evaluation=_evaluation(job, actors.producers),
                    selection=b.selection or AsSpawned())

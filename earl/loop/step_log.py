@@ -95,10 +95,18 @@ def step_row(r: StepRecord, *, steps: int) -> dict[str, Any]:
         "step_s": r.step_s, "rollout_s": r.result.seconds, "lr_scale": r.lr_scale,
         "straggler_wait_s": r.straggler_wait_s, "stale_groups": r.stale_groups,
         "groups_running": r.groups_running,
-        "staleness_max": max((r.version - 1 - e.first_version for e in eps
-                              if e.first_version >= 0), default=0),
+        "staleness_max": staleness_max(r),
         "slot_idle_share": slot_idle_share(eps, r.slots, r.step_s),
         **info_rates(eps)}
+
+
+def staleness_max(r: StepRecord) -> int:
+    """How many versions older than its step the oldest token it trained is: read from the
+    trainer's tokens where it bounded them (`oldest_version`), else from the episodes."""
+    if "oldest_version" in r.train:
+        return r.version - 1 - int(r.train["oldest_version"])
+    return max((r.version - 1 - e.first_version for e in r.result.episodes
+                if e.first_version >= 0), default=0)
 
 
 def slot_idle_share(eps: list[Episode], slots: int, seconds: float) -> float:

@@ -38,13 +38,18 @@ class ActorTraining:
     `flows` holds the bytes each transport carried in the last step
     (``transport/experience_bytes/<kind>``: warehouses -> trainer leaders;
     ``transport/weights_bytes/<kind>``: trainer -> rollout replicas). `weight_update`: what
-    a push does to the requests a replica is running (`RunConfig.weight_update`)."""
+    a push does to the requests a replica is running (`RunConfig.weight_update`).
+    `max_policy_lag`: step b trains the tokens sampled at version `b - max_policy_lag` or later;
+    older ones stay in their samples' context, out of the loss (``stale_tokens`` in a step's
+    metrics; None: every token trains)."""
 
     def __init__(self, actors: Actors, columns: list[str], *, supervisor: Supervisor,
                  production: ActorProduction, tracer: Tracer | None = None,
                  weights_transport: PushTransport = "auto",
-                 weight_update: UpdateMode = "inflight") -> None:
+                 weight_update: UpdateMode = "inflight",
+                 max_policy_lag: int | None = None) -> None:
         self.actors, self.columns = actors, columns
+        self.max_policy_lag = max_policy_lag
         self.supervisor, self.production = supervisor, production
         self.weights_transport = weights_transport  # placement.weights_transport
         self.weight_update = weight_update
@@ -77,7 +82,9 @@ class ActorTraining:
             metrics = await train_from_dock(a.trainer, a.dock, samples, self.columns,
                                             lr_scale=lr_scale,
                                             micro_batch_tokens=a.micro_batch_tokens,
-                                            group_ids=groups)
+                                            group_ids=groups,
+                                            token_floor=None if self.max_policy_lag is None
+                                            else batch - self.max_policy_lag)
         self.seconds["train_s"] = time.perf_counter() - t0
         self.flows = {k: v for k, v in metrics.items() if k.startswith("transport/")}
         return {k: v for k, v in metrics.items() if not k.startswith("transport/")}

@@ -28,8 +28,9 @@ class Episode:
         turns: assistant turns.
         version_sum: sum of the policy versions that sampled the generated tokens (the driver
             derives the mean staleness from it without seeing tokens).
-        first_version: the version of its oldest generated token (-1: none generated), what
-            `max_policy_lag` bounds.
+        first_version: the version of its oldest generated token (-1: none generated).
+        last_version: the version of its newest generated token (-1: none generated). A step
+            trains a sample's tokens inside `max_policy_lag`; one with none inside is dropped.
     """
 
     sample_id: str
@@ -44,6 +45,7 @@ class Episode:
     turns: int = 0
     version_sum: int = 0
     first_version: int = -1
+    last_version: int = -1
     gen_time_s: float = 0.0
     tool_time_s: float = 0.0
     info: dict[str, float | int | str] = field(default_factory=dict)
@@ -57,6 +59,7 @@ def episode_of(t: Trajectory) -> Episode:
                    truncated=t.truncated, tokens=len(t.token_ids), generated=len(gen_versions),
                    turns=len(t.turn_spans), version_sum=sum(gen_versions),
                    first_version=min(gen_versions, default=-1),
+                   last_version=max(gen_versions, default=-1),
                    gen_time_s=t.gen_time_s, tool_time_s=t.tool_time_s, info=dict(t.info))
 
 

@@ -39,7 +39,7 @@ from earl.stages.compute import Compute
 from earl.stages.id_runs import pack
 from earl.stages.lora import LoraConfig
 from earl.stages.optim import OptimConfig
-from earl.stages.trainer_batch import TrainBatch
+from earl.stages.trainer_batch import TrainBatch, bound_staleness
 from earl.stages.trainer_dist import free_dist_url
 from earl.stages.trainer_offload import Moved
 from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
@@ -115,20 +115,25 @@ class TrainerActor(Actor):
 
     @endpoint
     async def train_planned(self, plan: DispatchPlan, index: str = "dock",
-                            lr_scale: float = 1.0, timeout_s: float = 120.0) -> dict[str, float]:
+                            lr_scale: float = 1.0, timeout_s: float = 120.0,
+                            token_floor: int | None = None) -> dict[str, float]:
         """One optimizer step on this rank's slice of a dispatch plan (call on every rank).
 
         The leader of each DP replica fetches the replica's samples straight from the
         warehouses (`Dock.fetch_replica`) and forwards the frames to its TP peers (on one host,
         the same read-only shm pages); the micro-batches are the plan's. The caller acks the
-        lease (`earl.stages.trainer_feed.train_from_dock` does all of it).
+        lease (`earl.stages.trainer_feed.train_from_dock` does all of it). With a
+        `token_floor`, tokens sampled before that policy version are out of the loss
+        (`bound_staleness`; the plan's lease must carry ``versions``).
         """
         replica = plan.for_rank(self.rank)
         before = self._dock.fetched_bytes() if self._dock is not None else {}
-        batch = await self._fetch_planned(plan, index, timeout_s)
+        batch, bound = await self._fetch_planned(plan, index, timeout_s, token_floor)
         pos = {sid: i for i, sid in enumerate(replica.sample_ids)}
         micro = [[pos[sid] for sid in mb] for mb in replica.micro_batches]
         metrics = await self._run(lambda t: t.train_step(batch, lr_scale, micro))
+        if plan.is_leader(self.rank):
+            metrics.update(bound)
         if self.config.record_dir and plan.is_leader(self.rank):
             self._record(replica.sample_ids)
         assert self._dock is not None
@@ -151,8 +156,8 @@ class TrainerActor(Actor):
         with path.open("a") as f:
             f.write(line + "\n")
 
-    async def _fetch_planned(self, plan: DispatchPlan, index: str,
-                             timeout_s: float) -> TrainBatch:
+    async def _fetch_planned(self, plan: DispatchPlan, index: str, timeout_s: float,
+                             token_floor: int | None) -> tuple[TrainBatch, dict[str, float]]:
         from earl.runtime import context
         from earl.runtime.dock import Dock
         from earl.runtime.locality import host_id
@@ -180,7 +185,14 @@ class TrainerActor(Actor):
             data, frames = await asyncio.to_thread(receive_replica, receiver,
                                                    len(replica.fetches), timeout_s=timeout_s)
         try:
-            return TrainBatch.from_samples([data[sid] for sid in replica.sample_ids])  # copies
+            samples = [data[sid] for sid in replica.sample_ids]
+            if token_floor is None:
+                return TrainBatch.from_samples(samples), {}  # copies
+            samples, masked, oldest = bound_staleness(samples, token_floor)
+            bound = {"stale_tokens": float(masked)}
+            if oldest >= 0:
+                bound["oldest_version"] = float(oldest)
+            return TrainBatch.from_samples(samples), bound
         finally:
             for f in frames:
                 f.release()

@@ -31,7 +31,7 @@ from earl.algorithms.loss_config import AggMode
 from earl.packing import Packed, pack
 from earl.runtime.wire import message
 
-__all__ = ["MicroBatch", "TrainBatch"]
+__all__ = ["MicroBatch", "TrainBatch", "bound_staleness"]
 
 _OPTIONAL = ("rollout_logprobs", "ref_logprobs", "old_logprobs")
 _DTYPES = {
@@ -40,6 +40,29 @@ _DTYPES = {
     "old_logprobs": torch.float32,
 }
 ColumnValue = Tensor | np.ndarray | Sequence[float] | Sequence[int]
+
+
+def bound_staleness(samples: Sequence[Mapping[str, ColumnValue]], floor: int
+                    ) -> tuple[list[dict[str, ColumnValue]], int, int]:
+    """The samples with every loss token sampled before policy version `floor` masked out (kept
+    as context: the staleness bound of a partial rollout's episode that spanned many updates),
+    the loss tokens masked, and the oldest version left in the loss (-1: none left).
+
+    Each sample needs its ``versions`` column (the version that sampled each token)."""
+    out: list[dict[str, ColumnValue]] = []
+    masked, oldest = 0, -1
+    for s in samples:
+        if "versions" not in s:
+            raise ValueError("bound_staleness needs each sample's 'versions' column; fetch it")
+        mask = np.asarray(s["loss_mask"]).reshape(-1) != 0
+        versions = np.asarray(s["versions"]).reshape(-1)
+        kept = mask & (versions >= floor)
+        masked += int(mask.sum() - kept.sum())
+        if kept.any():
+            low = int(versions[kept].min())
+            oldest = low if oldest < 0 else min(oldest, low)
+        out.append({**s, "loss_mask": kept.astype(np.float32)})
+    return out, masked, oldest
 
 
 @message

@@ -52,7 +52,8 @@ async def train_from_dock(trainer: ActorGroup[TrainerActor], dock: Dock, n: int,
                           timeout_s: float | None = 600.0, fetch_timeout_s: float = 120.0,
                           layout: Layout | None = None,
                           micro_batch_tokens: int | None = None,
-                          group_ids: Sequence[str] | None = None) -> dict[str, float]:
+                          group_ids: Sequence[str] | None = None,
+                          token_floor: int | None = None) -> dict[str, float]:
     """One optimizer step of the whole trainer group on `n` samples from the dock.
 
     Args:
@@ -65,10 +66,14 @@ async def train_from_dock(trainer: ActorGroup[TrainerActor], dock: Dock, n: int,
         timeout_s: how long to wait for `n` samples to be ready.
         layout, micro_batch_tokens: the trainer's, asked from rank 0 when not given.
         group_ids: train exactly these groups (`n` is then their rows): a step's batch.
+        token_floor: the oldest policy version whose tokens train; older ones are masked out
+            of the loss (the staleness bound; the ``versions`` column is fetched for it).
 
     Returns:
-        Rank 0's step metrics (global over the replicas), plus ``dispatch_replicas`` and the
-        bytes each transport carried to the replica leaders (``transport/experience_bytes/<kind>``).
+        Rank 0's step metrics (global over the replicas), plus ``dispatch_replicas``, the
+        bytes each transport carried to the replica leaders (``transport/experience_bytes/<kind>``)
+        and, with a `token_floor`, the loss tokens it masked (``stale_tokens``) and the oldest
+        version trained (``oldest_version``), over all replicas.
 
     Raises:
         ValueError: `n` samples cannot feed the layout (fewer samples than replicas).
@@ -84,20 +89,25 @@ async def train_from_dock(trainer: ActorGroup[TrainerActor], dock: Dock, n: int,
     if n < layout.dp:
         raise ValueError(f"train_from_dock: n={n} samples cannot feed {layout.dp} data-parallel "
                          "replicas; take at least one sample per replica")
+    if token_floor is not None and "versions" not in columns:
+        columns = [*columns, "versions"]
     lease = await dock.take(stage, list(columns), n, whole_groups=whole_groups,
                             min_version=min_version, timeout_s=timeout_s, group_ids=group_ids)
     try:
         plan = plan_for(lease, layout, micro_batch_tokens)
-        results = await trainer.train_planned.call(plan, index, lr_scale, fetch_timeout_s)
+        results = await trainer.train_planned.call(plan, index, lr_scale, fetch_timeout_s,
+                                                   token_floor)
     except BaseException:
         await dock.release(lease)
         raise
     await dock.ack(lease)
     metrics = dict(results[0])
-    for rank_metrics in results[1:]:  # bytes per transport: every replica leader's fetch
+    for rank_metrics in results[1:]:  # what each replica leader fetched
         for k, v in rank_metrics.items():
-            if k.startswith("transport/"):
+            if k.startswith("transport/") or k == "stale_tokens":
                 metrics[k] = metrics.get(k, 0.0) + v
+            elif k == "oldest_version":
+                metrics[k] = min(metrics.get(k, v), v)
     metrics["dispatch_replicas"] = float(layout.dp)
     return metrics
 

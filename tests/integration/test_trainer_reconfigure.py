@@ -24,6 +24,7 @@ from earl.stages.compute import Compute
 from earl.stages.optim import OptimConfig
 from earl.stages.reconfigure import reconfigure_trainer
 from earl.stages.trainer import TrainBatch, TrainerActor, free_dist_url
+from earl.stages.trainer_batch import bound_staleness
 from earl.stages.trainer_feed import train_from_dock
 from earl.stages.trainer_torch import TorchTrainer, TrainerConfig
 
@@ -41,13 +42,15 @@ def samples(step: int) -> dict[str, dict[str, np.ndarray]]:
         out[f"s{step}-{k}"] = {"input_ids": g.integers(7, 263, n).astype(np.int64),
                                "loss_mask": mask,
                                "advantages": np.full(n, 1.0 if k % 2 else -0.5, np.float32),
-                               "versions": np.zeros(n, np.int32)}
+                               "versions": np.full(n, k, np.int32)}  # sampled by version k
     return out
 
 
-def batch_of(step: int) -> TrainBatch:
+def batch_of(step: int, token_floor: int | None = None) -> TrainBatch:
     data = samples(step)
-    return TrainBatch.from_samples([data[s] for s in sorted(data)])
+    rows = [data[s] for s in sorted(data)]
+    return TrainBatch.from_samples(rows if token_floor is None
+                                   else bound_staleness(rows, token_floor)[0])
 
 
 def config(model: Path, **kw: object) -> TrainerConfig:
@@ -101,9 +104,11 @@ async def test_tp_group_trains_from_the_dock_then_reshards_to_dp(model_dir: Path
         assert times.push_s == 0 and times.total_s > times.spawn_s
 
         await _put(warehouse, 2)  # each DP leader fetches its half of this step's samples
-        got = await train_from_dock(trainer, dock, 4, COLUMNS)
-        want = local.train_step(batch_of(2))
+        # the staleness bound: samples 0 and 1 (versions 0, 1) leave the loss, 2 and 3 train
+        got = await train_from_dock(trainer, dock, 4, COLUMNS, token_floor=2)
+        want = local.train_step(batch_of(2, token_floor=2))
         assert got["step"] == 3 and got["samples"] == 4 and got["dispatch_replicas"] == 2
+        assert got["stale_tokens"] == 6 + 20 and got["oldest_version"] == 2  # both replicas
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
         final = dict(await trainer[0].named_weights.call_one())
         for name, w in local.named_weights():  # Adam moments carried over: same update

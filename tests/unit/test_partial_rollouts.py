@@ -1,6 +1,7 @@
 """Partial rollouts in `earl.loop.schedule`, with fakes and no processes: a step trains the
 groups done first whatever batch started them, a slow group is carried into a later step (not
-cut, not waited on), a group over the staleness bound is dropped whole and counted, and every
+cut, not waited on), a group with no token inside the staleness bound is dropped whole and
+counted, one whose late turns are inside it trains (its early tokens out of the loss), and every
 group started is trained once or dropped with a reason."""
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ def config(**kw: object) -> RunConfig:
 
 class GroupProduction:
     """Each group sleeps for its planned seconds (a tool that waits), its tokens sampled at the
-    version current when it started."""
+    version current when it started; with `last_turn`, also at the version current when it
+    finished (a turn after the wait: the episode spans the updates in between)."""
 
-    def __init__(self, seconds: Callable[[int, int], float]) -> None:
-        self.seconds, self.version = seconds, 0
+    def __init__(self, seconds: Callable[[int, int], float], last_turn: bool = False) -> None:
+        self.seconds, self.version, self.last_turn = seconds, 0, last_turn
         self.started: dict[str, int] = {}  # group id -> version at its start
         self.dock: dict[str, int] = {}     # group id -> rows
 
@@ -44,8 +46,10 @@ class GroupProduction:
             gid, v = f"g{batch * 2 + g}", self.version
             self.started[gid] = v
             await asyncio.sleep(self.seconds(batch, g))
+            last = self.version if self.last_turn else v
             eps = [Episode(sample_id=f"{gid}-{i}", group_id=gid, reward=1.0, generated=3,
-                           version_sum=3 * v, first_version=v, info={"episode_s": 0.01})
+                           version_sum=2 * v + last, first_version=v, last_version=last,
+                           info={"episode_s": 0.01})
                    for i in range(G)]
             res = BatchResult(batch=batch, episodes=eps, samples=G, seconds=0.01,
                               row_groups=[gid] * G)
@@ -96,9 +100,9 @@ class NoCheckpoints:
         assert critic_batch is None  # the critic saw groups as they finished: its live state
 
 
-async def run(cfg: RunConfig, seconds: Callable[[int, int], float]
+async def run(cfg: RunConfig, seconds: Callable[[int, int], float], last_turn: bool = False
               ) -> tuple[GroupProduction, GroupTraining, list[StepRecord]]:
-    prod = GroupProduction(seconds)
+    prod = GroupProduction(seconds, last_turn)
     train, records = GroupTraining(prod), []
 
     async def observe(r: StepRecord) -> None:
@@ -132,6 +136,37 @@ async def test_a_group_over_the_staleness_bound_is_dropped_whole_and_counted() -
         assert all(step - prod.started[g] <= 1 for g in groups)
     trained = [g for s in train.steps for g in s]
     assert set(trained) | set(train.dropped) | set(train.left) == set(prod.started)
+
+
+async def test_a_group_whose_late_turns_are_inside_the_bound_trains() -> None:
+    # the same slow group, but it samples a turn after its wait: its early tokens leave the
+    # loss (the trainer's token floor), its late ones train, and nothing is dropped
+    prod, train, records = await run(config(steps=60, max_policy_lag=1),
+                                     lambda b, g: 0.2 if (b, g) == (0, 0) else 0.01,
+                                     last_turn=True)
+    assert not train.dropped and not sum(r.stale_groups for r in records)
+    step = next(i for i, s in enumerate(train.steps) if "g0" in s)
+    assert step - prod.started["g0"] > 1  # its first turn is over the bound: masked, not dropped
+
+
+def test_tokens_before_the_floor_leave_the_loss_and_stay_in_the_context() -> None:
+    import numpy as np
+
+    from earl.stages.trainer_batch import TrainBatch, bound_staleness
+
+    # prompt (-1), turn 1 by version 3, a tool reply (-1), turn 2 by version 9
+    versions = np.array([-1, -1, 3, 3, -1, 9, 9, 9], np.int32)
+    mask = np.array([0, 0, 1, 1, 0, 1, 1, 1], np.int8)
+    s = {"input_ids": np.arange(8), "loss_mask": mask, "advantages": np.ones(8, np.float32),
+         "versions": versions}
+    rows, masked, oldest = bound_staleness([s, {**s, "versions": versions + 10}], floor=5)
+    assert masked == 2 and oldest == 9
+    b = TrainBatch.from_samples(rows)
+    assert b.loss_mask.tolist() == [0, 0, 0, 0, 0, 1, 1, 1] + mask.tolist()
+    assert b.input_ids.tolist() == list(range(8)) * 2  # the context is whole
+    assert bound_staleness([s], floor=20)[1:] == (5, -1)  # nothing left to train
+    with pytest.raises(ValueError, match="versions"):
+        bound_staleness([{"input_ids": [1], "loss_mask": [1]}], floor=0)
 
 
 def _done(pool: GroupPool, gid: str, first_version: int) -> None:

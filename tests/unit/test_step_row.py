@@ -25,3 +25,13 @@ def test_turns_and_generated_means_are_the_steps_episodes() -> None:
     assert row["generated_mean"] == 20.0
     assert row["staleness"] == 0.0  # every token sampled by version 4, trained at step 5
     assert row["train/loss"] == 0.5
+
+
+def test_staleness_max_is_the_oldest_token_the_trainer_kept_in_the_loss() -> None:
+    eps = [_episode(0, 1, 8)]  # first token by version 4
+    res = BatchResult(batch=9, episodes=eps, samples=1, seconds=1.0)
+    rec = StepRecord(version=10, result=res, train={}, step_s=1.0, lr_scale=1.0)
+    assert step_row(rec, steps=20)["staleness_max"] == 5  # from the episodes
+    rec.train = {"oldest_version": 7.0, "stale_tokens": 3.0}  # the trainer masked older ones
+    row = step_row(rec, steps=20)
+    assert row["staleness_max"] == 2 and row["train/stale_tokens"] == 3.0
