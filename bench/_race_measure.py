@@ -2,17 +2,20 @@
 policy stands for each of those moments, when a curve first reaches a threshold, and the CPU
 time of a process tree whose processes come and go.
 
-Pure functions and one small accumulator; no model, no process started here. Times are seconds
+Pure functions, one small accumulator and one reader of /proc (`tree_readings`); no model, no
+process started here. Times are seconds
 of a side's process age (its start-up counts, as in `earl train`'s `time_limit_minutes`).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["TreeCpu", "eval_points", "policy_at", "time_to", "verdict", "versus"]
+__all__ = ["TreeCpu", "cpu_between", "eval_points", "policy_at", "time_to", "tree_readings",
+           "verdict", "versus"]
 
 
 def eval_points(minutes: float, every_min: float) -> list[float]:
@@ -108,3 +111,46 @@ class TreeCpu:
 
     def processes(self) -> int:
         return len(self.seen)
+
+
+def tree_readings(pid: int) -> tuple[list[tuple[int, float, float]], float]:
+    """(pid, start time, CPU s so far) of each process of `pid`'s tree now (for `TreeCpu`),
+    and their summed RSS in MiB."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return [], 0.0
+    out, rss = [], 0
+    for p in procs:
+        try:
+            with p.oneshot():
+                t = p.cpu_times()
+                out.append((p.pid, p.create_time(), t.user + t.system))
+                rss += p.memory_info().rss
+        except psutil.Error:
+            continue
+    return out, rss / 2**20
+
+
+def cpu_between(timeline: Sequence[tuple[float, float]], t0: float, t1: float) -> float:
+    """CPU seconds a tree spent between its ages `t0` and `t1`, from `timeline`'s (age s, CPU s
+    so far) readings in order, interpolated linearly between readings (clamped at the ends).
+
+    >>> cpu_between([(0.0, 0.0), (10.0, 5.0), (20.0, 25.0)], 5.0, 15.0)
+    12.5
+    """
+    if not timeline:
+        raise ValueError("cpu_between needs at least one (age, CPU) reading")
+
+    def at(t: float) -> float:
+        if t <= timeline[0][0]:
+            return timeline[0][1]
+        for (a, ca), (b, cb) in itertools.pairwise(timeline):
+            if t <= b:
+                return ca + (cb - ca) * (t - a) / (b - a) if b > a else cb
+        return timeline[-1][1]
+
+    return at(t1) - at(t0)

@@ -81,8 +81,10 @@ Prints one JSON object: ``earl`` and ``trl_best`` (means over rounds, plus per-r
 - ``final_eval``: greedy eval with the same rule on both sides (``reward`` mean, ``accuracy``
   = share scored 1.0). EARL's comes from its own final eval (vLLM, greedy); TRL's from
   `generate(do_sample=False)` on the trained model.
-- ``cores_used``: CPU seconds of the whole tree / its wall seconds; ``trajectories_per_cpu_s``:
-  all trajectories / those CPU seconds.
+- ``cores_used``, ``trajectories_per_cpu_s``: the tree's CPU seconds (all its processes,
+  sampled every 0.25 s) over the same window as ``trajectories_per_s``, first logged step to
+  last; ``cpu_s_whole_run`` and ``trajectories_per_cpu_s_whole_run`` count start-up and the
+  final eval too (what this bench reported before 2026-11-30's second full run).
 - ``peak_rss_mb``: peak of the summed RSS of the process and all its descendants (shared pages
   counted once per process).
 
@@ -121,11 +123,10 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-
-from earl.observe import tree_rss_mib
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -134,6 +135,7 @@ import _agentic_workload
 import _peers_task
 import _results
 from _peers_summary import goals, mean, same_work, versus
+from _race_measure import TreeCpu, cpu_between, tree_readings
 
 RECIPE: dict[str, Any] = {"batch_size": 32, "group_size": 8, "max_tokens": 8,
                           "temperature": 1.0, "clip": 0.2, "lr": 1e-3, "seed": 0}
@@ -164,19 +166,33 @@ class TrlConfig:
                 f"_{self.queue_maxsize}_{int(self.gradient_checkpointing)}_{self.generation}")
 
 
-def run_tree(cmd: list[str], env: dict[str, str], timeout: float
-             ) -> tuple[str, str, float, float]:
-    """Runs `cmd`, sampling its tree's RSS; returns stdout, stderr, the peak RSS in MiB and the
-    CPU seconds (user + system) of every descendant that was reaped (the whole tree)."""
+@dataclass
+class Tree:
+    """What `run_tree` measured of one side's process tree."""
+
+    stdout: str
+    peak_rss_mb: float
+    cpu_s: float  # user + system of every descendant reaped (the whole tree, whole run)
+    cpu_timeline: list[tuple[float, float]]  # (age s, tree CPU s so far), every 0.25 s
+
+
+def run_tree(cmd: list[str], env: dict[str, str], timeout: float) -> Tree:
+    """Runs `cmd`, sampling its tree's RSS and CPU time every 0.25 s (ages from its start, the
+    clock both sides' step `wall_s` use: process age)."""
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, cwd=str(HERE.parent))
     peak = [0.0]
+    cpu, timeline = TreeCpu(), [(0.0, 0.0)]
     done = threading.Event()
 
     def sample() -> None:
         while not done.wait(0.25):
-            peak[0] = max(peak[0], tree_rss_mib(proc.pid))
+            readings, rss = tree_readings(proc.pid)
+            cpu.update(readings)
+            peak[0] = max(peak[0], rss)
+            timeline.append((time.time() - t0, cpu.total()))
 
     t = threading.Thread(target=sample, daemon=True)
     t.start()
@@ -191,17 +207,21 @@ def run_tree(cmd: list[str], env: dict[str, str], timeout: float
     if proc.returncode != 0:
         raise RuntimeError(f"{cmd[1:3]} exited {proc.returncode}:\n{err[-4000:]}")
     ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime
-    return out, err, peak[0], cpu
+    return Tree(stdout=out, peak_rss_mb=peak[0], cpu_timeline=timeline,
+                cpu_s=ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime)
 
 
 def summarize(steps: list[dict[str, float]], batch: int, gen_len: float, wall_s: float,
-              cpu_s: float, threshold: float) -> dict[str, Any]:
-    """Rates and time to threshold from per-step records (`wall_s`, `reward`, in order)."""
+              tree: Tree, threshold: float) -> dict[str, Any]:
+    """Rates and time to threshold from per-step records (`wall_s`, `reward`, in order). The
+    rates per second and per CPU-second share one window, the first logged step to the last;
+    ``cpu_s_whole_run`` and ``trajectories_per_cpu_s_whole_run`` count start-up and the final
+    eval too."""
     if len(steps) < 3:
         raise RuntimeError(f"only {len(steps)} training steps logged: raise the budget")
     span = steps[-1]["wall_s"] - steps[0]["wall_s"]
     traj_s = (len(steps) - 1) * batch / span
+    cpu_s = cpu_between(tree.cpu_timeline, steps[0]["wall_s"], steps[-1]["wall_s"])
     hit = None
     for i in range(WINDOW - 1, len(steps)):
         if statistics.fmean(s["reward"] for s in steps[i - WINDOW + 1:i + 1]) >= threshold:
@@ -212,8 +232,10 @@ def summarize(steps: list[dict[str, float]], batch: int, gen_len: float, wall_s:
             "seconds_to_threshold": hit, "steps": len(steps), "gen_len_mean": round(gen_len, 2),
             "final_train_reward": round(statistics.fmean(s["reward"] for s in steps[-WINDOW:]), 3),
             "wall_s": round(wall_s, 1), "cpu_s": round(cpu_s, 1),
-            "cores_used": round(cpu_s / wall_s, 2),
-            "trajectories_per_cpu_s": round(len(steps) * batch / cpu_s, 2)}
+            "cores_used": round(cpu_s / span, 2),
+            "trajectories_per_cpu_s": round((len(steps) - 1) * batch / max(cpu_s, 1e-9), 2),
+            "cpu_s_whole_run": round(tree.cpu_s, 1),
+            "trajectories_per_cpu_s_whole_run": round(len(steps) * batch / tree.cpu_s, 2)}
 
 
 def run_earl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: float,
@@ -248,8 +270,8 @@ def run_earl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: 
            *([f"--max_concurrent_groups={groups}"] if groups and not (over_sample or whole)
              else [])]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    stdout, _, peak, cpu = run_tree(cmd, env, timeout=seconds + 600)
-    res = json.loads(stdout.strip().splitlines()[-1])
+    tree = run_tree(cmd, env, timeout=seconds + 600)
+    res = json.loads(tree.stdout.strip().splitlines()[-1])
     rows = [json.loads(x) for x in Path(res["metrics"]).read_text().splitlines() if x.strip()]
     steps = [{"wall_s": float(m["wall_s"]), "reward": float(m["reward"])}
              for m in rows if "reward" in m and "step" in m]
@@ -261,11 +283,11 @@ def run_earl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: 
     n_eps = max(sum(int(m["episodes"]) for m in trained), 1)  # none: summarize says why
     gen_len = sum(float(m["generated_mean"]) * int(m["episodes"]) for m in trained) / n_eps
     turns = sum(float(m["turns_mean"]) * int(m["episodes"]) for m in trained) / n_eps
-    s = summarize(steps, RECIPE["batch_size"], gen_len, res["wall_minutes"] * 60, cpu, threshold)
+    s = summarize(steps, RECIPE["batch_size"], gen_len, res["wall_minutes"] * 60, tree, threshold)
     ev_ = res["eval"]
     step_s = sum(float(m["step_s"]) for m in trained[1:])
     durations = sorted(float(d["info"].get("episode_s", 0.0)) for d in dump)
-    return {**s, "peak_rss_mb": round(peak), "stopped": res.get("stopped"),
+    return {**s, "peak_rss_mb": round(tree.peak_rss_mb), "stopped": res.get("stopped"),
             "turns_mean": round(turns, 2),
             # the trainer's wait for a step's last group after its first was done, over the
             # steps' time (the first step's warm-up not counted)
@@ -307,14 +329,13 @@ def run_trl(task: str, model: Path, train: Path, ev: Path, out: Path, seconds: f
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "OMP_NUM_THREADS": str(c.threads)}
     script = HERE / ("_peers_trl_async.py" if is_async else "_peers_trl.py")
-    stdout, _, peak, cpu = run_tree([sys.executable, str(script), json.dumps(cfg)], env,
-                                    timeout=seconds + 600)
-    res = json.loads(stdout.strip().splitlines()[-1])
+    tree = run_tree([sys.executable, str(script), json.dumps(cfg)], env, timeout=seconds + 600)
+    res = json.loads(tree.stdout.strip().splitlines()[-1])
     steps = res["steps"]
     gen_len = statistics.fmean(s["gen_len"] for s in steps) if steps else 0.0
-    s = summarize(steps, RECIPE["batch_size"], gen_len, res["wall_s"], cpu, threshold)
+    s = summarize(steps, RECIPE["batch_size"], gen_len, res["wall_s"], tree, threshold)
     fe = res["final_eval"]
-    return {**s, "peak_rss_mb": round(peak), "turns_mean": round(res["turns_mean"], 2),
+    return {**s, "peak_rss_mb": round(tree.peak_rss_mb), "turns_mean": round(res["turns_mean"], 2),
             "trainer": c.trainer, "steps_per_generation": c.steps_per_generation,
             "threads": c.threads, "pace": c.pace, "seconds": seconds,
             "queue_maxsize": c.queue_maxsize,

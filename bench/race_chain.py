@@ -68,7 +68,7 @@ sys.path.insert(0, str(HERE))
 
 import _race_export
 import _results
-from _race_measure import TreeCpu, eval_points, policy_at, time_to, verdict
+from _race_measure import TreeCpu, eval_points, policy_at, time_to, tree_readings, verdict
 
 ARMS: dict[str, dict[str, Any]] = {
     "gc_off": {"gradient_checkpointing": False, "generation": "transformers"},
@@ -96,27 +96,6 @@ class Tree:
         return max(self.cpu.total(), self.cpu_rusage_s)
 
 
-def _readings(pid: int) -> tuple[list[tuple[int, float, float]], float]:
-    """(pid, start, CPU s) of `pid`'s tree now, and its summed RSS in MiB."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return [], 0.0
-    out, rss = [], 0
-    for p in procs:
-        try:
-            with p.oneshot():
-                t = p.cpu_times()
-                out.append((p.pid, p.create_time(), t.user + t.system))
-                rss += p.memory_info().rss
-        except psutil.Error:
-            continue
-    return out, rss / 2**20
-
-
 def run_tree(cmd: list[str], env: dict[str, str], timeout: float, log: Path,
              watch: Any = None) -> Tree:
     """Runs `cmd` to its end, sampling its tree's CPU and memory every 0.5 s and calling
@@ -132,7 +111,7 @@ def run_tree(cmd: list[str], env: dict[str, str], timeout: float, log: Path,
 
         def sample() -> None:
             while not done.wait(0.5):
-                readings, rss = _readings(proc.pid)
+                readings, rss = tree_readings(proc.pid)
                 tree.cpu.update(readings)
                 tree.peak_rss_mb = max(tree.peak_rss_mb, rss)
                 if watch is not None:

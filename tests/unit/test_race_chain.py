@@ -121,3 +121,26 @@ def test_a_failed_generation_fails_its_episodes_instead_of_hanging(codec: ChatCo
     out = rr.trl_fields(trajs, codec.end_id)
     assert out["episode_reward"] == [0.0, 0.0]
     assert out["completion_ids"] == [[codec.end_id]] * 2 and out["env_mask"] == [[0]] * 2
+
+
+def test_cpu_between_reads_a_window_of_the_timeline() -> None:
+    from _race_measure import cpu_between
+
+    line = [(0.0, 0.0), (10.0, 30.0), (20.0, 40.0), (30.0, 60.0)]  # a busy start-up first
+    assert cpu_between(line, 10.0, 30.0) == 30.0
+    assert cpu_between(line, 15.0, 25.0) == pytest.approx(15.0)  # interpolated
+    assert cpu_between(line, -5.0, 99.0) == 60.0  # clamped at the ends
+    with pytest.raises(ValueError, match="reading"):
+        cpu_between([], 0.0, 1.0)
+
+
+def test_peers_per_cpu_second_shares_the_window_of_its_rate() -> None:
+    import peers
+
+    steps = [{"wall_s": 20.0 + i, "reward": 0.0} for i in range(11)]  # steps from 20 s to 30 s
+    tree = peers.Tree(stdout="", peak_rss_mb=0.0, cpu_s=100.0,
+                      cpu_timeline=[(0.0, 0.0), (20.0, 60.0), (30.0, 80.0), (40.0, 100.0)])
+    s = peers.summarize(steps, 32, 8.0, 40.0, tree, threshold=1.0)
+    assert s["trajectories_per_s"] == 32.0 and s["cpu_s"] == 20.0 and s["cores_used"] == 2.0
+    assert s["trajectories_per_cpu_s"] == 16.0  # 10 steps x 32 over 20 CPU-s, not start-up's
+    assert s["trajectories_per_cpu_s_whole_run"] == 3.52  # 11 x 32 / 100
