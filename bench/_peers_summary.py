@@ -30,7 +30,8 @@ def mean(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
             "spread": round((max(tps) - min(tps)) / statistics.fmean(tps), 3),
             **{k: round(statistics.fmean(r[k] for r in runs), 3)  # EARL's own
-               for k in ("straggler_wait_share", "slot_idle_share", "trained_turns_mean")
+               for k in ("straggler_wait_share", "slot_idle_share", "trained_turns_mean",
+                         "stale_token_share")
                if k in runs[0]},
             "runs": runs}
 

@@ -228,6 +228,11 @@ def _peers(r: Result) -> str:
         s += (f"; EARL with partial rollouts (lag {r['earl_max_policy_lag']}): straggler wait "
               f"{e['straggler_wait_share']:.2f} of step time, turns per trained trajectory "
               f"{e['trained_turns_mean']:.2f} vs TRL's {t['turns_mean']:.2f}")
+        stale = [x["stale_token_share"] for x in e.get("runs", []) if "stale_token_share" in x]
+        if stale:  # tokens over the bound stay as context, out of the loss
+            s += f", {100 * sum(stale) / len(stale):.0f}% of its loss tokens over the bound"
+    if any("trajectories_per_cpu_s_whole_run" in x for x in e.get("runs", [])):
+        s += " (per CPU-second over the rate's window)"
     if r.get("earl_over_sampled"):
         s += f"; over-sampled EARL {r['earl_over_sampled']['ratio_turns_per_s']:.2f}x turns/s"
     return s
