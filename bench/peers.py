@@ -117,13 +117,9 @@ import argparse
 import dataclasses
 import json
 import os
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -135,7 +131,8 @@ import _agentic_workload
 import _peers_task
 import _results
 from _peers_summary import goals, mean, same_work, versus
-from _race_measure import TreeCpu, cpu_between, tree_readings
+from _race_measure import cpu_between
+from _tree_run import Tree, run_tree
 
 RECIPE: dict[str, Any] = {"batch_size": 32, "group_size": 8, "max_tokens": 8,
                           "temperature": 1.0, "clip": 0.2, "lr": 1e-3, "seed": 0}
@@ -164,51 +161,6 @@ class TrlConfig:
     def name(self) -> str:
         return (f"{self.trainer}_{self.pace}_{self.threads}_{self.steps_per_generation}"
                 f"_{self.queue_maxsize}_{int(self.gradient_checkpointing)}_{self.generation}")
-
-
-@dataclass
-class Tree:
-    """What `run_tree` measured of one side's process tree."""
-
-    stdout: str
-    peak_rss_mb: float
-    cpu_s: float  # user + system of every descendant reaped (the whole tree, whole run)
-    cpu_timeline: list[tuple[float, float]]  # (age s, tree CPU s so far), every 0.25 s
-
-
-def run_tree(cmd: list[str], env: dict[str, str], timeout: float) -> Tree:
-    """Runs `cmd`, sampling its tree's RSS and CPU time every 0.25 s (ages from its start, the
-    clock both sides' step `wall_s` use: process age)."""
-    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=str(HERE.parent))
-    peak = [0.0]
-    cpu, timeline = TreeCpu(), [(0.0, 0.0)]
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.wait(0.25):
-            readings, rss = tree_readings(proc.pid)
-            cpu.update(readings)
-            peak[0] = max(peak[0], rss)
-            timeline.append((time.time() - t0, cpu.total()))
-
-    t = threading.Thread(target=sample, daemon=True)
-    t.start()
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        done.set()
-        t.join()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    if proc.returncode != 0:
-        raise RuntimeError(f"{cmd[1:3]} exited {proc.returncode}:\n{err[-4000:]}")
-    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return Tree(stdout=out, peak_rss_mb=peak[0], cpu_timeline=timeline,
-                cpu_s=ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime)
 
 
 def summarize(steps: list[dict[str, float]], batch: int, gen_len: float, wall_s: float,
