@@ -3,8 +3,8 @@ policy stands for each of those moments, when a curve first reaches a threshold,
 time of a process tree whose processes come and go.
 
 Pure functions, one small accumulator and one reader of /proc (`tree_readings`); no model, no
-process started here. Times are seconds
-of a side's process age (its start-up counts, as in `earl train`'s `time_limit_minutes`).
+process started here. Times are seconds of a side's process age (its start-up counts, as in
+`earl train`'s `time_limit_minutes`).
 """
 
 from __future__ import annotations

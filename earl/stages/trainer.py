@@ -133,9 +133,9 @@ class TrainerActor(Actor):
         micro = [[pos[sid] for sid in mb] for mb in replica.micro_batches]
         metrics = await self._run(lambda t: t.train_step(batch, lr_scale, micro))
         if plan.is_leader(self.rank):
-            metrics.update(bound)
-        if self.config.record_dir and plan.is_leader(self.rank):
-            self._record(replica.sample_ids)
+            metrics.update(bound)  # once per replica: train_from_dock sums them
+            if self.config.record_dir:
+                self._record(replica.sample_ids)
         assert self._dock is not None
         for kind, n in self._dock.fetched_bytes().items():  # what carried this step's data
             if n > before.get(kind, 0):
