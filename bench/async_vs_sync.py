@@ -10,8 +10,8 @@ matters in practice: multi-turn episodes with heavy-tailed turn counts whose eve
 a tool with real latency (the sandboxed `python` tool, a lognormal-latency lookup). A
 synchronous pipeline idles while its slowest trajectories wait; the async run keeps episodes
 going across steps with partial rollouts (`earl train`'s default): `--groups` groups out at once
-(64 of 4 here: 256 episodes, as bench/peers.py), `--rollout` replicas (2), `--lag` 16 (the bound
-bench/peers.py gives both sides). Quality is the agent's mean reward on held-out tasks
+(96 of 4 here: 384 episodes, as bench/peers.py's 48 of 8), `--rollout` replicas (1, as
+bench/peers.py), `--lag` 16 (the bound bench/peers.py gives both sides). Quality is the agent's mean reward on held-out tasks
 (greedy; the share of turns that answer the task's key, ~0.1 for a guess), `final_quality` in
 both objects; `turns_per_trajectory` and `model_tokens_per_trajectory` (over the trained
 trajectories of the steady state) say whether both modes did the same work.
@@ -19,7 +19,7 @@ trajectories of the steady state) say whether both modes did the same work.
 The sync baseline gets its best configuration, chosen in the same run. On a waiting-bound
 workload concurrency alone can decide the result, so sync is offered concurrency too: play
 several batches as one round (`batch_size` x rounds, then one step trains them; tic-tac-toe:
-1 and L+1 rounds, agentic: 1, 5, 10 and 20, i.e. 32 to 640 episodes in flight). Its stages
+1 and L+1 rounds, agentic: 1, 5, 10, 20, 40 and 80, i.e. 32 to 2,560 episodes in flight). Its stages
 do not overlap, so it may use every core: `--sync-threads` per actor (`placement.threads`; 1
 and 2, agentic 1) and `--sync-rollout` replicas (agentic 1 and 2). The first round runs every
 sync configuration and the fastest is the baseline for the remaining repeats, interleaved with
@@ -91,10 +91,10 @@ def trained_work(metrics: str, fill: int) -> dict[str, float]:
 
 def run_once(lag: int, threads: int, rounds: int, overrides: list[str], out: str,
              quality_key: str = "win_draw_rate", replicas: int = 1,
-             groups: int = 0) -> dict[str, object]:
+             groups: int = 0, steady: bool = True) -> dict[str, object]:
     """One `earl train` run (`rounds` batches per step, `replicas` rollout engines; async:
     `groups` out at once, 0 for the config's default; sync ignores it); its steady-state
-    throughput."""
+    throughput, or (`steady` false: a run stopped at a step count) its final quality alone."""
     from earl.config import load_config
     from earl.run import train
 
@@ -122,6 +122,9 @@ def run_once(lag: int, threads: int, rounds: int, overrides: list[str], out: str
     # before the first step was trained
     in_flight = cfg.max_concurrent_groups * cfg.group_size or cfg.batch_size * (lag + 1)
     fill = -(-in_flight // cfg.batch_size) - 1
+    if not steady:
+        return {"steps": len(marks), "final_quality": res.eval[quality_key],
+                "wall_s": round(wall, 1)}
     if len(marks) < fill + 2:
         raise RuntimeError(f"{len(marks)} step lines logged in {wall:.0f} s (steps {res.steps}, "
                            f"stopped by {getattr(res, 'stopped', '?')!r}); the steady state "
@@ -179,16 +182,15 @@ def main(argv: list[str] | None = None) -> int:
                         "default 1,2; agentic 1: 2 threads lost at 32 and 160 in flight, "
                         "async_vs_sync_agentic-2026-11-26.json, and 2 replicas are tried)")
     p.add_argument("--rollout", type=int, default=None,
-                   help="the async run's rollout replicas (default 1; 2 for agentic, what "
-                        "bench/peers.py measured best)")
+                   help="the async run's rollout replicas (default 1, as bench/peers.py)")
     p.add_argument("--groups", type=int, default=None,
-                   help="the async run's max_concurrent_groups (default 0, the config's; 64 "
-                        "for agentic: 256 episodes out, as bench/peers.py's 32 groups of 8)")
+                   help="the async run's max_concurrent_groups (default 0, the config's; 96 "
+                        "for agentic: 384 episodes out, as bench/peers.py's 48 groups of 8)")
     p.add_argument("--sync-rollout", default=None,
                    help="rollout replicas tried for the sync baseline (default 1; agentic 1,2)")
     p.add_argument("--sync-rounds", default="",
                    help="batches per sync step tried (default: 1 and lag+1, the async run's "
-                        "batches in flight; agentic also 5, 10, 20)")
+                        "batches in flight; agentic 1, 5, 10, 20, 40, 80)")
     _results.add_flag(p)
     a = p.parse_args(argv)
     begun = _results.start()
@@ -201,8 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     agentic = a.workload == "agentic"
     a.sync_threads = a.sync_threads or ("1" if agentic else "1,2")
     a.sync_rollout = a.sync_rollout or ("1,2" if agentic else "1")
-    a.rollout = a.rollout or (2 if agentic else 1)
-    a.groups = (64 if agentic else 0) if a.groups is None else a.groups
+    a.rollout = a.rollout or 1
+    a.groups = (96 if agentic else 0) if a.groups is None else a.groups
     sync_threads = [int(x) for x in a.sync_threads.split(",")]
     sync_replicas = [int(x) for x in a.sync_rollout.split(",")]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -232,9 +234,9 @@ def main(argv: list[str] | None = None) -> int:
                   "--steps=10" if a.quick else "--steps=100000",
                   "--time_limit_minutes=30" if a.quick else f"--time_limit_minutes={a.minutes}"]
         quality_key = "reward"
-    # agentic: sync gets 32, 160, 320 and 640 episodes in flight (waiting-bound: concurrency
-    # can decide it) besides the async run's own
-    default_rounds = {1, 5, 10, 20} if agentic else {1, a.lag + 1}
+    # agentic: sync gets 32 to 2,560 episodes in flight (waiting-bound: concurrency can decide
+    # it; its rate still rose from 640 to 1,280) besides the async run's own
+    default_rounds = {1, 5, 10, 20, 40, 80} if agentic else {1, a.lag + 1}
     rounds = [int(x) for x in a.sync_rounds.split(",")] if a.sync_rounds else \
         sorted(default_rounds)
     Config = tuple[int, int, int, int]  # (lag, threads, batches per step, rollout replicas)
@@ -267,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                 equal.append(run_once(a.lag, 1, 1, [*common, f"--steps={steps}",
                                                      "--time_limit_minutes=120"],
                                       os.path.join(d, f"equal-{rep}"), quality_key,
-                                      replicas=a.rollout, groups=a.groups))
+                                      replicas=a.rollout, groups=a.groups, steady=False))
     best = summarize(runs[best_c])
     asyn = summarize(runs[async_config])
     cores = os.cpu_count() or 1
