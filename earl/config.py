@@ -84,6 +84,15 @@ class AlgorithmConfig(LossConfig):
     many extra samples per batch replay a turn with the reply the critic rates best there.
     `temperature` (a `LossConfig` field, so the trainer and the reference read this one): the
     rollout's sampling temperature (log-probs are of logits / temperature).
+    `filter_groups` (DAPO's dynamic sampling, verl's `algorithm.filter_groups`; "grpo" with
+    partial rollouts): a step skips the done groups whose episodes all scored alike (every
+    advantage zero: they cost the trainer a forward and backward pass and move no policy
+    gradient, nor, with `kl_coef`, anything but the KL term) and takes the next done groups
+    instead, so each step trains `batch_size` samples that all carry a learning signal. The
+    skipped groups are dropped with a reason (`filtered_groups` in the metrics, `reward_played`
+    the mean reward over every episode a step took, skipped ones included). A step skips at most
+    `earl.loop.schedule.MAX_FILTERED` groups per group it trains and trains the rest as they
+    come, so a task the policy always fails (or always solves) still makes steps.
     """
 
     name: str = "grpo"
@@ -91,6 +100,7 @@ class AlgorithmConfig(LossConfig):
     normalize_std: bool = False
     critic: str = "none"
     self_imitation: int = 0
+    filter_groups: bool = False
 
     def __post_init__(self) -> None:
         LossConfig.__post_init__(self)
@@ -102,6 +112,9 @@ class AlgorithmConfig(LossConfig):
         need(self.self_imitation >= 0, "self_imitation", "must be >= 0 (0 = off)")
         need(self.self_imitation == 0 or self.critic == "recipe", "self_imitation",
              "needs algorithm.critic=recipe (the critic rates the replies), or set it to 0")
+        need(not self.filter_groups or self.name == "grpo", "filter_groups",
+             "skips groups whose advantages are all zero, which only group-relative "
+             "advantages guarantee: use algorithm.name=grpo with it, or set it to false")
 
     def loss(self) -> LossConfig:
         """The loss part of this config, as the trainer takes it (a plain `LossConfig`)."""
@@ -311,6 +324,10 @@ class RunConfig(Seeded, ProducerSettings):
              or self.max_concurrent_groups >= self.batch_size // self.group_size,
              "max_concurrent_groups", f"must be >= the groups of one step "
              f"({self.batch_size // self.group_size}), or 0")
+        need(self.partial_rollouts != "off" or not self.algorithm.filter_groups,
+             "algorithm.filter_groups", "a step takes the next done groups in place of the "
+             "skipped ones, which needs partial rollouts: use --partial_rollouts=continue "
+             "with it, or set it to false")
         need(self.partial_rollouts == "off" or not self.over_sample_groups,
              "partial_rollouts", "over_sample_groups cuts a batch's slowest groups, partial "
              "rollouts carry them over: use --partial_rollouts=off with over_sample_groups")

@@ -140,8 +140,8 @@ class Tracer:
 def progress_line(r: dict[str, float | int | str]) -> str:
     """`step 12/200 | reward +0.41 | win 0.62 draw 0.08 | 3.1k tok/s | staleness 0.9 | 41 s`
     (the outcome rates only where the episodes report an outcome; failures with the step's most
-    frequent error, over-sampled groups cut and groups dropped as stale only where there are
-    some)."""
+    frequent error, over-sampled groups cut, groups dropped as stale and groups skipped as
+    alike only where there are some)."""
     rates = "".join(f"{name} {float(r[f'info/outcome={name}']):.2f} "
                     for name in ("win", "draw") if f"info/outcome={name}" in r)
     failed = f"failed {float(r['failed_rate']):.2f} ({r.get('failed_error', '')}) | " \
@@ -149,8 +149,10 @@ def progress_line(r: dict[str, float | int | str]) -> str:
     cut = f"{int(r['groups_cut'])} groups cut | " if int(r.get("groups_cut", 0)) else ""
     stale = f"{int(r['stale_groups'])} stale groups dropped | " \
         if int(r.get("stale_groups", 0)) else ""
+    alike = f"{int(r['filtered_groups'])} alike groups skipped | " \
+        if int(r.get("filtered_groups", 0)) else ""
     return (f"step {r['step']}/{r['steps']} | reward {float(r['reward']):+.2f} | "
-            + (f"{rates.strip()} | " if rates else "") + failed + cut + stale
+            + (f"{rates.strip()} | " if rates else "") + failed + cut + stale + alike
             + f"{float(r['tokens_per_s']) / 1000:.1f}k tok/s | "
             f"staleness {float(r['staleness']):.1f} | {float(r['wall_s']):.0f} s")
 

@@ -45,6 +45,12 @@ class DoneGroup:
                    default=-1)
 
     @property
+    def scored_alike(self) -> bool:
+        """Every episode failed alike or scored the same reward: group-relative advantages
+        are all zero."""
+        return len({(e.failed, e.reward) for e in self.result.episodes}) == 1
+
+    @property
     def last_version(self) -> int:
         """The version of the group's newest generated token (-1: it generated none)."""
         return max((e.last_version for e in self.result.episodes), default=-1)

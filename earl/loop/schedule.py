@@ -26,7 +26,7 @@ from earl.loop.failures import add_failures, describe
 from earl.loop.gate import GroupGate, StalenessGate
 from earl.loop.pool import DoneGroup, GroupPool, straggler_wait
 from earl.loop.watchdog import Watchdog
-from earl.stages.batch_types import BatchResult
+from earl.stages.batch_types import BatchResult, Episode
 
 __all__ = ["Checkpoints", "Evaluation", "LoopState", "NothingToTrain", "Production", "Schedule",
            "Selection", "StepRecord", "Training"]
@@ -98,6 +98,10 @@ class AsSpawned:
 
 STALE = "stale: its newest token was over max_policy_lag versions behind its step"
 RUN_ENDED = "the run ended before a step took it"
+NO_SIGNAL = "no signal: its episodes all scored alike (algorithm.filter_groups)"
+# algorithm.filter_groups: groups a step skips at most per group it trains (past that it trains
+# them as they come, so a policy that always fails still makes steps, evals and time checks)
+MAX_FILTERED = 3
 
 
 class NothingToTrain(ValueError):
@@ -165,6 +169,7 @@ class StepRecord:
     lr_scale: float
     straggler_wait_s: float = 0.0  # the trainer's wait from its first done group to its last
     stale_groups: int = 0  # groups dropped over the staleness bound before this step
+    filtered: list[Episode] = field(default_factory=list)  # episodes of groups skipped alike
     slots: int = 0  # episodes the staleness gate lets run at once
     groups_running: int = 0  # partial rollouts: groups still playing as the step ends
     new_errors: list[str] = field(default_factory=list)  # failed episodes' texts first seen
@@ -256,8 +261,9 @@ class Schedule:
                 future(b)  # registered before the task runs: `b in played` == started
                 tg.create_task(produce_one(b), name=f"play-{b}")
 
-        async def next_batch(b: int) -> tuple[BatchResult, float, int]:
-            """Step b's batch, the trainer's straggler wait and the groups dropped stale."""
+        async def next_batch(b: int) -> tuple[BatchResult, float, int, list[Episode]]:
+            """Step b's batch, the trainer's straggler wait, the groups dropped stale and the
+            episodes of the groups skipped as alike."""
             if self.partial:
                 with self.watchdog.waiting(f"step {b + 1}'s groups to finish (producers)"):
                     return await self._take_groups(b)
@@ -265,7 +271,7 @@ class Schedule:
             with self.watchdog.waiting(f"batch {b}'s rollout for step {b + 1} (producers)"):
                 res = await future(b)
             played.pop(b)
-            return res, straggler_wait(res, self._began.pop(b, t0), t0), 0
+            return res, straggler_wait(res, self._began.pop(b, t0), t0), 0, []
 
         last = self.clock()
         async with asyncio.TaskGroup() as tg:
@@ -319,32 +325,40 @@ class Schedule:
     def groups_per_step(self) -> int:
         return self.config.batch_size // self.config.group_size
 
-    async def _take_groups(self, b: int) -> tuple[BatchResult, float, int]:
+    async def _take_groups(self, b: int) -> tuple[BatchResult, float, int, list[Episode]]:
         """Partial rollouts: groups done, the oldest first, whatever batch started them. Step `b`
         trains the tokens sampled at `b - max_policy_lag` or later (the trainer masks older ones
-        out of the loss: `ActorTraining`); a group with no token that recent is dropped whole."""
+        out of the loss: `ActorTraining`); a group with no token that recent is dropped whole.
+        With `algorithm.filter_groups`, a group whose episodes all scored alike is dropped too
+        (up to `MAX_FILTERED` per group trained) and the next done group taken instead."""
         t0 = time.perf_counter()
         chosen: list[DoneGroup] = []
         stale: list[DoneGroup] = []
+        alike: list[DoneGroup] = []
+        skip = MAX_FILTERED * self.groups_per_step if self.config.algorithm.filter_groups else 0
         while len(chosen) < self.groups_per_step:
             g = await self.pool.wait_take()
             if 0 <= g.last_version < b - self.config.max_policy_lag:
                 stale.append(g)
+            elif len(alike) < skip and g.scored_alike:
+                alike.append(g)
             else:
                 chosen.append(g)
-        if stale:
-            await self.training.discard([g.group_id for g in stale if g.result.samples], STALE)
-        await self.groups_out.done(len(stale))  # the trained ones once their step is out
+        for dropped, reason in ((stale, STALE), (alike, NO_SIGNAL)):
+            if ids := [g.group_id for g in dropped if g.result.samples]:
+                await self.training.discard(ids, reason)
+        # dropped groups free their places now, the trained ones once their step is out
+        await self.groups_out.done(len(stale) + len(alike))
         first = max(min(g.done_at for g in chosen), t0)
         wait = max(max(g.done_at for g in chosen) - first, 0.0)
         res = BatchResult(batch=b, episodes=[e for g in chosen for e in g.result.episodes],
                           samples=sum(g.result.samples for g in chosen),
                           seconds=max(g.result.seconds for g in chosen),
                           row_groups=[g.group_id for g in chosen if g.result.samples])
-        return res, wait, len(stale)
+        return res, wait, len(stale), [e for g in alike for e in g.result.episodes]
 
     async def _learn(self, b: int, res: BatchResult, wait_s: float, stale: int,
-                     last: float) -> float:
+                     filtered: list[Episode], last: float) -> float:
         """Train on batch `b`, publish the weights as version b + 1, record the step."""
         s = self.state
         progress = max(self.clock() / self.time_limit_s, (b + 1) / self.config.steps)
@@ -380,6 +394,7 @@ class Schedule:
                 await self.observe(StepRecord(
                     version=s.step, result=res, train=metrics, step_s=now - last,
                     lr_scale=scale, straggler_wait_s=wait_s, stale_groups=stale,
+                    filtered=filtered,
                     slots=self.slots, new_errors=new_errors,
                     groups_running=self.groups_out.out - self.pool.size() if self.partial
                     else 0))

@@ -94,10 +94,20 @@ def step_row(r: StepRecord, *, steps: int) -> dict[str, Any]:
         "groups_cut": len(r.result.cut),
         "step_s": r.step_s, "rollout_s": r.result.seconds, "lr_scale": r.lr_scale,
         "straggler_wait_s": r.straggler_wait_s, "stale_groups": r.stale_groups,
+        **filtered_row(eps, r.filtered),
         "groups_running": r.groups_running,
         "staleness_max": staleness_max(r),
         "slot_idle_share": slot_idle_share(eps, r.slots, r.step_s),
         **info_rates(eps)}
+
+
+def filtered_row(trained: list[Episode], filtered: list[Episode]) -> dict[str, float]:
+    """`algorithm.filter_groups`: the groups a step skipped (all alike) and the mean reward
+    over every episode it took, skipped ones included ("reward" is the trained episodes')."""
+    eps = [*trained, *filtered]
+    return {"filtered_groups": len({e.group_id for e in filtered}),
+            "reward_played": float(np.mean([0.0 if e.reward is None else e.reward
+                                            for e in eps])) if eps else 0.0}
 
 
 def staleness_max(r: StepRecord) -> int:

@@ -1,8 +1,9 @@
 """Partial rollouts in `earl.loop.schedule`, with fakes and no processes: a step trains the
 groups done first whatever batch started them, a slow group is carried into a later step (not
 cut, not waited on), a group with no token inside the staleness bound is dropped whole and
-counted, one whose late turns are inside it trains (its early tokens out of the loss), and every
-group started is trained once or dropped with a reason."""
+counted, one whose late turns are inside it trains (its early tokens out of the loss), groups
+whose episodes all scored alike are skipped with `algorithm.filter_groups`, and every group
+started is trained once or dropped with a reason."""
 
 from __future__ import annotations
 
@@ -13,7 +14,15 @@ import pytest
 
 from earl.config import RunConfig
 from earl.loop.pool import GroupPool
-from earl.loop.schedule import RUN_ENDED, STALE, LoopState, Schedule, StepRecord
+from earl.loop.schedule import (
+    MAX_FILTERED,
+    NO_SIGNAL,
+    RUN_ENDED,
+    STALE,
+    LoopState,
+    Schedule,
+    StepRecord,
+)
 from earl.stages.batch_types import BatchResult, Episode, GroupTask
 
 pytestmark = pytest.mark.timeout(60)
@@ -32,8 +41,10 @@ class GroupProduction:
     version current when it started; with `last_turn`, also at the version current when it
     finished (a turn after the wait: the episode spans the updates in between)."""
 
-    def __init__(self, seconds: Callable[[int, int], float], last_turn: bool = False) -> None:
+    def __init__(self, seconds: Callable[[int, int], float], last_turn: bool = False,
+                 rewards: Callable[[int], list[float]] = lambda n: [1.0] * G) -> None:
         self.seconds, self.version, self.last_turn = seconds, 0, last_turn
+        self.rewards = rewards  # group number -> its episodes' rewards
         self.started: dict[str, int] = {}  # group id -> version at its start
         self.dock: dict[str, int] = {}     # group id -> rows
 
@@ -47,10 +58,10 @@ class GroupProduction:
             self.started[gid] = v
             await asyncio.sleep(self.seconds(batch, g))
             last = self.version if self.last_turn else v
-            eps = [Episode(sample_id=f"{gid}-{i}", group_id=gid, reward=1.0, generated=3,
+            eps = [Episode(sample_id=f"{gid}-{i}", group_id=gid, reward=r, generated=3,
                            version_sum=2 * v + last, first_version=v, last_version=last,
                            info={"episode_s": 0.01})
-                   for i in range(G)]
+                   for i, r in enumerate(self.rewards(batch * 2 + g))]
             res = BatchResult(batch=batch, episodes=eps, samples=G, seconds=0.01,
                               row_groups=[gid] * G)
             self.dock[gid] = G
@@ -71,6 +82,7 @@ class GroupTraining:
         self.steps: list[list[str]] = []
         self.dropped: list[str] = []  # stale
         self.left: list[str] = []  # not a whole step's worth when the run ended
+        self.alike: list[str] = []  # skipped by algorithm.filter_groups
 
     async def train(self, batch: int, samples: int, lr_scale: float,
                     groups: Sequence[str] | None = None) -> dict[str, float]:
@@ -86,6 +98,8 @@ class GroupTraining:
             del self.prod.dock[g]
         if reason == STALE:
             self.dropped += groups
+        elif reason == NO_SIGNAL:
+            self.alike += groups
         else:
             assert reason == RUN_ENDED
             self.left += groups
@@ -100,9 +114,10 @@ class NoCheckpoints:
         assert critic_batch is None  # the critic saw groups as they finished: its live state
 
 
-async def run(cfg: RunConfig, seconds: Callable[[int, int], float], last_turn: bool = False
+async def run(cfg: RunConfig, seconds: Callable[[int, int], float], last_turn: bool = False,
+              rewards: Callable[[int], list[float]] | None = None
               ) -> tuple[GroupProduction, GroupTraining, list[StepRecord]]:
-    prod = GroupProduction(seconds, last_turn)
+    prod = GroupProduction(seconds, last_turn, *([rewards] if rewards else []))
     train, records = GroupTraining(prod), []
 
     async def observe(r: StepRecord) -> None:
@@ -167,6 +182,48 @@ def test_tokens_before_the_floor_leave_the_loss_and_stay_in_the_context() -> Non
     assert bound_staleness([s], floor=20)[1:] == (5, -1)  # nothing left to train
     with pytest.raises(ValueError, match="versions"):
         bound_staleness([{"input_ids": [1], "loss_mask": [1]}], floor=0)
+
+
+def _mixed_every_third(n: int) -> list[float]:
+    """Group n's rewards: mixed for every third group, else all alike (all 0)."""
+    return [1.0, 0.0, 0.0, 1.0] if n % 3 == 0 else [0.0] * G
+
+
+async def test_groups_that_scored_alike_are_skipped_and_the_next_done_taken() -> None:
+    cfg = config(steps=20, max_policy_lag=100, max_concurrent_groups=12)
+    cfg.algorithm.filter_groups = True
+    prod, train, records = await run(cfg, lambda b, g: 0.01, rewards=_mixed_every_third)
+    number = {f"g{n}": n for n in range(1000)}
+    trained = [g for s in train.steps for g in s]
+    assert len(train.steps) == 20 and all(number[g] % 3 == 0 for g in trained)
+    assert train.alike and all(number[g] % 3 for g in train.alike)
+    # every group started: trained once, skipped with its reason, or left at the run's end
+    assert len(trained) == len(set(trained)) and not prod.dock
+    assert set(trained) | set(train.alike) | set(train.left) == set(prod.started)
+    assert sum(len({e.group_id for e in r.filtered}) for r in records) == len(train.alike)
+    from earl.loop.step_log import step_row
+
+    row = step_row(records[-1], steps=20)
+    assert row["reward"] == 0.5 and row["filtered_groups"] == len(
+        {e.group_id for e in records[-1].filtered})
+    assert row["reward_played"] < 0.5  # the skipped groups scored 0
+
+
+async def test_a_policy_that_always_scores_alike_still_makes_steps() -> None:
+    cfg = config(steps=10, max_policy_lag=100, max_concurrent_groups=12)
+    cfg.algorithm.filter_groups = True
+    _, train, records = await run(cfg, lambda b, g: 0.01, rewards=lambda n: [0.0] * G)
+    assert len(train.steps) == 10  # past the cap the alike groups train
+    assert all(len({e.group_id for e in r.filtered}) <= MAX_FILTERED * 2 for r in records)
+
+
+def test_filter_groups_needs_grpo_and_partial_rollouts() -> None:
+    from earl.config import AlgorithmConfig
+
+    with pytest.raises(ValueError, match="filter_groups"):
+        AlgorithmConfig(name="ppo", filter_groups=True)
+    with pytest.raises(ValueError, match="filter_groups"):
+        RunConfig(partial_rollouts="off", algorithm=AlgorithmConfig(filter_groups=True))
 
 
 def _done(pool: GroupPool, gid: str, first_version: int) -> None:
