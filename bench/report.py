@@ -193,11 +193,15 @@ def _async(r: Result) -> str:
     s, per = r["sync_best"], r["ratios_per_repeat"]
     tried = len(r.get("sync_sweep", r.get("sync_runs", [])))
     def reps(m: dict[str, Any]) -> str:
-        return f", {m['rollout_replicas']} replicas" if "rollout_replicas" in m else ""
+        if "rollout_replicas" not in m:
+            return ""
+        n = m["rollout_replicas"]
+        return f", {n} replica{'s' if n != 1 else ''}"
 
     out = (f"steady state, async (lag {a['max_policy_lag']}, {a['in_flight']} in flight"
            f"{reps(a)}) {a['trajectories_per_s']:.1f} traj/s vs the best of {tried} sync "
-           f"settings ({s['in_flight']} in flight, {s['threads']} threads{reps(s)}) "
+           f"settings ({s['in_flight']} in flight, {s['threads']} thread"
+           f"{'s' if s['threads'] != 1 else ''}{reps(s)}) "
            f"{s['trajectories_per_s']:.1f}: **{r['ratio_steady_state']:.2f}x** (per repeat "
            f"{min(per):.2f}-{max(per):.2f}, cap {r['core_limit']:.2f}x); final "
            f"{r['quality_key']} {a['final_quality']:.2f} vs {s['final_quality']:.2f}")
