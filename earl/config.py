@@ -92,7 +92,9 @@ class AlgorithmConfig(LossConfig):
     skipped groups are dropped with a reason (`filtered_groups` in the metrics, `reward_played`
     the mean reward over every episode a step took, skipped ones included). A step skips at most
     `earl.loop.schedule.MAX_FILTERED` groups per group it trains and trains the rest as they
-    come, so a task the policy always fails (or always solves) still makes steps.
+    come, so a task the policy always fails (or always solves) still makes steps. A step's
+    chosen groups hold their places while skipped ones are replaced, so it needs at least two
+    steps' groups out (`max_concurrent_groups`, or `max_policy_lag` >= 1 by default).
     """
 
     name: str = "grpo"
@@ -328,6 +330,13 @@ class RunConfig(Seeded, ProducerSettings):
              "algorithm.filter_groups", "a step takes the next done groups in place of the "
              "skipped ones, which needs partial rollouts: use --partial_rollouts=continue "
              "with it, or set it to false")
+        per_step = self.batch_size // self.group_size
+        need(not self.algorithm.filter_groups or (self.max_concurrent_groups
+                                                  or (self.max_policy_lag + 1) * per_step)
+             >= 2 * per_step, "max_concurrent_groups",
+             f"with algorithm.filter_groups a step's chosen groups hold their places while "
+             f"skipped ones are replaced, so at least two steps' groups must be out: set "
+             f"--max_concurrent_groups={2 * per_step} or more (or max_policy_lag >= 1)")
         need(self.partial_rollouts == "off" or not self.over_sample_groups,
              "partial_rollouts", "over_sample_groups cuts a batch's slowest groups, partial "
              "rollouts carry them over: use --partial_rollouts=off with over_sample_groups")

@@ -339,16 +339,18 @@ class Schedule:
         while len(chosen) < self.groups_per_step:
             g = await self.pool.wait_take()
             if 0 <= g.last_version < b - self.config.max_policy_lag:
-                stale.append(g)
+                dropped, reason = stale, STALE
             elif len(alike) < skip and g.scored_alike:
-                alike.append(g)
+                dropped, reason = alike, NO_SIGNAL
             else:
                 chosen.append(g)
-        for dropped, reason in ((stale, STALE), (alike, NO_SIGNAL)):
-            if ids := [g.group_id for g in dropped if g.result.samples]:
-                await self.training.discard(ids, reason)
-        # dropped groups free their places now, the trained ones once their step is out
-        await self.groups_out.done(len(stale) + len(alike))
+                continue
+            # a dropped group leaves the dock and frees its place at once (the trained ones
+            # once their step is out): the step may need the groups that place lets start
+            dropped.append(g)
+            if g.result.samples:
+                await self.training.discard([g.group_id], reason)
+            await self.groups_out.done(1)
         first = max(min(g.done_at for g in chosen), t0)
         wait = max(max(g.done_at for g in chosen) - first, 0.0)
         res = BatchResult(batch=b, episodes=[e for g in chosen for e in g.result.episodes],

@@ -209,6 +209,16 @@ async def test_groups_that_scored_alike_are_skipped_and_the_next_done_taken() ->
     assert row["reward_played"] < 0.5  # the skipped groups scored 0
 
 
+async def test_a_skipped_group_frees_its_place_before_the_step_is_whole() -> None:
+    # two steps' groups out at most (the least filter_groups allows): the mixed groups a step
+    # needs can only start once the alike ones before them have left
+    cfg = config(steps=6, max_policy_lag=100, max_concurrent_groups=4)
+    cfg.algorithm.filter_groups = True
+    _, train, _ = await asyncio.wait_for(
+        run(cfg, lambda b, g: 0.01, rewards=_mixed_every_third), timeout=20)
+    assert len(train.steps) == 6 and train.alike
+
+
 async def test_a_policy_that_always_scores_alike_still_makes_steps() -> None:
     cfg = config(steps=10, max_policy_lag=100, max_concurrent_groups=12)
     cfg.algorithm.filter_groups = True
@@ -224,6 +234,11 @@ def test_filter_groups_needs_grpo_and_partial_rollouts() -> None:
         AlgorithmConfig(name="ppo", filter_groups=True)
     with pytest.raises(ValueError, match="filter_groups"):
         RunConfig(partial_rollouts="off", algorithm=AlgorithmConfig(filter_groups=True))
+    with pytest.raises(ValueError, match="max_concurrent_groups"):  # one step's groups out
+        RunConfig(max_policy_lag=0, algorithm=AlgorithmConfig(filter_groups=True))
+    with pytest.raises(ValueError, match="max_concurrent_groups"):
+        config(max_concurrent_groups=3, algorithm=AlgorithmConfig(filter_groups=True))
+    assert config(max_policy_lag=1, algorithm=AlgorithmConfig(filter_groups=True))
 
 
 def _done(pool: GroupPool, gid: str, first_version: int) -> None:
