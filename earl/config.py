@@ -85,14 +85,14 @@ class AlgorithmConfig(LossConfig):
     `temperature` (a `LossConfig` field, so the trainer and the reference read this one): the
     rollout's sampling temperature (log-probs are of logits / temperature).
     `filter_groups` (DAPO's dynamic sampling, verl's `algorithm.filter_groups`; "grpo" with
-    partial rollouts): a step skips the done groups whose episodes all scored alike (every
-    advantage zero: they cost the trainer a forward and backward pass and move no policy
-    gradient, nor, with `kl_coef`, anything but the KL term) and takes the next done groups
-    instead, so each step trains `batch_size` samples that all carry a learning signal. The
+    partial rollouts): a step skips a done group whose episodes all scored alike (every
+    advantage zero: it costs the trainer a forward and backward pass and moves no policy
+    gradient, nor, with `kl_coef`, anything but the KL term) while another done group waits to
+    take its place, so more of each step's `batch_size` samples carry a learning signal. The
     skipped groups are dropped with a reason (`filtered_groups` in the metrics, `reward_played`
-    the mean reward over every episode a step took, skipped ones included). A step skips at most
-    `earl.loop.schedule.MAX_FILTERED` groups per group it trains and trains the rest as they
-    come, so a task the policy always fails (or always solves) still makes steps. A step's
+    the mean reward over every episode a step took, skipped ones included). Skipping never
+    makes a step wait (it spends only the rollout's spare capacity: groups that finished while
+    the trainer was busy), so a task the policy always fails still makes steps. A step's
     chosen groups hold their places while skipped ones are replaced, so it needs at least two
     steps' groups out (`max_concurrent_groups`, or `max_policy_lag` >= 1 by default).
     """

@@ -99,9 +99,6 @@ class AsSpawned:
 STALE = "stale: its newest token was over max_policy_lag versions behind its step"
 RUN_ENDED = "the run ended before a step took it"
 NO_SIGNAL = "no signal: its episodes all scored alike (algorithm.filter_groups)"
-# algorithm.filter_groups: groups a step skips at most per group it trains (past that it trains
-# them as they come, so a policy that always fails still makes steps, evals and time checks)
-MAX_FILTERED = 3
 
 
 class NothingToTrain(ValueError):
@@ -330,17 +327,19 @@ class Schedule:
         trains the tokens sampled at `b - max_policy_lag` or later (the trainer masks older ones
         out of the loss: `ActorTraining`); a group with no token that recent is dropped whole.
         With `algorithm.filter_groups`, a group whose episodes all scored alike is dropped too
-        (up to `MAX_FILTERED` per group trained) and the next done group taken instead."""
+        while another done group waits to take its place: skipping never makes a step wait,
+        so it uses only the rollout's spare capacity, and a policy that always fails still
+        makes steps."""
         t0 = time.perf_counter()
         chosen: list[DoneGroup] = []
         stale: list[DoneGroup] = []
         alike: list[DoneGroup] = []
-        skip = MAX_FILTERED * self.groups_per_step if self.config.algorithm.filter_groups else 0
+        skip = self.config.algorithm.filter_groups
         while len(chosen) < self.groups_per_step:
             g = await self.pool.wait_take()
             if 0 <= g.last_version < b - self.config.max_policy_lag:
                 dropped, reason = stale, STALE
-            elif len(alike) < skip and g.scored_alike:
+            elif skip and self.pool.size() and g.scored_alike:
                 dropped, reason = alike, NO_SIGNAL
             else:
                 chosen.append(g)
