@@ -87,12 +87,14 @@ class AlgorithmConfig(LossConfig):
     `filter_groups` (DAPO's dynamic sampling, verl's `algorithm.filter_groups`; "grpo" with
     partial rollouts): a step skips a done group whose episodes all scored alike (every
     advantage zero: it costs the trainer a forward and backward pass and moves no policy
-    gradient, nor, with `kl_coef`, anything but the KL term) while another done group waits to
-    take its place, so more of each step's `batch_size` samples carry a learning signal. The
+    gradient, nor, with `kl_coef`, anything but the KL term) while the done groups left still
+    cover what the step needs, so more of each step's `batch_size` samples carry a learning
+    signal. The
     skipped groups are dropped with a reason (`filtered_groups` in the metrics, `reward_played`
     the mean reward over every episode a step took, skipped ones included). Skipping never
-    makes a step wait (it spends only the rollout's spare capacity: groups that finished while
-    the trainer was busy), so a task the policy always fails still makes steps. A step's
+    makes a step wait (it spends only the rollout's surplus: groups that finished while the
+    trainer was busy, beyond the step's), so a task the policy always fails still makes steps.
+    A step's
     chosen groups hold their places while skipped ones are replaced, so it needs at least two
     steps' groups out (`max_concurrent_groups`, or `max_policy_lag` >= 1 by default).
     """

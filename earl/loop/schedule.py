@@ -327,9 +327,9 @@ class Schedule:
         trains the tokens sampled at `b - max_policy_lag` or later (the trainer masks older ones
         out of the loss: `ActorTraining`); a group with no token that recent is dropped whole.
         With `algorithm.filter_groups`, a group whose episodes all scored alike is dropped too
-        while another done group waits to take its place: skipping never makes a step wait,
-        so it uses only the rollout's spare capacity, and a policy that always fails still
-        makes steps."""
+        while the done groups left still cover what the step needs: skipping never makes a step
+        wait (it spends only the rollout's surplus), and a policy that always fails still makes
+        steps."""
         t0 = time.perf_counter()
         chosen: list[DoneGroup] = []
         stale: list[DoneGroup] = []
@@ -339,7 +339,8 @@ class Schedule:
             g = await self.pool.wait_take()
             if 0 <= g.last_version < b - self.config.max_policy_lag:
                 dropped, reason = stale, STALE
-            elif skip and self.pool.size() and g.scored_alike:
+            elif (skip and g.scored_alike
+                  and self.pool.size() >= self.groups_per_step - len(chosen)):
                 dropped, reason = alike, NO_SIGNAL
             else:
                 chosen.append(g)
