@@ -85,18 +85,11 @@ class AlgorithmConfig(LossConfig):
     `temperature` (a `LossConfig` field, so the trainer and the reference read this one): the
     rollout's sampling temperature (log-probs are of logits / temperature).
     `filter_groups` (DAPO's dynamic sampling, verl's `algorithm.filter_groups`; "grpo" with
-    partial rollouts): a step skips a done group whose episodes all scored alike (every
-    advantage zero: it costs the trainer a forward and backward pass and moves no policy
-    gradient, nor, with `kl_coef`, anything but the KL term) while the done groups left still
-    cover what the step needs, so more of each step's `batch_size` samples carry a learning
-    signal. The
-    skipped groups are dropped with a reason (`filtered_groups` in the metrics, `reward_played`
-    the mean reward over every episode a step took, skipped ones included). Skipping never
-    makes a step wait (it spends only the rollout's surplus: groups that finished while the
-    trainer was busy, beyond the step's), so a task the policy always fails still makes steps.
-    A step's
-    chosen groups hold their places while skipped ones are replaced, so it needs at least two
-    steps' groups out (`max_concurrent_groups`, or `max_policy_lag` >= 1 by default).
+    partial rollouts): a step skips a done group whose episodes all scored alike (zero
+    advantages: trainer compute for no policy gradient) while the done groups left still cover
+    the step, so a skip never makes it wait; skipped groups are dropped with a reason
+    (`filtered_groups`, `reward_played` in the metrics). Chosen groups hold their places while
+    skipped ones are replaced, so at least two steps' groups must be out (`groups_out`).
     """
 
     name: str = "grpo"
@@ -298,6 +291,13 @@ class RunConfig(Seeded, ProducerSettings):
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     selector: SelectorConfig = field(default_factory=SelectorConfig)
 
+    @property
+    def groups_out(self) -> int:
+        """Groups partial rollouts may have out at once: `max_concurrent_groups`, or 0 ->
+        `max_policy_lag + 1` steps' worth."""
+        return self.max_concurrent_groups or \
+            (self.max_policy_lag + 1) * (self.batch_size // self.group_size)
+
     def __post_init__(self) -> None:
         ProducerSettings.__post_init__(self)
         need(not self.agent or bool(self.tasks), "tasks",
@@ -333,9 +333,8 @@ class RunConfig(Seeded, ProducerSettings):
              "skipped ones, which needs partial rollouts: use --partial_rollouts=continue "
              "with it, or set it to false")
         per_step = self.batch_size // self.group_size
-        need(not self.algorithm.filter_groups or (self.max_concurrent_groups
-                                                  or (self.max_policy_lag + 1) * per_step)
-             >= 2 * per_step, "max_concurrent_groups",
+        need(not self.algorithm.filter_groups or self.groups_out >= 2 * per_step,
+             "max_concurrent_groups",
              f"with algorithm.filter_groups a step's chosen groups hold their places while "
              f"skipped ones are replaced, so at least two steps' groups must be out: set "
              f"--max_concurrent_groups={2 * per_step} or more (or max_policy_lag >= 1)")

@@ -201,8 +201,7 @@ class Schedule:
         self.selection = selection or AsSpawned()
         self.partial = config.partial_rollouts != "off"
         self.pool = GroupPool()  # partial rollouts: groups done, not yet trained
-        self.groups_out = GroupGate(config.max_concurrent_groups
-                                    or (config.max_policy_lag + 1) * self.groups_per_step)
+        self.groups_out = GroupGate(config.groups_out)
         self._began: dict[int, float] = {}  # batch -> when its play began
         # the run ends with `Stalled` (a rewind heals it) when no step or healing event comes
         # for its limit, naming what it waits for (None: a watchdog that never fires)

@@ -99,8 +99,7 @@ class DockIndex(Stage):
         capacity = (cfg.max_policy_lag + 2) * per_batch
         if cfg.partial_rollouts != "off":  # the groups out, one step's more, each with its
             per_step = cfg.batch_size // cfg.group_size  # own self-imitation rows
-            out = cfg.max_concurrent_groups or (cfg.max_policy_lag + 1) * per_step
-            capacity = (out + per_step) * (cfg.group_size + cfg.algorithm.self_imitation)
+            capacity = (cfg.groups_out + per_step) * (cfg.group_size + cfg.algorithm.self_imitation)
         # one index rank per producer: each owns the groups whose ids hash to it, so
         # registrations spread; a step's lease is merged from them (`Dock.take`). The
         # staleness gate bounds what is in flight, so each rank may hold all of it.
