@@ -11,8 +11,9 @@ task uses; the step wordings are shared vocabulary. Training tasks take one to t
 held-out ones two or three: a one-step task ties one wording to one operation, so its groups
 disagree more often and carry more signal.
 
-RL settings (docs/results.md, "A multi-step tool task with headroom"): groups of 4, 16 a step;
-a KL anchor to the warm start (`kl_coef` 0.05; without it the policy drifted within 6-10 steps
+RL settings (docs/results.md, "A multi-step tool task with headroom"): groups of 4, 16 a step,
+64 out (the one-thread rollout then keeps a surplus of done groups for `filter_groups` to skip
+from; with 8 a step it had none); a KL anchor to the warm start (`kl_coef` 0.05; without it the policy drifted within 6-10 steps
 at lr 1e-4 to 3e-4); `filter_groups`, since the warm start leaves the policy nearly deterministic
 (0.03-0.06 nats a token) and most groups score alike.
 
