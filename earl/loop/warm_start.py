@@ -5,6 +5,10 @@ JSONL file), a short-lived `Learner` actor trains the base model on the assistan
 `lora`, adapters merged into the weights it writes); otherwise the base model is copied. The
 result is the policy the rollout starts from and the KL anchor of the reference.
 
+The warm start runs before any other actor of the run exists, so its `Learner` takes every core
+this process may use (`placement.threads` is each actor's share once rollout and trainer run
+side by side).
+
 `warm_start.data`'s lines are `{"messages": [{"role": ..., "content": ...}, ...]}`, with an
 optional `"tools": [...]` (function schemas, as in OpenAI's fine-tuning files) rendered into
 the first prompt as a rollout's are. Each transcript is tokenized exactly as a rollout would
@@ -17,6 +21,7 @@ the exact text the model should generate, tool calls included (e.g.
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from typing import TYPE_CHECKING
@@ -29,7 +34,13 @@ from earl.recipe import load_jsonl
 if TYPE_CHECKING:
     from earl.loop.job import Job
 
-__all__ = ["transcript_targets", "warm_start"]
+__all__ = ["transcript_targets", "warm_start", "warm_start_threads"]
+
+
+def warm_start_threads(per_actor: int) -> int:
+    """Torch threads of the warm start's `Learner`: every core this process may use (no other
+    actor is alive yet), at least `per_actor`."""
+    return max(per_actor, len(os.sched_getaffinity(0)))
 
 
 async def warm_start(job: Job, base: str) -> None:
@@ -54,7 +65,8 @@ async def warm_start(job: Job, base: str) -> None:
             ids, tgts = await source(codec, max(4 * w.batch_size, 512), cfg.seed)
         # the Learner runs on CPU, also in a CUDA run: placement.dtype "auto" is float32 there
         learner = await job.rt.spawn("warmstart", Learner, base, seed=cfg.seed,
-                                     threads=cfg.placement.threads, lora=cfg.lora,
+                                     threads=warm_start_threads(cfg.placement.threads),
+                                     lora=cfg.lora,
                                      dtype=cfg.placement.compute_dtype("cpu"),
                                      shared_prefix=cfg.placement.shared_prefix, env=job.env)
         losses = await learner[0].warm_start.call_one(ids, tgts, w.steps, w.batch_size, w.lr)

@@ -49,3 +49,15 @@ def test_transcript_tools_must_be_schemas(tmp_path: Path) -> None:
         {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}) + "\n")
     with pytest.raises(ValueError, match='sample 1: "tools" must be a list'):
         transcript_targets(ChatCodec(build_tokenizer()), str(f))
+
+
+def test_the_warm_start_takes_every_core_this_process_may_use() -> None:
+    """No other actor is alive during the warm start: its Learner gets the process's cores, and
+    never fewer threads than each actor's share."""
+    import os
+
+    from earl.loop.warm_start import warm_start_threads
+
+    cores = len(os.sched_getaffinity(0))
+    assert warm_start_threads(1) == cores
+    assert warm_start_threads(cores + 3) == cores + 3
