@@ -29,6 +29,10 @@ transcripts.
    The arm chooses TRL's own speed options: `gradient_checkpointing`, and `generation`
    "transformers" (plain `generate`), "continuous_batching"
    (`use_transformers_continuous_batching`) or "vllm_colocate" (`use_vllm`, colocate mode).
+   With ``"start": DIR`` the run begins from that warm-started folder instead (the harness's
+   speed screen: every arm from one warm start); ``"warm_start_only": true`` writes
+   `<out>/start` and stops there; ``"whole_generations": true`` stops at the budget only
+   where a generation's optimizer steps are all done (a screen's rate then covers whole cycles).
 3. Snapshots: the adapter is saved after every optimizer step (and once before the first);
    for each evaluation point the snapshot in force then (the last saved at or before it) is
    kept, the others deleted. The run stops at the first step end once the process is
@@ -180,13 +184,21 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     tok = AutoTokenizer.from_pretrained(base)
     codec = ChatCodec(tok)
     max_tokens = run.max_tokens or recipe.max_tokens
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     t_ws = time.perf_counter()
-    model, ws_losses = warm_start(model, run, recipe, codec)
+    if cfg.get("start"):  # a warm start written before (a speed screen's shared one)
+        start = Path(cfg["start"])
+        model = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
+        ws_losses: list[float] = []
+    else:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        model, ws_losses = warm_start(model, run, recipe, codec)
+        start = out / "start"
+        model.save_pretrained(start)
+        copy_tokenizer(base, start)
     ws_s = time.perf_counter() - t_ws
-    start = out / "start"
-    model.save_pretrained(start)
-    copy_tokenizer(base, start)
+    if cfg.get("warm_start_only"):
+        return {"start": str(start), "warm_start_s": round(ws_s, 1),
+                "warm_start_loss": ws_losses}
     saved: list[tuple[float, str]] = [(_age(), "start")]
     snaps = out / "snapshots"
     points: list[float] = [float(t) for t in cfg["points"]]
@@ -200,6 +212,7 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental
     steps: list[dict[str, float]] = []
     last: dict[str, float] = {}
+    per_generation = run.max_policy_lag + 1  # optimizer steps one generation feeds
 
     def snapshot(model: Any, name: str) -> None:
         """Save the adapter as `name`; keep only what some passed point needs, and the latest."""
@@ -229,7 +242,8 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None,
                         **kw: Any) -> None:
             snapshot(model, f"s{state.global_step}")
-            if _age() >= cfg["seconds"]:
+            whole = not cfg.get("whole_generations") or state.global_step % per_generation == 0
+            if _age() >= cfg["seconds"] and whole:
                 control.should_training_stop = True
 
     trainer = GRPOTrainer(model=model, reward_funcs=rr.episode_reward,
@@ -237,14 +251,15 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
                           processing_class=tok, callbacks=[Clock()], peft_config=_lora(run),
                           rollout_func=rr.rollout_func(recipe.agent, tasks, codec, config,
                                                        rollouts))
-    t_loop = time.perf_counter()
+    t_loop, loop_start_s = time.perf_counter(), _age()
     trainer.train()
     return {"steps": steps, "saved": saved,
             "points": [{"t_s": t, "policy": policy_at(saved, t)} for t in points],
             "rollouts": rollouts, "wall_s": round(_age(), 1),
-            "loop_s": round(time.perf_counter() - t_loop, 1), "warm_start_s": round(ws_s, 1),
+            "loop_s": round(time.perf_counter() - t_loop, 1),
+            "loop_start_s": round(loop_start_s, 2), "warm_start_s": round(ws_s, 1),
             "warm_start_loss": ws_losses, "batch_size": run.batch_size,
-            "group_size": run.group_size, "optimizer_steps_per_generation": run.max_policy_lag + 1,
+            "group_size": run.group_size, "optimizer_steps_per_generation": per_generation,
             "micro_batch": trainer.args.per_device_train_batch_size,
             "bf16": run.placement.dtype == "bfloat16", "max_tokens": max_tokens}
 

@@ -2,7 +2,8 @@
 LoRA, task, reward, group size and wall-clock budget; held-out accuracy against wall clock.
 
     earl bench race_chain --json --save      # the race: 45 min a side, eval every 5 min on
-                                             # 200 tasks, EARL then 4 TRL arms (~4 h here)
+                                             # 200 tasks; TRL's 4 arms screened 10 min each,
+                                             # the fastest races (~2.5 h here)
     earl bench race_chain --json --no-earl --arms gc_off --minutes 2 --eval-every-min 1 \\
         --eval-tasks 8 --warm-start-steps 2 --batch-size 8   # a smoke run (~5 min)
 
@@ -14,7 +15,12 @@ old (start-up and warm start count, `earl train`'s `time_limit_minutes` rule):
   saves cost EARL time) and `--eval_games=2` (its own start and final evals almost nothing:
   this bench evaluates both sides the same way). The bench hard-links each checkpoint's
   trainer files as it appears (`<run>/checkpoint/manifest.json`).
-- TRL, once per arm (`--arms`): `bench/_race_trl.py`, `GRPOTrainer` written as TRL's docs have
+- TRL's speed screen (with several `--arms`, `--screen-minutes` > 0): one warm start, then
+  each arm for `--screen-minutes` of RL from it, to the end of a generation; the arm with the
+  most trajectories trained a second of its loop races, the others are listed with their rates
+  (``trl_screen``). TRL's speed options change no step's arithmetic, only its speed, so at
+  equal wall clock the fastest arm is TRL's best; the screen keeps the race to one session.
+- TRL, once per racing arm: `bench/_race_trl.py`, `GRPOTrainer` written as TRL's docs have
   it with the recipe's agent in an episode-paced `rollout_func`, after the same warm start; the
   settings come from EARL's recipe config, not copies. Arms are TRL's own speed options:
   ``gc_off`` and ``gc_on`` (gradient checkpointing; TRL's default is on), ``continuous_batching``
@@ -30,7 +36,7 @@ Evaluation: at every `--eval-every-min` minutes of process age and at the budget
 policy in force on each side (the last snapshot saved at or before that moment: EARL's last
 checkpoint, TRL's adapter after its last step; before any, the warm start's output, before that
 the base model) is exported as an HF folder (`bench/_race_export.py`) and evaluated afterwards
-by one evaluator, `earl eval --recipe chain_smollm2 --eval_games=N` (vLLM, greedy, the recipe's
+(`--eval-parallel` at a time, one vLLM thread each) by one evaluator, `earl eval --recipe chain_smollm2 --eval_games=N` (vLLM, greedy, the recipe's
 held-out tasks `ChainTasks("eval", seed=0)`, the recipe's agent and scoring): the same tasks and
 rules for both sides, none of it on either side's clock.
 
@@ -197,21 +203,60 @@ def run_earl(work: Path, a: argparse.Namespace, points: list[float], overrides: 
 
 
 def run_trl(work: Path, a: argparse.Namespace, arm: str, points: list[float],
-            overrides: list[str]) -> dict[str, Any]:
-    """One TRL arm in its own process (`bench/_race_trl.py`)."""
-    out = work / f"trl_{arm}"
-    cfg = {"out": str(out), "seconds": a.minutes * 60, "points": points, "arm": ARMS[arm],
-           "threads": a.trl_threads, "micro_batch": a.trl_micro_batch, "overrides": overrides}
+            overrides: list[str], *, seconds: float | None = None, tag: str = "",
+            **extra: Any) -> dict[str, Any]:
+    """One TRL arm in its own process (`bench/_race_trl.py`) for `seconds` (the race's budget
+    by default), in `<work>/trl_<tag or arm>`; `extra` goes into its config (a screen's
+    ``start`` and ``whole_generations``)."""
+    name = f"trl_{tag or arm}"
+    budget = a.minutes * 60 if seconds is None else seconds
+    cfg = {"out": str(work / name), "seconds": budget, "points": points, "arm": ARMS[arm],
+           "threads": a.trl_threads, "micro_batch": a.trl_micro_batch, "overrides": overrides,
+           **extra}
     tree = run_tree([sys.executable, str(HERE / "_race_trl.py"), json.dumps(cfg)],
-                    _env(a.trl_threads), a.minutes * 60 + SLACK_S, work / f"trl_{arm}.log")
+                    _env(a.trl_threads), budget + SLACK_S, work / f"{name}.log")
     lines = tree.stdout.strip().splitlines()
     if tree.rc != 0 or not lines:
         return {"error": f"exited {tree.rc}: {_last_error(tree.stderr)}", "tree": tree}
     res = json.loads(lines[-1])
+    if "steps" not in res:  # a warm start alone
+        return {"trl": res, "tree": tree}
     steps = [{"step": s["step"], "wall_s": s["wall_s"], "trajectories": float(res["batch_size"]),
               "tokens": s["gen_len"] * res["batch_size"], "reward": s["reward"]}
              for s in res["steps"]]
     return {"tree": tree, "steps": steps, "points": res["points"], "trl": res}
+
+
+def screen(work: Path, a: argparse.Namespace, arms: list[str], overrides: list[str]
+           ) -> tuple[str | None, dict[str, Any]]:
+    """TRL's speed options tried in this run: one warm start, then each arm for
+    `--screen-minutes` of RL from it (whole generations). Returns the arm with the most
+    trajectories trained a second of its loop, and every arm's figures (or its error)."""
+    ws = run_trl(work, a, arms[0], [], overrides, tag="screen_start", warm_start_only=True)
+    if "error" in ws:
+        return None, {"warm_start": {"error": ws["error"]}}
+    start = ws["trl"]["start"]
+    out: dict[str, Any] = {"warm_start_s": ws["trl"]["warm_start_s"]}
+    for arm in arms:
+        print(f"[race] screen trl {arm}", file=sys.stderr, flush=True)
+        r = run_trl(work, a, arm, [], overrides, seconds=a.screen_minutes * 60,
+                    tag=f"screen_{arm}", start=start, whole_generations=True)
+        out[arm] = {"error": r["error"]} if "error" in r else screen_rate(r["trl"])
+    rated = {k: v["trajectories_per_s"] for k, v in out.items()
+             if isinstance(v, dict) and v.get("trajectories_per_s")}
+    return (max(rated, key=rated.__getitem__) if rated else None), out
+
+
+def screen_rate(trl: dict[str, Any]) -> dict[str, Any]:
+    """A screened arm's trajectories trained a second, from its loop's start (first generation
+    included) to its last optimizer step's end."""
+    steps = trl["steps"]
+    if not steps:
+        return {"steps": 0, "trajectories_per_s": None}
+    span = steps[-1]["wall_s"] - trl["loop_start_s"]
+    n = len(steps) * trl["batch_size"]
+    return {"steps": len(steps), "trajectories": n, "loop_s": round(span, 1),
+            "trajectories_per_s": round(n / span, 4) if span > 0 else None}
 
 
 def _last_error(stderr: str) -> str:
@@ -249,10 +294,11 @@ def rates(steps: list[dict[str, float]], tree: Tree) -> dict[str, Any]:
     return out
 
 
-def evaluate(folder: Path, n: int, work: Path) -> dict[str, float]:
-    """`earl eval FOLDER --recipe chain_smollm2` on the first `n` held-out tasks (greedy)."""
+def evaluate(folder: Path, n: int, out: Path) -> dict[str, float]:
+    """`earl eval FOLDER --recipe chain_smollm2` on the first `n` held-out tasks (greedy), its
+    files in `out`."""
     cmd = [sys.executable, "-m", "earl.cli", "eval", str(folder), "--recipe", "chain_smollm2",
-           f"--eval_games={n}", "--json", "--output-dir", str(work / "eval")]
+           f"--eval_games={n}", "--json", "--output-dir", str(out)]
     p = subprocess.run(cmd, check=False, capture_output=True, text=True, env={**os.environ,
                        "HF_HUB_OFFLINE": "1"}, cwd=str(HERE.parent), timeout=3600)
     if p.returncode != 0:
@@ -261,43 +307,56 @@ def evaluate(folder: Path, n: int, work: Path) -> dict[str, float]:
     return {k: round(float(v), 4) for k, v in ev.items()}
 
 
-def curve(side: str, res: dict[str, Any], work: Path, base: Path, n: int
-          ) -> list[dict[str, Any]]:
-    """Each point's policy exported and evaluated (each distinct policy once)."""
-    done: dict[str | None, dict[str, float]] = {}
-    rows = []
-    for p in res["points"]:
-        name = p["policy"]
-        if name not in done:
-            t0 = time.perf_counter()
-            if name is None:
-                folder, tmp = base, None
-            elif side == "earl" and name == "start":
-                folder, tmp = work / "earl" / "weights_start", None
-            elif side == "earl":
-                tmp = folder = _race_export.earl_to_hf(work / "earl", work / "earl_snaps" / name,
-                                                       work / "export")
-            elif name == "start":
-                folder, tmp = work / f"trl_{side}" / "start", None
-            else:
-                out = work / f"trl_{side}"
-                tmp = folder = _race_export.trl_to_hf(out / "start", out / "snapshots" / name,
-                                                      work / "export")
-            done[name] = {**evaluate(folder, n, work),
-                          "eval_s": round(time.perf_counter() - t0, 1)}
+Key = tuple[str, str | None]  # (side, policy name; None: the base model)
+
+
+def policy_folder(key: Key, work: Path, base: Path) -> tuple[Path, Path | None]:
+    """The HF folder of a side's policy, exported when it is a snapshot: (folder, the export
+    to delete after its evaluation, or None)."""
+    side, name = key
+    if name is None:
+        return base, None
+    out = work / ("earl" if side == "earl" else f"trl_{side}")
+    if name == "start":
+        return out / ("weights_start" if side == "earl" else "start"), None
+    export = work / "export" / f"{side}-{name}"
+    if side == "earl":
+        return _race_export.earl_to_hf(out, work / "earl_snaps" / name, export), export
+    return _race_export.trl_to_hf(out / "start", out / "snapshots" / name, export), export
+
+
+def evaluate_policies(keys: list[Key], work: Path, base: Path, n: int, parallel: int
+                      ) -> dict[Key, dict[str, float]]:
+    """Every distinct policy of `keys` evaluated once, `parallel` evaluators at a time (one
+    vLLM thread each; the exports one at a time)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    lock = threading.Lock()
+
+    def one(key: Key) -> dict[str, float]:
+        t0 = time.perf_counter()
+        with lock:
+            folder, tmp = policy_folder(key, work, base)
+        try:
+            ev = evaluate(folder, n, work / "eval" / f"{key[0]}-{key[1]}")
+        finally:
             if tmp is not None:
-                shutil.rmtree(tmp)
-            print(f"[race] {side} {name}: accuracy {done[name]['accuracy']:.3f}",
-                  file=sys.stderr, flush=True)
-        rows.append({"t_s": p["t_s"], "policy": name, **done[name]})
-    return rows
+                shutil.rmtree(tmp, ignore_errors=True)
+        print(f"[race] {key[0]} {key[1]}: accuracy {ev['accuracy']:.3f}", file=sys.stderr,
+              flush=True)
+        return {**ev, "eval_s": round(time.perf_counter() - t0, 1)}
+
+    distinct = list(dict.fromkeys(keys))
+    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
+        return dict(zip(distinct, pool.map(one, distinct), strict=True))
 
 
-def summary(side: str, res: dict[str, Any], work: Path, base: Path, a: argparse.Namespace
-            ) -> dict[str, Any]:
+def summary(side: str, res: dict[str, Any], evals: dict[Key, dict[str, float]],
+            a: argparse.Namespace) -> dict[str, Any]:
     if "steps" not in res:
         return {"error": res["error"]}
-    c = curve(side, res, work, base, a.eval_tasks)
+    c = [{"t_s": p["t_s"], "policy": p["policy"], **evals[(side, p["policy"])]}
+         for p in res["points"]]
     acc = [(r["t_s"], r["accuracy"]) for r in c]
     out = {"curve": c, "time_to_threshold_s": time_to(acc, a.threshold),
            **rates(res["steps"], res["tree"])}
@@ -329,6 +388,12 @@ def main() -> None:
                     help=f"TRL arms, comma-separated, of {', '.join(ARMS)}; empty: none")
     ap.add_argument("--earl", action=argparse.BooleanOptionalAction, default=True,
                     help="run EARL's side")
+    ap.add_argument("--screen-minutes", type=float, default=10.0,
+                    help="with several --arms: each first runs this long from one shared warm "
+                         "start, and only the fastest (trajectories trained a second) races; "
+                         "0: every arm races the full budget")
+    ap.add_argument("--eval-parallel", type=int, default=os.cpu_count() or 1,
+                    help="evaluators run at a time after the race (one vLLM thread each)")
     ap.add_argument("--trl-threads", type=int, default=2, help="TRL's torch threads")
     ap.add_argument("--trl-micro-batch", type=int, default=16,
                     help="TRL's per_device_train_batch_size: a step's batch is trained in pieces "
@@ -360,16 +425,24 @@ def main() -> None:
         work = Path(a.keep or tmp)
         work.mkdir(parents=True, exist_ok=True)
         results: dict[str, dict[str, Any]] = {}
+        screened: dict[str, Any] | None = None
+        if a.screen_minutes > 0 and len(arms) > 1:
+            best, screened = screen(work, a, arms, overrides)
+            arms = [best] if best else []
         if a.earl:
             print("[race] earl", file=sys.stderr, flush=True)
             results["earl"] = run_earl(work, a, points, overrides)
         for arm in arms:
             print(f"[race] trl {arm}", file=sys.stderr, flush=True)
             results[arm] = run_trl(work, a, arm, points, overrides)
-        sides = {k: summary(k, v, work, base, a) for k, v in results.items()}
+        keys = [(k, p["policy"]) for k, v in results.items() if "points" in v
+                for p in v["points"]]
+        evals = evaluate_policies(keys, work, base, a.eval_tasks, a.eval_parallel)
+        sides = {k: summary(k, v, evals, a) for k, v in results.items()}
     trl = {k: v for k, v in sides.items() if k != "earl"}
     e = sides.get("earl", {})
-    out = {"earl": e or None, "trl": trl,
+    out = {"earl": e or None, "trl": trl, "trl_screen": screened,
+           "screen_minutes": a.screen_minutes if screened is not None else 0,
            **verdict([(r["t_s"], r["accuracy"]) for r in e.get("curve", [])],
                      {k: [(r["t_s"], r["accuracy"]) for r in v["curve"]]
                       for k, v in trl.items() if "curve" in v}),

@@ -144,3 +144,13 @@ def test_peers_per_cpu_second_shares_the_window_of_its_rate() -> None:
     assert s["trajectories_per_s"] == 32.0 and s["cpu_s"] == 20.0 and s["cores_used"] == 2.0
     assert s["trajectories_per_cpu_s"] == 16.0  # 10 steps x 32 over 20 CPU-s, not start-up's
     assert s["trajectories_per_cpu_s_whole_run"] == 3.52  # 11 x 32 / 100
+
+
+def test_a_screened_arm_is_rated_from_its_loop_start_to_its_last_step() -> None:
+    from race_chain import screen_rate
+
+    trl = {"loop_start_s": 100.0, "batch_size": 64,
+           "steps": [{"step": 1, "wall_s": 400.0}, {"step": 2, "wall_s": 500.0}]}
+    r = screen_rate(trl)  # the first generation's time counts: 128 trajectories in 400 s
+    assert r["steps"] == 2 and r["trajectories"] == 128 and r["trajectories_per_s"] == 0.32
+    assert screen_rate({**trl, "steps": []})["trajectories_per_s"] is None
