@@ -36,9 +36,10 @@ Evaluation: at every `--eval-every-min` minutes of process age and at the budget
 policy in force on each side (the last snapshot saved at or before that moment: EARL's last
 checkpoint, TRL's adapter after its last step; before any, the warm start's output, before that
 the base model) is exported as an HF folder (`bench/_race_export.py`) and evaluated afterwards
-(`--eval-parallel` at a time, one vLLM thread each) by one evaluator, `earl eval --recipe chain_smollm2 --eval_games=N` (vLLM, greedy, the recipe's
-held-out tasks `ChainTasks("eval", seed=0)`, the recipe's agent and scoring): the same tasks and
-rules for both sides, none of it on either side's clock.
+by one evaluator, `earl eval --recipe chain_smollm2 --eval_games=N` (vLLM, greedy, the
+recipe's held-out tasks `ChainTasks("eval", seed=0)`, the recipe's agent and scoring), run
+`--eval-parallel` at a time with one vLLM thread each: the same tasks and rules for both sides,
+none of it on either side's clock.
 
 Prints one JSON object: per side (``earl``, and ``trl`` by arm) ``curve`` (``t_s``, ``accuracy``
 and the evaluator's other figures at each point), ``time_to_threshold_s`` (first point at or

@@ -11,13 +11,14 @@ task uses; the step wordings are shared vocabulary. Training tasks take one to t
 held-out ones two or three: a one-step task ties one wording to one operation, so its groups
 disagree more often and carry more signal.
 
-RL settings (docs/results.md, "A multi-step tool task with headroom"): groups of 4, 16 a step,
-64 out (the one-thread rollout then keeps a surplus of done groups for `filter_groups` to skip
-from; with 8 a step it had none); a KL anchor to the warm start (`kl_coef` 0.05; without it the policy drifted within 6-10 steps
-at lr 1e-4 to 3e-4); `filter_groups`, since the warm start leaves the policy nearly deterministic
-(0.03-0.06 nats a token) and most groups score alike; sampling at temperature 1.3 (log-probs of
-logits / 1.3 on every side), so that a wording the policy gets wrong is sometimes got right and
-its group carries a gradient (it learned faster than at temperature 1 in the runs there).
+RL settings (docs/results.md, "A multi-step tool task with headroom"): groups of 4, 16 a step, 64
+out (the one-thread rollout then keeps a surplus of done groups for `filter_groups` to skip from;
+with 8 a step it had none); a KL anchor to the warm start (`kl_coef` 0.05; without it the policy
+drifted within 6-10 steps at lr 1e-4 to 3e-4); `filter_groups`, since the warm start leaves the
+policy nearly deterministic (0.03-0.06 nats a token) and most groups score alike; sampling at
+temperature 1.3 (log-probs of logits / 1.3 on every side), so that a wording the policy gets wrong
+is sometimes got right and its group carries a gradient (it learned faster than at temperature 1 in
+the runs there).
 
 The warm start teaches the tool-call format and chaining only, on problems of another kind:
 scripted transcripts of `earl.envs.chain.SymbolicTasks` ("Start with 54. Then / 2. Next + 29.
@@ -132,8 +133,8 @@ recipe = Recipe(
                       "kl_coef": 0.05, "entropy_coef": 0.0, "filter_groups": True,
                       "temperature": 1.3},
         "optim": {"lr": 1e-4},
-        # 8,192 tokens a micro-batch: at 16,384 (calc_smollm2's) the trainer's logits over ~400-token
-        # samples took 12.8 GB and were OOM-killed beside other work on a 23 GB machine
+        # 8,192 tokens a micro-batch: at 16,384 (calc_smollm2's) the trainer's logits over
+        # ~400-token samples took 12.8 GB and were OOM-killed beside other work on a 23 GB machine
         "placement": {"reference": 0, "dtype": native_dtype(), "shared_prefix": True,
                       "micro_batch_tokens": 8192},
     },
