@@ -18,7 +18,7 @@ old (start-up and warm start count, `earl train`'s `time_limit_minutes` rule):
 - TRL's speed screen (with several `--arms`, `--screen-minutes` > 0): one warm start, then
   each arm for `--screen-minutes` of RL from it, to the end of a generation; the arm with the
   most trajectories trained a second of its loop races, the others are listed with their rates
-  (``trl_screen``). TRL's speed options change no step's arithmetic, only its speed, so at
+  (``trl_screen["arms"]``). TRL's speed options change no step's arithmetic, only its speed, so at
   equal wall clock the fastest arm is TRL's best; the screen keeps the race to one session.
 - TRL, once per racing arm: `bench/_race_trl.py`, `GRPOTrainer` written as TRL's docs have
   it with the recipe's agent in an episode-paced `rollout_func`, after the same warm start; the
@@ -236,16 +236,16 @@ def screen(work: Path, a: argparse.Namespace, arms: list[str], overrides: list[s
     ws = run_trl(work, a, arms[0], [], overrides, tag="screen_start", warm_start_only=True)
     if "error" in ws:
         return None, {"warm_start": {"error": ws["error"]}}
-    start = ws["trl"]["start"]
-    out: dict[str, Any] = {"warm_start_s": ws["trl"]["warm_start_s"]}
+    arm_rates: dict[str, Any] = {}
     for arm in arms:
         print(f"[race] screen trl {arm}", file=sys.stderr, flush=True)
         r = run_trl(work, a, arm, [], overrides, seconds=a.screen_minutes * 60,
-                    tag=f"screen_{arm}", start=start, whole_generations=True)
-        out[arm] = {"error": r["error"]} if "error" in r else screen_rate(r["trl"])
-    rated = {k: v["trajectories_per_s"] for k, v in out.items()
-             if isinstance(v, dict) and v.get("trajectories_per_s")}
-    return (max(rated, key=rated.__getitem__) if rated else None), out
+                    tag=f"screen_{arm}", start=ws["trl"]["start"], whole_generations=True)
+        arm_rates[arm] = {"error": r["error"]} if "error" in r else screen_rate(r["trl"])
+    rated = {k: v["trajectories_per_s"] for k, v in arm_rates.items()
+             if v.get("trajectories_per_s")}
+    best = max(rated, key=rated.__getitem__) if rated else None
+    return best, {"warm_start_s": ws["trl"]["warm_start_s"], "arms": arm_rates}
 
 
 def screen_rate(trl: dict[str, Any]) -> dict[str, Any]:
