@@ -328,8 +328,8 @@ def policy_folder(key: Key, work: Path, base: Path) -> tuple[Path, Path | None]:
 
 def evaluate_policies(keys: list[Key], work: Path, base: Path, n: int, parallel: int
                       ) -> dict[Key, dict[str, float]]:
-    """Every distinct policy of `keys` evaluated once, `parallel` evaluators at a time (one
-    vLLM thread each; the exports one at a time)."""
+    """Every distinct policy of `keys` evaluated once (the base model once for all sides),
+    `parallel` evaluators at a time (one vLLM thread each; the exports one at a time)."""
     from concurrent.futures import ThreadPoolExecutor
 
     lock = threading.Lock()
@@ -347,9 +347,13 @@ def evaluate_policies(keys: list[Key], work: Path, base: Path, n: int, parallel:
               flush=True)
         return {**ev, "eval_s": round(time.perf_counter() - t0, 1)}
 
-    distinct = list(dict.fromkeys(keys))
+    def same(key: Key) -> Key:  # the base model is one policy, whichever side stood on it
+        return ("base", None) if key[1] is None else key
+
+    distinct = list(dict.fromkeys(same(k) for k in keys))
     with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
-        return dict(zip(distinct, pool.map(one, distinct), strict=True))
+        done = dict(zip(distinct, pool.map(one, distinct), strict=True))
+    return {k: done[same(k)] for k in keys}
 
 
 def summary(side: str, res: dict[str, Any], evals: dict[Key, dict[str, float]],

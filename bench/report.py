@@ -242,6 +242,31 @@ def _peers(r: Result) -> str:
     return s
 
 
+def _race_chain(r: Result) -> str:
+    """EARL against TRL's fastest arm on `chain_smollm2`: the curves' ends, the point-by-point
+    verdict, and the rates."""
+    e, trl = r["earl"], r["trl"]
+    arm, t = max(((k, v) for k, v in trl.items() if "curve" in v),
+                 key=lambda kv: kv[1]["curve"][-1]["accuracy"])
+
+    def ends(c: list[dict[str, Any]]) -> str:
+        return f"{c[0]['accuracy']:.3f} at {c[0]['t_s'] / 60:.0f} min -> {c[-1]['accuracy']:.3f}"
+
+    def mins(v: float | None) -> str:
+        return "not reached" if v is None else f"{v / 60:.0f} min"
+
+    reach = r.get("earl_time_to_trl_final_s")
+    return (f"{r['minutes']:.0f} min a side, {r['eval_tasks']} held-out tasks every "
+            f"{r['points_s'][0] / 60:.0f} min: EARL {ends(e['curve'])}, TRL ({arm}) "
+            f"{ends(t['curve'])}; EARL >= TRL at every point after the first: "
+            f"**{'yes' if r['earl_at_least_after_first'] else 'no'}**; EARL reached TRL's final "
+            f"accuracy at {mins(reach)}; time to {r['threshold']}: EARL "
+            f"{mins(e['time_to_threshold_s'])}, TRL {mins(t['time_to_threshold_s'])}; traj/s "
+            f"{e['trajectories_per_s']:.3f} vs {t['trajectories_per_s']:.3f}, tokens/s "
+            f"{e['tokens_per_s']:.0f} vs {t['tokens_per_s']:.0f}, CPU-s per trajectory "
+            f"{e['cpu_s_per_trajectory']:.1f} vs {t['cpu_s_per_trajectory']:.1f}")
+
+
 def _n(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
@@ -398,6 +423,8 @@ ROWS: list[tuple[str, str, Callable[[Result], str]]] = [
     ("driver_memory", "driver memory vs experience (metadata only)", _driver_memory),
     ("async_vs_sync", "async vs sync pipeline, Tic-Tac-Toe", _async),
     ("async_vs_sync_agentic", "async vs sync, agentic (tools that wait)", _async),
+    ("race_chain", ("race: EARL against TRL's GRPOTrainer (fastest of its speed options), "
+     "SmolLM2 on `chain_smollm2`, same warm start, budget and evaluator"), _race_chain),
     ("peers", "peer: TRL at its best (GRPOTrainer or AsyncGRPOTrainer), same agentic task and budget", _peers),
     ("soak", "soak: a live run with a fault drawn every ~5 min (`earl chaos --soak`)", _soak),
     ("chaos_sweep", "fault schedules drawn from seeds (`earl chaos --draw`)", _chaos_sweep),

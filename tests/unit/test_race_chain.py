@@ -154,3 +154,18 @@ def test_a_screened_arm_is_rated_from_its_loop_start_to_its_last_step() -> None:
     r = screen_rate(trl)  # the first generation's time counts: 128 trajectories in 400 s
     assert r["steps"] == 2 and r["trajectories"] == 128 and r["trajectories_per_s"] == 0.32
     assert screen_rate({**trl, "steps": []})["trajectories_per_s"] is None
+
+
+def test_the_base_model_is_evaluated_once_for_every_side(monkeypatch: pytest.MonkeyPatch,
+                                                         tmp_path: Path) -> None:
+    import race_chain
+
+    ran: list[tuple[str, str | None]] = []
+    monkeypatch.setattr(race_chain, "policy_folder",
+                        lambda key, work, base: (tmp_path / f"{key[0]}-{key[1]}", None))
+    monkeypatch.setattr(race_chain, "evaluate",
+                        lambda folder, n, out: ran.append(folder.name) or {"accuracy": 0.25})
+    keys = [("earl", None), ("gc_off", None), ("earl", "start"), ("gc_off", "start")]
+    got = race_chain.evaluate_policies(keys, tmp_path, tmp_path, 8, 2)
+    assert sorted(ran) == ["base-None", "earl-start", "gc_off-start"]  # one base evaluation
+    assert set(got) == set(keys) and got[("gc_off", None)]["accuracy"] == 0.25
