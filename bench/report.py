@@ -246,11 +246,16 @@ def _race_chain(r: Result) -> str:
     """EARL against TRL's fastest arm on `chain_smollm2`: the curves' ends, the point-by-point
     verdict, and the rates."""
     e, trl = r["earl"], r["trl"]
-    arm, t = max(((k, v) for k, v in trl.items() if "curve" in v),
-                 key=lambda kv: kv[1]["curve"][-1]["accuracy"])
 
     def ends(c: list[dict[str, Any]]) -> str:
         return f"{c[0]['accuracy']:.3f} at {c[0]['t_s'] / 60:.0f} min -> {c[-1]['accuracy']:.3f}"
+
+    ran = [(k, v) for k, v in trl.items() if "curve" in v]
+    if not ran:  # every TRL arm failed: EARL's curve, and why TRL has none
+        why = "; ".join(f"{k}: {v['error'].split(':')[0]}" for k, v in trl.items())
+        return (f"{r['minutes']:.0f} min a side, {r['eval_tasks']} held-out tasks: EARL "
+                f"{ends(e['curve'])}; TRL has no curve ({why})")
+    arm, t = max(ran, key=lambda kv: kv[1]["curve"][-1]["accuracy"])
 
     def mins(v: float | None) -> str:
         return "not reached" if v is None else f"{v / 60:.0f} min"

@@ -169,3 +169,11 @@ def test_the_base_model_is_evaluated_once_for_every_side(monkeypatch: pytest.Mon
     got = race_chain.evaluate_policies(keys, tmp_path, tmp_path, 8, 2)
     assert sorted(ran) == ["base-None", "earl-start", "gc_off-start"]  # one base evaluation
     assert set(got) == set(keys) and got[("gc_off", None)]["accuracy"] == 0.25
+
+
+def test_a_killed_side_names_the_signal_and_its_peak_memory() -> None:
+    from race_chain import Tree, exit_reason
+
+    assert exit_reason(Tree(rc=1)) == "exited 1"
+    why = exit_reason(Tree(rc=-9, peak_rss_mb=23456.0))
+    assert why.startswith("killed by SIGKILL") and "23,456 MiB" in why
