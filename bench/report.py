@@ -428,7 +428,7 @@ ROWS: list[tuple[str, str, Callable[[Result], str]]] = [
     ("driver_memory", "driver memory vs experience (metadata only)", _driver_memory),
     ("async_vs_sync", "async vs sync pipeline, Tic-Tac-Toe", _async),
     ("async_vs_sync_agentic", "async vs sync, agentic (tools that wait)", _async),
-    ("race_chain", ("race: EARL against TRL's GRPOTrainer (fastest of its speed options), "
+    ("race_chain", ("race: EARL against TRL's GRPOTrainer (the arm it raced named), "
      "SmolLM2 on `chain_smollm2`, same warm start, budget and evaluator"), _race_chain),
     ("peers", "peer: TRL at its best (GRPOTrainer or AsyncGRPOTrainer), same agentic task and budget", _peers),
     ("soak", "soak: a live run with a fault drawn every ~5 min (`earl chaos --soak`)", _soak),

@@ -127,3 +127,17 @@ def test_a_runs_command_counts_its_records_in_the_table() -> None:
     cmd = "earl bench selector --runs a/x.result.json a/y.result.json --json"
     assert report._command(cmd) == "earl bench selector --runs <2 run records> --json"
     assert report._command("earl bench selector --json") == "earl bench selector --json"
+
+
+def test_the_race_row_renders_a_race_and_one_whose_trl_side_failed() -> None:
+    failed = json.loads((BENCH / "results/race_chain/race_chain-2026-12-01-trl-oom.json")
+                        .read_text())["result"]
+    assert "TRL has no curve (gc_off: exited -9)" in report._race_chain(failed)
+    curve = [{"t_s": 450.0, "accuracy": 0.1}, {"t_s": 900.0, "accuracy": 0.2}]
+    side = {"curve": curve, "time_to_threshold_s": 900.0, "trajectories_per_s": 0.7,
+            "tokens_per_s": 19.0, "cpu_s_per_trajectory": 3.5}
+    race = {**failed, "earl": side, "trl": {"gc_on": {**side, "time_to_threshold_s": None}},
+            "earl_at_least_after_first": True, "earl_time_to_trl_final_s": 900.0}
+    row = report._race_chain(race)
+    assert "EARL 0.100 at 8 min -> 0.200, TRL (gc_on) 0.100" in row and "**yes**" in row
+    assert "time to 0.3: EARL 15 min, TRL not reached" in row
