@@ -160,7 +160,7 @@ def test_the_base_model_is_evaluated_once_for_every_side(monkeypatch: pytest.Mon
                                                          tmp_path: Path) -> None:
     import race_chain
 
-    ran: list[tuple[str, str | None]] = []
+    ran: list[str] = []  # the folders evaluated
     monkeypatch.setattr(race_chain, "policy_folder",
                         lambda key, work, base: (tmp_path / f"{key[0]}-{key[1]}", None))
     monkeypatch.setattr(race_chain, "evaluate",
